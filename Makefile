@@ -1,0 +1,31 @@
+# Two commands are the whole set-up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv and installs what it needs when missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# On a CPU machine this pins the local CPU build; a GPU/NPU user with torch already in the
+# venv keeps theirs (torch is installed only when `import torch` fails).
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.ldt-installed
+
+.PHONY: demo test bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ldt-train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.run_all $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,0 +1,167 @@
+"""Typed configs behind the Hydra YAML in ``conf/``.
+
+The YAML files are the public interface (see DESIGN.md); these dataclasses give every key a type
+and a docstring, so a typo in a key is an error and not a silent default. Hydra merges the YAML
+onto these schemas (registered in the ConfigStore by :func:`register_configs`).
+
+Checks that need only one config group live in ``__post_init__``; checks that need several
+(world size, heads divisible by TP, layout vs layer count) live in :mod:`ldt.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+DEVICE_TYPES = ("cuda", "npu", "cpu")
+
+
+class ConfigError(ValueError):
+    """A config that cannot work. The message names the field, the value and the fix."""
+
+
+@dataclass
+class StageConfig:
+    name: str = MISSING
+    """Human name of the stage, e.g. ``edge`` or ``cloud0``; shown in the rank map and errors."""
+    device: str = "cpu"
+    """Device type of every rank of this stage: ``cuda``, ``npu`` or ``cpu``."""
+    tp: int = 1
+    """Tensor-parallel size of this stage (VTP: each stage has its own)."""
+
+
+@dataclass
+class ClusterConfig:
+    stages: List[StageConfig] = MISSING
+    """Pipeline order, one entry per stage."""
+    u_shape: bool = False
+    """Stage 0 also runs the end chunk (last layers, final norm, head, loss): edge-cloud split."""
+    layout: Optional[str] = None
+    """Megatron layout string (``E``, ``t``, ``L``, ``|``, ``*n``); None splits layers evenly."""
+    dp: int = 1
+    """Data-parallel replicas of the whole pipeline."""
+    host_staging: str = "auto"
+    """Boundary transport: ``auto`` (host-staged gloo only where device types differ) or
+    ``always`` (force copy-to-host + gloo on every boundary; used to test that path on CPU)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    ffn_hidden_size: Optional[int] = None
+    """Defaults to 4 * hidden_size."""
+    num_query_groups: Optional[int] = None
+    """GQA groups; None means plain multi-head attention."""
+    vocab_size: int = 256
+    seq_length: int = 64
+    max_position_embeddings: Optional[int] = None
+    """Defaults to seq_length."""
+    params_dtype: str = "float32"
+    """``float32``, ``bfloat16`` or ``float16``; also the dtype of tensors at stage boundaries."""
+    tie_embeddings: bool = False
+    """Share input embedding and output head (only where both sit on one stage, e.g. U-shape)."""
+
+    def __post_init__(self) -> None:
+        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"model.params_dtype={self.params_dtype!r} is not supported; "
+                "use float32, bfloat16 or float16"
+            )
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run."""
+    micro_batch_size: int = 2
+    num_microbatches: int = 4
+    """Micro-batches per step per data-parallel replica (global batch = dp * m * mbs)."""
+    schedule: str = "auto"
+    """``auto`` (U-shape schedule when u_shape, else 1F1B), ``1f1b`` or ``interleaved``."""
+    virtual_pipeline_size: Optional[int] = None
+    """Chunks per stage for the interleaved schedule (or taken from the layout)."""
+    overlap_p2p_comm: bool = False
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 2
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    verify: bool = False
+    """Also run the same steps in a single-process reference and report the loss difference."""
+    audit_comm: bool = False
+    """Record every tensor crossing a stage boundary to ``comm_audit.jsonl`` in the run folder."""
+    check_finite: Optional[bool] = None
+    """Check received boundary tensors for NaN/Inf; None means on when ``verify`` is on."""
+    save_every: int = 0
+    """Write a checkpoint every N steps (0: never)."""
+    resume: Optional[str] = None
+    """Checkpoint folder to continue from."""
+    comm_timeout_s: float = 60.0
+    """Timeout of every process group ldt creates: a dead rank stops the others after this."""
+    log_interval: int = 1
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = None
+    """A text file to train on; None uses a corpus every machine has (Python's own sources)."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of the corpus."""
+
+
+@dataclass
+class LdtConfig:
+    cluster: ClusterConfig = MISSING
+    model: ModelConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas so Hydra type-checks ``conf/`` (``base_*`` names, see config.yaml)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=LdtConfig)
+    cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="train", name="base_train", node=TrainConfig)
+
+
+def to_cluster(obj: Any) -> ClusterConfig:
+    """A ClusterConfig from a dataclass, a DictConfig or a plain dict (for tests and the API)."""
+    if isinstance(obj, ClusterConfig):
+        return obj
+    merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), _plain(obj))
+    return _typed(merged)
+
+
+def to_model(obj: Any) -> ModelConfig:
+    if isinstance(obj, ModelConfig):
+        return obj
+    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), _plain(obj))
+    return _typed(merged)
+
+
+def load_cluster_yaml(path: str) -> ClusterConfig:
+    """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
+    return to_cluster(OmegaConf.load(path))
+
+
+def _plain(obj: Any) -> Any:
+    if OmegaConf.is_config(obj):
+        return OmegaConf.to_container(obj, resolve=True)
+    return obj
+
+
+def _typed(node: Any) -> Any:
+    try:
+        return OmegaConf.to_object(node)
+    except Exception as exc:  # omegaconf's own errors name the key; keep them, add our type
+        raise ConfigError(str(exc)) from exc

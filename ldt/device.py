@@ -1,0 +1,115 @@
+"""Device layer: what a stage's device type means for torch and for communication.
+
+One place answers three questions: which torch device and process-group backend a stage uses,
+which device types this machine has, and how two neighbouring stage leaders exchange tensors.
+NCCL and HCCL cannot talk to each other, so a boundary between different device types (or over a
+backend without point-to-point) is host-staged: copy to CPU, send over gloo, copy back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable
+
+import torch
+
+from ldt.config import DEVICE_TYPES, ConfigError
+
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+# Backends whose point-to-point send/recv ldt relies on between stage leaders.
+P2P_BACKENDS = frozenset({"nccl", "hccl", "gloo"})
+
+
+class Transport(str, Enum):
+    NATIVE = "native"  # leaders use the stages' own backend
+    HOST_STAGED = "host_staged"  # copy to CPU, gloo, copy back
+
+
+def backend_for(device_type: str) -> str:
+    """The process-group backend that ranks of one device type use among themselves."""
+    try:
+        return BACKENDS[device_type]
+    except KeyError:
+        raise ConfigError(
+            f"device type {device_type!r} is unknown; use one of {', '.join(DEVICE_TYPES)}"
+        ) from None
+
+
+def torch_device(device_type: str, local_rank: int = 0) -> torch.device:
+    """The torch device a rank of this device type computes on."""
+    backend_for(device_type)  # validates the name
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, local_rank)
+
+
+def available_device_types() -> frozenset[str]:
+    """Device types this machine can run: always ``cpu``, plus the accelerator torch sees.
+
+    Uses ``torch.accelerator`` (which knows CUDA and, with torch_npu loaded, NPU) rather than
+    probing vendor libraries by hand. ``LDT_FAKE_DEVICES=cuda,npu`` adds types for planning
+    and for tests of the selection logic on machines without them.
+    """
+    found = {"cpu"}
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        found.add(acc.current_accelerator().type)
+    elif torch.cuda.is_available():
+        found.add("cuda")
+    fake = os.environ.get("LDT_FAKE_DEVICES", "")
+    found.update(x.strip() for x in fake.split(",") if x.strip())
+    return frozenset(found)
+
+
+def local_device_count(device_type: str) -> int:
+    """How many devices of this type the node has (accelerate's view for accelerators)."""
+    if device_type == "cpu":
+        return os.cpu_count() or 1
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    npu = getattr(torch, "npu", None)
+    return npu.device_count() if npu is not None else 0
+
+
+def check_devices_present(device_types: Iterable[str], available: frozenset[str] | None = None) -> None:
+    """Refuse a cluster that names a device type this machine does not have."""
+    available = available_device_types() if available is None else available
+    for i, dev in enumerate(device_types):
+        backend_for(dev)
+        if dev not in available:
+            raise ConfigError(
+                f"cluster.stages[{i}].device={dev!r} but this machine has only "
+                f"{sorted(available)}; run that stage on a node with {dev} devices "
+                f"(launch with torchrun there) or change its device to one of {sorted(available)}"
+            )
+
+
+@dataclass(frozen=True)
+class BoundaryPlan:
+    """How the leaders of two neighbouring stages exchange tensors."""
+
+    src_stage: int
+    dst_stage: int
+    transport: Transport
+    backend: str  # backend of the leader group used for this boundary
+
+    @property
+    def host_staged(self) -> bool:
+        return self.transport is Transport.HOST_STAGED
+
+
+def plan_boundary(src_stage: int, src_device: str, dst_stage: int, dst_device: str,
+                  force_host_staging: bool = False) -> BoundaryPlan:
+    """Native when both sides share a device type with point-to-point support, else host-staged."""
+    src_backend = backend_for(src_device)
+    backend_for(dst_device)  # validates the name
+    native = (
+        not force_host_staging
+        and src_device == dst_device
+        and src_backend in P2P_BACKENDS
+    )
+    if native:
+        return BoundaryPlan(src_stage, dst_stage, Transport.NATIVE, src_backend)
+    return BoundaryPlan(src_stage, dst_stage, Transport.HOST_STAGED, "gloo")

@@ -1,0 +1,164 @@
+"""Start a local world of processes (gloo on 127.0.0.1) and never hang doing it.
+
+Used by a bare ``ldt-train`` / ``python -m ldt.run`` on one machine and by the multi-process
+tests. Children are forked from a forkserver that has already imported torch and megatron-core
+(importing them costs ~5 s and ~360 MB per process here), rendezvous through a TCPStore owned
+by the parent on a free port, and report back through a queue. The first failure (exception,
+signal, non-zero exit) or the timeout kills every child; the error names the rank that failed
+first and carries its traceback.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
+           "megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules", "ldt"]
+
+_CTX: Optional[mp.context.BaseContext] = None
+
+
+class WorldError(RuntimeError):
+    """A local world failed: ``rank`` failed first (or None on a timeout)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, tb: str = ""):
+        super().__init__(message + (f"\n--- traceback of rank {rank} ---\n{tb}" if tb else ""))
+        self.rank, self.tb = rank, tb
+
+
+@dataclass
+class _Msg:
+    rank: int
+    ok: bool
+    payload: Any
+
+
+def _context() -> mp.context.BaseContext:
+    global _CTX
+    if _CTX is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CTX = ctx
+    return _CTX
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+           env: dict, results: Any, timeout_s: float) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world_size, *args)
+        results.put(_Msg(rank, True, out))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    except BaseException:  # report everything, including KeyboardInterrupt / SystemExit
+        results.put(_Msg(rank, False, traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
+                    timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
+                    env: Optional[dict] = None, grace_s: float = 3.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results.
+
+    ``fn`` must be importable (module-level). Raises :class:`WorldError` on the first failure
+    or after ``timeout_s``; either way no child is left running.
+    """
+    import torch.distributed as dist
+
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_child, name=f"ldt-rank{r}",
+                    args=(r, world_size, store.port, fn, tuple(args), dict(env or {}), results,
+                          comm_timeout_s or timeout_s))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                msg = results.get(timeout=0.2)
+            except queue.Empty:
+                msg = None
+            if msg is not None:
+                if not msg.ok:
+                    raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
+                out[msg.rank] = msg.payload
+                continue
+            for r, p in enumerate(procs):
+                if r not in out and p.exitcode is not None:
+                    _drain_errors(results, grace_s)
+                    raise WorldError(f"rank {r} exited with code {p.exitcode} "
+                                     f"({_describe_exit(p.exitcode)}) before reporting", r)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise WorldError(f"timeout after {timeout_s:.0f}s; ranks {missing} did not finish")
+        return [out[r] for r in range(world_size)]
+    finally:
+        _reap(procs)
+
+
+def _drain_errors(results, grace_s: float) -> None:
+    """A child died silently; if another reported a traceback meanwhile, surface that one."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            msg = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if not msg.ok:
+            raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return "error" if code else "ok"
+
+
+def _reap(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
