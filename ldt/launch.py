@@ -68,7 +68,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
-        results.put(_Msg(rank, True, out))
+        # Plain bytes: torch's queue reducers would share tensors through file descriptors
+        # that die with this process before the parent reads them.
+        results.put(_Msg(rank, True, _dumps(out)))
         try:
             dist.destroy_process_group()
         except Exception:
@@ -116,7 +118,7 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
             if msg is not None:
                 if not msg.ok:
                     raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
-                out[msg.rank] = msg.payload
+                out[msg.rank] = _loads(msg.payload)
                 continue
             for r, p in enumerate(procs):
                 if r not in out and p.exitcode is not None:
@@ -129,6 +131,24 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
         return [out[r] for r in range(world_size)]
     finally:
         _reap(procs)
+
+
+def _dumps(obj: Any) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _drain_errors(results, grace_s: float) -> None:

@@ -66,6 +66,7 @@ class VtpState:
     rank: int
     info: RankInfo
     tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     dp_group_gloo: dist.ProcessGroup
     tp_dp_group: dist.ProcessGroup
@@ -88,6 +89,18 @@ class VtpState:
     @property
     def stage_ranks(self) -> tuple[int, ...]:
         return self.topology.stage_ranks(self.info.stage, self.info.dp_rank)
+
+    def pg_collection(self):
+        """megatron-core's ProcessGroupCollection for this rank's stage (passed to schedules)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pgs = ProcessGroupCollection()
+        pgs.tp, pgs.pp, pgs.cp = self.tp_group, self.pp_group, self.cp_group
+        pgs.tp_cp = self.tp_group
+        pgs.embd = pgs.pos_embd = None  # embedding and head never tie across stages in ldt
+        pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = self.dp_group
+        pgs.mp = self.replica_group
+        return pgs
 
     def boundary_to(self, dst_stage: int) -> tuple[BoundaryPlan, dist.ProcessGroup]:
         """Group and plan for traffic this leader sends forward to ``dst_stage``."""
@@ -138,6 +151,10 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
     devices = {s.device for s in topology.stages}
     mixed_backend = "gloo" if len(devices) > 1 else backend_for(next(iter(devices)))
 
+    for r in range(topology.world_size):  # context-parallel size is 1: a group of one
+        g = new_group([r], backend_for(topology.rank_info(r).device))
+        if g is not None:
+            mine["cp"] = g
     for d in range(topology.dp):  # TP groups
         for s in topology.stages:
             g = new_group(topology.stage_ranks(s.index, d), backend_for(s.device))
@@ -172,7 +189,7 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
 
     state = VtpState(
         topology=topology, rank=rank, info=info,
-        tp_group=mine["tp"], dp_group=mine["dp"], dp_group_gloo=mine["dp_gloo"],
+        tp_group=mine["tp"], cp_group=mine["cp"], dp_group=mine["dp"], dp_group_gloo=mine["dp_gloo"],
         tp_dp_group=mine.get("tp_dp", mine["tp"]), replica_group=mine["replica"],
         leader_group=mine.get("leaders"),
         pp_group=StagePipelineGroup(info.stage, topology.num_stages, topology.leaders(info.dp_rank)),

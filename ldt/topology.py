@@ -167,11 +167,10 @@ class Topology:
         return tuple(sorted({0, self.loss_stage()}))
 
     def boundaries(self) -> list[BoundaryPlan]:
-        """Transport of every stage boundary that carries traffic (wraparound for U-shape)."""
+        """Transport of every directed stage boundary ``s -> s+1``, including the wraparound
+        ``P-1 -> 0`` (the U-shape's return path; interleaved schedules use it as well)."""
         n = self.num_stages
-        pairs = [(i, i + 1) for i in range(n - 1)]
-        if self.u_shape:
-            pairs.append((n - 1, 0))
+        pairs = [(i, (i + 1) % n) for i in range(n)] if n > 1 else []
         return [
             plan_boundary(a, self.stages[a].device, b, self.stages[b].device,
                           self.force_host_staging)

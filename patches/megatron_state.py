@@ -44,12 +44,26 @@ def install(state) -> None:
 
     ps._MODEL_PARALLEL_GROUP = state.replica_group
     ps._MODEL_PARALLEL_GLOBAL_RANKS = replica
+    ps._CONTEXT_PARALLEL_GROUP = state.cp_group
     ps._CONTEXT_PARALLEL_GLOBAL_RANKS = [state.rank]
+
+    # No expert parallelism in ldt yet: EP = 1 (a group of one), expert TP = the stage's TP.
+    ps._EXPERT_MODEL_PARALLEL_GROUP = state.cp_group
+    ps._MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = 1
+    ps._MPU_EXPERT_MODEL_PARALLEL_RANK = 0
+    ps._EXPERT_TENSOR_PARALLEL_GROUP = state.tp_group
+    ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = state.tp_group
+    ps._EXPERT_DATA_PARALLEL_GROUP = state.dp_group
+    ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = state.dp_group_gloo
 
     # Embedding and head share a stage in a U-shape; in a plain pipeline ldt does not tie them
     # across stages (no cross-device-type embedding group), so no embedding group exists.
     ps._EMBEDDING_GLOBAL_RANKS = []
     ps._POSITION_EMBEDDING_GLOBAL_RANKS = []
+    split = topo.split
+    if split is not None and not topo.u_shape and split.vpp_size > 1:
+        # get_forward_backward_func() picks the interleaved schedule from this
+        ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = split.vpp_size
     ps._set_global_memory_buffer()
 
 

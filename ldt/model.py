@@ -1,0 +1,113 @@
+"""Model chunks: one megatron-core GPTModel per (stage, chunk) of the layer split.
+
+Every chunk is built as a stand-alone GPTModel with exactly its own decoder layers
+(``pipeline_model_parallel_size=1`` in its config, so megatron adds no offset of its own) and
+``pre_process`` / ``post_process`` from the layout's ``E`` / ``L``. The global layer numbers
+are then written onto the layers, so names and checkpoints refer to the model's real layers.
+The settings that make megatron-core run on CPU (see DESIGN.md) are applied here, once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ldt.config import ModelConfig
+from ldt.layout import Chunk
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: str = "cpu",
+                       vpp: Optional[int] = None, num_stages: int = 1, **overrides):
+    """The TransformerConfig of one chunk (fp32/bf16/fp16, no dropout unless overridden)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = DTYPES[model.params_dtype]
+    kwargs = dict(
+        num_layers=max(num_layers, 1),
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=device == "cpu",
+        sequence_parallel=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=False,
+    )
+    kwargs.update(overrides)
+    config = TransformerConfig(**kwargs)
+    # Set after construction: the chunk's own config has pp=1, which TransformerConfig would
+    # reject together with a virtual size; the schedules read it from here.
+    config.virtual_pipeline_model_parallel_size = vpp
+    config.microbatch_group_size_per_vp_stage = num_stages  # megatron's default is the pp size
+    return config
+
+
+def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu",
+                vpp: Optional[int] = None, num_stages: int = 1, pg_collection=None,
+                **config_overrides):
+    """A GPTModel holding exactly ``chunk``'s layers, numbered globally."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = transformer_config(model, tp, chunk.num_layers, device=device, vpp=vpp,
+                                num_stages=num_stages, **config_overrides)
+    if chunk.num_layers == 0:
+        raise NotImplementedError(
+            f"stage {chunk.stage} chunk {chunk.index} has no decoder layer; ldt needs at least "
+            "one decoder layer per chunk for now; move a layer into it in cluster.layout"
+        )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        pre_process=chunk.has_embedding,
+        post_process=chunk.has_head,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="learned_absolute",
+        pg_collection=pg_collection,
+    )
+    for i, layer in enumerate(gpt.decoder.layers):
+        layer.layer_number = chunk.first_layer + i + 1
+    if device != "cpu":
+        gpt = gpt.to(device)
+    return gpt
+
+
+def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
+    """Megatron's boolean attention mask (True = masked); explicit so nothing builds it on cuda."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device),
+                      diagonal=1)
+
+
+def global_param_name(chunk: Chunk, local_name: str) -> str:
+    """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``; other names unchanged."""
+    prefix = "decoder.layers."
+    if local_name.startswith(prefix):
+        idx, rest = local_name[len(prefix):].split(".", 1)
+        return f"{prefix}{chunk.first_layer + int(idx)}.{rest}"
+    return local_name
+
+
+def local_param_name(chunk: Chunk, global_name: str) -> str:
+    prefix = "decoder.layers."
+    if global_name.startswith(prefix):
+        idx, rest = global_name[len(prefix):].split(".", 1)
+        return f"{prefix}{int(idx) - chunk.first_layer}.{rest}"
+    return global_name

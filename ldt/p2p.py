@@ -1,0 +1,241 @@
+"""VTP boundary transport: leader send/recv + intra-stage broadcast, with async handles.
+
+Only a stage's leader (TP rank 0) talks to neighbouring stages, over that boundary's own group
+(see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group;
+this is correct without sequence parallelism because boundary activations and their gradients
+are replicated on every TP rank of a stage. A boundary the device layer marks host-staged
+(different device types) copies to CPU, sends over gloo, and copies back to the device.
+
+:class:`VtpCommunicator` subclasses megatron-core's ``P2PCommunicator`` and overrides only
+``_communicate``, the one hook every public send/recv method goes through, so megatron's
+schedules run unmodified on top of it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from ldt.config import ConfigError
+from ldt.device import torch_device
+from ldt.parallel_state import VtpState, get_vtp_state
+
+FORWARD, BACKWARD = "F", "B"
+_TAGS = {FORWARD: 1, BACKWARD: 2}  # distinct per direction; groups are per boundary as well
+
+
+class BoundaryObserver(Protocol):
+    """Sees every tensor crossing a boundary on the leader (audit, NaN checks)."""
+
+    def on_send(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
+
+    def on_recv(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
+
+
+class _SendWork:
+    """The leader's isend(s); keeps the sent buffer alive until waited."""
+
+    def __init__(self, works: list, keep_alive: torch.Tensor):
+        self._works, self._keep_alive = works, keep_alive
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works, self._keep_alive = [], None
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class _VTPRecvWork:
+    """A posted boundary receive. ``wait()``: the leader's irecv, then the stage broadcast.
+
+    On the leader, ``wait()`` first waits its irecv(s) (and copies host-staged data to the
+    device); then every rank of the stage joins the broadcast from the leader, skipped for a
+    one-rank stage. Ranks of a stage run the same schedule, so they wait in the same order.
+    """
+
+    def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
+                 stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None):
+        self.tensor = tensor
+        self._works, self._tp_group, self._leader = works, tp_group, leader
+        self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for w in self._works:
+            w.wait()
+        buf = self.tensor.detach()
+        if self._staged is not None:
+            buf.copy_(self._staged)
+        if self._stage_size > 1:
+            dist.broadcast(buf, src=self._leader, group=self._tp_group)
+        self._done = True
+        if self._on_ready is not None:
+            self._on_ready(self.tensor)
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class VtpCommunicator(P2PCommunicator):
+    """Megatron's P2PCommunicator with VTP stage boundaries underneath."""
+
+    def __init__(self, config, state: Optional[VtpState] = None,
+                 observers: Optional[list[BoundaryObserver]] = None):
+        # Not calling super().__init__: it derives next/prev ranks from pp_group's members,
+        # and a VTP pipeline "group" has none; the attributes the schedules read are set here.
+        state = state or get_vtp_state()
+        check_boundary_config(config)
+        topo = state.topology
+        self.state, self.config = state, config
+        self.pp_group = state.pp_group
+        self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
+        self.next_stage = topo.next_stage(state.stage)
+        self.prev_stage = topo.prev_stage(state.stage)
+        self.next_rank = topo.leader(self.next_stage, state.info.dp_rank)
+        self.prev_rank = topo.leader(self.prev_stage, state.info.dp_rank)
+        self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
+        self.observers = list(observers or [])
+
+    # ---- the one hook megatron's public methods call ---------------------------------------
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        handles = {}
+        if tensor_send_next is not None:
+            work = self.send(tensor_send_next, self.next_stage, FORWARD)
+            if work is not None:
+                handles["send_next"] = work
+        if tensor_send_prev is not None:
+            work = self.send(tensor_send_prev, self.prev_stage, BACKWARD)
+            if work is not None:
+                handles["send_prev"] = work
+        recv_prev_tensor = recv_next_tensor = None
+        if recv_prev:
+            recv_prev_tensor, handles["recv_prev"] = self.recv(tensor_shape, self.prev_stage, FORWARD)
+        if recv_next:
+            recv_next_tensor, handles["recv_next"] = self.recv(tensor_shape, self.next_stage, BACKWARD)
+        if wait_on_reqs:
+            for key in ("recv_prev", "recv_next", "send_next", "send_prev"):
+                if key in handles:
+                    handles[key].wait()
+            return recv_prev_tensor, recv_next_tensor, None
+        return recv_prev_tensor, recv_next_tensor, handles
+
+    # ---- leader transport --------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer_stage: int, direction: str) -> Optional[_SendWork]:
+        """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader."""
+        if not self.state.is_leader:
+            return None
+        src, dst = self.state.stage, peer_stage
+        plan, group = self._boundary(src, dst, direction)
+        payload = tensor.detach()
+        if plan.host_staged:
+            payload = payload.to("cpu", copy=True)
+        payload = payload.contiguous()
+        for obs in self.observers:
+            obs.on_send(src, dst, direction, payload)
+        dst_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
+        work = dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction])
+        return _SendWork([work], payload)
+
+    def recv(self, shape, peer_stage: int, direction: str) -> tuple[torch.Tensor, _VTPRecvWork]:
+        """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``."""
+        if shape is None:
+            raise RuntimeError("tensor_shape must be given to receive at a VTP boundary")
+        dtype = self.config.pipeline_dtype
+        if dtype is None:
+            raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
+        works, staged = [], None
+        src_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
+        if self.state.is_leader:
+            plan, group = self._boundary(peer_stage, self.state.stage, direction)
+            target = tensor.detach()
+            if plan.host_staged:
+                staged = torch.empty(tuple(shape), dtype=dtype, device="cpu")
+                target = staged
+            works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
+        src, dst = peer_stage, self.state.stage
+
+        def on_ready(t: torch.Tensor) -> None:
+            for obs in self.observers:
+                obs.on_recv(src, dst, direction, t)
+
+        return tensor, _VTPRecvWork(
+            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
+            stage_size=len(self.state.stage_ranks), staged=staged,
+            on_ready=on_ready if self.observers else None)
+
+    def _boundary(self, src: int, dst: int, direction: str):
+        """Activations travel along a boundary's arrow (src -> dst), gradients against it."""
+        key = (src, dst) if direction == FORWARD else (dst, src)
+        return self.state.boundary_groups[key]
+
+
+def check_boundary_config(config) -> None:
+    """Refuse what the leader + broadcast transport cannot carry (before any communication)."""
+    if getattr(config, "sequence_parallel", False):
+        raise ConfigError(
+            "sequence_parallel=True: activations at a VTP stage boundary are then sharded "
+            "across TP ranks and differ between stages of different TP size; ldt does not "
+            "gather/scatter them yet. Set sequence_parallel=False"
+        )
+    if getattr(config, "variable_seq_lengths", False):
+        raise ConfigError(
+            "variable_seq_lengths=True is not supported at VTP boundaries yet (shapes are not "
+            "exchanged); pad micro-batches to one sequence length and set variable_seq_lengths=False"
+        )
+
+
+def _local_index(state: VtpState) -> int:
+    """Accelerator index on this node: torchrun's LOCAL_RANK (0 on CPU)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# ---- the reference implementation's functional API -----------------------------------------
+def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kw):
+    """Receive this stage's input activation from the previous stage."""
+    comm = VtpCommunicator(config, **kw)
+    tensor, work = comm.recv(tensor_shape, comm.prev_stage, FORWARD)
+    if async_op:
+        return tensor, {"recv_prev": work}
+    work.wait()
+    return tensor
+
+
+def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kw):
+    """Receive the gradient of this stage's output from the next stage."""
+    comm = VtpCommunicator(config, **kw)
+    tensor, work = comm.recv(tensor_shape, comm.next_stage, BACKWARD)
+    if async_op:
+        return tensor, {"recv_next": work}
+    work.wait()
+    return tensor
+
+
+def vtp_send_forward(tensor: torch.Tensor, config=None, **kw):
+    """Send this stage's output activation to the next stage; the leader's handle or None."""
+    comm = VtpCommunicator(config or _SendOnlyConfig(), **kw)
+    return comm.send(tensor, comm.next_stage, FORWARD)
+
+
+def vtp_send_backward(tensor: torch.Tensor, config=None, **kw):
+    """Send the gradient of this stage's input to the previous stage; handle or None."""
+    comm = VtpCommunicator(config or _SendOnlyConfig(), **kw)
+    return comm.send(tensor, comm.prev_stage, BACKWARD)
+
+
+class _SendOnlyConfig:
+    """Sends need no dtype or shape; the functional send API takes no config."""
+
+    pipeline_dtype = None
+    virtual_pipeline_model_parallel_size = None
+    sequence_parallel = False
+    variable_seq_lengths = False

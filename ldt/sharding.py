@@ -1,0 +1,72 @@
+"""Tensor-parallel sharding rules of GPTModel parameters (local layer spec), by name.
+
+One table says which dimension of each parameter megatron-core splits across TP ranks. It is
+what lets ldt move weights between layouts with different TP sizes per stage (reference
+models in the parity tests, checkpoint conversion) without building both models.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+# suffix -> split dimension (None = replicated). ColumnParallel: output rows; RowParallel:
+# input columns (its bias is added after the all-reduce, so it is replicated).
+_RULES: tuple[tuple[str, Optional[int]], ...] = (
+    ("embedding.word_embeddings.weight", 0),  # VocabParallelEmbedding: vocab rows
+    ("embedding.position_embeddings.weight", None),
+    ("self_attention.linear_qkv.weight", 0),
+    ("self_attention.linear_qkv.bias", 0),
+    ("self_attention.linear_proj.weight", 1),
+    ("self_attention.linear_proj.bias", None),
+    ("mlp.linear_fc1.weight", 0),
+    ("mlp.linear_fc1.bias", 0),
+    ("mlp.linear_fc2.weight", 1),
+    ("mlp.linear_fc2.bias", None),
+    ("output_layer.weight", 0),
+    ("layernorm.weight", None),
+    ("layernorm.bias", None),
+    ("norm.weight", None),
+    ("norm.bias", None),
+)
+
+
+def split_dim(name: str) -> Optional[int]:
+    """The dimension ``name`` is split along across TP ranks, or None if replicated."""
+    for suffix, dim in _RULES:
+        if name.endswith(suffix):
+            return dim
+    raise KeyError(
+        f"no TP sharding rule for parameter {name!r}; ldt knows GPTModel with the local layer "
+        "spec; add a rule to ldt/sharding.py for other modules"
+    )
+
+
+def shard(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """The slice of a full (TP=1) parameter that TP rank ``tp_rank`` of ``tp`` holds."""
+    dim = split_dim(name)
+    if dim is None or tp == 1:
+        return full
+    if full.shape[dim] % tp:
+        raise ValueError(f"{name}: dim {dim} of size {full.shape[dim]} not divisible by tp={tp}")
+    return full.chunk(tp, dim=dim)[tp_rank]
+
+
+def unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full parameter from every TP rank's slice (in TP rank order)."""
+    dim = split_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    return torch.cat(shards, dim=dim)
+
+
+def load_full_state(module: torch.nn.Module, full: Mapping[str, torch.Tensor], tp: int,
+                    tp_rank: int, rename=lambda n: n) -> None:
+    """Copy a full (TP=1) state into a TP-sharded module; ``rename`` maps local -> full names."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            src = shard(rename(name), full[rename(name)], tp, tp_rank)
+            if src.shape != param.shape:
+                raise ValueError(f"{name}: shard shape {tuple(src.shape)} != {tuple(param.shape)}")
+            param.copy_(src)
