@@ -138,15 +138,13 @@ def to_cluster(obj: Any) -> ClusterConfig:
     """A ClusterConfig from a dataclass, a DictConfig or a plain dict (for tests and the API)."""
     if isinstance(obj, ClusterConfig):
         return obj
-    merged = OmegaConf.merge(OmegaConf.structured(ClusterConfig), _plain(obj))
-    return _typed(merged)
+    return _typed(ClusterConfig, obj, "cluster")
 
 
 def to_model(obj: Any) -> ModelConfig:
     if isinstance(obj, ModelConfig):
         return obj
-    merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), _plain(obj))
-    return _typed(merged)
+    return _typed(ModelConfig, obj, "model")
 
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
@@ -160,8 +158,15 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _typed(node: Any) -> Any:
+def _typed(schema: type, obj: Any, group: str) -> Any:
+    """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
-        return OmegaConf.to_object(node)
-    except Exception as exc:  # omegaconf's own errors name the key; keep them, add our type
-        raise ConfigError(str(exc)) from exc
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _plain(obj)))
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError(
+            f"{group}.{key}: {str(exc).splitlines()[0]}; check the spelling "
+            f"against the fields of {schema.__name__} (see ldt/config.py)"
+        ) from None
