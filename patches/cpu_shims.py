@@ -10,7 +10,9 @@ stays as it is:
 - ``tensor_parallel.random``: ``torch.cuda.{manual_seed,get_rng_state}`` and the module's
   ``_get/_set_cuda_rng_state`` use the CPU generator, so ``model_parallel_cuda_manual_seed`` and
   ``get_cuda_rng_tracker().fork()`` work (dropout in TP regions stays reproducible);
-- ``utils``: ``GlobalMemoryBuffer`` allocates on CPU (``torch.cuda.current_device()``).
+- ``utils``: ``GlobalMemoryBuffer`` allocates on CPU (``torch.cuda.current_device()``);
+- ``pipeline_parallel.p2p_communication``: megatron's own communicator (the uniform baseline in
+  the benchmarks) allocates receive buffers on CPU and skips ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ _cuda_rng_on_cpu = ModuleProxy(
     set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
 )
 _cuda_device_is_cpu = ModuleProxy(torch.cuda, current_device=lambda: "cpu")
+_cuda_p2p_on_cpu = ModuleProxy(torch.cuda, current_device=lambda: "cpu", synchronize=lambda: None)
 
 
 @register("cpu_shims", "CPU stand-ins for megatron's CUDA-only token counter, RNG and buffers")
 def install(ctx) -> Any:
     from megatron.core import utils
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     undos = [
@@ -69,6 +72,7 @@ def install(ctx) -> Any:
         swap_attr(mrandom, "_set_cuda_rng_state",
                   lambda state, *a, **k: torch.set_rng_state(state)),
         swap_attr(utils, "torch", ModuleProxy(torch, cuda=_cuda_device_is_cpu)),
+        swap_attr(p2p_communication, "torch", ModuleProxy(torch, cuda=_cuda_p2p_on_cpu)),
     ]
 
     def undo() -> None:
