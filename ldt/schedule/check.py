@@ -1,0 +1,272 @@
+"""Check a schedule before any process runs it: coverage, ordering, message matching, deadlock.
+
+A hung pipeline is the worst failure a user can get (no stack trace, every rank waiting). Most
+hangs are visible in the schedule itself, so :func:`check_schedule` rejects them up front and
+says which stage would be stuck at which action, with the step grid marked.
+
+The dry run model: SEND is buffered (never blocks), posting a RECV never blocks, WAIT blocks until
+the matching SEND has run. Messages on one channel ``(src, dst, direction)`` match first-in
+first-out. :func:`match_messages` and :func:`play` are the one implementation of that model; the
+timed simulator (``simulate.py``) calls them with real durations.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ldt.schedule.ir import (
+    COMPUTE_OPS,
+    EDGE_OPS,
+    PLAIN_OPS,
+    RECV_OPS,
+    SEND_OPS,
+    WAIT_OPS,
+    Action,
+    Channel,
+    Schedule,
+    format_grid,
+    num_microbatches,
+)
+
+Slot = tuple[int, int]
+"""``(stage, index into that stage's list)``."""
+
+
+class ScheduleError(RuntimeError):
+    """The schedule is wrong; the message names the stage, the action and the fix."""
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless the schedule is complete, well-ordered and deadlock-free."""
+    play(schedule, check_structure(schedule))
+
+
+def check_structure(schedule: Schedule) -> dict[Slot, Slot]:
+    """All checks except the dry run; returns the WAIT -> SEND matching the dry run needs."""
+    _check_stage_keys(schedule)
+    for stage in sorted(schedule):
+        _check_compute(schedule, stage)
+        _check_recv_wait_pairs(schedule, stage)
+    return match_messages(schedule)
+
+
+def _check_stage_keys(schedule: Schedule) -> None:
+    for stage, actions in schedule.items():
+        for index, action in enumerate(actions):
+            if action.stage != stage:
+                raise _error(schedule, (stage, index),
+                             f"action #{index} {action} of stage {stage} says it runs on stage "
+                             f"{action.stage}; a stage's list holds only its own actions")
+
+
+def _check_compute(schedule: Schedule, stage: int) -> None:
+    """Each micro-batch runs each required compute op exactly once, in data-flow order."""
+    actions = schedule[stage]
+    ops = {a.op for a in actions if a.op in COMPUTE_OPS}
+    required = EDGE_OPS if ops & set(EDGE_OPS) else PLAIN_OPS
+    if ops - set(required):
+        raise _error(schedule, None, f"stage {stage} mixes plain ops {PLAIN_OPS} and U-shape edge "
+                     f"ops {EDGE_OPS}; a stage is either a plain stage or the edge")
+    seen: dict[tuple[int, object], int] = {}
+    for index, action in enumerate(actions):
+        if action.op not in COMPUTE_OPS:
+            continue
+        key = (action.mb, action.op)
+        if key in seen:
+            raise _error(schedule, [(stage, seen[key]), (stage, index)],
+                         f"stage {stage} runs {action} twice (actions #{seen[key]} and #{index}); "
+                         "each micro-batch runs each compute op once")
+        position = required.index(action.op)
+        if position > 0 and (action.mb, required[position - 1]) not in seen:
+            before = Action(stage, required[position - 1], action.mb)
+            raise _error(schedule, (stage, index),
+                         f"stage {stage} runs {action} at #{index} before {before}; "
+                         f"per micro-batch the order must be {'<'.join(o.value for o in required)}")
+        seen[key] = index
+    for mb in range(num_microbatches(schedule)):
+        for op in required:
+            if (mb, op) not in seen:
+                raise _error(schedule, None, f"stage {stage} never runs {Action(stage, op, mb)}; "
+                             f"every micro-batch 0..{num_microbatches(schedule) - 1} needs it")
+
+
+def _check_recv_wait_pairs(schedule: Schedule, stage: int) -> None:
+    """Every WAIT follows the RECV that posted it; every posted RECV is waited exactly once."""
+    posted: dict[tuple[Channel | None, int], int] = {}
+    for index, action in enumerate(schedule[stage]):
+        key = (action.channel, action.mb)
+        if action.op in RECV_OPS:
+            if key in posted:
+                raise _error(schedule, [(stage, posted[key]), (stage, index)],
+                             f"stage {stage} posts {action} twice without waiting in between")
+            posted[key] = index
+        elif action.op in WAIT_OPS:
+            if posted.pop(key, None) is None:
+                raise _error(schedule, (stage, index),
+                             f"stage {stage} action #{index} {action} waits for a receive it never "
+                             f"posted; put {action.op.value.replace('WAIT', 'RECV')} for micro-batch "
+                             f"{action.mb} from stage {action.peer} before it")
+    if posted:
+        key, index = next(iter(posted.items()))
+        raise _error(schedule, (stage, index),
+                     f"stage {stage} action #{index} {schedule[stage][index]} is posted but never "
+                     "waited; add the matching WAIT before the compute that consumes it")
+
+
+def match_messages(schedule: Schedule) -> dict[Slot, Slot]:
+    """Pair every WAIT with the SEND that satisfies it: ``{wait slot: send slot}``.
+
+    Receives on a channel match sends on that channel in order (FIFO), so the k-th RECV posted on
+    a channel is the k-th SEND, and its WAIT is satisfied once that SEND has run. Raises when the
+    two ends disagree on the number of messages or on a message's micro-batch.
+    """
+    sends: dict[Channel, list[Slot]] = {}
+    recvs: dict[Channel, list[Slot]] = {}
+    waits: dict[tuple[Channel, int], Slot] = {}
+    for stage, actions in schedule.items():
+        for index, action in enumerate(actions):
+            if action.op in SEND_OPS:
+                sends.setdefault(action.channel, []).append((stage, index))  # type: ignore[arg-type]
+            elif action.op in RECV_OPS:
+                recvs.setdefault(action.channel, []).append((stage, index))  # type: ignore[arg-type]
+            elif action.op in WAIT_OPS:
+                waits[(action.channel, action.mb)] = (stage, index)  # type: ignore[index]
+    matches: dict[Slot, Slot] = {}
+    for channel in sorted(set(sends) | set(recvs)):
+        send_slots, recv_slots = sends.get(channel, []), recvs.get(channel, [])
+        for k in range(max(len(send_slots), len(recv_slots))):
+            if k >= min(len(send_slots), len(recv_slots)) or (
+                _at(schedule, send_slots[k]).mb != _at(schedule, recv_slots[k]).mb
+            ):
+                _raise_mismatch(schedule, channel, send_slots, recv_slots, k)
+            matches[waits[(channel, _at(schedule, recv_slots[k]).mb)]] = send_slots[k]
+    return matches
+
+
+def _raise_mismatch(schedule: Schedule, channel: Channel, send_slots: list[Slot],
+                    recv_slots: list[Slot], k: int) -> None:
+    src, dst, direction = channel
+    sent = [_at(schedule, s).mb for s in send_slots]
+    received = [_at(schedule, s).mb for s in recv_slots]
+    name = f"channel {src}->{dst} ({direction})"
+    lists = f"micro-batches sent {sent}, received {received}"
+    if k >= len(send_slots):
+        wait = _wait_of(schedule, recv_slots[k])
+        mark: Slot | list[Slot] = wait
+        text = (f"{name}: stage {dst} would be stuck at action #{wait[1]} {_at(schedule, wait)} "
+                f"(message #{k} on the channel) because stage {src} never sends it; {lists}. Add "
+                f"the missing SEND on stage {src} right after the compute producing it")
+    elif k >= len(recv_slots):
+        mark = send_slots[k]
+        text = (f"{name}: stage {src} action #{send_slots[k][1]} {_at(schedule, send_slots[k])} "
+                f"(message #{k}) is never received by stage {dst}; {lists}. Add the RECV/WAIT on "
+                f"stage {dst}")
+    else:
+        wait = _wait_of(schedule, recv_slots[k])
+        mark = [wait, send_slots[k]]
+        recv, send = _at(schedule, wait), _at(schedule, send_slots[k])
+        text = (f"{name}: stage {dst} would be stuck at action #{wait[1]} {recv} or compute on the "
+                f"wrong data: it expects micro-batch {recv.mb} as message #{k} on the channel, but "
+                f"the send matching it (FIFO) is stage {src} action #{send_slots[k][1]} {send}. "
+                f"{lists}. Make both ends send and receive in one order (is a SEND missing?)")
+    raise _error(schedule, mark, text)
+
+
+@dataclass
+class Played:
+    """Start/end time of every action, per stage, in list order; and each SEND's time."""
+
+    start: dict[int, list[float]]
+    end: dict[int, list[float]]
+
+
+def play(
+    schedule: Schedule,
+    matches: dict[Slot, Slot],
+    duration: Callable[[Action], float] = lambda a: 0,
+    comm_time: Callable[[Action], float] = lambda a: 0,
+) -> Played:
+    """Run all stages against each other; raise a deadlock report if they stop progressing.
+
+    Each stage runs until a WAIT whose SEND has not run yet, then parks on that SEND; running the
+    SEND wakes it. Linear in the number of actions. A compute takes ``duration(action)``, SEND and
+    RECV take no local time, and a WAIT ends at ``max(now, send time + comm_time(send))``.
+    """
+    start: dict[int, list[float]] = {s: [] for s in schedule}
+    end: dict[int, list[float]] = {s: [] for s in schedule}
+    clock: dict[int, float] = {s: 0 for s in schedule}
+    sent_at: dict[Slot, float] = {}
+    parked: dict[Slot, int] = {}  # send slot -> stage waiting for it
+    ready = deque(sorted(schedule))
+    while ready:
+        stage = ready.popleft()
+        actions, starts, ends, now = schedule[stage], start[stage], end[stage], clock[stage]
+        index = len(starts)
+        while index < len(actions):
+            action = actions[index]
+            op = action.op
+            if op in COMPUTE_OPS:
+                starts.append(now)
+                now = now + duration(action)
+                ends.append(now)
+            elif op in WAIT_OPS:
+                source = matches[(stage, index)]
+                if source not in sent_at:
+                    parked[source] = stage
+                    break
+                starts.append(now)
+                now = max(now, sent_at[source] + comm_time(_at(schedule, source)))
+                ends.append(now)
+            else:
+                starts.append(now)
+                ends.append(now)
+                if op in SEND_OPS:
+                    sent_at[(stage, index)] = now
+                    waiter = parked.pop((stage, index), None)
+                    if waiter is not None:
+                        ready.append(waiter)
+            index += 1
+        clock[stage] = now
+    stuck = [s for s in sorted(schedule) if len(start[s]) < len(schedule[s])]
+    if stuck:
+        _raise_deadlock(schedule, matches, {s: len(start[s]) for s in stuck})
+    return Played(start, end)
+
+
+def _raise_deadlock(schedule: Schedule, matches: dict[Slot, Slot], at: dict[int, int]) -> None:
+    lines = []
+    for stage, index in at.items():
+        action = schedule[stage][index]
+        src, dst, direction = action.channel  # type: ignore[misc]
+        send_stage, send_index = matches[(stage, index)]
+        blocker = at.get(send_stage)
+        why = (f"stage {send_stage} is itself stuck at #{blocker} {schedule[send_stage][blocker]}"
+               if blocker is not None else f"stage {send_stage} finished without reaching it")
+        lines.append(f"deadlock: stage {stage} stuck at action #{index} {action} waiting for "
+                     f"channel {src}->{dst} ({direction}) micro-batch {action.mb}, sent by stage "
+                     f"{send_stage} at #{send_index} {schedule[send_stage][send_index]}; {why}")
+    hint = ("Fix: reorder so that every stage posts/sends what its peer waits for before it "
+            "waits itself (e.g. a send must not sit after a WAIT that depends on it).")
+    raise _error(schedule, list(at.items()), "\n".join(lines) + "\n" + hint)
+
+
+def _wait_of(schedule: Schedule, recv_slot: Slot) -> Slot:
+    """The WAIT completing a posted RECV (pairing was checked before matching)."""
+    stage, index = recv_slot
+    recv = schedule[stage][index]
+    for later in range(index + 1, len(schedule[stage])):
+        action = schedule[stage][later]
+        if action.op in WAIT_OPS and action.channel == recv.channel and action.mb == recv.mb:
+            return (stage, later)
+    return recv_slot
+
+
+def _at(schedule: Schedule, slot: Slot) -> Action:
+    return schedule[slot[0]][slot[1]]
+
+
+def _error(schedule: Schedule, mark: Slot | list[Slot] | None, message: str) -> ScheduleError:
+    context = 6 if mark else None
+    return ScheduleError(f"{message}\n\n{format_grid(schedule, mark, context=context)}")

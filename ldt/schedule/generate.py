@@ -1,0 +1,186 @@
+"""Schedule generators (compute only) and the lowering pass that adds communication.
+
+* :func:`one_f_one_b` is Megatron's 1F1B: stage ``s`` of ``P`` runs ``min(P-s-1, m)`` warmup
+  forwards, then one forward / one backward, then the remaining backwards.
+* :func:`u_shape` is the edge-cloud schedule: stage 0 (the edge) holds the start chunk and the end
+  chunk and runs FS/FE/BS/BE per micro-batch; stages 1..P-1 (the cloud) run F/B. Its order is
+  derived, not hard-coded: see :func:`u_shape` and ``docs/ushape_schedule.md``.
+* :func:`lower` turns a compute-only schedule into one with SEND/RECV/WAIT actions.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ldt.schedule.ir import Action, Channel, Op, Schedule
+
+KINDS = ("1f1b", "ushape")
+_EDGE_RANK = {Op.FS: 0, Op.FE: 1, Op.BS: 2, Op.BE: 3}
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Plain 1F1B over ``num_stages`` stages; the last stage computes the loss inside its F."""
+    _require(num_stages >= 1 and num_microbatches >= 1,
+             f"1F1B needs >= 1 stage and >= 1 micro-batch, got P={num_stages}, m={num_microbatches}")
+    return {
+        s: _one_f_one_b_stage(s, min(num_stages - s - 1, num_microbatches), num_microbatches,
+                              Op.F, Op.B)
+        for s in range(num_stages)
+    }
+
+
+def _one_f_one_b_stage(stage: int, warmup: int, m: int, fwd: Op, bwd: Op) -> list[Action]:
+    """``warmup`` forwards, then (forward, backward) pairs, then the remaining backwards."""
+    actions = [Action(stage, fwd, mb) for mb in range(warmup)]
+    for i in range(m - warmup):
+        actions += [Action(stage, fwd, warmup + i), Action(stage, bwd, i)]
+    actions += [Action(stage, bwd, mb) for mb in range(m - warmup, m)]
+    return actions
+
+
+def u_shape(num_stages: int, num_microbatches: int, backward_ratio: float = 2) -> Schedule:
+    """The U-shape schedule: edge = stage 0 (FS/FE/BS/BE), cloud = stages 1..P-1 (F/B).
+
+    Why this order: seen from the data flow, the U-shape is a (P+1)-stage pipeline whose first
+    logical stage (start chunk) and last logical stage (end chunk) share one device. So:
+
+    1. cloud stage ``s`` runs the list of logical stage ``s`` of a (P+1)-stage 1F1B (warmup
+       ``min(P-s, m)``: one more than a P-stage 1F1B, since the end chunk is still ahead of it);
+    2. the edge's two chunks run the lists of logical stages 0 and P of that 1F1B, merged in the
+       order they start when the (P+1)-stage 1F1B is played with costs F = 1, B =
+       ``backward_ratio``; the end chunk's (FE, BS) pair is one unit (the loss's backward follows
+       it at once); ties go FS, FE, BS, BE.
+
+    ``backward_ratio`` is the cloud's backward/forward time ratio (2 is typical without
+    recomputation; the reference's "2(P-1)/3" comes from it). It only decides how far the end
+    chunk runs ahead of the start chunk's backwards; any value gives a correct schedule, the
+    measured one gives the best.
+
+    Merging by start time of a valid play keeps every dependency (a producer starts strictly
+    before its consumer), so the merged edge never waits for something the cloud can only send
+    after the edge's next action: the schedule is deadlock-free for every P >= 2 and m >= 1.
+    When the edge's four chunks together cost no more than a cloud stage's F+B, the cloud runs
+    exactly as in the (P+1)-stage 1F1B, i.e. with no extra steady-state bubble.
+    """
+    _require(num_stages >= 2 and num_microbatches >= 1,
+             f"the U-shape needs P >= 2 stages (edge + cloud) and m >= 1, got P={num_stages}, "
+             f"m={num_microbatches}")
+    p, m = num_stages, num_microbatches
+    _require(backward_ratio > 0, f"backward_ratio must be > 0, got {backward_ratio}")
+    logical = one_f_one_b(p + 1, m)
+    schedule: Schedule = {0: _merge_edge(logical, p, Fraction(backward_ratio))}
+    for s in range(1, p):
+        schedule[s] = logical[s]
+    return schedule
+
+
+def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction) -> list[Action]:
+    """Merge logical stages 0 (start chunk) and P (end chunk) of a (P+1)-stage 1F1B into stage 0."""
+    from ldt.schedule.simulate import simulate  # late: simulate imports check, not generate
+
+    backward: int | Fraction = backward_ratio
+    if backward_ratio.denominator == 1:
+        backward = backward_ratio.numerator  # integers play faster than Fractions, same order
+
+    def cost(action: Action) -> int | Fraction:
+        return 1 if action.op is Op.F else backward
+
+    played = simulate(lower(logical, "1f1b"), duration=cost)
+    start = {(e.stage, e.action.op, e.action.mb): e.start for e in played.events if e.action.is_compute}
+    units: list[tuple[tuple[float, int, int], list[Action]]] = []
+    for a in logical[0]:
+        op = Op.FS if a.op is Op.F else Op.BE
+        units.append(((start[(0, a.op, a.mb)], _EDGE_RANK[op], a.mb), [Action(0, op, a.mb)]))
+    for a in logical[p]:
+        if a.op is Op.F:  # the (FE, BS) pair of this micro-batch, keyed by FE's start
+            key = (start[(p, Op.F, a.mb)], _EDGE_RANK[Op.FE], a.mb)
+            units.append((key, [Action(0, Op.FE, a.mb), Action(0, Op.BS, a.mb)]))
+    units.sort(key=lambda unit: unit[0])
+    return [action for _, unit in units for action in unit]
+
+
+def lower(schedule: Schedule, kind: str) -> Schedule:
+    """Add communication to a compute-only schedule (pure: returns a new schedule).
+
+    Rules: each SEND directly follows the compute producing it; each WAIT directly precedes the
+    compute consuming it; the first RECV on an incoming channel is posted at the start of the
+    list, and the next one right after the WAIT of the previous message on that channel (so every
+    channel has at most one receive outstanding, which keeps buffers bounded and matching FIFO).
+    Posting a receive never blocks, so early posting cannot add a deadlock.
+    """
+    _require(kind in KINDS, f"unknown schedule kind {kind!r}; use one of {KINDS}")
+    num_stages = len(schedule)
+    _require(sorted(schedule) == list(range(num_stages)),
+             f"stages must be 0..{num_stages - 1}, got {sorted(schedule)}")
+    return {s: _lower_stage(schedule[s], s, num_stages, kind) for s in range(num_stages)}
+
+
+def _lower_stage(actions: list[Action], stage: int, p: int, kind: str) -> list[Action]:
+    inputs = [(i, _input_channel(a, p, kind)) for i, a in enumerate(actions)]
+    incoming: dict[Channel, list[int]] = {}  # channel -> micro-batches in consumption order
+    for i, channel in inputs:
+        if channel is not None:
+            incoming.setdefault(channel, []).append(actions[i].mb)
+    lowered = [_comm(Op.RECV_F if ch[2] == "F" else Op.RECV_B, stage, mbs[0], ch[0])
+               for ch, mbs in incoming.items()]
+    position = {ch: 0 for ch in incoming}
+    for (i, channel), action in zip(inputs, actions):
+        if channel is not None:
+            direction, src = channel[2], channel[0]
+            lowered.append(_comm(Op.WAIT_F if direction == "F" else Op.WAIT_B, stage, action.mb, src))
+            position[channel] += 1
+            if position[channel] < len(incoming[channel]):
+                nxt = incoming[channel][position[channel]]
+                lowered.append(_comm(Op.RECV_F if direction == "F" else Op.RECV_B, stage, nxt, src))
+        lowered.append(action)
+        output = _output_channel(action, p, kind)
+        if output is not None:
+            lowered.append(_comm(Op.SEND_F if output[2] == "F" else Op.SEND_B, stage, action.mb,
+                                 output[1]))
+    return lowered
+
+
+def _comm(op: Op, stage: int, mb: int, peer: int) -> Action:
+    return Action(stage, op, mb, peer)
+
+
+def _next_stage(stage: int, p: int, kind: str) -> int | None:
+    """Where activations go after ``stage`` (U-shape: the last cloud stage wraps to the edge)."""
+    if stage < p - 1:
+        return stage + 1
+    return 0 if kind == "ushape" else None
+
+
+def _input_channel(action: Action, p: int, kind: str) -> Channel | None:
+    """The channel carrying the input a compute action consumes, if any."""
+    s, op = action.stage, action.op
+    if op is Op.F:
+        return (s - 1, s, "F") if s > 0 else None
+    if op is Op.B:
+        nxt = _next_stage(s, p, kind)
+        return (nxt, s, "B") if nxt is not None else None
+    if op is Op.FE:
+        return (p - 1, 0, "F")
+    if op is Op.BE:
+        return (1, 0, "B")
+    return None  # FS reads data, BS reads the loss computed in FE: both local
+
+
+def _output_channel(action: Action, p: int, kind: str) -> Channel | None:
+    """The channel a compute action's output leaves on, if any."""
+    s, op = action.stage, action.op
+    if op is Op.F:
+        nxt = _next_stage(s, p, kind)
+        return (s, nxt, "F") if nxt is not None else None
+    if op is Op.B:
+        return (s, s - 1, "B") if s > 0 else None
+    if op is Op.FS:
+        return (0, 1, "F")
+    if op is Op.BS:
+        return (0, p - 1, "B")
+    return None  # FE feeds BS locally, BE ends the micro-batch
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

@@ -1,0 +1,115 @@
+"""Timed simulation of a lowered schedule under a cost model.
+
+It answers "how long does an iteration take, where are the bubbles, how many micro-batches does
+each stage hold" before any hardware is used, which is what the planner and the timeline need.
+Message matching and the stage-against-stage play are ``check.py``'s (one model, not two): this
+module only supplies durations and summarises the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+from numbers import Rational
+
+from ldt.schedule.check import check_structure, play
+from ldt.schedule.ir import Action, Op, Schedule
+
+# Ops that open / close a micro-batch's stay on a stage (the activations it keeps alive).
+_OPENS = {Op.F: "all", Op.FS: "all", Op.FE: "end"}
+_CLOSES = {Op.B: "all", Op.BE: "all", Op.BS: "end"}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action as it ran: a WAIT spans the time it was blocked, SEND/RECV take no time."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """Summary of one simulated iteration (times are in the unit the cost model uses)."""
+
+    iteration_time: float
+    busy: dict[int, float]
+    bubble_fraction: float
+    peak_inflight: dict[int, int]
+    """Max micro-batches whose forward ran and whose backward has not (edge: FS until BE)."""
+    peak_inflight_end: dict[int, int]
+    """Edge stages only: max micro-batches between FE and BS (the end chunk's activations)."""
+    events: list[Event] = field(repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.busy)
+
+
+def simulate(
+    schedule: Schedule,
+    duration: Callable[[Action], float],
+    comm_time: Callable[[Action], float] = lambda a: 0,
+) -> SimResult:
+    """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``.
+
+    Integer or ``fractions.Fraction`` costs give exact results. Raises ``ScheduleError`` on a
+    malformed or deadlocking schedule, like ``check_schedule``.
+    """
+    matches = check_structure(schedule)
+    played = play(schedule, matches, duration, comm_time)
+    events: list[Event] = []
+    busy: dict[int, float] = {}
+    for stage in sorted(schedule):
+        total: float = 0
+        for action, start, end in zip(schedule[stage], played.start[stage], played.end[stage]):
+            events.append(Event(stage, action, start, end))
+            if action.is_compute:
+                total += end - start
+        busy[stage] = total
+    iteration_time = max((e.end for e in events), default=0)
+    capacity = len(schedule) * iteration_time
+    work = sum(busy.values())
+    if isinstance(work, Rational) and isinstance(capacity, Rational):
+        work = Fraction(work)  # exact costs in, exact bubble out
+    bubble = 1 - work / capacity if capacity else 0
+    peak_all, peak_end = _peak_inflight(schedule)
+    return SimResult(iteration_time, busy, bubble, peak_all, peak_end, events)
+
+
+def _peak_inflight(schedule: Schedule) -> tuple[dict[int, int], dict[int, int]]:
+    """Walk each list counting micro-batches held: opened by F/FS (FE), closed by B/BE (BS)."""
+    peak_all: dict[int, int] = {}
+    peak_end: dict[int, int] = {}
+    for stage, actions in schedule.items():
+        held = {"all": 0, "end": 0}
+        peak = {"all": 0, "end": 0}
+        for action in actions:
+            if action.op in _OPENS:
+                kind = _OPENS[action.op]
+                held[kind] += 1
+                peak[kind] = max(peak[kind], held[kind])
+            elif action.op in _CLOSES:
+                held[_CLOSES[action.op]] -= 1
+        peak_all[stage] = peak["all"]
+        if any(a.op is Op.FE for a in actions):
+            peak_end[stage] = peak["end"]
+    return peak_all, peak_end
+
+
+def compute_cost(costs: dict[Op, float], per_stage: dict[int, dict[Op, float]] | None = None
+                 ) -> Callable[[Action], float]:
+    """A ``duration`` function from a table ``{op: time}``, optionally overridden per stage."""
+    overrides = per_stage or {}
+
+    def duration(action: Action) -> float:
+        table = overrides.get(action.stage, costs)
+        if action.op not in table:
+            raise KeyError(f"no cost for {action.op.value} on stage {action.stage}; add it to the "
+                           "cost table")
+        return table[action.op]
+
+    return duration
