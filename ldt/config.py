@@ -153,8 +153,11 @@ def load_cluster_yaml(path: str) -> ClusterConfig:
 
 
 def _plain(obj: Any) -> Any:
+    """A plain container; drops Hydra's ``defaults`` list so a conf/ file also loads bare."""
     if OmegaConf.is_config(obj):
-        return OmegaConf.to_container(obj, resolve=True)
+        obj = OmegaConf.to_container(obj, resolve=True)
+    if isinstance(obj, dict) and "defaults" in obj:
+        obj = {k: v for k, v in obj.items() if k != "defaults"}
     return obj
 
 

@@ -1,0 +1,76 @@
+"""Between the planner's :class:`Plan` and the rest of ldt: cluster configs and timelines.
+
+``ldt-sim`` prices an existing cluster config, which names device *types* per stage; the cost
+model needs device *kinds* (an A100 and an H100 are both ``cuda``). :func:`cluster_to_plan`
+maps each stage to a kind: the one given explicitly, else the only kind of that device type in
+the inventory (stage 0 of a U-shape prefers the inventory's edge kind).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ldt.config import ClusterConfig, ConfigError, ModelConfig, to_cluster
+from ldt.layout import split_layers
+from ldt.plan.evaluate import Evaluation, Plan, StageSpec
+from ldt.plan.inventory import Inventory, _load_plain, _resolve
+from ldt.plan.schedule_api import to_chrome_trace, to_png
+
+
+def load_cluster(name_or_path: str) -> ClusterConfig:
+    """A cluster file or a shipped ``conf/cluster/<name>``; Hydra's ``defaults`` list is ignored."""
+    return to_cluster(_load_plain(_resolve(name_or_path, "cluster")))
+
+
+def stage_kinds(cluster: ClusterConfig, inventory: Inventory,
+                kinds: Optional[Sequence[str]] = None) -> list[str]:
+    if kinds is not None:
+        if len(kinds) != len(cluster.stages):
+            raise ConfigError(f"--kinds lists {len(kinds)} kinds for {len(cluster.stages)} stages; "
+                              "give one kind per stage, comma-separated")
+        for i, (k, st) in enumerate(zip(kinds, cluster.stages)):
+            if inventory.kind(k).device != st.device:
+                raise ConfigError(f"--kinds[{i}]={k!r} is a {inventory.kind(k).device} kind but "
+                                  f"cluster.stages[{i}].device={st.device!r}; pick a {st.device} kind")
+        return list(kinds)
+    out = []
+    for i, st in enumerate(cluster.stages):
+        if cluster.u_shape and i == 0 and inventory.edge is not None \
+                and inventory.kind(inventory.edge).device == st.device:
+            out.append(inventory.edge)
+            continue
+        match = [k.name for k in inventory.kinds if k.device == st.device]
+        if len(match) != 1:
+            raise ConfigError(
+                f"cluster.stages[{i}].device={st.device!r} matches kinds {match} of inventory "
+                f"{inventory.name!r}; pass --kinds with one kind per stage (e.g. --kinds "
+                f"{','.join(k.name for k in inventory.kinds[:2])})")
+        out.append(match[0])
+    return out
+
+
+def cluster_to_plan(cluster, model: ModelConfig, inventory: Inventory, num_microbatches: int,
+                    kinds: Optional[Sequence[str]] = None) -> Plan:
+    """The Plan of an existing cluster config (one segment per stage, U-shape: P+1)."""
+    cluster = to_cluster(cluster)
+    p = len(cluster.stages)
+    split = split_layers(model.num_layers, p, u_shape=cluster.u_shape, layout=cluster.layout)
+    if split.vpp_size != 1:
+        raise ConfigError(f"cluster.layout={cluster.layout!r} has {split.vpp_size} chunks per stage "
+                          "(interleaved); the planner's simulator prices one segment per stage; "
+                          "use a layout with one segment per stage")
+    layers = tuple(c.num_layers for c in split.model_order)
+    names = stage_kinds(cluster, inventory, kinds)
+    stages = tuple(StageSpec(k, int(s.tp)) for k, s in zip(names, cluster.stages))
+    return Plan(stages, layers, bool(cluster.u_shape), int(cluster.dp), num_microbatches)
+
+
+def export_timeline(ev: Evaluation, trace: Optional[str] = None, png: Optional[str] = None,
+                    title: str = "") -> None:
+    """Chrome trace (seconds -> microseconds) and/or PNG of a simulated evaluation."""
+    if ev.sim is None:
+        raise ValueError("this evaluation was not simulated; use simulate_plan() to get a timeline")
+    if trace:
+        to_chrome_trace(ev.sim, trace, us_per_unit=1e6)
+    if png:
+        to_png(ev.sim, png, title or ev.plan.describe())

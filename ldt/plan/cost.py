@@ -1,0 +1,203 @@
+"""Cost model: FLOPs, time, memory and transfer cost of pipeline pieces on a device kind.
+
+Everything the planner and the simulator need to price a plan comes from here, so the
+assumptions live in one file (and in ``docs/planner.md``):
+
+* FLOPs per decoder layer and micro-batch (b sequences of length s, hidden h, ffn f, heads a,
+  query groups g): QKV ``2bsh(h + 2hg/a)`` + output projection ``2bsh^2`` + MLP ``4bshf``
+  (two matmuls, the local GPT spec) + attention core ``4bs^2h``; with g = a, f = 4h this is the
+  textbook ``24bsh^2 + 4bs^2h``. Output head ``2bshV``; embedding lookup ~0. Backward = 2x.
+* Time on kind K with TP t: ``flops / (t * peak * mfu * tp_efficiency**log2 t)`` plus the TP
+  all-reduces (2 per layer forward, 2 backward, of ``b*s*h`` elements) priced as a ring,
+  ``2(t-1)/t * bytes / intra_bw``.
+* Memory per rank: weights (dtype) + gradients (dtype) + Adam state; 16-bit training keeps an fp32
+  master copy and m, v (12 bytes/param), fp32 training keeps m, v (8 bytes/param): 16 bytes/param
+  either way. No distributed optimizer, no recomputation, no sequence parallelism.
+  Activations per layer (Korthikanti et al. 2022, generalised to any f and dtype d bytes):
+  ``s*b*(d*(4h + (2h + 2hg/a + 2f)/t) + 2h)`` bytes, plus ``s*b*(2d+1)*a*s/t`` when attention
+  scores are materialised (no flash attention); times the micro-batches a chunk holds in flight.
+* A stage boundary carries ``b*s*h`` elements: ``bytes / link_bw + latency``, plus a device->host
+  and host->device copy where the device types differ (host-staged gloo), plus the receiving
+  stage's TP broadcast (the leader receives and broadcasts, see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ldt.config import ModelConfig
+from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
+
+GB = 1e9
+GIB = 2**30
+OPTIMIZER_BYTES = {2: 12, 4: 8}  # per param: fp32 master + m + v (16-bit) / m + v (fp32)
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """What one model chunk on a stage holds: layers, E / L, and micro-batches in flight."""
+
+    layers: int
+    embedding: bool = False
+    head: bool = False
+    inflight: int = 1
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-rank memory of one stage, bytes."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def ring_allreduce_time(nbytes: float, n: int, bw_gbps: float) -> float:
+    """Ring all-reduce of ``nbytes`` over ``n`` ranks: each link moves 2(n-1)/n of the data."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (bw_gbps * GB)
+
+
+class CostModel:
+    """Prices layers, chunks and boundaries of one model/workload on an inventory's kinds."""
+
+    def __init__(self, model: ModelConfig, inventory: Inventory, micro_batch_size: int,
+                 dtype: str | None = None, flash_attention: bool = True) -> None:
+        self.model, self.inventory, self.b = model, inventory, micro_batch_size
+        self.dtype = dtype or model.params_dtype
+        self.d = DTYPE_BYTES[self.dtype]
+        self.flash_attention = flash_attention
+        m = model
+        self.h, self.a, self.s, self.V = m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size
+        self.f = m.ffn_hidden_size or 4 * m.hidden_size
+        self.g = m.num_query_groups or m.num_attention_heads
+        self.qkv = self.h + 2 * self.h * self.g // self.a  # QKV output width
+        self._cache: dict[tuple, tuple[float, float]] = {}
+
+    # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
+    def layer_flops(self) -> float:
+        b, s, h = self.b, self.s, self.h
+        return 2 * b * s * h * self.qkv + 2 * b * s * h * h + 4 * b * s * h * self.f + 4 * b * s * s * h
+
+    def head_flops(self) -> float:
+        return 2 * self.b * self.s * self.h * self.V
+
+    # ---- parameters per rank ----------------------------------------------------------------
+    def layer_params(self, tp: int) -> float:
+        """Column-parallel (QKV, fc1: weight + bias) and row-parallel weights split over TP;
+        row-parallel biases and the two LayerNorms are replicated."""
+        h, f, q = self.h, self.f, self.qkv
+        split = h * q + q + h * h + h * f + f + f * h
+        return split / tp + 2 * h + 4 * h
+
+    def embedding_params(self, tp: int) -> float:
+        pos = self.model.max_position_embeddings or self.s
+        return self.V * self.h / tp + pos * self.h
+
+    def head_params(self, tp: int, shares_embedding: bool = False) -> float:
+        out = 0.0 if shares_embedding else self.V * self.h / tp
+        return out + 2 * self.h  # + final LayerNorm
+
+    def chunk_params(self, tp: int, chunk: ChunkLoad, shares_embedding: bool = False) -> float:
+        p = chunk.layers * self.layer_params(tp)
+        if chunk.embedding:
+            p += self.embedding_params(tp)
+        if chunk.head:
+            p += self.head_params(tp, shares_embedding)
+        return p
+
+    # ---- activations per micro-batch per rank (bytes) -------------------------------------------
+    def layer_activation_bytes(self, tp: int) -> float:
+        s, b, h, d = self.s, self.b, self.h, self.d
+        per_token = d * (4 * h + (2 * h + self.qkv + 2 * self.f) / tp) + 2 * h
+        if not self.flash_attention:
+            per_token += (2 * d + 1) * self.a * s / tp
+        return s * b * per_token
+
+    def embedding_activation_bytes(self) -> float:
+        return self.s * self.b * self.h  # embedding dropout mask
+
+    def head_activation_bytes(self, tp: int) -> float:
+        return self.s * self.b * (2 * self.d * self.h + 4 * self.V / tp)  # LN in, head in, fp32 logits
+
+    def chunk_activation_bytes(self, tp: int, chunk: ChunkLoad) -> float:
+        act = chunk.layers * self.layer_activation_bytes(tp)
+        if chunk.embedding:
+            act += self.embedding_activation_bytes()
+        if chunk.head:
+            act += self.head_activation_bytes(tp)
+        return act * chunk.inflight
+
+    def stage_memory(self, tp: int, chunks: list[ChunkLoad]) -> Memory:
+        shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
+        params = sum(self.chunk_params(tp, c, shares) for c in chunks)
+        act = sum(self.chunk_activation_bytes(tp, c) for c in chunks)
+        return Memory(params * self.d, params * self.d, params * OPTIMIZER_BYTES[self.d], act)
+
+    def memory_limit(self, kind: str) -> float:
+        k = self.inventory.kind(kind)
+        return (k.memory_gib - k.reserved_gib) * GIB
+
+    # ---- time (seconds) ------------------------------------------------------------------------
+    def _speed(self, k: DeviceKind, tp: int) -> float:
+        """Achieved FLOP/s of one TP group."""
+        return tp * k.tflops * 1e12 * k.mfu * k.tp_efficiency ** math.log2(tp)
+
+    def _tp_allreduce(self, k: DeviceKind, tp: int) -> float:
+        return ring_allreduce_time(self.b * self.s * self.h * self.d, tp, k.intra_bw_gbps)
+
+    def layer_time(self, kind: str, tp: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one decoder layer for one micro-batch."""
+        key = ("layer", kind, tp)
+        if key not in self._cache:
+            k = self.inventory.kind(kind)
+            fwd = self.layer_flops() / self._speed(k, tp)
+            ar = 2 * self._tp_allreduce(k, tp)
+            self._cache[key] = (fwd + ar, 2 * fwd + ar)
+        return self._cache[key]
+
+    def embedding_time(self, kind: str, tp: int) -> tuple[float, float]:
+        """Lookup is free; the vocab-parallel embedding all-reduces its output once."""
+        return self._tp_allreduce(self.inventory.kind(kind), tp), 0.0
+
+    def head_time(self, kind: str, tp: int) -> tuple[float, float]:
+        """Output head matmul (+ loss); backward all-reduces the head's input gradient."""
+        k = self.inventory.kind(kind)
+        fwd = self.head_flops() / self._speed(k, tp)
+        return fwd, 2 * fwd + self._tp_allreduce(k, tp)
+
+    def chunk_time(self, kind: str, tp: int, chunk: ChunkLoad) -> tuple[float, float]:
+        lf, lb = self.layer_time(kind, tp)
+        f, b = chunk.layers * lf, chunk.layers * lb
+        if chunk.embedding:
+            ef, eb = self.embedding_time(kind, tp)
+            f, b = f + ef, b + eb
+        if chunk.head:
+            hf, hb = self.head_time(kind, tp)
+            f, b = f + hf, b + hb
+        return f, b
+
+    def boundary_bytes(self) -> float:
+        return self.b * self.s * self.h * self.d
+
+    def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int) -> float:
+        """One activation (or gradient) from a stage leader to the next stage, all its ranks."""
+        nbytes = self.boundary_bytes()
+        src, dst = self.inventory.kind(src_kind), self.inventory.kind(dst_kind)
+        link = self.inventory.link(src_kind, dst_kind)
+        t = nbytes / (link.bandwidth_gbps * GB) + link.latency_us * 1e-6
+        if src.device != dst.device:  # host-staged: copy to host, gloo, copy to device
+            t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
+        if dst_tp > 1:  # leader broadcasts inside its TP group
+            t += nbytes / (dst.intra_bw_gbps * GB)
+        return t
+
+    def dp_allreduce_time(self, kind: str, params_per_rank: float, dp: int) -> float:
+        """Gradient all-reduce across replicas (not overlapped with the pipeline: conservative)."""
+        return ring_allreduce_time(params_per_rank * self.d, dp,
+                                   self.inventory.link(kind, kind).bandwidth_gbps)

@@ -1,0 +1,204 @@
+"""Price a pipeline plan: closed-form estimate, and a timed run of the real schedule.
+
+A :class:`Plan` is one pipeline replica (ordered stages of one device kind and TP size each, a
+contiguous layer split) repeated ``dp`` times. :func:`simulate_plan` turns the cost model into
+per-action durations and runs :func:`ldt.schedule.simulate` on the very action lists the runtime
+executes (``one_f_one_b`` / ``u_shape`` lowered with communication), so the planner ranks plans
+by the schedule that will run, not by a second model of it. :func:`closed_form` is the cheap
+estimate used to prune before simulating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Optional
+
+from ldt.plan.cost import ChunkLoad, CostModel, Memory
+from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, simulate, u_shape
+
+@dataclass(frozen=True)
+class StageSpec:
+    kind: str
+    tp: int
+
+@dataclass(frozen=True)
+class Plan:
+    """One replica's pipeline, replicated ``dp`` times (every replica identical)."""
+
+    stages: tuple[StageSpec, ...]
+    layers: tuple[int, ...]
+    """Decoder layers per layout segment: P (plain) or P+1 (U-shape; the last is the edge's end
+    chunk). E goes on segment 0, L on the last segment."""
+    u_shape: bool
+    dp: int
+    num_microbatches: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None) -> list[ChunkLoad]:
+        """The chunks a stage holds; ``inflight`` overrides the closed-form in-flight counts
+        (edge: (start chunk, end chunk)), e.g. with the simulator's peaks."""
+        p, m, last = self.num_stages, self.num_microbatches, len(self.layers) - 1
+        if self.u_shape and stage == 0:
+            start, end = inflight or (min(p + 1, m), 1)
+            return [ChunkLoad(self.layers[0], embedding=True, inflight=start),
+                    ChunkLoad(self.layers[last], head=True, inflight=end)]
+        held = inflight[0] if inflight else min(p + (1 if self.u_shape else 0) - stage, m)
+        return [ChunkLoad(self.layers[stage], embedding=stage == 0,
+                          head=not self.u_shape and stage == last, inflight=held)]
+
+    def layout(self) -> str:
+        """The cluster.layout string of this split (ldt.layout grammar)."""
+        segs = []
+        for i, n in enumerate(self.layers):
+            tok = "" if n == 0 else "t" if n == 1 else f"t*{n}"
+            segs.append(("E" if i == 0 else "") + tok + ("L" if i == len(self.layers) - 1 else ""))
+        return "|".join(segs)
+
+    def stage_names(self) -> list[str]:
+        seen: dict[str, int] = {}
+        names = []
+        for i, st in enumerate(self.stages):
+            if self.u_shape and i == 0:
+                names.append("edge")
+                continue
+            names.append(f"{st.kind}_{seen.get(st.kind, 0)}")
+            seen[st.kind] = seen.get(st.kind, 0) + 1
+        return names
+
+    def describe(self) -> str:
+        st = " ".join(f"{s.kind}/tp{s.tp}" for s in self.stages)
+        return f"dp={self.dp} m={self.num_microbatches} [{st}] layout={self.layout()}"
+
+@dataclass
+class StageReport:
+    index: int
+    name: str
+    kind: str
+    device: str
+    tp: int
+    layers: str
+    fwd: float
+    """Forward seconds per micro-batch (all chunks)."""
+    bwd: float
+    busy: float
+    """Seconds of compute in one iteration (simulated when available)."""
+    memory: Memory
+    memory_limit: float
+    inflight: tuple[int, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory_limit
+
+@dataclass
+class Evaluation:
+    plan: Plan
+    iteration_time: float
+    """Pipeline time plus the data-parallel gradient all-reduce, seconds."""
+    pipeline_time: float
+    dp_allreduce_time: float
+    bubble_fraction: float
+    stages: list[StageReport]
+    sim: Optional[SimResult] = field(default=None, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return all(s.fits for s in self.stages)
+
+@lru_cache(maxsize=64)
+def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool):
+    """The lowered action lists the runtime runs (cached: they depend on P, m and kind only)."""
+    if ushape:
+        return lower(u_shape(num_stages, num_microbatches), "ushape")
+    return lower(one_f_one_b(num_stages, num_microbatches), "1f1b")
+
+def chunk_times(plan: Plan, cost: CostModel) -> list[list[tuple[float, float]]]:
+    """(fwd, bwd) per chunk per stage, one micro-batch."""
+    return [[cost.chunk_time(st.kind, st.tp, c) for c in plan.stage_chunks(i)]
+            for i, st in enumerate(plan.stages)]
+
+def op_table(plan: Plan, cost: CostModel) -> dict[int, dict[Op, float]]:
+    """Duration of every compute op on every stage (edge: FS/FE/BS/BE from its two chunks)."""
+    table = {}
+    for i, chunks in enumerate(chunk_times(plan, cost)):
+        if plan.u_shape and i == 0:
+            (sf, sb), (ef, eb) = chunks
+            table[i] = {Op.FS: sf, Op.BE: sb, Op.FE: ef, Op.BS: eb}
+        else:
+            table[i] = {Op.F: chunks[0][0], Op.B: chunks[0][1]}
+    return table
+
+def comm_table(plan: Plan, cost: CostModel) -> dict[tuple[int, int], float]:
+    """Transfer time of one boundary tensor from stage a to stage b, for every adjacent pair."""
+    p, out = plan.num_stages, {}
+    pairs = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if plan.u_shape else [])
+    for a, b in pairs:
+        sa, sb = plan.stages[a], plan.stages[b]
+        out[(a, b)] = cost.boundary_time(sa.kind, sb.kind, sb.tp)
+        out[(b, a)] = cost.boundary_time(sb.kind, sa.kind, sa.tp)
+    return out
+
+def simulate_times(ops: dict[int, dict[Op, float]], comm: dict[tuple[int, int], float],
+                   num_microbatches: int, ushape: bool) -> SimResult:
+    """Run the real lowered schedule with these per-op and per-boundary times."""
+    schedule = lowered_schedule(len(ops), num_microbatches, ushape)
+    return simulate(schedule, duration=lambda a: ops[a.stage][a.op],
+                    comm_time=lambda a: comm[(a.stage, a.peer)])
+
+def dp_allreduce(plan: Plan, cost: CostModel) -> float:
+    if plan.dp <= 1:
+        return 0.0
+    shares = cost.model.tie_embeddings
+    return max(cost.dp_allreduce_time(st.kind, sum(cost.chunk_params(st.tp, c, shares and i == 0)
+                                                   for c in plan.stage_chunks(i)), plan.dp)
+               for i, st in enumerate(plan.stages))
+
+def closed_form(plan: Plan, cost: CostModel) -> float:
+    """1F1B estimate: fill + drain through every (logical) stage, then (m-1) bottleneck cycles."""
+    times = chunk_times(plan, cost)
+    comm = comm_table(plan, cost)
+    logical = [f + b for chunks in times for f, b in chunks]
+    per_stage = [sum(f + b for f, b in chunks) for chunks in times]
+    return (sum(logical) + sum(comm.values()) + (plan.num_microbatches - 1) * max(per_stage)
+            + dp_allreduce(plan, cost))
+
+def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
+    """Simulate one iteration; memory uses the simulator's peak in-flight micro-batches."""
+    sim = simulate_times(op_table(plan, cost), comm_table(plan, cost), plan.num_microbatches,
+                         plan.u_shape)
+    inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
+                else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
+    return _evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
+
+def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
+    """Closed-form evaluation (no simulation); busy = m * (fwd + bwd)."""
+    t = closed_form(plan, cost) - dp_allreduce(plan, cost)
+    m = plan.num_microbatches
+    busy = {i: m * sum(f + b for f, b in ch) for i, ch in enumerate(chunk_times(plan, cost))}
+    bubble = 1 - sum(busy.values()) / (plan.num_stages * t)
+    inflight = {i: tuple(c.inflight for c in plan.stage_chunks(i)) for i in range(plan.num_stages)}
+    return _evaluation(plan, cost, t, bubble, busy, inflight, None)
+
+def _evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: dict[int, float],
+                inflight: dict[int, tuple[int, ...]], sim: Optional[SimResult]) -> Evaluation:
+    from ldt.layout import split_layers
+
+    split = split_layers(sum(plan.layers), plan.num_stages, u_shape=plan.u_shape,
+                         layout=plan.layout())
+    names, reports = plan.stage_names(), []
+    for i, st in enumerate(plan.stages):
+        chunks = plan.stage_chunks(i, inflight[i])
+        fb = [cost.chunk_time(st.kind, st.tp, c) for c in chunks]
+        reports.append(StageReport(
+            i, names[i], st.kind, cost.inventory.kind(st.kind).device, st.tp, split.describe(i),
+            sum(f for f, _ in fb), sum(b for _, b in fb), busy[i],
+            cost.stage_memory(st.tp, chunks), cost.memory_limit(st.kind), inflight[i]))
+    ar = dp_allreduce(plan, cost)
+    return Evaluation(plan, pipe + ar, pipe, ar, bubble, reports, sim)
+
+def with_layers(plan: Plan, layers: tuple[int, ...]) -> Plan:
+    return replace(plan, layers=tuple(layers))

@@ -1,0 +1,124 @@
+"""Brute-force reference planner for small instances (tests and the benchmark).
+
+It enumerates everything the planner's model allows: every dp size, every multiset of stages per
+kind (any mix of TP sizes, any number of devices left idle), every order of those stages (kinds
+interleaved freely; the U-shape edge first), every contiguous layer split, and simulates each
+memory-feasible plan on the real schedule. The only shortcut is exact: a plan is not simulated
+when a lower bound on its time (a stage must run all its micro-batches after the stages before
+it have passed micro-batch 0 forward and back) already exceeds the best time found.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from ldt.config import ModelConfig
+from ldt.plan.cost import CostModel
+from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, chunk_times, dp_allreduce,
+                               simulate_plan)
+from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
+from ldt.plan.planner import make_cost, wants_ushape
+
+
+@dataclass
+class ExhaustiveResult:
+    best: Optional[Evaluation]
+    plans: int
+    """Memory-feasible plans enumerated."""
+    simulated: int
+
+
+def _multisets(tps: list[int], devices: int, max_stages: int) -> Iterator[tuple[int, ...]]:
+    """TP multisets (non-increasing tuples) using at most ``devices`` devices."""
+    def rec(prefix: tuple[int, ...], left: int, top: int):
+        yield prefix
+        if len(prefix) >= max_stages:
+            return
+        for t in tps:
+            if t <= top and t <= left:
+                yield from rec(prefix + (t,), left - t, t)
+    yield from rec((), devices, max(tps))
+
+
+def _compositions(total: int, lows: list[int]) -> Iterator[tuple[int, ...]]:
+    """Every way to write ``total`` as len(lows) parts, part i >= lows[i]."""
+    if len(lows) == 1:
+        if total >= lows[0]:
+            yield (total,)
+        return
+    for first in range(lows[0], total - sum(lows[1:]) + 1):
+        for rest in _compositions(total - first, lows[1:]):
+            yield (first, *rest)
+
+
+def _lower_bound(plan: Plan, cost: CostModel) -> float:
+    w = [f + b for chunks in chunk_times(plan, cost) for f, b in chunks]
+    m = plan.num_microbatches
+    if plan.u_shape:  # logical chain: edge start, cloud stages, edge end
+        edge = m * (w[0] + w[1])
+        chain = [w[0]] + w[2:]
+        return max([edge] + [m * chain[k] + sum(chain[:k]) for k in range(1, len(chain))])
+    return max(m * w[k] + sum(w[:k]) for k in range(len(w)))
+
+
+def stage_sequences(inventory: Inventory, model: ModelConfig, ushape: bool, dp: int,
+                    max_stages: int) -> Iterator[tuple[StageSpec, ...]]:
+    kinds = [k for k in inventory.kinds if not (ushape and k.name == inventory.edge)]
+    per_kind = []
+    for k in kinds:
+        n = k.count // dp
+        tps = [t for t in valid_tp_sizes(model, k.node_size) if t <= n]
+        per_kind.append([tuple(StageSpec(k.name, t) for t in ms)
+                         for ms in (_multisets(tps, n, max_stages) if tps else [()])])
+    heads = [()]
+    if ushape:
+        e = inventory.kind(inventory.edge)
+        heads = [(StageSpec(e.name, t),) for t in valid_tp_sizes(model, e.node_size)
+                 if t <= e.count // dp]
+    for combo in itertools.product(*per_kind):
+        body = [s for group in combo for s in group]
+        if not body or len(body) > max_stages:
+            continue
+        for order in set(itertools.permutations(body)):
+            for head in heads:
+                yield head + order
+
+
+def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
+               max_stages: Optional[int] = None) -> ExhaustiveResult:
+    """Best simulated plan over the whole (small) search space."""
+    cost = make_cost(inventory, model, workload)
+    ushape = wants_ushape(inventory, workload)
+    L, b, g = model.num_layers, workload.micro_batch_size, workload.global_batch_size
+    emin = workload.edge_min_layers
+    best: Optional[Evaluation] = None
+    plans = sims = 0
+    for dp in range(1, inventory.total_devices + 1):
+        if (g // b) % dp or (ushape and inventory.kind(inventory.edge).count < dp):
+            continue
+        m = g // (b * dp)
+        for stages in stage_sequences(inventory, model, ushape, dp, max_stages or L):
+            p = len(stages)
+            lows = [emin] + [1] * (p - 1) + [emin] if ushape else [1] * p
+            if ushape and p < 2:
+                continue
+            for layers in _compositions(L, lows):
+                plan = Plan(stages, layers, ushape, dp, m)
+                if not _fits(plan, cost):
+                    continue
+                plans += 1
+                if best is not None and (_lower_bound(plan, cost) + dp_allreduce(plan, cost)
+                                         >= best.iteration_time):
+                    continue
+                ev = simulate_plan(plan, cost)
+                sims += 1
+                if ev.fits and (best is None or ev.iteration_time < best.iteration_time):
+                    best = ev
+    return ExhaustiveResult(best, plans, sims)
+
+
+def _fits(plan: Plan, cost: CostModel) -> bool:
+    return all(cost.stage_memory(st.tp, plan.stage_chunks(i)).total <= cost.memory_limit(st.kind)
+               for i, st in enumerate(plan.stages))

@@ -1,0 +1,205 @@
+"""Planner inputs: the cluster inventory (what hardware exists) and the workload (batch, dtype).
+
+An inventory describes hardware, not a pipeline: device *kinds* (how many, how fast, how much
+memory, how fast inside a node), *links* between kinds (bandwidth, latency) and, for the U-shape,
+which kind is the data owner's *edge*. The planner turns it into a cluster config
+(``conf/cluster/*.yaml``). Files live in ``conf/inventory/`` and load through OmegaConf onto the
+dataclasses below, so a typo in a key is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_model
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class DeviceKind:
+    name: str = MISSING
+    """Name used by links, ``edge`` and the generated stage names, e.g. ``a100``."""
+    device: str = MISSING
+    """Device type as in cluster configs: ``cuda``, ``npu`` or ``cpu``."""
+    count: int = MISSING
+    """How many devices of this kind exist."""
+    tflops: float = MISSING
+    """Peak dense TFLOP/s at the training dtype."""
+    memory_gib: float = MISSING
+    """Device memory per device."""
+    intra_bw_gbps: float = MISSING
+    """Bandwidth inside a node (NVLink, HCCS, shared memory), GB/s; prices TP all-reduces."""
+    node_size: int = 8
+    """Devices per node: a TP group never spans nodes, so TP <= node_size."""
+    mfu: float = 0.5
+    """Fraction of peak a transformer layer's matmuls reach on this kind (calibrate per kind)."""
+    tp_efficiency: float = 0.95
+    """Compute efficiency kept per doubling of TP (smaller GEMMs): TP t runs at eff**log2(t)."""
+    host_bw_gbps: float = 25.0
+    """Device <-> host copy bandwidth (PCIe), GB/s; prices host-staged boundaries."""
+    reserved_gib: float = 2.0
+    """Memory the planner never fills: framework context, workspaces, fragmentation."""
+
+
+@dataclass
+class Link:
+    a: str = MISSING
+    """Kind name at one end."""
+    b: str = MISSING
+    """Kind name at the other end (may equal ``a``: the network between nodes of one kind)."""
+    bandwidth_gbps: float = MISSING
+    latency_us: float = 0.0
+
+
+@dataclass
+class Inventory:
+    name: str = "inventory"
+    kinds: List[DeviceKind] = MISSING
+    links: List[Link] = field(default_factory=list)
+    """Kind pairs that exchange activations. A missing self-link means stages of one kind talk
+    over ``intra_bw_gbps``; a missing link between two kinds is an error."""
+    edge: Optional[str] = None
+    """Kind that is the U-shape's edge (data owner, stage 0); None: no edge, plain pipelines."""
+
+    def __post_init__(self) -> None:
+        names = [k.name for k in self.kinds]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"inventory.kinds names {names} repeat; give every kind its own name")
+        for i, k in enumerate(self.kinds):
+            _check_kind(i, k)
+        for i, link in enumerate(self.links):
+            for end in ("a", "b"):
+                if getattr(link, end) not in names:
+                    raise ConfigError(f"inventory.links[{i}].{end}={getattr(link, end)!r} names no "
+                                      f"kind; use one of {names}")
+            if link.bandwidth_gbps <= 0 or link.latency_us < 0:
+                raise ConfigError(f"inventory.links[{i}] bandwidth_gbps={link.bandwidth_gbps}, "
+                                  f"latency_us={link.latency_us}: need bandwidth > 0, latency >= 0")
+        if self.edge is not None and self.edge not in names:
+            raise ConfigError(f"inventory.edge={self.edge!r} names no kind; use one of {names} "
+                              "or null for plain pipelines")
+
+    def kind(self, name: str) -> DeviceKind:
+        for k in self.kinds:
+            if k.name == name:
+                return k
+        raise ConfigError(f"no device kind {name!r} in inventory {self.name!r}; "
+                          f"kinds are {[k.name for k in self.kinds]}")
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between two kinds (either direction); self-link defaults to intra-node."""
+        for link in self.links:
+            if {link.a, link.b} == {a, b}:
+                return link
+        if a == b:
+            return Link(a, a, self.kind(a).intra_bw_gbps, 0.0)
+        raise ConfigError(f"inventory {self.name!r} has no link between kinds {a!r} and {b!r}; add "
+                          f"'- {{a: {a}, b: {b}, bandwidth_gbps: ..., latency_us: ...}}' to links")
+
+    @property
+    def total_devices(self) -> int:
+        return sum(k.count for k in self.kinds)
+
+
+def _check_kind(i: int, k: DeviceKind) -> None:
+    where = f"inventory.kinds[{i}] ({k.name})"
+    if k.device not in DEVICE_TYPES:
+        raise ConfigError(f"{where}.device={k.device!r}; use one of {', '.join(DEVICE_TYPES)}")
+    for key in ("count", "tflops", "memory_gib", "intra_bw_gbps", "node_size", "host_bw_gbps"):
+        if not getattr(k, key) > 0:
+            raise ConfigError(f"{where}.{key}={getattr(k, key)} must be > 0")
+    for key in ("mfu", "tp_efficiency"):
+        if not 0 < getattr(k, key) <= 1:
+            raise ConfigError(f"{where}.{key}={getattr(k, key)} must be in (0, 1]")
+    if not 0 <= k.reserved_gib < k.memory_gib:
+        raise ConfigError(f"{where}.reserved_gib={k.reserved_gib} must be in [0, memory_gib)")
+
+
+@dataclass
+class Workload:
+    """What one optimizer step processes, and the modelling switches that go with it."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 64
+    """Sequences per optimizer step over all replicas: dp * num_microbatches * micro_batch_size."""
+    dtype: Optional[str] = None
+    """Training dtype (activations, weights); None takes model.params_dtype."""
+    flash_attention: bool = True
+    """Fused/flash attention keeps no s*s score matrices (TE, FlashAttention, NPU fused attn)."""
+    u_shape: Optional[bool] = None
+    """Plan a U-shape (edge = stage 0); None: a U-shape exactly when the inventory names an edge."""
+    edge_min_layers: int = 1
+    """Decoder layers the edge keeps in *each* of its chunks: with 0 the cloud would receive raw
+    embeddings (trivially invertible to tokens) and send back the head's input."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.global_batch_size < self.micro_batch_size:
+            raise ConfigError(f"workload micro_batch_size={self.micro_batch_size}, global_batch_size="
+                              f"{self.global_batch_size}: need 1 <= micro_batch_size <= global")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(f"workload.global_batch_size={self.global_batch_size} is not a "
+                              f"multiple of micro_batch_size={self.micro_batch_size}; make it one")
+        if self.edge_min_layers < 0:
+            raise ConfigError(f"workload.edge_min_layers={self.edge_min_layers} must be >= 0")
+        if self.dtype is not None and self.dtype not in DTYPE_BYTES:
+            raise ConfigError(f"workload.dtype={self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
+
+
+def _conf_dir() -> str:
+    import importlib.resources as resources
+
+    return str(resources.files("ldt.conf"))
+
+
+def _resolve(name_or_path: str, group: str) -> str:
+    """A path as given, or ``conf/<group>/<name>.yaml`` from the installed config tree."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    path = os.path.join(_conf_dir(), group, f"{name_or_path}.yaml")
+    if not os.path.exists(path):
+        shipped = sorted(f[:-5] for f in os.listdir(os.path.join(_conf_dir(), group))
+                         if f.endswith(".yaml"))
+        raise ConfigError(f"{group} {name_or_path!r} is neither a file nor a shipped config; "
+                          f"give a path or one of {shipped}")
+    return path
+
+
+def _load_plain(path: str) -> dict:
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    data.pop("defaults", None)  # Hydra's list; not part of the schema
+    return data
+
+
+def load_inventory(name_or_path: str) -> Inventory:
+    """Load ``conf/inventory/<name>.yaml`` (or a path), type-checked against :class:`Inventory`."""
+    merged = OmegaConf.merge(OmegaConf.structured(Inventory),
+                             _load_plain(_resolve(name_or_path, "inventory")))
+    try:
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as exc:  # omegaconf names the key; keep its text
+        raise ConfigError(f"inventory {name_or_path!r}: {exc}") from exc
+
+
+def load_model(name_or_path: str) -> ModelConfig:
+    """Load ``conf/model/<name>.yaml`` (or a path) as a :class:`ModelConfig`."""
+    return to_model(_load_plain(_resolve(name_or_path, "model")))
+
+
+def valid_tp_sizes(model: ModelConfig, limit: int) -> list[int]:
+    """TP sizes that divide heads, hidden, ffn, vocab (and query groups), up to ``limit``."""
+    dims = [model.num_attention_heads, model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size,
+            model.vocab_size]
+    if model.num_query_groups:
+        dims.append(model.num_query_groups)
+    g = 0
+    for d in dims:
+        g = math.gcd(g, d)
+    return [t for t in range(1, min(g, limit) + 1) if g % t == 0]

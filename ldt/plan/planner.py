@@ -1,0 +1,178 @@
+"""The planner: inventory + model + workload -> the fastest pipeline plan that fits in memory.
+
+Search, coarse to fine (each step exists because the next one is too slow to run on everything):
+
+1. :func:`ldt.plan.candidates.stage_sets` enumerates dp sizes and per-kind stage groups and ranks
+   them by a continuous estimate (numpy, milliseconds even for 1024 devices);
+2. for the best stage sets, every order of the kind blocks gets an exact layer split
+   (:func:`ldt.plan.split.best_split`, bottleneck bisection with memory caps) and a closed-form
+   1F1B time; sets whose split does not fit in memory are skipped and the next set is taken;
+3. plans are simulated on the real schedule (``ldt.schedule``) in closed-form order, as many
+   as a time budget allows (all of them on small instances);
+4. the best few simulated plans are refined by moving single layers between segments, judged by the
+   simulator, within a budget of simulations.
+
+The simulated iteration time (pipeline + data-parallel all-reduce) is the number that is
+minimised and reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ldt.config import ConfigError, ModelConfig
+from ldt.plan.candidates import orders, stage_sets
+from ldt.plan.cost import CostModel
+from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, closed_form, simulate_plan,
+                               with_layers)
+from ldt.plan.inventory import Inventory, Workload
+from ldt.plan.split import best_split
+
+
+@dataclass
+class PlannerOptions:
+    split_sets: int = 64
+    """Stage sets (after the quick estimate) that get an exact split, counting only ones that fit."""
+    simulate_min: int = 6
+    """Plans, best closed form first, that are always simulated."""
+    simulate_max: int = 400
+    """Most plans simulated before the local search."""
+    simulate_seconds: float = 1.0
+    """Past ``simulate_min`` plans, simulate more only while within this time (the closed form
+    ranks heterogeneous and U-shape pipelines only roughly; the simulator decides)."""
+    refine_top: int = 3
+    """Simulated plans the local search starts from (best first)."""
+    refine_sims: int = 80
+    """Simulations the local search may spend per start."""
+    refine_seconds: float = 1.5
+    """Wall-clock cap of the local search."""
+    max_stages: Optional[int] = None
+    """Upper bound on pipeline stages (None: the layer count)."""
+
+
+@dataclass
+class PlanResult:
+    best: Evaluation
+    ranked: list[Evaluation]
+    """Simulated candidates, best first (``best`` is refined from ``ranked[0]``)."""
+    stage_sets_scored: int
+    plans_split: int
+    simulations: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def make_cost(inventory: Inventory, model: ModelConfig, workload: Workload) -> CostModel:
+    return CostModel(model, inventory, workload.micro_batch_size, workload.dtype,
+                     workload.flash_attention)
+
+
+def wants_ushape(inventory: Inventory, workload: Workload) -> bool:
+    return inventory.edge is not None if workload.u_shape is None else bool(workload.u_shape)
+
+
+def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
+         options: Optional[PlannerOptions] = None) -> PlanResult:
+    """Search stage formation, order, layer split and dp; return the best simulated plan."""
+    opts = options or PlannerOptions()
+    t0 = time.perf_counter()
+    cost = make_cost(inventory, model, workload)
+    ushape = wants_ushape(inventory, workload)
+    sets = stage_sets(cost, ushape, workload.global_batch_size, model.num_layers, opts.max_stages)
+    edge_min = workload.edge_min_layers
+    plans, used = _split_best_sets(sets, cost, ushape, model.num_layers, opts.split_sets, edge_min)
+    if not plans:
+        raise ConfigError(_nothing_fits(inventory, model, workload, len(sets)))
+    plans.sort(key=lambda pc: pc[1])
+    ranked = _simulate_ranked([p for p, _ in plans], cost, opts)
+    best, sims = ranked[0], len(ranked)
+    for start in ranked[:opts.refine_top]:
+        ev, n = refine(start, cost, opts.refine_sims, opts.refine_seconds / opts.refine_top,
+                       edge_min)
+        sims += n
+        if ev.fits and ev.iteration_time < best.iteration_time:
+            best = ev
+    return PlanResult(best, ranked, len(sets), used, sims, time.perf_counter() - t0)
+
+
+def _split_best_sets(sets, cost: CostModel, ushape: bool, num_layers: int, wanted: int,
+                     edge_min: int):
+    """Exact split of every order of the best stage sets until ``wanted`` sets fit."""
+    plans: list[tuple[Plan, float]] = []
+    fitted = tried = 0
+    for ss in sets:
+        if fitted >= wanted:
+            break
+        ok = False
+        for seq in orders(ss, ushape):
+            tried += 1
+            stages = tuple(StageSpec(k, t) for k, t in seq)
+            layers = best_split(stages, ushape, ss.num_microbatches, cost, num_layers, edge_min)
+            if layers is None:
+                continue
+            p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches)
+            plans.append((p, closed_form(p, cost)))
+            ok = True
+        fitted += ok
+    return plans, tried
+
+
+def _simulate_ranked(plans: list[Plan], cost: CostModel, opts: PlannerOptions) -> list[Evaluation]:
+    """Simulate plans in closed-form order: at least ``simulate_min``, more while time allows."""
+    t0, out = time.perf_counter(), []
+    for i, p in enumerate(plans[:opts.simulate_max]):
+        if i >= opts.simulate_min and time.perf_counter() - t0 > opts.simulate_seconds:
+            break
+        out.append(simulate_plan(p, cost))
+    return sorted((e for e in out if e.fits), key=lambda e: e.iteration_time) or out
+
+
+def _nothing_fits(inventory: Inventory, model: ModelConfig, workload: Workload, n: int) -> str:
+    mem = ", ".join(f"{k.name}: {k.count} x {k.memory_gib} GiB" for k in inventory.kinds)
+    return (f"no plan fits: {n} stage sets of inventory {inventory.name!r} ({mem}) were tried for "
+            f"model {model.name!r} ({model.num_layers} layers, hidden {model.hidden_size}) with "
+            f"micro_batch_size={workload.micro_batch_size}, global_batch_size="
+            f"{workload.global_batch_size}; lower micro_batch_size, use flash_attention, or add "
+            "devices / memory")
+
+
+def _neighbours(plan: Plan, edge_min: int) -> list[tuple[int, ...]]:
+    """Splits one layer away from ``plan``: adjacent segments (any pair when P is small)."""
+    n, lay = len(plan.layers), plan.layers
+    pairs = ([(i, j) for i in range(n) for j in range(n) if i != j] if n <= 8 else
+             [(i, i + 1) for i in range(n - 1)] + [(i + 1, i) for i in range(n - 1)])
+    if plan.u_shape:
+        pairs += [(0, n - 1), (n - 1, 0)]
+    out = []
+    for src, dst in dict.fromkeys(pairs):
+        cloud_or_plain = not plan.u_shape or 0 < src < n - 1
+        if lay[src] - 1 < (1 if cloud_or_plain else edge_min):
+            continue
+        new = list(lay)
+        new[src] -= 1
+        new[dst] += 1
+        out.append(tuple(new))
+    return out
+
+
+def refine(start: Evaluation, cost: CostModel, max_sims: int, max_seconds: float,
+           edge_min: int = 1) -> tuple[Evaluation, int]:
+    """First-improvement hill climb over one-layer moves, judged by the simulator."""
+    best, sims, t0 = start, 0, time.perf_counter()
+    improved = True
+    while improved and sims < max_sims and time.perf_counter() - t0 < max_seconds:
+        improved = False
+        for layers in _neighbours(best.plan, edge_min):
+            if sims >= max_sims or time.perf_counter() - t0 >= max_seconds:
+                break
+            cand = with_layers(best.plan, layers)
+            if closed_form(cand, cost) > 1.5 * best.iteration_time:
+                continue  # clearly worse; not worth a simulation
+            ev = simulate_plan(cand, cost)
+            sims += 1
+            if ev.fits and ev.iteration_time < best.iteration_time * (1 - 1e-12):
+                best, improved = ev, True
+                break
+    return best, sims

@@ -1,0 +1,95 @@
+"""What the planner hands back: a cluster YAML, a human table and a JSON summary.
+
+The YAML has exactly the keys of ``conf/cluster/*.yaml`` (``ClusterConfig``), so it loads with
+``ldt.config.load_cluster_yaml`` and validates with ``ldt.validate.validate``; the prediction
+goes into comments at its top, where it is visible but cannot break loading.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ldt.plan.cost import GIB
+from ldt.plan.evaluate import Evaluation, Plan
+from ldt.plan.inventory import Inventory
+
+
+def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
+    """The ClusterConfig fields of a plan (stages, u_shape, layout, dp)."""
+    names = plan.stage_names()
+    return {
+        "stages": [{"name": n, "device": inventory.kind(s.kind).device, "tp": s.tp}
+                   for n, s in zip(names, plan.stages)],
+        "u_shape": plan.u_shape,
+        "layout": plan.layout(),
+        "dp": plan.dp,
+    }
+
+
+def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int
+                 ) -> str:
+    """A cluster file for ``conf/cluster/`` with the prediction as header comments."""
+    p = ev.plan
+    head = [
+        f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
+        f"# Train with train.num_microbatches={p.num_microbatches} "
+        f"train.micro_batch_size={micro_batch_size} (global batch "
+        f"{p.dp * p.num_microbatches * micro_batch_size}).",
+        f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
+        f"{ev.pipeline_time * 1e3:.1f} ms + dp all-reduce {ev.dp_allreduce_time * 1e3:.1f} ms), "
+        f"bubble {ev.bubble_fraction:.1%}.",
+    ]
+    head += [f"#   stage {s.index} {s.name}: {s.kind} tp={s.tp} layers {s.layers}, "
+             f"{s.memory.total / GIB:.1f}/{s.memory_limit / GIB:.1f} GiB" for s in ev.stages]
+    body = OmegaConf.to_yaml(OmegaConf.create(cluster_dict(p, inventory)))
+    return "\n".join(head) + "\n" + body
+
+
+def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
+    return [{
+        "stage": s.index, "name": s.name, "kind": s.kind, "device": s.device, "tp": s.tp,
+        "layers": s.layers, "fwd_ms": s.fwd * 1e3, "bwd_ms": s.bwd * 1e3,
+        "busy_ms": s.busy * 1e3, "inflight": list(s.inflight),
+        "memory_gib": s.memory.total / GIB, "memory_limit_gib": s.memory_limit / GIB,
+        "weights_gib": s.memory.weights / GIB, "activations_gib": s.memory.activations / GIB,
+    } for s in ev.stages]
+
+
+def summary(ev: Evaluation, inventory: Inventory) -> dict[str, Any]:
+    """JSON-ready description of an evaluated plan."""
+    p = ev.plan
+    return {
+        "cluster": cluster_dict(p, inventory),
+        "num_microbatches": p.num_microbatches,
+        "iteration_time_s": ev.iteration_time,
+        "pipeline_time_s": ev.pipeline_time,
+        "dp_allreduce_time_s": ev.dp_allreduce_time,
+        "bubble_fraction": ev.bubble_fraction,
+        "fits": ev.fits,
+        "stages": stage_rows(ev),
+    }
+
+
+def table(ev: Evaluation) -> str:
+    """Per-stage table plus a summary line."""
+    head = ("stage", "kind", "dev", "tp", "layers", "fwd ms", "bwd ms", "busy ms", "inflight",
+            "mem GiB", "limit")
+    rows = [head]
+    for s in ev.stages:
+        rows.append((f"{s.index}:{s.name}", s.kind, s.device, str(s.tp), s.layers,
+                     f"{s.fwd * 1e3:.2f}", f"{s.bwd * 1e3:.2f}", f"{s.busy * 1e3:.1f}",
+                     "/".join(map(str, s.inflight)),
+                     f"{s.memory.total / GIB:.2f}" + ("" if s.fits else " !"),
+                     f"{s.memory_limit / GIB:.1f}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    p = ev.plan
+    lines.append(
+        f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, dp={p.dp}, "
+        f"m={p.num_microbatches}, layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
+        f"(pipeline {ev.pipeline_time * 1e3:.2f} + dp all-reduce {ev.dp_allreduce_time * 1e3:.2f}), "
+        f"bubble {ev.bubble_fraction:.1%}" + ("" if ev.fits else "; DOES NOT FIT in memory (!)"))
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Cost model and simulator plumbing of the planner (ldt.plan): exact numbers, hand arithmetic."""
+
+from fractions import Fraction
+
+import pytest
+
+from ldt.config import ConfigError
+from ldt.plan import (ChunkLoad, CostModel, Plan, StageSpec, Workload, load_inventory,
+                      load_model, simulate_plan, simulate_times)
+from ldt.plan.evaluate import comm_table, op_table
+from ldt.plan.schedule_api import Op
+from ldt.plan.synthetic import synthetic_inventory
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 12])
+def test_1f1b_bubble_is_exact_for_uniform_stages(p, m):
+    ops = {s: {Op.F: Fraction(3), Op.B: Fraction(6)} for s in range(p)}
+    comm = {(a, b): Fraction(0) for a in range(p) for b in range(p)}
+    sim = simulate_times(ops, comm, m, ushape=False)
+    assert sim.bubble_fraction == Fraction(p - 1, m + p - 1)
+    assert sim.iteration_time == (m + p - 1) * 9
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (6, 16)])
+def test_bubble_through_cost_model(p, m, monkeypatch):
+    """Uniform stages priced by the cost model (head and links made free so every stage costs
+    the same): the simulated bubble is (P-1)/(m+P-1)."""
+    inv = synthetic_inventory({"a100": 8})
+    cost = CostModel(load_model("llama_7b"), inv, micro_batch_size=1)
+    monkeypatch.setattr(cost, "head_time", lambda kind, tp: (0.0, 0.0))
+    monkeypatch.setattr(cost, "boundary_time", lambda a, b, tp: 0.0)
+    plan = Plan(tuple(StageSpec("a100", 1) for _ in range(p)), (2,) * p, False, 1, m)
+    ev = simulate_plan(plan, cost)
+    assert ev.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    f, b = cost.layer_time("a100", 1)
+    assert ev.iteration_time == pytest.approx((m + p - 1) * 2 * (f + b), rel=1e-12)
+
+
+def test_layer_flops_match_textbook_formula():
+    inv = synthetic_inventory({"a100": 1})
+    model = load_model("gpt_tiny")  # ffn = 4h, no GQA
+    cost = CostModel(model, inv, micro_batch_size=3)
+    b, s, h = 3, model.seq_length, model.hidden_size
+    assert cost.layer_flops() == 24 * b * s * h * h + 4 * b * s * s * h
+
+
+def test_llama_7b_tp8_stage_memory_by_hand():
+    """4 layers of llama_7b on a TP-8 middle stage, 3 micro-batches in flight, bf16, flash."""
+    cost = CostModel(load_model("llama_7b"), synthetic_inventory({"a100": 8}), 1)
+    mem = cost.stage_memory(8, [ChunkLoad(4, inflight=3)])
+    h, f, s = 4096, 11008, 4096
+    qkv = 3 * 4096  # 12288: no GQA
+    # column/row-parallel matrices and the column-parallel biases, split over TP 8:
+    split = 4096 * 12288 + 12288 + 4096 * 4096 + 4096 * 11008 + 11008 + 11008 * 4096
+    assert split == 157_309_696
+    per_layer = split / 8 + 2 * 4096 + 4 * 4096  # + row biases, 2 LayerNorms (replicated)
+    assert per_layer == 19_688_288
+    params = 4 * per_layer  # 78_753_152
+    assert mem.weights == params * 2  # bf16
+    assert mem.grads == params * 2
+    assert mem.optimizer == params * 12  # fp32 master + Adam m, v
+    # activations: s*b*(2*(4h + (2h + qkv + 2f)/8) + 2h) bytes per layer per micro-batch
+    act_layer = 4096 * (2 * (4 * h + (2 * h + qkv + 2 * f) / 8) + 2 * h)
+    assert act_layer == 4096 * 51584 == 211_288_064
+    assert mem.activations == 4 * 3 * act_layer
+    assert mem.total == 78_753_152 * 16 + 2_535_456_768 == 3_795_507_200
+    assert s == 4096
+
+
+def test_full_attention_adds_score_matrices():
+    model = load_model("llama_7b")
+    inv = synthetic_inventory({"a100": 8})
+    flash = CostModel(model, inv, 1).layer_activation_bytes(8)
+    full = CostModel(model, inv, 1, flash_attention=False).layer_activation_bytes(8)
+    assert full - flash == 4096 * (2 * 2 + 1) * 32 * 4096 / 8  # s*b*(2d+1)*a*s/t
+
+
+def test_boundary_time_host_staging_and_broadcast():
+    inv = load_inventory("a100_910b")
+    cost = CostModel(load_model("llama_7b"), inv, 1)
+    nbytes = 1 * 4096 * 4096 * 2
+    link = nbytes / 12.5e9 + 30e-6
+    host = 2 * nbytes / 25e9  # device->host on the GPU side, host->device on the NPU side
+    assert cost.boundary_time("a100", "ascend910b", 1) == pytest.approx(link + host)
+    assert cost.boundary_time("a100", "ascend910b", 8) == pytest.approx(link + host + nbytes / 196e9)
+    same = nbytes / 25e9 + 10e-6
+    assert cost.boundary_time("ascend910b", "ascend910b", 1) == pytest.approx(same)
+
+
+def test_tp_time_includes_allreduce():
+    inv = synthetic_inventory({"a100": 8})
+    cost = CostModel(load_model("llama_7b"), inv, 1)
+    f1, b1 = cost.layer_time("a100", 1)
+    f8, b8 = cost.layer_time("a100", 8)
+    ar = 2 * (2 * 7 / 8 * 4096 * 4096 * 2 / 300e9)  # 2 ring all-reduces of b*s*h bf16
+    compute8 = f1 / (8 * 0.95**3)
+    assert f8 == pytest.approx(compute8 + ar)
+    assert b8 == pytest.approx(2 * compute8 + ar)
+
+
+@pytest.mark.parametrize("ushape", [False, True])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 5), (3, 2), (4, 8), (5, 3)])
+def test_closed_form_inflight_matches_simulator(ushape, p, m):
+    inv = synthetic_inventory({"a100": 8})
+    cost = CostModel(load_model("gpt_tiny"), inv, 1)
+    layers = (1,) * (p + 1 if ushape else p)
+    plan = Plan(tuple(StageSpec("a100", 1) for _ in range(p)), layers, ushape, 1, m)
+    ev = simulate_plan(plan, cost)
+    for s in range(p):
+        closed = tuple(c.inflight for c in plan.stage_chunks(s))
+        assert ev.stages[s].inflight == closed, (s, ev.stages[s].inflight, closed)
+
+
+def test_ushape_op_table_uses_both_edge_chunks():
+    inv = synthetic_inventory({"edge_gpu": 1, "a100": 2}, edge="edge_gpu")
+    cost = CostModel(load_model("gpt_tiny"), inv, 1)
+    plan = Plan((StageSpec("edge_gpu", 1), StageSpec("a100", 1), StageSpec("a100", 1)),
+                (1, 2, 2, 1), True, 1, 4)
+    ops = op_table(plan, cost)
+    assert set(ops[0]) == {Op.FS, Op.FE, Op.BS, Op.BE}
+    assert ops[0][Op.FE] > ops[0][Op.FS]  # the end chunk carries the head
+    assert (2, 0) in comm_table(plan, cost)  # the wraparound boundary is priced
+    assert plan.layout() == "Et|t*2|t*2|tL"
+
+
+def test_inventory_errors_name_field_and_fix(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nkinds:\n  - {name: x, device: tpu, count: 1, tflops: 1, "
+                   "memory_gib: 8, intra_bw_gbps: 1}\n")
+    with pytest.raises(ConfigError, match=r"kinds\[0\] \(x\)\.device='tpu'.*cuda, npu, cpu"):
+        load_inventory(str(bad))
+    inv = synthetic_inventory({"a100": 1})
+    with pytest.raises(ConfigError, match="no link between kinds 'a100' and 'zz'|no device kind"):
+        inv.link("a100", "zz")
+    with pytest.raises(ConfigError, match="global_batch_size=10 is not a multiple"):
+        Workload(micro_batch_size=4, global_batch_size=10)
+
+
+def test_shipped_inventories_load():
+    for name in ("a100_910b", "edge_cloud", "cpu_local"):
+        inv = load_inventory(name)
+        assert inv.total_devices > 0
+    assert load_inventory("a100_910b").total_devices == 24
+    assert load_inventory("edge_cloud").edge == "edge_gpu"

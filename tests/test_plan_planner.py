@@ -1,0 +1,104 @@
+"""The planner's search: valid output, better than naive, equal to brute force on tiny cases."""
+
+import time
+from collections import Counter
+
+import pytest
+
+from ldt.config import ConfigError, load_cluster_yaml
+from ldt.layout import split_layers
+from ldt.plan import (Workload, cluster_yaml, exhaustive, load_inventory, load_model, make_cost,
+                      plan, simulate_plan)
+from ldt.plan.evaluate import with_layers
+from ldt.plan.synthetic import small_model, synthetic_inventory
+from ldt.validate import validate
+
+
+def _assert_uses_inventory(result, inventory):
+    used = Counter()
+    for st in result.best.plan.stages:
+        used[st.kind] += st.tp * result.best.plan.dp
+    for kind, n in used.items():
+        assert n <= inventory.kind(kind).count, (kind, n)
+
+
+@pytest.mark.parametrize("inv_name,model_name,wl", [
+    ("a100_910b", "llama_7b", Workload(1, 64)),
+    ("edge_cloud", "llama_7b", Workload(1, 64)),
+    ("cpu_local", "gpt_tiny", Workload(2, 16)),
+])
+def test_planned_yaml_loads_and_validates(tmp_path, inv_name, model_name, wl):
+    inventory, model = load_inventory(inv_name), load_model(model_name)
+    result = plan(inventory, model, wl)
+    path = tmp_path / "planned.yaml"
+    path.write_text(cluster_yaml(result.best, inventory, model.name, wl.micro_batch_size))
+    cluster = load_cluster_yaml(str(path))
+    topo = validate(cluster, model, check_devices=False)
+    best = result.best
+    assert topo.world_size == best.plan.dp * sum(s.tp for s in best.plan.stages)
+    assert cluster.u_shape == (inventory.edge is not None)
+    assert best.plan.dp * best.plan.num_microbatches * wl.micro_batch_size == wl.global_batch_size
+    assert best.fits
+    _assert_uses_inventory(result, inventory)
+    if cluster.u_shape:  # the edge keeps >= 1 layer on each side (privacy default)
+        assert best.plan.layers[0] >= 1 and best.plan.layers[-1] >= 1
+        assert best.plan.stages[0].kind == inventory.edge
+
+
+def test_planner_beats_naive_even_split():
+    inventory = synthetic_inventory({"h100": 8, "a100": 8, "v100": 8})
+    model = load_model("llama_7b")
+    wl = Workload(1, 32)
+    result = plan(inventory, model, wl)
+    cost = make_cost(inventory, model, wl)
+    p = result.best.plan
+    even = split_layers(model.num_layers, p.num_stages, u_shape=p.u_shape)
+    naive = with_layers(p, tuple(c.num_layers for c in even.model_order))
+    naive_ev = simulate_plan(naive, cost)
+    assert result.best.iteration_time <= naive_ev.iteration_time
+    # and strictly better here: an H100 stage and a V100 stage should not get equal layers
+    assert result.best.iteration_time < 0.95 * naive_ev.iteration_time or not naive_ev.fits
+
+
+@pytest.mark.parametrize("counts,edge,gbs", [
+    ({"a100": 2, "ascend910b": 4}, None, 16),
+    ({"edge_gpu": 2, "ascend910b": 6}, "edge_gpu", 16),
+    ({"h100": 2, "v100": 3}, None, 8),
+])
+def test_planner_agrees_with_brute_force(counts, edge, gbs):
+    inventory = synthetic_inventory(counts, edge=edge, node_size=4)
+    model, wl = small_model(6), Workload(1, gbs)
+    planned = plan(inventory, model, wl).best
+    brute = exhaustive(inventory, model, wl).best
+    assert brute is not None
+    assert planned.iteration_time <= brute.iteration_time * (1 + 1e-9), (
+        planned.plan.describe(), brute.plan.describe())
+
+
+def test_memory_pressure_forces_more_tp_or_stages():
+    """llama_7b cannot sit on one 24 GiB device: the planner spreads it and every stage fits."""
+    inventory = synthetic_inventory({"v100": 16}, memory_gib={"v100": 24})
+    model = load_model("llama_7b")
+    result = plan(inventory, model, Workload(1, 16))
+    assert result.best.fits
+    assert result.best.plan.num_stages * max(s.tp for s in result.best.plan.stages) > 1
+
+
+def test_nothing_fits_is_a_clear_error():
+    inventory = synthetic_inventory({"edge_gpu": 1}, memory_gib={"edge_gpu": 4})
+    with pytest.raises(ConfigError, match="no plan fits.*micro_batch_size"):
+        plan(inventory, load_model("llama_7b"), Workload(1, 8))
+
+
+def test_ushape_without_edge_is_refused():
+    with pytest.raises(ConfigError, match="inventory.edge"):
+        plan(synthetic_inventory({"a100": 4}), small_model(), Workload(1, 8, u_shape=True))
+
+
+def test_plans_256_devices_quickly():
+    inventory = synthetic_inventory({"a100": 128, "ascend910b": 96, "h100": 32})
+    t0 = time.perf_counter()
+    result = plan(inventory, load_model("llama_7b"), Workload(1, 1024))
+    assert time.perf_counter() - t0 < 5.0
+    assert result.best.fits
+    _assert_uses_inventory(result, inventory)

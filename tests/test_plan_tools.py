@@ -1,0 +1,71 @@
+"""ldt-plan / ldt-sim command lines (called in-process; one subprocess for ``python -m``)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ldt.config import load_cluster_yaml
+from ldt.plan import load_model
+from ldt.tools import plan as plan_tool
+from ldt.tools import sim as sim_tool
+from ldt.validate import validate
+
+
+def test_plan_help_exits_zero(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_tool.main(["--help"])
+    assert exc.value.code == 0
+    assert "--inventory" in capsys.readouterr().out
+
+
+def test_python_m_help_works():
+    out = subprocess.run([sys.executable, "-m", "ldt.tools.plan", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "ldt-plan" in out.stdout
+
+
+def test_plan_writes_valid_yaml_trace_and_png(tmp_path, capsys):
+    out, trace, png = tmp_path / "c.yaml", tmp_path / "t.json", tmp_path / "t.png"
+    rc = plan_tool.main(["--inventory", "edge_cloud", "--model", "llama_7b", "--global-batch", "32",
+                         "--out", str(out), "--trace", str(trace), "--png", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "U-shape" in text and "iteration" in text
+    validate(load_cluster_yaml(str(out)), load_model("llama_7b"), check_devices=False)
+    assert json.loads(trace.read_text())
+    assert png.stat().st_size > 1000
+
+
+def test_plan_json(capsys):
+    rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--json"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["iteration_time_s"] > 0
+    assert data["cluster"]["dp"] * data["num_microbatches"] == 64
+    assert len(data["stages"]) == len(data["cluster"]["stages"])
+
+
+def test_plan_bad_input_is_exit_2(capsys):
+    rc = plan_tool.main(["--inventory", "no_such_inventory", "--model", "llama_7b"])
+    assert rc == 2
+    assert "no_such_inventory" in capsys.readouterr().err
+
+
+def test_sim_table_and_json(capsys):
+    args = ["--cluster", "mixed_gpu_npu", "--model", "llama_7b", "--inventory", "a100_910b",
+            "-m", "8"]
+    assert sim_tool.main(args) == 0
+    assert "pipeline: 3 stages" in capsys.readouterr().out
+    assert sim_tool.main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert 0 < data["bubble_fraction"] < 1
+    assert [s["tp"] for s in data["stages"]] == [4, 8, 8]
+
+
+def test_sim_ambiguous_kind_asks_for_kinds(capsys):
+    rc = sim_tool.main(["--cluster", "mixed_gpu_npu", "--model", "llama_7b", "--inventory",
+                        "a100_910b", "-m", "4", "--kinds", "a100,a100,ascend910b"])
+    assert rc == 2
+    assert "--kinds[1]='a100'" in capsys.readouterr().err

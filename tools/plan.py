@@ -1,0 +1,93 @@
+"""``ldt-plan``: plan a heterogeneous pipeline for an inventory and a model.
+
+    ldt-plan --inventory a100_910b --model llama_7b --mbs 1 --global-batch 64 --out my.yaml
+    python -m ldt.tools.plan --inventory edge_cloud --model llama_7b --json
+
+Prints a per-stage table (or ``--json``), writes the cluster YAML with ``--out`` (validated with
+``ldt.validate`` first) and the timeline with ``--trace`` / ``--png``. Thin over :mod:`ldt.plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ldt-plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--inventory", required=True, help="conf/inventory name or path to a YAML")
+    p.add_argument("--model", required=True, help="conf/model name or path to a YAML")
+    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--global-batch", type=int, default=64, help="sequences per step (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="training dtype (default: the model's params_dtype)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--u-shape", dest="u_shape", action="store_true", default=None,
+                       help="plan a U-shape (needs inventory.edge)")
+    shape.add_argument("--no-u-shape", dest="u_shape", action="store_false",
+                       help="plan a plain pipeline even if the inventory names an edge")
+    p.add_argument("--edge-min-layers", type=int, default=1,
+                   help="decoder layers the edge keeps in each chunk (default 1)")
+    p.add_argument("--no-flash", action="store_true",
+                   help="price materialised attention scores (no flash / fused attention)")
+    p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
+    p.add_argument("--out", help="write the planned cluster YAML here")
+    p.add_argument("--trace", help="write a Chrome trace of the planned iteration")
+    p.add_argument("--png", help="write a PNG timeline of the planned iteration")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    from ldt.config import ConfigError
+    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline,
+                          load_inventory, load_model, plan, summary, table)
+
+    try:
+        inventory, model = load_inventory(args.inventory), load_model(args.model)
+        workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
+                            args.u_shape, args.edge_min_layers)
+        result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
+        if args.out:
+            _write_validated(args.out, cluster_yaml(result.best, inventory, model.name, args.mbs),
+                             model)
+        export_timeline(result.best, args.trace, args.png)
+    except ConfigError as exc:
+        print(f"ldt-plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = summary(result.best, inventory)
+        out.update(plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
+                   plans_split=result.plans_split, simulations=result.simulations)
+        print(json.dumps(out, indent=2))
+    else:
+        print(table(result.best))
+        print(f"planned in {result.seconds:.2f} s ({result.stage_sets_scored} stage sets scored, "
+              f"{result.plans_split} splits, {result.simulations} simulations)"
+              + (f"; wrote {args.out}" if args.out else ""))
+    return 0
+
+
+def _write_validated(path: str, text: str, model) -> None:
+    """Write the YAML only if it loads and validates the way users will load it."""
+    import os
+    import tempfile
+
+    from ldt.config import load_cluster_yaml
+    from ldt.validate import validate
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
+        tmp.write(text)
+    try:
+        validate(load_cluster_yaml(tmp.name), model, check_devices=False)
+    finally:
+        os.unlink(tmp.name)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
