@@ -1,6 +1,5 @@
 """The planner's search: valid output, better than naive, equal to brute force on tiny cases."""
 
-import time
 from collections import Counter
 
 import pytest
@@ -95,10 +94,9 @@ def test_ushape_without_edge_is_refused():
         plan(synthetic_inventory({"a100": 4}), small_model(), Workload(1, 8, u_shape=True))
 
 
-def test_plans_256_devices_quickly():
+def test_plans_256_devices():
+    """Planning time is a benchmark figure (bench/bench_planner.py), not asserted here."""
     inventory = synthetic_inventory({"a100": 128, "ascend910b": 96, "h100": 32})
-    t0 = time.perf_counter()
     result = plan(inventory, load_model("llama_7b"), Workload(1, 1024))
-    assert time.perf_counter() - t0 < 5.0
     assert result.best.fits
     _assert_uses_inventory(result, inventory)
