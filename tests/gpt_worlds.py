@@ -42,9 +42,12 @@ def even_layout(num_layers: int, segments: int) -> str:
 def forward_step(data_iterator, model):
     from ldt.model import causal_mask
 
-    batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], causal_mask(MODEL.seq_length),
-                labels=batch["labels"])
+    batch = next(data_iterator) if data_iterator is not None else None  # None: no data here
+    if batch is None:
+        out = model(None, None, causal_mask(MODEL.seq_length))
+    else:
+        out = model(batch["tokens"], batch["position_ids"], causal_mask(MODEL.seq_length),
+                    labels=batch["labels"])
 
     def loss_func(output_tensor):
         mask = batch["loss_mask"]
@@ -54,26 +57,54 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def _setup(topo, patches_ctx=None):
+def _setup(topo, observers=()):
     import ldt
     from ldt import patches
 
     state = ldt.initialize_vtp(topo, timeout_s=60)
-    patches.apply(["cpu_shims", "schedules"], ctx=patches_ctx)
+    from types import SimpleNamespace
+
+    patches.apply(["cpu_shims", "schedules"], ctx=SimpleNamespace(observers=list(observers)))
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(123)  # as a Megatron script does
     return state
 
 
-def _run_schedule(state, topo, full_state, m, overlap=False):
+class Tripwire:
+    """A data iterator a stage must never touch (cloud stages of a U-shape)."""
+
+    touched = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        Tripwire.touched = True
+        raise AssertionError("a cloud stage read data")
+
+
+class AuditLog:
+    """Boundary observer: what crossed, as (src, dst, direction, dtype, shape)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def on_send(self, src, dst, direction, tensor):
+        self.sent.append((src, dst, direction, str(tensor.dtype), tuple(tensor.shape)))
+
+    def on_recv(self, src, dst, direction, tensor):
+        pass
+
+
+def _run_schedule(state, topo, full_state, m, overlap=False, observers=()):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.model import build_chunk, global_param_name
     from ldt.sharding import load_full_state
 
     chunks = topo.split.stage_chunks(state.stage)
-    vpp = len(chunks) if len(chunks) > 1 else None
+    vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None
     tp = topo.stages[state.stage].tp
     models = []
     for chunk in chunks:
@@ -85,12 +116,25 @@ def _run_schedule(state, topo, full_state, m, overlap=False):
         models.append(gpt)
     batches = make_batches(m)
     iters = [iter(batches) for _ in models]
+    if topo.u_shape:
+        data = iter(batches) if state.stage == 0 else Tripwire()
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data,
+            model=models if len(models) > 1 else models[0], num_microbatches=m,
+            seq_length=MODEL.seq_length, micro_batch_size=MBS)
+        return _collect(chunks, models, losses)
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iters if vpp else iters[0],
         model=models if vpp else models[0],
         num_microbatches=m, seq_length=MODEL.seq_length, micro_batch_size=MBS,
         forward_only=False)
+    return _collect(chunks, models, losses)
+
+
+def _collect(chunks, models, losses):
+    from ldt.model import global_param_name
+
     grads = {}
     for chunk, gpt in zip(chunks, models):
         for name, p in gpt.named_parameters():
@@ -98,7 +142,7 @@ def _run_schedule(state, topo, full_state, m, overlap=False):
     return [float(x["lm loss"]) for x in losses], grads
 
 
-def reference(rank, world, m, seed=1234):
+def reference(rank, world, ms, seed=1234):
     """Full model on one process through megatron's no-pipelining schedule."""
     from ldt.layout import split_layers
     from ldt.model import build_chunk
@@ -110,8 +154,10 @@ def reference(rank, world, m, seed=1234):
     torch.manual_seed(seed)
     full = {n: p.detach().clone()
             for n, p in build_chunk(MODEL, topo.split.stage_chunks(0)[0], 1).named_parameters()}
-    losses, grads = _run_schedule(state, topo, full, m)
-    return {"full": full, "losses": losses, "grads": grads}
+    out = {"full": full}
+    for m in ms:  # one reference per micro-batch count (each run builds a fresh model)
+        out[m] = dict(zip(("losses", "grads"), _run_schedule(state, topo, full, m)))
+    return out
 
 
 def vtp_run(rank, world, topo, full_state, m, variants):
@@ -123,14 +169,19 @@ def vtp_run(rank, world, topo, full_state, m, variants):
 
     results = []
     for v in variants:
-        layout = even_layout(MODEL.num_layers, v.get("vpp", 1) * topo.num_stages)
-        t = dataclasses.replace(
-            topo, split=split_layers(MODEL.num_layers, topo.num_stages, layout=layout),
-            force_host_staging=v.get("host_staging", False))
-        state = _setup(t)
-        losses, grads = _run_schedule(state, t, full_state, m, overlap=v.get("overlap", False))
+        layout = None if topo.u_shape else even_layout(MODEL.num_layers,
+                                                          v.get("vpp", 1) * topo.num_stages)
+        split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape,
+                             layout=layout)
+        t = dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
+        audit = AuditLog()
+        state = _setup(t, observers=[audit])
+        Tripwire.touched = False
+        losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
+                                      overlap=v.get("overlap", False))
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
-                        "losses": losses, "grads": grads})
+                        "losses": losses, "grads": grads, "sent": audit.sent,
+                        "touched_data": Tripwire.touched})
         patches.revert()
         ldt.destroy_vtp()
     return results

@@ -1,0 +1,72 @@
+"""ldt's own forward-backward function: the U-shape schedule run by :mod:`ldt.runtime`.
+
+It has the signature of megatron-core's forward-backward functions, so with ldt active
+``get_forward_backward_func()`` returns it for a U-shape cluster and a Megatron training loop
+calls it unchanged. The schedule comes from :mod:`ldt.schedule` (generated, lowered and
+checked for deadlock once per (kind, stages, micro-batches)), the same lists the simulator and
+the planner use.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+from ldt.runtime import StageRoles, StepResult, run_actions
+from ldt.schedule import check_schedule, lower, one_f_one_b, u_shape
+
+
+@functools.lru_cache(maxsize=64)
+def stage_schedules(kind: str, num_stages: int, num_microbatches: int):
+    """The lowered, deadlock-checked action lists of every stage."""
+    compute = (u_shape if kind == "ushape" else one_f_one_b)(num_stages, num_microbatches)
+    schedule = lower(compute, kind)
+    check_schedule(schedule)
+    return schedule
+
+
+def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
+             seq_length: int, micro_batch_size: int, comm, state, config,
+             record_timings: bool = False) -> StepResult:
+    """One training step of this rank's stage (the U-shape when the topology says so)."""
+    topo = state.topology
+    kind = "ushape" if topo.u_shape else "1f1b"
+    schedule = stage_schedules(kind, topo.num_stages, num_microbatches)
+    models = model if isinstance(model, list) else [model]
+    roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
+    return run_actions(
+        schedule[state.stage], roles=roles, comm=comm, forward_step_func=forward_step_func,
+        data_iterator=data_iterator if roles.reads_data else None,
+        num_microbatches=num_microbatches,
+        tensor_shape=(seq_length, micro_batch_size, config.hidden_size), config=config,
+        schedule=schedule, record_timings=record_timings)
+
+
+def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microbatches: int,
+                         seq_length: int, micro_batch_size: int,
+                         decoder_seq_length: Optional[int] = None, forward_only: bool = False,
+                         collect_non_loss_data: bool = False, first_val_step=None,
+                         adjust_tensor_shapes_fn=None, p2p_communicator=None,
+                         pg_collection=None, force_all_reduce=False, observers=()) -> list[Any]:
+    """Megatron-compatible forward-backward over ldt's schedule; returns the loss stage's
+    ``forward_data_store`` (empty elsewhere), like megatron's schedules."""
+    from megatron.core.utils import get_model_config
+
+    from ldt.p2p import VtpCommunicator
+    from ldt.parallel_state import get_vtp_state
+
+    if forward_only or collect_non_loss_data:
+        raise NotImplementedError(
+            "forward_only / collect_non_loss_data are not supported by ldt's U-shape schedule "
+            "yet; evaluate with a training-free forward on stage 0's chunks or use a plain "
+            "pipeline (cluster.u_shape=false) for evaluation")
+    state = get_vtp_state()
+    models = model if isinstance(model, list) else [model]
+    config = get_model_config(models[0])
+    comm = p2p_communicator or VtpCommunicator(config, state, list(observers))
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    return run_step(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                    model=model, num_microbatches=num_microbatches, seq_length=seq_length,
+                    micro_batch_size=micro_batch_size, comm=comm, state=state,
+                    config=config).losses

@@ -1,0 +1,148 @@
+"""The pipeline runtime: walk one stage's action list with megatron-core's compute steps.
+
+The schedule is data (:mod:`ldt.schedule`): this module only executes it. Compute actions use
+megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, loss collection and
+``retain_grad`` stay Megatron's); communication uses :class:`~ldt.p2p.VtpCommunicator`. A RECV
+posts the receive as early as the list says, the WAIT right before the compute that needs it
+waits it (and runs the stage broadcast), and sends are waited at the end of the step, so
+communication overlaps compute. On an error the stage's action grid is printed with the failing
+action marked, which is what a user with a crashed pipeline needs.
+
+Roles per op: on a U-shape edge (stage 0) FS runs the start chunk on data, FE runs the end
+chunk and the loss, BS its backward, BE the start chunk's backward; F / B run a stage's only
+chunk (the first stage of a plain pipeline reads data, the last computes the loss).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ldt.p2p import BACKWARD, FORWARD, VtpCommunicator
+from ldt.schedule import Action, Op, format_grid
+
+_DIRECTION = {Op.RECV_F: FORWARD, Op.WAIT_F: FORWARD, Op.SEND_F: FORWARD,
+              Op.RECV_B: BACKWARD, Op.WAIT_B: BACKWARD, Op.SEND_B: BACKWARD}
+
+
+@dataclass
+class StageRoles:
+    """Which chunk each compute op runs and where data and the loss are, for one stage."""
+
+    chunks: dict[Op, Any]  # op -> model chunk (FS/BE: start, FE/BS: end, F/B: the chunk)
+    reads_data: frozenset  # forward ops that call the data iterator
+    computes_loss: frozenset  # forward ops whose output is the loss
+
+    @classmethod
+    def for_stage(cls, stage: int, num_stages: int, u_shape: bool, models: list) -> "StageRoles":
+        if u_shape and stage == 0:
+            start, end = models
+            return cls({Op.FS: start, Op.BE: start, Op.FE: end, Op.BS: end},
+                       frozenset({Op.FS, Op.FE}), frozenset({Op.FE}))
+        (chunk,) = models
+        first, last = stage == 0, (stage == num_stages - 1 and not u_shape)
+        return cls({Op.F: chunk, Op.B: chunk},
+                   frozenset({Op.F}) if first or last else frozenset(),
+                   frozenset({Op.F}) if last else frozenset())
+
+
+@dataclass
+class StepResult:
+    losses: list = field(default_factory=list)  # forward_data_store entries (loss stage only)
+    timings: list = field(default_factory=list)  # (action, start_s, end_s) per compute action
+
+
+class ActionError(RuntimeError):
+    pass
+
+
+_BACKWARD_OF = {Op.B: Op.F, Op.BS: Op.FE, Op.BE: Op.FS}
+
+
+def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicator,
+                forward_step_func: Callable, data_iterator: Optional[Iterator],
+                num_microbatches: int, tensor_shape, config, schedule=None,
+                record_timings: bool = False) -> StepResult:
+    """Execute one stage's lowered action list for one training step."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+
+    result = StepResult()
+    posted: dict[tuple, Any] = {}  # (direction, mb) -> (tensor, work)
+    ready: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> waited tensor
+    saved: dict[tuple, tuple] = {}  # (forward op, mb) -> (input, output)
+    to_send: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> tensor to send
+    batches: dict[int, Any] = {}  # mb -> batch, read once, used by FS and FE
+    sends = []
+
+    def data_for(op: Op, mb: int):
+        if op not in roles.reads_data or data_iterator is None:
+            return None
+        if mb not in batches:
+            batches[mb] = next(data_iterator)
+        batch = batches[mb] if op is not Op.FE else batches.pop(mb)
+        return iter([batch])
+
+    def forward(a: Action) -> None:
+        model = roles.chunks[a.op]
+        inp = ready.pop((FORWARD, a.mb), None)
+        is_loss = a.op in roles.computes_loss
+        out, _ = forward_step(forward_step_func, data_for(a.op, a.mb), model, num_microbatches,
+                              inp, result.losses, config, cp_group_size=1,
+                              current_microbatch=a.mb, is_last_stage=is_loss)
+        saved[(a.op, a.mb)] = (inp, out)
+        if not is_loss:
+            to_send[(FORWARD, a.mb)] = out
+
+    def backward(a: Action) -> None:
+        inp, out = saved.pop((_BACKWARD_OF[a.op], a.mb))
+        grad = None if a.op is Op.BS or (a.op is Op.B and Op.F in roles.computes_loss) \
+            else ready.pop((BACKWARD, a.mb))
+        in_grad = backward_step(inp, out, grad, ModelType.encoder_or_decoder, config)
+        if in_grad is not None:
+            to_send[(BACKWARD, a.mb)] = in_grad
+
+    for index, a in enumerate(actions):
+        try:
+            with _label(a):
+                if a.op in (Op.RECV_F, Op.RECV_B):
+                    direction = _DIRECTION[a.op]
+                    posted[(direction, a.mb)] = comm.recv(tensor_shape, a.peer, direction)
+                elif a.op in (Op.WAIT_F, Op.WAIT_B):
+                    key = (_DIRECTION[a.op], a.mb)
+                    tensor, work = posted.pop(key)
+                    work.wait()
+                    ready[key] = tensor
+                elif a.op in (Op.SEND_F, Op.SEND_B):
+                    tensor = to_send.pop((_DIRECTION[a.op], a.mb))
+                    work = comm.send(tensor, a.peer, _DIRECTION[a.op])
+                    if work is not None:
+                        sends.append(work)
+                else:
+                    t0 = time.perf_counter()
+                    (backward if a.op in _BACKWARD_OF else forward)(a)
+                    if record_timings:
+                        result.timings.append((a, t0, time.perf_counter()))
+        except Exception as exc:
+            grid = format_grid(schedule, mark=(a.stage, index)) if schedule else ""
+            raise ActionError(
+                f"stage {a.stage} failed at action #{index} {a} ({type(exc).__name__}: {exc})\n"
+                f"{grid}") from exc
+    for work in sends:
+        work.wait()
+    if posted or saved:
+        raise ActionError(f"step ended with unconsumed receives {sorted(posted)} or "
+                          f"activations {sorted(saved)}: the action list is inconsistent")
+    return result
+
+
+def _label(a: Action):
+    """A profiler range per action (``PP:0FS3``), visible in torch.profiler traces."""
+    try:
+        return torch.profiler.record_function(f"PP:{a}")
+    except Exception:  # profiler unavailable in this build
+        return contextlib.nullcontext()
