@@ -121,6 +121,8 @@ class LdtConfig:
     model: ModelConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    run_dir: str = "outputs/run"
+    """Where the run's outputs go (config.yaml sets a time-stamped folder)."""
 
 
 def register_configs() -> None:

@@ -3,7 +3,8 @@
 Used by a bare ``ldt-train`` / ``python -m ldt.run`` on one machine and by the multi-process
 tests. Children are forked from a forkserver that has already imported torch and megatron-core
 (importing them costs ~5 s and ~360 MB per process here), rendezvous through a TCPStore owned
-by the parent on a free port, and report back through a queue. The first failure (exception,
+by the parent on a free port, and report back through one pipe each (pipes, unlike queues,
+leave no semaphores behind). The first failure (exception,
 signal, non-zero exit) or the timeout kills every child; the error names the rank that failed
 first and carries its traceback.
 """
@@ -11,8 +12,8 @@ first and carries its traceback.
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
 import signal
 import time
 import traceback
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state",
+PRELOAD = ["ldt.quiet", "torch", "torch.distributed", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules", "ldt"]
 
 _CTX: Optional[mp.context.BaseContext] = None
@@ -51,7 +52,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-           env: dict, results: Any, timeout_s: float) -> None:
+           env: dict, conn: Any, timeout_s: float) -> None:
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -70,18 +71,17 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         out = fn(rank, world_size, *args)
         # Plain bytes: torch's queue reducers would share tensors through file descriptors
         # that die with this process before the parent reads them.
-        results.put(_Msg(rank, True, _dumps(out)))
+        conn.send(_Msg(rank, True, _dumps(out)))
         try:
             dist.destroy_process_group()
         except Exception:
             pass
     except BaseException:  # report everything, including KeyboardInterrupt / SystemExit
-        results.put(_Msg(rank, False, traceback.format_exc()))
-        results.close()
-        results.join_thread()
-        os._exit(1)
-    results.close()
-    results.join_thread()
+        try:
+            conn.send(_Msg(rank, False, traceback.format_exc()))
+        finally:
+            os._exit(1)
+    conn.close()
     os._exit(0)
 
 
@@ -98,39 +98,43 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
-    results = ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(target=_child, name=f"ldt-rank{r}",
-                    args=(r, world_size, store.port, fn, tuple(args), dict(env or {}), results,
-                          comm_timeout_s or timeout_s))
+                    args=(r, world_size, store.port, fn, tuple(args), dict(env or {}),
+                          pipes[r][1], comm_timeout_s or timeout_s))
         for r in range(world_size)
     ]
     for p in procs:
         p.start()
+    for _, writer in pipes:
+        writer.close()  # the child holds its own end; EOF then means the child is gone
+    readers = {pipes[r][0]: r for r in range(world_size)}
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
-            try:
-                msg = results.get(timeout=0.2)
-            except queue.Empty:
-                msg = None
-            if msg is not None:
+            for conn in mp_connection.wait(list(readers), timeout=0.2):
+                msg = _receive(conn)
+                if msg is None:  # closed without a word: look at how the process ended
+                    r = readers.pop(conn)
+                    procs[r].join(1.0)
+                    _drain_errors(readers, grace_s)
+                    code = procs[r].exitcode
+                    raise WorldError(f"rank {r} exited with code {code} "
+                                     f"({_describe_exit(code)}) before reporting", r)
+                readers.pop(conn)
                 if not msg.ok:
                     raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
                 out[msg.rank] = _loads(msg.payload)
-                continue
-            for r, p in enumerate(procs):
-                if r not in out and p.exitcode is not None:
-                    _drain_errors(results, grace_s)
-                    raise WorldError(f"rank {r} exited with code {p.exitcode} "
-                                     f"({_describe_exit(p.exitcode)}) before reporting", r)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
                 raise WorldError(f"timeout after {timeout_s:.0f}s; ranks {missing} did not finish")
         return [out[r] for r in range(world_size)]
     finally:
         _reap(procs)
+        for reader, _ in pipes:
+            reader.close()
 
 
 def _dumps(obj: Any) -> bytes:
@@ -151,16 +155,22 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _drain_errors(results, grace_s: float) -> None:
+def _receive(conn) -> Optional[_Msg]:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _drain_errors(readers: dict, grace_s: float) -> None:
     """A child died silently; if another reported a traceback meanwhile, surface that one."""
     end = time.monotonic() + grace_s
-    while time.monotonic() < end:
-        try:
-            msg = results.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if not msg.ok:
-            raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
+    while readers and time.monotonic() < end:
+        for conn in mp_connection.wait(list(readers), timeout=0.1):
+            msg = _receive(conn)
+            readers.pop(conn)
+            if msg is not None and not msg.ok:
+                raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
 
 
 def _describe_exit(code: int) -> str:

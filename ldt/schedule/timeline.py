@@ -94,3 +94,21 @@ def to_png(result: SimResult, path: str | os.PathLike[str], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def result_from_measurements(per_stage: list[list[tuple[str, float, float]]]) -> SimResult:
+    """A SimResult from measured (action string, start s, end s) per stage, for the same
+    trace and PNG as a simulation. Starts are relative to each stage's own step start."""
+    from ldt.schedule.ir import parse_action
+    from ldt.schedule.simulate import Event
+
+    events, busy = [], {}
+    for stage, rows in enumerate(per_stage):
+        busy[stage] = 0.0
+        for text, start, end in rows or []:
+            events.append(Event(stage, parse_action(text), start, end))
+            busy[stage] += end - start
+    span = max((e.end for e in events), default=0.0)
+    bubble = 1.0 - sum(busy.values()) / (len(busy) * span) if span > 0 else 0.0
+    return SimResult(iteration_time=span, busy=busy, bubble_fraction=bubble, peak_inflight={},
+                     peak_inflight_end={}, events=events)

@@ -1,0 +1,78 @@
+"""Training data that works offline: bytes as tokens, over a corpus every machine has.
+
+The default corpus is the Python standard library's own source files (present wherever Python
+is); ``data.path=`` trains on a user's text file instead. Tokens are bytes (vocabulary 256),
+so no tokenizer download is ever needed. Only data-owning stages create a :class:`TextData`
+(see :meth:`ldt.topology.Topology.data_stages`): the cloud stages of a U-shape never do.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from typing import Iterator, Optional
+
+import torch
+
+
+def default_corpus_files() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    return sorted(glob.glob(os.path.join(stdlib, "*.py")))
+
+
+def load_bytes(path: Optional[str], max_bytes: int) -> bytes:
+    if path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data.path={path!r} is not a file; give a text file or "
+                                    "leave data.path unset for the built-in corpus")
+        with open(path, "rb") as f:
+            return f.read(max_bytes)
+    out, total = [], 0
+    for name in default_corpus_files():
+        with open(name, "rb") as f:
+            chunk = f.read(max_bytes - total)
+        out.append(chunk)
+        total += len(chunk)
+        if total >= max_bytes:
+            break
+    return b"".join(out)
+
+
+class TextData:
+    """Fixed-length windows of a byte stream, in a seeded order, sharded by DP rank.
+
+    ``batch(step, mb)`` is a pure function of (seed, step, micro-batch, dp rank), so a resumed
+    run and a single-process reference see exactly the same samples.
+    """
+
+    def __init__(self, path: Optional[str], seq_length: int, micro_batch_size: int,
+                 num_microbatches: int, *, dp_rank: int = 0, dp: int = 1, seed: int = 1234,
+                 max_bytes: int = 4_000_000, vocab_size: int = 256):
+        raw = load_bytes(path, max_bytes)
+        if vocab_size < 256:
+            raise ValueError(f"model.vocab_size={vocab_size} < 256 cannot hold byte tokens")
+        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        self.seq, self.mbs, self.m = seq_length, micro_batch_size, num_microbatches
+        self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
+        self.num_windows = (len(self.tokens) - 1) // seq_length
+        if self.num_windows < micro_batch_size:
+            raise ValueError(f"corpus of {len(raw)} bytes is too small for sequences of "
+                             f"{seq_length}; use a larger data.path or data.max_bytes")
+
+    def batch(self, step: int, mb: int) -> dict:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        per_step = self.dp * self.m * self.mbs
+        order = torch.randint(0, self.num_windows, (per_step,), generator=g)
+        first = (self.dp_rank * self.m + mb) * self.mbs
+        starts = order[first:first + self.mbs] * self.seq
+        rows = torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()])
+        return {
+            "tokens": rows[:, :-1].contiguous(),
+            "labels": rows[:, 1:].contiguous(),
+            "loss_mask": torch.ones(self.mbs, self.seq),
+            "position_ids": torch.arange(self.seq).repeat(self.mbs, 1),
+        }
+
+    def step_iterator(self, step: int) -> Iterator[dict]:
+        return (self.batch(step, mb) for mb in range(self.m))

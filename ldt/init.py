@@ -1,0 +1,54 @@
+"""Layout-invariant initialization: the same initial model whatever the stages and TP sizes.
+
+Every parameter's full (TP=1) value is drawn from a generator seeded by (seed, its global
+name), then sliced for this rank's TP shard (:mod:`ldt.sharding`). So a VTP run, a uniform run
+and the single-process reference of ``train.verify`` start from identical weights, and a
+checkpoint can be re-sharded for another layout. The distributions are megatron-core's
+defaults: normal(0, init_method_std) weights, output projections scaled by
+1/sqrt(2 * num_layers), zero biases, unit norm weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from ldt.sharding import shard
+
+_SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def full_init(name: str, shape, *, seed: int, num_layers: int, std: float = 0.02,
+              dtype=torch.float32) -> torch.Tensor:
+    """The full value of parameter ``name`` (global name) at initialization."""
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    scale = std / math.sqrt(2.0 * num_layers) if name.endswith(_SCALED) else std
+    return (torch.randn(shape, generator=g, dtype=torch.float32) * scale).to(dtype)
+
+
+def full_shape(name: str, local: torch.Tensor, tp: int, split_dim) -> tuple:
+    shape = list(local.shape)
+    if split_dim is not None:
+        shape[split_dim] *= tp
+    return tuple(shape)
+
+
+def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, tp_rank: int,
+               rename=lambda n: n) -> None:
+    """Overwrite a chunk's parameters with their layout-invariant initial values."""
+    from ldt.sharding import split_dim
+
+    with torch.no_grad():
+        for local_name, p in module.named_parameters():
+            name = rename(local_name)
+            dim = split_dim(name)
+            full = full_init(name, full_shape(name, p, tp, dim), seed=seed,
+                             num_layers=num_layers, dtype=p.dtype)
+            p.copy_(shard(name, full, tp, tp_rank))

@@ -1,0 +1,249 @@
+"""The training loop of one rank: build its stage, then step.
+
+Flow (one owner per piece): config -> :func:`ldt.validate.validate` (topology) ->
+:func:`ldt.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.model` + :mod:`ldt.init`
+(this stage's chunks) -> schedule (megatron's 1F1B / interleaved through the patched
+``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.optim` (DP all-reduce,
+global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.TextData`.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import time
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
+
+REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
+
+
+def make_forward_step(seq_length: int):
+    """Megatron-style forward_step_func; stages without data get ``data_iterator=None``."""
+    from ldt.model import causal_mask
+
+    mask = causal_mask(seq_length)
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator) if data_iterator is not None else None
+        if batch is None:
+            return model(None, None, mask), _loss_func(None)
+        out = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+        return out, _loss_func(batch["loss_mask"])
+
+    return forward_step
+
+
+def _loss_func(loss_mask):
+    def loss_func(output_tensor):
+        lm = loss_mask if loss_mask is not None else torch.ones_like(output_tensor)
+        loss = (output_tensor.float() * lm).sum() / lm.sum()
+        return loss, {"lm loss": loss.clone().detach()}  # clone: the schedule divides in place
+
+    return loss_func
+
+
+def parse(cfg: dict) -> SimpleNamespace:
+    return SimpleNamespace(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
+                           train=TrainConfig(**cfg["train"]),
+                           data=DataConfig(**cfg.get("data", {})),
+                           reference=bool(cfg.get("reference", False)))
+
+
+def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dict]:
+    """Train on this rank; the loss stage's leader of replica 0 returns the summary."""
+    import ldt
+    from ldt import patches
+    from ldt.validate import validate
+
+    c = parse(cfg)
+    topo = validate(c.cluster, c.model, world_size=world, train=c.train)
+    state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
+    stage = topo.stages[state.stage]
+    observers = _observers(c.train, run_dir, rank)
+    names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
+    patches.apply(names, ctx=SimpleNamespace(observers=observers))
+    try:
+        return _train(rank, c, topo, state, observers, run_dir)
+    finally:
+        patches.revert(names)
+        ldt.destroy_vtp()
+
+
+def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
+    from ldt.observe import CommAudit, FiniteCheck
+
+    out: list = []
+    if train.audit_comm:
+        out.append(CommAudit(os.path.join(run_dir, "comm_audit.jsonl"), rank))
+    if train.check_finite if train.check_finite is not None else train.verify:
+        out.append(FiniteCheck())
+    return out
+
+
+def build_stage_models(c, topo, state) -> list:
+    from megatron.core import tensor_parallel
+
+    from ldt.init import init_chunk
+    from ldt.model import build_chunk, global_param_name
+
+    tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
+    chunks = topo.split.stage_chunks(state.stage)
+    vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None
+    stage = topo.stages[state.stage]
+    models = []
+    for chunk in chunks:
+        gpt = build_chunk(c.model, chunk, stage.tp, device=stage.device, vpp=vpp,
+                          num_stages=topo.num_stages, pg_collection=state.pg_collection())
+        init_chunk(gpt, seed=c.train.seed, num_layers=c.model.num_layers, tp=stage.tp,
+                   tp_rank=state.info.tp_rank, rename=lambda n, ch=chunk: global_param_name(ch, n))
+        gpt.config.overlap_p2p_comm = bool(c.train.overlap_p2p_comm and vpp)
+        gpt.config.batch_p2p_comm = not gpt.config.overlap_p2p_comm
+        models.append(gpt)
+    return models
+
+
+def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ldt.data import TextData
+    from ldt.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
+    from ldt.pipeline import run_step
+
+    t, m = c.train, c.train.num_microbatches
+    models = build_stage_models(c, topo, state)
+    params = [p for g in models for p in g.parameters()]
+    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.lr, t.min_lr))
+    data = None
+    if state.stage in topo.data_stages():
+        data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
+                        dp_rank=state.info.dp_rank, dp=topo.dp, seed=t.seed,
+                        max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
+    reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
+    if rank == 0 and not c.reference:
+        print(topo.rank_map(), flush=True)
+    forward_step = make_forward_step(c.model.seq_length)
+    tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
+    rows, timings = [], []
+    bar = _progress(t.steps, reporter)
+    for step in range(t.steps):
+        for obs in observers:
+            obs.new_step(step)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        iters = [None] * len(models) if data is None else [data.step_iterator(step) for _ in models]
+        if topo.u_shape:
+            from ldt.p2p import VtpCommunicator
+
+            comm = VtpCommunicator(models[0].config, state, observers)
+            res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
+                           model=models, num_microbatches=m, seq_length=c.model.seq_length,
+                           micro_batch_size=t.micro_batch_size, comm=comm, state=state,
+                           config=models[0].config, record_timings=True)
+            losses, timings = res.losses, [(a, s - t0, e - t0) for a, s, e in res.timings]
+        else:
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iters if len(models) > 1 else iters[0],
+                model=models if len(models) > 1 else models[0], num_microbatches=m,
+                seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size)
+        allreduce_dp_grads(params, state)
+        norm = global_grad_norm(params, state)
+        clip_grads(params, t.clip_grad, norm)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        loss = _mean_loss(losses, state) if state.stage == topo.loss_stage() else None
+        dt = time.perf_counter() - t0
+        row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
+                   tokens_per_s=tokens_per_step / dt)
+        rows.append(row)
+        if reporter:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            step_s=f"{dt:.3f}")
+    bar.close()
+    timeline = _gather_timings(timings, state) if topo.u_shape else None
+    if not reporter:
+        return None
+    _write_outputs(run_dir, rows, timeline, topo)
+    steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
+    step_time = sorted(steady)[len(steady) // 2]
+    return {"steps": t.steps, "final_loss": rows[-1]["loss"], "first_loss": rows[0]["loss"],
+            "losses": [r["loss"] for r in rows], "tokens_per_s": tokens_per_step / step_time,
+            "step_time_s": step_time, "run_dir": run_dir}
+
+
+def _mean_loss(losses, state) -> float:
+    import torch.distributed as dist
+
+    value = torch.stack([x["lm loss"].float() for x in losses]).mean().reshape(1).cpu()
+    if state.topology.dp > 1:  # every replica's loss stage, same (stage, TP rank) group
+        dist.all_reduce(value, group=state.dp_group_gloo)
+        value /= state.topology.dp
+    return float(value.item())
+
+
+def _progress(total: int, enabled: bool):
+    """tqdm on the reporting rank only (a disabled tqdm still allocates a process lock)."""
+    if not enabled:
+        return SimpleNamespace(update=lambda n: None, set_postfix=lambda **kw: None,
+                               close=lambda: None)
+    import threading
+
+    from tqdm import tqdm
+
+    # a thread lock: tqdm's default multiprocessing lock would outlive this worker's os._exit
+    tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc="ldt-train", unit="step", dynamic_ncols=True, mininterval=0.5)
+
+
+def _gather_timings(timings, state):
+    """Every stage leader's measured per-action times of the last step, on the loss leader."""
+    import torch.distributed as dist
+
+    if not state.is_leader or state.leader_group is None:
+        return None
+    gathered: list[Any] = [None] * state.topology.num_stages
+    dist.all_gather_object(gathered, [(str(a), s, e) for a, s, e in timings],
+                           group=state.leader_group)
+    return gathered
+
+
+def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=REPORT_KEYS)
+        w.writeheader()
+        w.writerows(rows)
+    if timeline:
+        from ldt.schedule.timeline import result_from_measurements, to_chrome_trace, to_png
+
+        result = result_from_measurements(timeline)
+        to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
+        to_png(result, os.path.join(run_dir, "timeline.png"),
+               f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")
+
+
+def reference_config(cfg: dict) -> dict:
+    """The single-process reference of ``train.verify``: one stage, TP 1, the same global batch."""
+    ref = json.loads(json.dumps(cfg))
+    dp = int(cfg["cluster"].get("dp", 1))
+    ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
+                      "u_shape": False, "layout": None, "dp": 1}
+    ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])
+    ref["train"].update(audit_comm=False, schedule="auto", virtual_pipeline_size=None,
+                        overlap_p2p_comm=False)
+    ref["reference"] = True
+    return ref
+
+
+def asdict(obj) -> dict:
+    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)
