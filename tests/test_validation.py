@@ -46,13 +46,3 @@ def test_bad_config_is_refused(name):
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-2000:])
-
-
-@pytest.mark.timeout(120)
-def test_default_config_prints_rank_map_and_exits_zero():
-    proc = subprocess.run([sys.executable, "-m", "ldt.train"], capture_output=True, text=True,
-                          timeout=90)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    # cpu_demo: edge TP1 on rank 0, cloud0 TP2 on ranks 1-2, cloud1 on rank 3
-    assert "3 stages, TP [1, 2, 1], dp 1, world 4, U-shape" in proc.stdout
-    assert "2->0:native" in proc.stdout

@@ -1,0 +1,67 @@
+"""`ldt-train` end to end: bare launch on CPU, parity with the single-process reference.
+
+Every run is a subprocess with a timeout (a hang fails the test, never CI); the JSON summary
+must be the last line printed.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PARITY = 1e-5
+
+
+def ldt_train(tmp_path, *overrides, timeout=240):
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}", *overrides],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), proc
+
+
+@pytest.mark.timeout(300)
+def test_default_job_trains_and_reports(tmp_path):
+    summary, proc = ldt_train(tmp_path, "train.steps=15")
+    assert "3 stages, TP [1, 2, 1], dp 1, world 4, U-shape" in proc.stdout  # rank map first
+    assert summary["steps"] == 15
+    assert summary["final_loss"] < summary["first_loss"] - 0.3  # it learns
+    assert summary["tokens_per_s"] > 0 and summary["step_time_s"] > 0
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(15))
+    assert float(rows[-1]["loss"]) == pytest.approx(summary["final_loss"])
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"0FS0", "0FE0", "0BS0", "0BE0", "1F0", "2B3"} <= names
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overrides", [
+    ["cluster=cpu_vtp"],
+    ["cluster=cpu_demo", "train.audit_comm=true"],
+    ["cluster=cpu_uniform", "cluster.dp=2"],
+    ["cluster=cpu_vtp", "train.schedule=interleaved", "cluster.layout=Et|t|t|t|t|tL",
+     "train.num_microbatches=6", "train.overlap_p2p_comm=true"],
+], ids=["cpu_vtp", "cpu_demo_audit", "dp2", "interleaved_overlap"])
+def test_verify_matches_single_process_reference(tmp_path, overrides):
+    summary, _ = ldt_train(tmp_path, "train.steps=5", "train.verify=true", *overrides)
+    assert summary["parity_max_abs_diff"] < PARITY, summary
+
+
+@pytest.mark.timeout(300)
+def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
+    ldt_train(tmp_path, "train.steps=2", "train.audit_comm=true", "train.num_microbatches=3")
+    records = [json.loads(x) for x in (tmp_path / "comm_audit.jsonl").read_text().splitlines()]
+    # cpu_demo: 3 boundaries, each crossed once forward and once backward per micro-batch
+    assert len(records) == 2 * 3 * 3 * 2
+    for r in records:
+        assert r["dtype"] == "float32" and r["shape"] == [64, 2, 64], r  # seq, mbs, hidden
+        assert r["bytes"] == 64 * 2 * 64 * 4
+    sent_by_edge = {(r["dst_stage"], r["direction"]) for r in records if r["src_stage"] == 0}
+    assert sent_by_edge == {(1, "activation"), (2, "gradient")}
