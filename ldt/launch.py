@@ -53,6 +53,7 @@ def _context() -> mp.context.BaseContext:
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
            env: dict, conn: Any, timeout_s: float) -> None:
+    _die_with_parent()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -135,6 +136,17 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
         _reap(procs)
         for reader, _ in pipes:
             reader.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent (the forkserver, which exits with the
+    launcher) dies, so a launcher killed with SIGKILL leaves no orphans."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _dumps(obj: Any) -> bytes:

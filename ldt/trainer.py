@@ -116,11 +116,19 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from ldt.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
     from ldt.pipeline import run_step
 
+    from ldt import checkpoint
+
     t, m = c.train, c.train.num_microbatches
     models = build_stage_models(c, topo, state)
-    params = [p for g in models for p in g.parameters()]
+    chunks = topo.split.stage_chunks(state.stage)
+    params = list({id(p): p for g in models for p in g.parameters()}.values())  # tied: once
     opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.lr, t.min_lr))
+    first_step = 0
+    if t.resume:
+        first_step = checkpoint.load(t.resume, models, chunks, opt, state)
+        sched.last_epoch = first_step - 1
+        sched.step()  # learning rate of first_step
     data = None
     if state.stage in topo.data_stages():
         data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
@@ -132,8 +140,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []
-    bar = _progress(t.steps, reporter)
-    for step in range(t.steps):
+    bar = _progress(t.steps - first_step, reporter)
+    for step in range(first_step, t.steps):
         for obs in observers:
             obs.new_step(step)
         opt.zero_grad(set_to_none=True)
@@ -165,6 +173,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                    tokens_per_s=tokens_per_step / dt)
         rows.append(row)
+        if t.save_every and (step + 1) % t.save_every == 0:
+            checkpoint.save(run_dir, step, models, chunks, opt, state)
         if reporter:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -174,11 +184,14 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     if not reporter:
         return None
     _write_outputs(run_dir, rows, timeline, topo)
+    if not rows:
+        return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir}
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
     step_time = sorted(steady)[len(steady) // 2]
-    return {"steps": t.steps, "final_loss": rows[-1]["loss"], "first_loss": rows[0]["loss"],
-            "losses": [r["loss"] for r in rows], "tokens_per_s": tokens_per_step / step_time,
-            "step_time_s": step_time, "run_dir": run_dir}
+    return {"steps": t.steps, "first_step": first_step, "final_loss": rows[-1]["loss"],
+            "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
+            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+            "run_dir": run_dir}
 
 
 def _mean_loss(losses, state) -> float:

@@ -1,0 +1,146 @@
+"""Checkpoints: one folder per stage, full (TP=1) tensors under global names, written atomically.
+
+Each stage leader gathers its stage's TP shards (model and AdamW state) into full tensors and
+writes them with ``torch.distributed.checkpoint`` (single-writer mode) into
+``step_<N>/stage_<S>.tmp``, then renames it to ``stage_<S>``. After every stage is in place,
+rank 0 writes ``step_<N>/COMPLETE`` (again write-then-rename). A checkpoint without COMPLETE
+is ignored on resume, so a kill during a save never leaves one that loads half-written.
+
+Because tensors are full and named globally, a checkpoint does not depend on the layout: a
+run with other stages or TP sizes can resume from it (every rank reads the tensors its chunks
+need from whichever stage folder holds them, and slices its TP shard).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, "checkpoints", f"step_{step:07d}")
+
+
+def _named_params(models, chunks):
+    from ldt.model import global_param_name
+
+    for chunk, gpt in zip(chunks, models):
+        for name, p in gpt.named_parameters():
+            yield global_param_name(chunk, name), p
+
+
+def _gather_full(name: str, local: torch.Tensor, state) -> Optional[torch.Tensor]:
+    """The full tensor on the stage leader (None elsewhere)."""
+    from ldt.sharding import split_dim, unshard
+
+    tp = len(state.stage_ranks)
+    if tp == 1 or split_dim(name) is None:
+        return local.detach().cpu().clone() if state.is_leader else None
+    parts = [torch.empty_like(local) for _ in range(tp)] if state.is_leader else None
+    dist.gather(local.detach().contiguous(), parts, dst=state.stage_ranks[0], group=state.tp_group)
+    return unshard(name, [p.cpu() for p in parts]) if state.is_leader else None
+
+
+def save(root: str, step: int, models, chunks, optimizer, state) -> str:
+    """Write this stage's part of checkpoint ``step`` (collective over the whole world)."""
+    import torch.distributed.checkpoint as dcp
+
+    target = step_dir(root, step)
+    model_sd, optim_sd = {}, {}
+    for name, p in _named_params(models, chunks):
+        full = _gather_full(name, p, state)
+        st = optimizer.state.get(p, {})
+        moments = {k: _gather_full(name, st[k], state) for k in ("exp_avg", "exp_avg_sq") if k in st}
+        if state.is_leader:
+            model_sd[name] = full
+            if moments:
+                optim_sd[name] = {**moments, "step": torch.as_tensor(st["step"]).clone()}
+    write = state.is_leader and state.info.dp_rank == 0
+    if write:
+        os.makedirs(target, exist_ok=True)
+        final = os.path.join(target, f"stage_{state.stage}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
+                 no_dist=True)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _write_marker(target, step)
+    dist.barrier()
+    return target
+
+
+def _write_marker(target: str, step: int) -> None:
+    tmp = os.path.join(target, COMPLETE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(target, COMPLETE))
+
+
+def latest(path: str) -> Optional[str]:
+    """A complete step folder: ``path`` itself, or the newest complete one under a run folder."""
+    if os.path.exists(os.path.join(path, COMPLETE)):
+        return path
+    root = os.path.join(path, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root)
+                  if os.path.exists(os.path.join(root, d, COMPLETE)))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def load(path: str, models, chunks, optimizer, state) -> int:
+    """Fill this rank's chunks and AdamW state from a checkpoint; returns the next step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ldt.sharding import shard
+
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(
+            f"train.resume={path!r} holds no complete checkpoint (no {COMPLETE} marker); give a "
+            "run folder with checkpoints/ or a checkpoints/step_N folder")
+    tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
+    wanted = dict(_named_params(models, chunks))
+    step = None
+    for stage_dir in sorted(d for d in os.listdir(found) if d.startswith("stage_")
+                            and not d.endswith(".tmp")):
+        reader = FileSystemReader(os.path.join(found, stage_dir))
+        keys = reader.read_metadata().state_dict_metadata
+        names = [n for n in wanted if f"model.{n}" in keys]
+        if not names:
+            continue
+        sd = {"model": {n: torch.empty(keys[f"model.{n}"].size) for n in names},
+              "optim": {n: {k: torch.empty(keys[f"model.{n}"].size)
+                            for k in ("exp_avg", "exp_avg_sq")} | {"step": torch.zeros(())}
+                        for n in names if f"optim.{n}.exp_avg" in keys},
+              "step": 0}
+        dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+        step = sd["step"]
+        with torch.no_grad():
+            for n in names:
+                p = wanted.pop(n)
+                p.copy_(shard(n, sd["model"][n], tp, tp_rank))
+                if n in sd["optim"]:
+                    o = sd["optim"][n]
+                    optimizer.state[p] = {
+                        "step": o["step"].clone(),
+                        "exp_avg": shard(n, o["exp_avg"], tp, tp_rank).clone(),
+                        "exp_avg_sq": shard(n, o["exp_avg_sq"], tp, tp_rank).clone()}
+    if wanted:
+        raise KeyError(f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is "
+                       "for another model (check model.* against the run that saved it)")
+    return int(step) + 1
