@@ -52,7 +52,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-           env: dict, conn: Any, timeout_s: float) -> None:
+           env: dict, conn: Any, timeout_s: float, init_dist: bool = True) -> None:
     _die_with_parent()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -65,18 +65,20 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        if init_dist:  # else fn joins itself (env://, as a script under torchrun does)
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
         # Plain bytes: torch's queue reducers would share tensors through file descriptors
         # that die with this process before the parent reads them.
         conn.send(_Msg(rank, True, _dumps(out)))
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
     except BaseException:  # report everything, including KeyboardInterrupt / SystemExit
         try:
             conn.send(_Msg(rank, False, traceback.format_exc()))
@@ -88,7 +90,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
 def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
                     timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
-                    env: Optional[dict] = None, grace_s: float = 3.0) -> list[Any]:
+                    env: Optional[dict] = None, grace_s: float = 3.0,
+                    init_dist: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results.
 
     ``fn`` must be importable (module-level). Raises :class:`WorldError` on the first failure
@@ -103,7 +106,7 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
     procs = [
         ctx.Process(target=_child, name=f"ldt-rank{r}",
                     args=(r, world_size, store.port, fn, tuple(args), dict(env or {}),
-                          pipes[r][1], comm_timeout_s or timeout_s))
+                          pipes[r][1], comm_timeout_s or timeout_s, init_dist))
         for r in range(world_size)
     ]
     for p in procs:

@@ -12,5 +12,6 @@ for _pattern in (
     r".*Apex is not installed.*",
     r".*full scope is deprecated.*",
     r".*Transformer Engine is not installed.*",
+    r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
 ):
     warnings.filterwarnings("ignore", message=_pattern)

@@ -66,6 +66,7 @@ _PATCH_MODULES = (
     "ldt.patches.init_model_parallel",
     "ldt.patches.cpu_shims",
     "ldt.patches.schedules",
+    "ldt.patches.cuda_to_cpu",
 )
 
 

@@ -1,0 +1,101 @@
+"""Run an existing Megatron-core script with VTP: ``python -m ldt.run --cluster FILE.yaml script.py args``.
+
+The script is unchanged: it calls ``torch.distributed.init_process_group``,
+``parallel_state.initialize_model_parallel(tp, pp)``, builds a GPTModel for its pipeline stage
+and calls ``get_forward_backward_func()``. :func:`activate` applies ldt's patches first, so
+those calls build the cluster's VTP state (each stage its own TP size) and megatron's schedules
+run over ldt's stage boundaries. Under torchrun (RANK set) this process joins that world;
+launched bare it starts the cluster's world on this machine, like ``ldt-train``.
+For CPU stages, CUDA-only calls of the script map to CPU and gloo (patch ``cuda_to_cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from ldt.config import load_cluster_yaml, to_cluster
+from ldt.topology import Topology
+
+
+@dataclass
+class Activation:
+    """What :func:`activate` applied; ``deactivate()`` reverts it."""
+
+    topology: Topology
+    timeout_s: Optional[float]
+    patches: list
+
+    def deactivate(self) -> None:
+        from ldt import patches
+
+        patches.revert(self.patches)
+
+
+def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[float] = None,
+             rank: Optional[int] = None) -> Activation:
+    """One line in a Megatron-core script (before ``initialize_model_parallel``) turns VTP on.
+
+    ``cluster``: a path to a cluster YAML, a ClusterConfig or a dict. The stage device of this
+    rank (``RANK`` from the environment) decides whether the CPU shims are applied.
+    """
+    import ldt.quiet  # noqa: F401
+    from ldt import patches
+
+    cfg = load_cluster_yaml(cluster) if isinstance(cluster, (str, os.PathLike)) else to_cluster(cluster)
+    if u_shape is not None:
+        cfg = replace(cfg, u_shape=u_shape)
+    topo = Topology.from_config(cfg)
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    on_cpu = topo.rank_info(rank).device == "cpu" if rank < topo.world_size else False
+    names = ["init_model_parallel", "schedules"] + (["cpu_shims", "cuda_to_cpu"] if on_cpu else [])
+    act = Activation(topo, timeout_s, names)
+    patches.apply(names, ctx=act)
+    return act
+
+
+def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
+                timeout_s: float, script: str, args: list) -> None:
+    activate(cluster, u_shape=u_shape, timeout_s=timeout_s, rank=rank)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ldt.run", description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", required=True, help="cluster YAML (stages, u_shape, dp)")
+    parser.add_argument("--u-shape", action="store_true", default=None,
+                        help="force the U-shape (stage 0 runs the head and the loss)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the run is stopped")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    import dataclasses
+
+    cluster = dataclasses.asdict(load_cluster_yaml(ns.cluster))
+    if "RANK" in os.environ:  # torchrun: this process is one rank of its world
+        _run_script(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cluster,
+                    ns.u_shape, ns.timeout, ns.script, ns.args)
+        return 0
+    from ldt.launch import WorldError, run_local_world
+
+    topo = Topology.from_config(to_cluster(cluster))
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}  # the script's env:// joins our store
+    try:
+        run_local_world(topo.world_size, _run_script,
+                        (cluster, ns.u_shape, ns.timeout, ns.script, ns.args),
+                        timeout_s=max(ns.timeout, 60.0) * 4, comm_timeout_s=ns.timeout,
+                        env=env, init_dist=False)
+    except WorldError as exc:
+        print(f"ldt.run: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
