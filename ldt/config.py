@@ -83,6 +83,10 @@ class TrainConfig:
     """Micro-batches per step per data-parallel replica (global batch = dp * m * mbs)."""
     schedule: str = "auto"
     """``auto`` (U-shape schedule when u_shape, else 1F1B), ``1f1b`` or ``interleaved``."""
+    runtime: str = "auto"
+    """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
+    default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it
+    records per-action times). The U-shape always runs on ldt's runtime."""
     virtual_pipeline_size: Optional[int] = None
     """Chunks per stage for the interleaved schedule (or taken from the layout)."""
     overlap_p2p_comm: bool = False

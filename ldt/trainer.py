@@ -139,7 +139,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
-    rows, timings = [], []
+    rows, timings = [], []  # timings: per step, this stage's (action, start, end)
+    ldt_runtime = uses_ldt_runtime(t, topo)
     bar = _progress(t.steps - first_step, reporter)
     for step in range(first_step, t.steps):
         for obs in observers:
@@ -147,7 +148,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         iters = [None] * len(models) if data is None else [data.step_iterator(step) for _ in models]
-        if topo.u_shape:
+        if ldt_runtime:
             from ldt.p2p import VtpCommunicator
 
             comm = VtpCommunicator(models[0].config, state, observers)
@@ -155,7 +156,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=True)
-            losses, timings = res.losses, [(a, s - t0, e - t0) for a, s, e in res.timings]
+            losses = res.losses
+            timings.append([(str(a), s - t0, e - t0) for a, s, e in res.timings])
         else:
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -180,7 +182,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             step_s=f"{dt:.3f}")
     bar.close()
-    timeline = _gather_timings(timings, state) if topo.u_shape else None
+    timeline = _gather_timings(timings, state) if ldt_runtime else None
     if not reporter:
         return None
     _write_outputs(run_dir, rows, timeline, topo)
@@ -218,16 +220,20 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="ldt-train", unit="step", dynamic_ncols=True, mininterval=0.5)
 
 
+def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
+    """The U-shape always runs on ldt's runtime; a plain pipeline when train.runtime=ldt."""
+    return topo.u_shape or train.runtime == "ldt"
+
+
 def _gather_timings(timings, state):
-    """Every stage leader's measured per-action times of the last step, on the loss leader."""
+    """Every stage leader's measured per-action times of every step (for the loss leader)."""
     import torch.distributed as dist
 
     if not state.is_leader or state.leader_group is None:
         return None
     gathered: list[Any] = [None] * state.topology.num_stages
-    dist.all_gather_object(gathered, [(str(a), s, e) for a, s, e in timings],
-                           group=state.leader_group)
-    return gathered
+    dist.all_gather_object(gathered, timings, group=state.leader_group)
+    return gathered  # [stage][step] -> [(action, start_s, end_s)]
 
 
 def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
@@ -239,7 +245,13 @@ def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
     if timeline:
         from ldt.schedule.timeline import result_from_measurements, to_chrome_trace, to_png
 
-        result = result_from_measurements(timeline)
+        with open(os.path.join(run_dir, "action_times.csv"), "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["step", "stage", "action", "start_s", "end_s"])
+            for stage, steps in enumerate(timeline):
+                for i, step_rows in enumerate(steps):
+                    w.writerows((rows[i]["step"], stage, a, s, e) for a, s, e in step_rows)
+        result = result_from_measurements([steps[-1] for steps in timeline])
         to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
         to_png(result, os.path.join(run_dir, "timeline.png"),
                f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")

@@ -62,6 +62,11 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"
         )
+    if train.runtime not in ("auto", "megatron", "ldt"):
+        raise ConfigError(f"train.runtime={train.runtime!r}; use 'auto', 'megatron' or 'ldt'")
+    if train.runtime == "ldt" and train.schedule == "interleaved":
+        raise ConfigError("train.runtime=ldt runs 1F1B action lists; use train.schedule=1f1b "
+                          "or train.runtime=megatron for the interleaved schedule")
     if topo.u_shape and train.schedule == "interleaved":
         raise ConfigError(
             "train.schedule='interleaved' with cluster.u_shape=true: the U-shape has its own "
