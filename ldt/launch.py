@@ -118,19 +118,14 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
     deadline = time.monotonic() + timeout_s
     try:
         while len(out) < world_size:
-            for conn in mp_connection.wait(list(readers), timeout=0.2):
-                msg = _receive(conn)
-                if msg is None:  # closed without a word: look at how the process ended
-                    r = readers.pop(conn)
-                    procs[r].join(1.0)
-                    _drain_errors(readers, grace_s)
-                    code = procs[r].exitcode
-                    raise WorldError(f"rank {r} exited with code {code} "
-                                     f"({_describe_exit(code)}) before reporting", r)
-                readers.pop(conn)
-                if not msg.ok:
-                    raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
-                out[msg.rank] = _loads(msg.payload)
+            failures = _poll(readers, procs, out, timeout=0.2)
+            if failures:
+                # A dead rank makes its peers fail too (connection reset); collect what
+                # arrives in a short grace period and blame the root cause, not a symptom.
+                end = time.monotonic() + grace_s
+                while readers and time.monotonic() < end:
+                    failures += _poll(readers, procs, out, timeout=0.1)
+                raise _root_cause(failures)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
                 raise WorldError(f"timeout after {timeout_s:.0f}s; ranks {missing} did not finish")
@@ -139,6 +134,36 @@ def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
         _reap(procs)
         for reader, _ in pipes:
             reader.close()
+
+
+_SYMPTOMS = ("Connection reset", "Connection closed", "connection closed", "timed out",
+             "Timed out", "Broken pipe", "ECONNRESET")
+
+
+def _poll(readers: dict, procs, out: dict, timeout: float) -> list[WorldError]:
+    """Read whatever the children said; return failures (results go into ``out``)."""
+    failures = []
+    for conn in mp_connection.wait(list(readers), timeout=timeout):
+        r = readers.pop(conn)
+        msg = _receive(conn)
+        if msg is None:  # closed without a word: look at how the process ended
+            procs[r].join(1.0)
+            code = procs[r].exitcode
+            failures.append(WorldError(f"rank {r} exited with code {code} "
+                                       f"({_describe_exit(code)}) before reporting", r))
+        elif not msg.ok:
+            failures.append(WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload))
+        else:
+            out[msg.rank] = _loads(msg.payload)
+    return failures
+
+
+def _root_cause(failures: list[WorldError]) -> WorldError:
+    """A rank that died without a word (signal, OOM) first; then an exception that is not a
+    peer's lost connection or timeout; then the first report."""
+    silent = [f for f in failures if not f.tb]
+    real = [f for f in failures if f.tb and not any(s in f.tb for s in _SYMPTOMS)]
+    return (silent or real or failures)[0]
 
 
 def _die_with_parent() -> None:
@@ -175,17 +200,6 @@ def _receive(conn) -> Optional[_Msg]:
         return conn.recv()
     except (EOFError, OSError):
         return None
-
-
-def _drain_errors(readers: dict, grace_s: float) -> None:
-    """A child died silently; if another reported a traceback meanwhile, surface that one."""
-    end = time.monotonic() + grace_s
-    while readers and time.monotonic() < end:
-        for conn in mp_connection.wait(list(readers), timeout=0.1):
-            msg = _receive(conn)
-            readers.pop(conn)
-            if msg is not None and not msg.ok:
-                raise WorldError(f"rank {msg.rank} failed", msg.rank, msg.payload)
 
 
 def _describe_exit(code: int) -> str:

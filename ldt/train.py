@@ -34,6 +34,10 @@ def load(overrides: Sequence[str]):
         world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
         topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
         plain = OmegaConf.to_container(cfg, resolve=True)
+        path = plain["data"]["path"]
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"data.path={path!r} is not a file; give a text file or leave "
+                              "data.path unset for the built-in corpus")
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{exc}".strip()) from None
     return plain, topo

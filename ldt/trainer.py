@@ -64,6 +64,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
 
     c = parse(cfg)
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
+    _record_pid(run_dir, rank)
     state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
     stage = topo.stages[state.stage]
     observers = _observers(c.train, run_dir, rank)
@@ -74,6 +75,14 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
     finally:
         patches.revert(names)
         ldt.destroy_vtp()
+
+
+def _record_pid(run_dir: str, rank: int) -> None:
+    """``run_dir/pids/rank_<r>`` holds the rank's process id (which process is rank r?)."""
+    folder = os.path.join(run_dir, "pids")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank_{rank}"), "w") as f:
+        f.write(f"{os.getpid()}\n")
 
 
 def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
