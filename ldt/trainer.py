@@ -115,7 +115,18 @@ def build_stage_models(c, topo, state) -> list:
         gpt.config.overlap_p2p_comm = bool(c.train.overlap_p2p_comm and vpp)
         gpt.config.batch_p2p_comm = not gpt.config.overlap_p2p_comm
         models.append(gpt)
+    if c.model.tie_embeddings and any(ch.has_embedding for ch in chunks):
+        tie_embeddings(chunks, models)
     return models
+
+
+def tie_embeddings(chunks, models) -> None:
+    """Share the input embedding with the output head. Validation guarantees both sit on
+    this stage (U-shape edge or a one-stage model), so no cross-stage group is needed: the
+    head chunk just uses the embedding's parameter, and both gradients accumulate into it."""
+    emb = next(g for ch, g in zip(chunks, models) if ch.has_embedding)
+    head = next(g for ch, g in zip(chunks, models) if ch.has_head)
+    head.output_layer.weight = emb.embedding.word_embeddings.weight
 
 
 def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:

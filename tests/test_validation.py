@@ -29,6 +29,8 @@ CASES = {
                        ["cluster.stages[0].device='cuda'", "this machine has only ['cpu']"]),
     "dp_zero": (["cluster.dp=0"], {}, ["cluster.dp=0 must be >= 1"]),
     "typo_key": (["+cluster.stages.0.devise=cpu"], {}, ["devise"]),
+    "tie_across_stages": (["cluster=cpu_vtp", "model.tie_embeddings=true"], {},
+                          ["model.tie_embeddings=true", "stages 0 and 2", "u_shape=true"]),
     "interleaved_m": (["cluster=cpu_vtp", "train.schedule=interleaved",
                        "train.num_microbatches=4"], {},
                       ["train.num_microbatches=4", "multiple of the stage count", "use 6"]),
