@@ -10,22 +10,13 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 
 import torch
 
+from bench.common import timed_step
+
 SIZES = [(128, 1, 256), (512, 1, 512), (1024, 2, 1024), (2048, 2, 2048)]  # seq, mbs, hidden
 REPS = 15
-
-
-def _time_once(fn) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _worker(rank, world, sizes, reps):
@@ -60,7 +51,7 @@ def _worker(rank, world, sizes, reps):
             else:
                 mcomm.recv_forward(shape, is_first_stage=False)
 
-        m_times = [_time_once(megatron_step) for _ in range(reps)]
+        m_times = [timed_step(megatron_step) for _ in range(reps)]
         ps.destroy_model_parallel()
         state = ldt.initialize_vtp(topo, timeout_s=60)
         vcomm = VtpCommunicator(cfg, state)
@@ -71,7 +62,7 @@ def _worker(rank, world, sizes, reps):
             else:
                 vcomm.recv_forward(shape, is_first_stage=False)
 
-        l_times = [_time_once(ldt_step) for _ in range(reps)]
+        l_times = [timed_step(ldt_step) for _ in range(reps)]
         ldt.destroy_vtp()
         rows.append({"shape": list(shape), "bytes": act.numel() * 4,
                      "megatron_s": statistics.median(m_times), "ldt_s": statistics.median(l_times)})
