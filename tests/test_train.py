@@ -66,3 +66,22 @@ def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
         assert r["bytes"] == 64 * 2 * 64 * 4
     sent_by_edge = {(r["dst_stage"], r["direction"]) for r in records if r["src_stage"] == 0}
     assert sent_by_edge == {(1, "activation"), (2, "gradient")}
+
+
+@pytest.mark.timeout(300)
+def test_joins_a_torchrun_world(tmp_path):
+    """Under torchrun ldt-train joins that world instead of starting its own: same losses."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    proc = subprocess.run([torchrun, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
+                           "--master-port", str(port), "-m", "ldt.train",
+                           f"run_dir={tmp_path / 'torchrun'}", "train.steps=3"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    joined = json.loads(proc.stdout.strip().splitlines()[-1])
+    bare, _ = ldt_train(tmp_path / "bare", "train.steps=3")
+    assert joined["losses"] == pytest.approx(bare["losses"], abs=1e-6)
