@@ -135,7 +135,7 @@ def _describe(exc, topo) -> str:
 
 def _public(summary: dict) -> dict:
     keys = ("steps", "first_step", "final_loss", "first_loss", "tokens_per_s", "step_time_s",
-            "parity_max_abs_diff", "losses", "run_dir")
+            "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 
 

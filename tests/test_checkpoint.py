@@ -6,6 +6,7 @@ checkpoint. A resume into another layout (other stages and TP sizes) continues e
 since checkpoints hold full tensors under global names.
 """
 
+import csv
 import json
 import os
 import signal
@@ -23,7 +24,10 @@ def run(run_dir, *overrides, timeout=240):
                            f"train.steps={STEPS}", *overrides],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    with open(os.path.join(run_dir, "metrics.csv")) as f:  # one row per step of this run
+        summary["losses"] = [float(r["loss"]) for r in csv.DictReader(f)]
+    return summary
 
 
 @pytest.mark.timeout(400)
