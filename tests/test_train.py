@@ -90,3 +90,17 @@ def test_joins_a_torchrun_world(tmp_path):
             return [float(r["loss"]) for r in csv.DictReader(f)]
 
     assert losses(tmp_path / "torchrun") == pytest.approx(losses(tmp_path / "bare"), abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_planner_output_trains_in_ldt_train(tmp_path):
+    """ldt-plan writes a cluster file; ldt-train loads it as it is (Hydra search path)."""
+    plan_dir = tmp_path / "conf" / "cluster"
+    plan_dir.mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "ldt.tools.plan", "--inventory", "cpu_local",
+                           "--model", "gpt_tiny", "--out", str(plan_dir / "planned.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary, out = ldt_train(tmp_path / "run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+                             "cluster=planned", "train.steps=2")
+    assert summary["steps"] == 2 and summary["final_loss"] > 0
