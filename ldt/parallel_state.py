@@ -151,10 +151,11 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
     devices = {s.device for s in topology.stages}
     mixed_backend = "gloo" if len(devices) > 1 else backend_for(next(iter(devices)))
 
-    for r in range(topology.world_size):  # context-parallel size is 1: a group of one
-        g = new_group([r], backend_for(topology.rank_info(r).device))
-        if g is not None:
-            mine["cp"] = g
+    # Context-parallel size is 1: a group of one. Only its member creates it (local
+    # synchronization, hashed name), so this is O(1) per rank, not one world barrier per rank.
+    mine["cp"] = dist.new_group([rank], backend=backend_for(info.device), timeout=timeout,
+                                use_local_synchronization=True)
+    owned.append(mine["cp"])
     for d in range(topology.dp):  # TP groups
         for s in topology.stages:
             g = new_group(topology.stage_ranks(s.index, d), backend_for(s.device))
