@@ -82,13 +82,12 @@ class TrainConfig:
     num_microbatches: int = 4
     """Micro-batches per step per data-parallel replica (global batch = dp * m * mbs)."""
     schedule: str = "auto"
-    """``auto`` (U-shape schedule when u_shape, else 1F1B), ``1f1b`` or ``interleaved``."""
+    """``auto`` (U-shape schedule when u_shape; else 1F1B, or interleaved when the layout has
+    k*P segments), ``1f1b`` or ``interleaved`` (needs such a layout)."""
     runtime: str = "auto"
     """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
     default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it
     records per-action times). The U-shape always runs on ldt's runtime."""
-    virtual_pipeline_size: Optional[int] = None
-    """Chunks per stage for the interleaved schedule (or taken from the layout)."""
     overlap_p2p_comm: bool = False
     lr: float = 1e-3
     min_lr: float = 1e-4

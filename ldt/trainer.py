@@ -284,8 +284,7 @@ def reference_config(cfg: dict) -> dict:
     ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
                       "u_shape": False, "layout": None, "dp": 1}
     ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])
-    ref["train"].update(audit_comm=False, schedule="auto", virtual_pipeline_size=None,
-                        overlap_p2p_comm=False)
+    ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False)
     ref["reference"] = True
     return ref
 

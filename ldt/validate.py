@@ -59,6 +59,18 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
                 )
 
 
+def _interleaved_example(topo: Topology) -> str:
+    from ldt.layout import split_layers
+
+    n = topo.split.num_layers if topo.split else 2 * topo.num_stages
+    segs = 2 * topo.num_stages
+    counts = [n // segs + (i < n % segs) for i in range(segs)]
+    text = "|".join("t" * c for c in counts)
+    text = "E" + text + "L"
+    split_layers(n, topo.num_stages, layout=text)  # the example must itself be valid
+    return text
+
+
 def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.micro_batch_size < 1:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must be >= 1")
@@ -79,7 +91,17 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
             "schedule; use train.schedule=auto"
         )
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
-    if train.schedule == "interleaved" or vpp > 1:
+    if train.schedule == "interleaved" and vpp == 1:
+        raise ConfigError(
+            f"train.schedule=interleaved needs several chunks per stage, but cluster.layout="
+            f"{topo.split.to_layout_string() if topo.split else None!r} has one segment per "
+            f"stage; give a layout with k * {topo.num_stages} segments (k > 1), e.g. "
+            f"{_interleaved_example(topo)!r}")
+    if train.schedule == "1f1b" and vpp > 1:
+        raise ConfigError(
+            f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "
+            "train.schedule=interleaved (or auto), or one segment per stage")
+    if vpp > 1:
         p, m = topo.num_stages, train.num_microbatches
         if m % p:
             raise ConfigError(

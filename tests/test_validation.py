@@ -31,8 +31,11 @@ CASES = {
     "typo_key": (["+cluster.stages.0.devise=cpu"], {}, ["devise"]),
     "tie_across_stages": (["cluster=cpu_vtp", "model.tie_embeddings=true"], {},
                           ["model.tie_embeddings=true", "stages 0 and 2", "u_shape=true"]),
+    "interleaved_one_chunk": (["cluster=cpu_vtp", "train.schedule=interleaved"], {},
+                              ["train.schedule=interleaved needs several chunks per stage",
+                               "k * 3 segments", "Et|t|t|t|t|tL"]),
     "interleaved_m": (["cluster=cpu_vtp", "train.schedule=interleaved",
-                       "train.num_microbatches=4"], {},
+                       "cluster.layout=Et|t|t|t|t|tL", "train.num_microbatches=4"], {},
                       ["train.num_microbatches=4", "multiple of the stage count", "use 6"]),
 }
 
