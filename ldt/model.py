@@ -98,16 +98,17 @@ def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
 
 def global_param_name(chunk: Chunk, local_name: str) -> str:
     """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``; other names unchanged."""
-    prefix = "decoder.layers."
-    if local_name.startswith(prefix):
-        idx, rest = local_name[len(prefix):].split(".", 1)
-        return f"{prefix}{chunk.first_layer + int(idx)}.{rest}"
-    return local_name
+    return _shift_layer(local_name, chunk.first_layer)
 
 
 def local_param_name(chunk: Chunk, global_name: str) -> str:
+    """The inverse of :func:`global_param_name`."""
+    return _shift_layer(global_name, -chunk.first_layer)
+
+
+def _shift_layer(name: str, offset: int) -> str:
     prefix = "decoder.layers."
-    if global_name.startswith(prefix):
-        idx, rest = global_name[len(prefix):].split(".", 1)
-        return f"{prefix}{int(idx) - chunk.first_layer}.{rest}"
-    return global_name
+    if not name.startswith(prefix):
+        return name
+    idx, rest = name[len(prefix):].split(".", 1)
+    return f"{prefix}{int(idx) + offset}.{rest}"

@@ -202,20 +202,21 @@ def _local_index(state: VtpState) -> int:
 # ---- the reference implementation's functional API -----------------------------------------
 def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kw):
     """Receive this stage's input activation from the previous stage."""
-    comm = VtpCommunicator(config, **kw)
-    tensor, work = comm.recv(tensor_shape, comm.prev_stage, FORWARD)
-    if async_op:
-        return tensor, {"recv_prev": work}
-    work.wait()
-    return tensor
+    return _recv(tensor_shape, config, async_op, FORWARD, kw)
 
 
 def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kw):
     """Receive the gradient of this stage's output from the next stage."""
+    return _recv(tensor_shape, config, async_op, BACKWARD, kw)
+
+
+def _recv(tensor_shape, config, async_op: bool, direction: str, kw: dict):
     comm = VtpCommunicator(config, **kw)
-    tensor, work = comm.recv(tensor_shape, comm.next_stage, BACKWARD)
+    forward = direction == FORWARD
+    tensor, work = comm.recv(tensor_shape, comm.prev_stage if forward else comm.next_stage,
+                             direction)
     if async_op:
-        return tensor, {"recv_next": work}
+        return tensor, {"recv_prev" if forward else "recv_next": work}
     work.wait()
     return tensor
 
