@@ -101,11 +101,6 @@ def global_param_name(chunk: Chunk, local_name: str) -> str:
     return _shift_layer(local_name, chunk.first_layer)
 
 
-def local_param_name(chunk: Chunk, global_name: str) -> str:
-    """The inverse of :func:`global_param_name`."""
-    return _shift_layer(global_name, -chunk.first_layer)
-
-
 def _shift_layer(name: str, offset: int) -> str:
     prefix = "decoder.layers."
     if not name.startswith(prefix):
