@@ -63,16 +63,6 @@ def available_device_types() -> frozenset[str]:
     return frozenset(found)
 
 
-def local_device_count(device_type: str) -> int:
-    """How many devices of this type the node has (accelerate's view for accelerators)."""
-    if device_type == "cpu":
-        return os.cpu_count() or 1
-    if device_type == "cuda":
-        return torch.cuda.device_count()
-    npu = getattr(torch, "npu", None)
-    return npu.device_count() if npu is not None else 0
-
-
 def check_devices_present(device_types: Iterable[str], available: frozenset[str] | None = None) -> None:
     """Refuse a cluster that names a device type this machine does not have."""
     available = available_device_types() if available is None else available

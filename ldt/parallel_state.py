@@ -102,14 +102,6 @@ class VtpState:
         pgs.mp = self.replica_group
         return pgs
 
-    def boundary_to(self, dst_stage: int) -> tuple[BoundaryPlan, dist.ProcessGroup]:
-        """Group and plan for traffic this leader sends forward to ``dst_stage``."""
-        return self.boundary_groups[(self.stage, dst_stage)]
-
-    def boundary_from(self, src_stage: int) -> tuple[BoundaryPlan, dist.ProcessGroup]:
-        """Group and plan for the boundary whose forward traffic comes from ``src_stage``."""
-        return self.boundary_groups[(src_stage, self.stage)]
-
 
 _STATE: Optional[VtpState] = None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
 
-from ldt.config import DEVICE_TYPES, ClusterConfig, ConfigError, ModelConfig, to_cluster
+from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
 from ldt.device import BoundaryPlan, plan_boundary
 from ldt.layout import LayerSplit
 

@@ -10,7 +10,6 @@ global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.Tex
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import os
 import time
@@ -288,6 +287,3 @@ def reference_config(cfg: dict) -> dict:
     ref["reference"] = True
     return ref
 
-
-def asdict(obj) -> dict:
-    return dataclasses.asdict(obj) if dataclasses.is_dataclass(obj) else dict(obj)

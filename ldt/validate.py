@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ldt.config import ConfigError, ModelConfig, TrainConfig, to_cluster, to_model
+from ldt.config import ConfigError, ModelConfig, TrainConfig, to_model
 from ldt.device import check_devices_present
 from ldt.topology import Topology
 

@@ -125,11 +125,6 @@ def num_microbatches(schedule: Schedule) -> int:
     return 1 + max((a.mb for actions in schedule.values() for a in actions), default=-1)
 
 
-def compute_only(schedule: Schedule) -> Schedule:
-    """The schedule with all communication removed (what a generator returns)."""
-    return {stage: [a for a in actions if a.is_compute] for stage, actions in schedule.items()}
-
-
 def format_grid(
     schedule: Schedule,
     mark: tuple[int, int] | Iterable[tuple[int, int]] | None = None,
