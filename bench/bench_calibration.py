@@ -1,22 +1,19 @@
 """Simulator calibration: measured per-action times in, measured CPU step time out?
 
-``ldt-train`` (ldt's runtime) writes every compute action's start/end to action_times.csv.
-This bench runs ``cluster=cpu_demo`` (U-shape, TP 1/2/1) and ``cluster=cpu_vtp
-train.runtime=ldt`` (1F1B, TP 2/1/2), takes the per-(stage, op) median durations of the steady
-steps, simulates the same lowered action lists (``u_shape(3, m)`` / ``one_f_one_b(3, m)``) and
-compares with the measured step.
+``ldt-train`` (ldt's runtime) writes every action of every step to action_times.csv. This bench
+runs ``cluster=cpu_demo`` (U-shape, TP 1/2/1) and ``cluster=cpu_vtp train.runtime=ldt`` (1F1B,
+TP 2/1/2), turns the steady steps into a :class:`ldt.plan.calibrate.Calibration` (the action lists
+executed, mean time per (stage, op), stage start offsets) and replays it in the simulator.
 
-Measured target: the median over steady steps of the schedule span from action_times.csv (per
-step, the latest compute end over all stages, each relative to its stage's step start). That is
-what the simulator's iteration_time models; metrics.csv's step_time_s also contains the gradient
-norm all-reduce and the AdamW step, which no schedule model covers (shown for reference).
+Measured target: the median over steady steps of the schedule span (earliest stage's step start
+to the last action's end, on the host clock). That is what the simulator's iteration_time
+models; metrics.csv's step_time_s also contains the gradient norm all-reduce and the AdamW step,
+which no schedule model covers (shown for reference).
 
 Two predictions:
-* ``compute only``: the medians as they are, zero-time messages;
-* ``+ overhead``: each stage's compute also pays that stage's measured per-action overhead (the
-  lower quartile of its gaps between computes: receive waits incl. the TP broadcast, send
-  posting, Python), plus the measured step-start offset. The quartile is a fixed choice, not
-  fitted to the target; see ldt/plan/calibrate.py:stage_overheads.
+* ``compute only``: computes at their mean times, messages free, all stages start together;
+* ``full`` (the headline figure): also the communication actions' own measured times (a WAIT
+  from when its message could first have arrived) and the stage start offsets.
 """
 
 from __future__ import annotations
@@ -29,51 +26,47 @@ from bench.common import emit, ldt_train, median
 from ldt.plan import calibrate
 
 STEPS, SKIP = 23, 3  # 20 steady steps after 3 warm-up steps
-RUNS = [("cpu_demo", "ushape", ["cluster=cpu_demo"]),
-        ("cpu_vtp", "1f1b", ["cluster=cpu_vtp", "train.runtime=ldt"])]
+RUNS = [("cpu_demo", ["cluster=cpu_demo"]), ("cpu_vtp", ["cluster=cpu_vtp", "train.runtime=ldt"])]
 
 
-def _measure(name: str, kind: str, overrides: list[str], root: str) -> dict:
-    """One ldt-train run -> measured spans, cost table and both predictions."""
+def _measure(name: str, overrides: list[str], root: str) -> dict:
+    """One ldt-train run -> measured span and both predictions."""
     run_dir = os.path.join(root, name)
     summary = ldt_train(run_dir, overrides + [f"train.steps={STEPS}", "train.num_microbatches=4"])
     rows = calibrate.steady(calibrate.read_action_times(run_dir), SKIP)
-    table = calibrate.median_durations(rows)
-    stages = 1 + max(stage for stage, _ in table)
+    cal = calibrate.calibrate(rows)
     measured = median(calibrate.step_spans(rows).values())
     with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
         step_times = [float(r["step_time_s"]) for r in csv.DictReader(f)][SKIP:]
-    raw = calibrate.predict(kind, stages, 4, table).iteration_time
-    overheads = calibrate.stage_overheads(rows)
-    offset = calibrate.start_offset(rows)
-    calibrated = calibrate.predict(kind, stages, 4,
-                                   calibrate.with_overheads(table, overheads)).iteration_time
-    calibrated += offset
-    return {"config": name, "kind": kind, "measured_span_s": measured,
-            "metrics_step_s": median(step_times), "predicted_raw_s": raw,
-            "predicted_s": calibrated, "error_raw": raw / measured - 1,
-            "error": calibrated / measured - 1, "final_loss": summary["final_loss"],
-            "table_ms": {f"{s}{op.value}": round(d * 1e3, 2) for (s, op), d in sorted(table.items())},
-            "overhead_ms": {s: round(o * 1e3, 2) for s, o in sorted(overheads.items())},
-            "start_offset_ms": round(offset * 1e3, 2)}
+    raw = cal.predict(compute_only=True).iteration_time
+    full = cal.predict().iteration_time
+
+    def ms(table):
+        return {f"{s}{op.value}": round(d * 1e3, 2) for (s, op), d in sorted(table.items())}
+
+    return {"config": name, "measured_span_s": measured, "metrics_step_s": median(step_times),
+            "predicted_raw_s": raw, "predicted_s": full, "error_raw": raw / measured - 1,
+            "error": full / measured - 1, "final_loss": summary["final_loss"],
+            "compute_ms": ms(cal.compute), "comm_ms": ms(cal.local),
+            "start_at_ms": {s: round(t * 1e3, 2) for s, t in cal.start_at.items()}}
 
 
 def _print(results: list[dict]) -> None:
-    print(f"simulator vs measured ldt-train step ({STEPS - SKIP} steady steps, m=4, medians)")
+    print(f"simulator vs measured ldt-train step ({STEPS - SKIP} steady steps, m=4, means)")
     print(f"{'config':>9} {'measured ms':>12} {'metrics ms':>11} {'sim compute-only':>17} "
-          f"{'err':>7} {'sim +overhead':>14} {'err':>7}")
+          f"{'err':>7} {'sim full':>9} {'err':>7}")
     for r in results:
         print(f"{r['config']:>9} {r['measured_span_s'] * 1e3:12.1f} {r['metrics_step_s'] * 1e3:11.1f} "
               f"{r['predicted_raw_s'] * 1e3:17.1f} {r['error_raw']:+7.1%} "
-              f"{r['predicted_s'] * 1e3:14.1f} {r['error']:+7.1%}")
+              f"{r['predicted_s'] * 1e3:9.1f} {r['error']:+7.1%}")
     for r in results:
-        print(f"  {r['config']}: per-action medians ms {r['table_ms']}; per-action overhead ms "
-              f"{r['overhead_ms']}; start offset {r['start_offset_ms']} ms")
+        print(f"  {r['config']}: compute ms {r['compute_ms']}\n    communication ms {r['comm_ms']}"
+              f"\n    stage start offsets ms {r['start_at_ms']}")
 
 
 def main() -> dict:
     with tempfile.TemporaryDirectory(prefix="ldt-calib-") as root:
-        results = [_measure(name, kind, ov, root) for name, kind, ov in RUNS]
+        results = [_measure(name, overrides, root) for name, overrides in RUNS]
     _print(results)
     by = {r["config"]: r for r in results}
     return emit({"bench": "calibration",

@@ -12,10 +12,10 @@ One world, one set of groups: a topology's boundary groups include the wraparoun
 boundary whether or not it is a U-shape, so the plain state is the U-shape state with the plain
 topology swapped in (no group is created while timing). Repetitions alternate ABBA.
 
-Prediction: the simulator plays ``lower(u_shape(3, m))`` and ``lower(one_f_one_b(3, m))`` with
-the per-(stage, op) median compute times recorded during these very runs (zero-time messages;
-and again with each stage's per-action overhead added, see ldt/plan/calibrate.py), and the
-ratio of the two simulated iteration times is compared with the measured median ratio.
+Prediction: the simulator replays the action lists both runs executed with the per-(stage, op)
+mean times recorded during these very runs (compute only, and again with the communication
+actions' own times and the stage start offsets, see ldt/plan/calibrate.py), and the ratio of the
+two simulated iteration times is compared with the measured median ratio.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _worker(rank, world, model_dict, m, reps):
         # out["t0"]: this rank's step start, after the barrier (per-action rows are relative)
         elapsed = timed_step(lambda: (out.__setitem__("t0", time.perf_counter()), step()))
         rows = [(str(a), s - out["t0"], e - out["t0"]) for a, s, e in out["res"].timings]
-        return elapsed, rows
+        return elapsed, (out["t0"], rows)  # t0: perf_counter, one clock for this host's ranks
 
     kinds = list(LAYOUTS)
     for k in kinds:
@@ -96,15 +96,14 @@ def _predict(per_rank: list, m: int) -> dict:
 
     out = {}
     for kind in LAYOUTS:
-        rows = [calibrate.ActionTime(i, parse_action(a), s, e)
-                for reps in per_rank for i, rep in enumerate(reps) for a, s, e in rep[kind][1]]
-        table = calibrate.median_durations(rows)
-        overheads = calibrate.stage_overheads(rows)
+        rows = [calibrate.ActionTime(i, parse_action(a), s, e, "local", rep[kind][1][0])
+                for reps in per_rank for i, rep in enumerate(reps) for a, s, e in rep[kind][1][1]]
+        cal = calibrate.calibrate(rows)
         out[kind] = {
-            "raw": calibrate.predict(kind, 3, m, table).iteration_time,
-            "overhead": calibrate.predict(kind, 3, m, calibrate.with_overheads(table, overheads))
-            .iteration_time + calibrate.start_offset(rows),
-            "table_ms": {f"{s}{op.value}": round(d * 1e3, 2) for (s, op), d in sorted(table.items())},
+            "raw": cal.predict(compute_only=True).iteration_time,
+            "full": cal.predict().iteration_time,
+            "table_ms": {f"{s}{op.value}": round(d * 1e3, 2)
+                         for (s, op), d in sorted(cal.compute.items())},
         }
     return out
 
@@ -118,7 +117,7 @@ def main() -> dict:
     ratios = [t["ushape"] / t["1f1b"] for t in times]
     pred = _predict(per_rank, M)
     predicted = pred["ushape"]["raw"] / pred["1f1b"]["raw"]
-    predicted_oh = pred["ushape"]["overhead"] / pred["1f1b"]["overhead"]
+    predicted_full = pred["ushape"]["full"] / pred["1f1b"]["full"]
     print(f"U-shape (Et|tt|tt|tL) vs plain 1F1B (Ett|tt|ttL), TP [1,1,1], {M} micro-batches of "
           f"{MBS}x{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; ldt runtime for both")
     print(f"{'rep':>4} {'ushape ms':>10} {'1f1b ms':>9} {'ratio':>7}")
@@ -126,13 +125,13 @@ def main() -> dict:
         print(f"{i:>4} {t['ushape'] * 1e3:10.2f} {t['1f1b'] * 1e3:9.2f} {ratios[i]:7.3f}")
     for kind in LAYOUTS:
         print(f"  {kind}: measured median {median(t[kind] for t in times) * 1e3:.1f} ms; simulated "
-              f"{pred[kind]['raw'] * 1e3:.1f} ms (compute only), {pred[kind]['overhead'] * 1e3:.1f} "
-              f"ms (+ per-action overhead); per-action medians ms {pred[kind]['table_ms']}")
+              f"{pred[kind]['raw'] * 1e3:.1f} ms (compute only), {pred[kind]['full'] * 1e3:.1f} "
+              f"ms (+ communication and start offsets); per-action means ms {pred[kind]['table_ms']}")
     print(f"  median ratio ushape/1f1b {median(ratios):.3f}; predicted {predicted:.3f} "
-          f"(compute only), {predicted_oh:.3f} (+ overhead)")
+          f"(compute only), {predicted_full:.3f} (+ communication)")
     return emit({"bench": "ushape_vs_1f1b", "median_ratio": round(median(ratios), 3),
                  "predicted_ratio": round(predicted, 3),
-                 "predicted_ratio_with_overhead": round(predicted_oh, 3),
+                 "predicted_ratio_with_comm": round(predicted_full, 3),
                  "ushape_ms": round(median(t["ushape"] for t in times) * 1e3, 1),
                  "1f1b_ms": round(median(t["1f1b"] for t in times) * 1e3, 1)})
 

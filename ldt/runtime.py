@@ -53,7 +53,7 @@ class StageRoles:
 @dataclass
 class StepResult:
     losses: list = field(default_factory=list)  # forward_data_store entries (loss stage only)
-    timings: list = field(default_factory=list)  # (action, start_s, end_s) per compute action
+    timings: list = field(default_factory=list)  # (action, start_s, end_s) per action
 
 
 class ActionError(RuntimeError):
@@ -107,6 +107,7 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
             to_send[(BACKWARD, a.mb)] = in_grad
 
     for index, a in enumerate(actions):
+        t0 = time.perf_counter()
         try:
             with _label(a):
                 if a.op in (Op.RECV_F, Op.RECV_B):
@@ -123,10 +124,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
                     if work is not None:
                         sends.append(work)
                 else:
-                    t0 = time.perf_counter()
                     (backward if a.op in _BACKWARD_OF else forward)(a)
-                    if record_timings:
-                        result.timings.append((a, t0, time.perf_counter()))
+            if record_timings:  # every action: a WAIT's span is its blocked time (calibration)
+                result.timings.append((a, t0, time.perf_counter()))
         except Exception as exc:
             grid = format_grid(schedule, mark=(a.stage, index)) if schedule else ""
             raise ActionError(

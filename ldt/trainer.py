@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import socket
 import time
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -21,6 +22,9 @@ import torch
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
 
 REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
+# action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
+# relative to that stage's step start, which is step_start_s on the clock of `host`.
+ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
 
 
 def make_forward_step(seq_length: int):
@@ -158,7 +162,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
-    rows, timings = [], []  # timings: per step, this stage's (action, start, end)
+    rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
     bar = _progress(t.steps - first_step, reporter)
     for step in range(first_step, t.steps):
@@ -176,7 +180,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=True)
             losses = res.losses
-            timings.append([(str(a), s - t0, e - t0) for a, s, e in res.timings])
+            timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in res.timings]))
         else:
             losses = get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -245,14 +249,16 @@ def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
 
 
 def _gather_timings(timings, state):
-    """Every stage leader's measured per-action times of every step (for the loss leader)."""
+    """Every stage leader's host and measured per-action times of every step (for the loss
+    leader). Step starts are ``perf_counter`` values: one clock for all processes of a host
+    (Linux CLOCK_MONOTONIC), so stages on one host can be lined up against each other."""
     import torch.distributed as dist
 
     if not state.is_leader or state.leader_group is None:
         return None
     gathered: list[Any] = [None] * state.topology.num_stages
-    dist.all_gather_object(gathered, timings, group=state.leader_group)
-    return gathered  # [stage][step] -> [(action, start_s, end_s)]
+    dist.all_gather_object(gathered, (socket.gethostname(), timings), group=state.leader_group)
+    return gathered  # [stage] -> (host, [step] -> (step_start, [(action, start_s, end_s)]))
 
 
 def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
@@ -266,11 +272,12 @@ def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
 
         with open(os.path.join(run_dir, "action_times.csv"), "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["step", "stage", "action", "start_s", "end_s"])
-            for stage, steps in enumerate(timeline):
-                for i, step_rows in enumerate(steps):
-                    w.writerows((rows[i]["step"], stage, a, s, e) for a, s, e in step_rows)
-        result = result_from_measurements([steps[-1] for steps in timeline])
+            w.writerow(ACTION_TIMES_KEYS)
+            for stage, (host, steps) in enumerate(timeline):
+                for i, (step_start, step_rows) in enumerate(steps):
+                    w.writerows((rows[i]["step"], stage, a, s, e, host, step_start)
+                                for a, s, e in step_rows)
+        result = result_from_measurements([steps[-1][1] for _, steps in timeline])
         to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
         to_png(result, os.path.join(run_dir, "timeline.png"),
                f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")

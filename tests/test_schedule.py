@@ -192,6 +192,18 @@ def test_simulate_comm_time_delays_waits() -> None:
     assert result.iteration_time == 1 + 10 + 2 + 10 + 1
 
 
+def test_simulate_local_time_and_start_offsets() -> None:
+    # Hand play, F = B = 1, RECV posts in 2, SEND in 1, a WAIT takes 3 after its message is there:
+    # stage 0: RECV_B [0,2], F [2,3], SEND_F [3,4] (leaves at 3), WAIT_B from 4 ...
+    # stage 1 starts at 5: RECV_F [5,7], WAIT_F max(7, 3) + 3 = 10, F [10,11], B [11,12],
+    #   SEND_B [12,13] (leaves at 12); stage 0: WAIT_B max(4, 12) + 3 = 15, B [15,16].
+    local = {Op.RECV_B: 2, Op.RECV_F: 2, Op.SEND_F: 1, Op.SEND_B: 1, Op.WAIT_F: 3, Op.WAIT_B: 3}
+    result = simulate(lower(one_f_one_b(2, 1), "1f1b"), unit_cost,
+                      local_time=lambda a: local[a.op], start_at={1: 5})
+    assert result.iteration_time == 16
+    assert result.busy == {0: 2, 1: 2}  # communication is not busy time
+
+
 # --- exports -------------------------------------------------------------------------------------
 
 

@@ -39,6 +39,20 @@ def test_default_job_trains_and_reports(tmp_path):
     assert {"0FS0", "0FE0", "0BS0", "0BE0", "1F0", "2B3"} <= names
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert (tmp_path / "config.yaml").exists()
+    # action_times.csv: every step ran exactly the generated U-shape action lists, and the rows
+    # are what calibration needs (one host clock, WAITs matched to their SENDs)
+    from ldt.plan import calibrate
+    from ldt.schedule import lower, u_shape
+
+    rows = calibrate.read_action_times(tmp_path)
+    assert sorted({r.step for r in rows}) == list(range(15))
+    expected = lower(u_shape(3, 4), "ushape")
+    for step in range(15):
+        assert calibrate.calibrate([r for r in rows if r.step == step]).schedule == expected
+    cal = calibrate.calibrate(calibrate.steady(rows, 3))
+    assert set(cal.compute) == {(s, a.op) for s, acts in expected.items() for a in acts
+                                if a.is_compute}
+    assert all(v > 0 for v in cal.compute.values()) and cal.predict().iteration_time > 0
 
 
 @pytest.mark.timeout(300)

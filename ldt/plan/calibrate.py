@@ -1,15 +1,31 @@
 """Calibrate the simulator with measured per-action times (``action_times.csv``).
 
-When ldt's runtime runs, ``ldt-train`` writes every compute action's start/end per step and
-stage (relative to that stage's step start). Feeding their per-(stage, op) medians back into
-:func:`ldt.schedule.simulate` with the same lowered action lists answers "does the schedule
-model explain the measured step?": if it does, the simulator (and the planner built on it) can
-be trusted to rank layouts and schedules on that hardware; if not, the difference is the part
-of a step the model leaves out (communication, contention, Python between actions).
+When ldt's runtime runs, ``ldt-train`` records every action of every step and stage: computes,
+receive and send posting, and waits, relative to the stage's step start, plus that start on the
+host's clock. :func:`calibrate` turns a run into what :func:`ldt.schedule.simulate` needs (the
+action lists the runtime executed, a time per (stage, op), and when each stage starts) and
+:meth:`Calibration.predict` replays them. If the prediction matches the measured step, the
+schedule model explains the run and the simulator (and the planner built on it) can be trusted
+to rank layouts and schedules on that hardware; if not, the difference is what the model leaves
+out.
 
-Medians, not means: on a shared 2-core CPU a few actions are descheduled for milliseconds, and
-one such outlier per step should not move the cost table. The first steps are skipped because
-they include allocator and autograd warm-up that a steady state does not pay.
+What is measured, and why so:
+
+* **Means, not medians.** A step's span is a sum of durations along its critical path, and its
+  expectation is the sum of the expected durations. On a shared CPU (cpu_demo runs 4 ranks on 2
+  cores) the durations have a long right tail (a rank descheduled for milliseconds); medians
+  drop it and under-predicted cpu_demo by 12-17%.
+* **A WAIT's own time** is measured from when it could first have returned: the later of the
+  WAIT's start and the matching SEND's start, on the shared clock. That is the message's time on
+  the wire plus a TP>1 stage's broadcast of what its leader received, not the time spent
+  waiting for a peer that had not sent yet (the simulator works that out itself). So the
+  replayed messages take zero time: their cost is the receiver's WAIT time.
+* **Stage start offsets.** Stages leave the previous step's optimizer at different times (the
+  loss stage also reports the loss); a stage that starts late delays its neighbours.
+
+All of this compares times across processes, so every row must come from one host with its
+step start recorded; :func:`calibrate` says so otherwise. The first steps are skipped
+(:func:`steady`): they include allocator and autograd warm-up that a steady state does not pay.
 """
 
 from __future__ import annotations
@@ -18,10 +34,11 @@ import csv
 import os
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ldt.schedule import Action, Op, SimResult, lower, one_f_one_b, parse_action, simulate, u_shape
+from ldt.schedule import Action, Op, Schedule, SimResult, parse_action, simulate
+from ldt.schedule.ir import COMM_OPS, SEND_OPS, WAIT_OPS
 
 CostTable = dict[tuple[int, Op], float]
 """(stage, op) -> seconds."""
@@ -35,10 +52,21 @@ class ActionTime:
     action: Action
     start_s: float
     end_s: float
+    host: str = ""
+    step_start_s: float | None = None
+    """The stage's step start on ``host``'s clock (None: not recorded, no cross-stage times)."""
 
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def clock_start_s(self) -> float:
+        return self.step_start_s + self.start_s
+
+    @property
+    def clock_end_s(self) -> float:
+        return self.step_start_s + self.end_s
 
 
 def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
@@ -47,7 +75,9 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
         path = os.path.join(path, "action_times.csv")
     with open(path, newline="") as f:
         return [ActionTime(int(r["step"]), parse_action(r["action"]), float(r["start_s"]),
-                           float(r["end_s"])) for r in csv.DictReader(f)]
+                           float(r["end_s"]), r.get("host") or "",
+                           float(r["step_start_s"]) if r.get("step_start_s") else None)
+                for r in csv.DictReader(f)]
 
 
 def steady(rows: Iterable[ActionTime], skip_steps: int) -> list[ActionTime]:
@@ -57,99 +87,92 @@ def steady(rows: Iterable[ActionTime], skip_steps: int) -> list[ActionTime]:
     return [r for r in rows if r.step >= first + skip_steps]
 
 
-def median_durations(rows: Iterable[ActionTime]) -> CostTable:
-    """Median duration of every (stage, compute op) over all its micro-batches and steps."""
+@dataclass(frozen=True)
+class Calibration:
+    """A measured run in the simulator's terms (seconds)."""
+
+    schedule: Schedule
+    """The action lists the runtime executed (read back from the rows, not regenerated)."""
+    compute: CostTable
+    """Mean time of every (stage, compute op)."""
+    local: CostTable
+    """Mean own time of every (stage, communication op): posting a RECV / SEND, and a WAIT from
+    when its message could first have arrived to its return."""
+    start_at: dict[int, float]
+    """Mean time each stage starts its step after the earliest stage."""
+
+    def predict(self, compute_only: bool = False) -> SimResult:
+        """Replay the schedule; ``compute_only`` leaves out communication and start offsets
+        (what a pure compute model would predict)."""
+        if compute_only:
+            return simulate(self.schedule, self._time)
+        return simulate(self.schedule, self._time, local_time=self._time, start_at=self.start_at)
+
+    def _time(self, action: Action) -> float:
+        table = self.compute if action.is_compute else self.local
+        return table[(action.stage, action.op)]
+
+
+def calibrate(rows: Iterable[ActionTime]) -> Calibration:
+    """What the simulator needs from a run's (steady) rows; see the module docstring."""
+    rows = _on_one_clock(rows)
+    by_step: dict[int, list[ActionTime]] = defaultdict(list)
+    for r in rows:
+        by_step[r.step].append(r)
+    schedule = _action_lists(by_step[min(by_step)])
+    sent = {(r.step, r.action.channel, r.action.mb): r.clock_start_s
+            for r in rows if r.action.op in SEND_OPS}
     samples: dict[tuple[int, Op], list[float]] = defaultdict(list)
     for r in rows:
-        if r.action.is_compute:
+        if r.action.op in WAIT_OPS:
+            arrival_bound = max(r.clock_start_s, sent[(r.step, r.action.channel, r.action.mb)])
+            samples[(r.action.stage, r.action.op)].append(r.clock_end_s - arrival_bound)
+        else:
             samples[(r.action.stage, r.action.op)].append(r.duration_s)
-    return {key: statistics.median(values) for key, values in samples.items()}
+    means = {key: statistics.fmean(values) for key, values in samples.items()}
+    offsets: dict[int, list[float]] = defaultdict(list)
+    for step_rows in by_step.values():
+        starts = {r.action.stage: r.step_start_s for r in step_rows}
+        for stage, start in starts.items():
+            offsets[stage].append(start - min(starts.values()))
+    return Calibration(schedule=schedule,
+                       compute={k: v for k, v in means.items() if k[1] not in COMM_OPS},
+                       local={k: v for k, v in means.items() if k[1] in COMM_OPS},
+                       start_at={s: statistics.fmean(v) for s, v in sorted(offsets.items())})
 
 
 def step_spans(rows: Iterable[ActionTime]) -> dict[int, float]:
-    """Per step, the latest compute end over all stages: the measured schedule span.
-
-    This is what the simulator's ``iteration_time`` models (step start to last compute end);
-    it leaves out the gradient all-reduce / norm / optimizer step that follow the schedule,
-    which ``metrics.csv``'s ``step_time_s`` includes.
-    """
-    spans: dict[int, float] = defaultdict(float)
-    for r in rows:
-        spans[r.step] = max(spans[r.step], r.end_s)
-    return dict(spans)
-
-
-def stage_overheads(rows: Iterable[ActionTime], quantile: float = 0.25) -> dict[int, float]:
-    """Per stage, the time it spends between two compute actions when it is not waiting.
-
-    Between computes a stage posts receives, waits them (on a TP>1 stage that includes the
-    leader's broadcast to the stage), posts sends and returns to Python: work the simulator
-    does not see, since it only times compute and the link. A gap is that local overhead plus
-    any wait for a neighbour; the lower ``quantile`` of a stage's gaps (over all steps) keeps
-    the gaps where nothing was waited for. Stage clocks are not aligned across processes, so
-    cross-stage (link) latency cannot be separated this way; it is folded in where it is on a
-    stage's own path.
-    """
-    gaps: dict[int, list[float]] = defaultdict(list)
-    for (_, stage), seq in _by_step_stage(rows).items():
-        gaps[stage] += [b.start_s - a.end_s for a, b in zip(seq, seq[1:])]
-    return {stage: _quantile(values, quantile) for stage, values in gaps.items()}
+    """Per step, from the earliest stage's step start to the last action's end (host clock):
+    what :meth:`Calibration.predict`'s ``iteration_time`` models. It leaves out the gradient
+    all-reduce / norm / optimizer step after the schedule, which ``metrics.csv``'s
+    ``step_time_s`` includes."""
+    first: dict[int, float] = {}
+    last: dict[int, float] = defaultdict(float)
+    for r in _on_one_clock(rows):
+        first[r.step] = min(first.get(r.step, r.step_start_s), r.step_start_s)
+        last[r.step] = max(last[r.step], r.clock_end_s)
+    return {step: last[step] - first[step] for step in first}
 
 
-def start_offset(rows: Iterable[ActionTime]) -> float:
-    """Median over steps of the earliest compute start (step start to first compute)."""
-    firsts: dict[int, float] = {}
-    for (step, _), seq in _by_step_stage(rows).items():
-        firsts[step] = min(firsts.get(step, seq[0].start_s), seq[0].start_s)
-    return statistics.median(firsts.values()) if firsts else 0.0
+
+def _action_lists(step_rows: list[ActionTime]) -> Schedule:
+    per_stage: dict[int, list[ActionTime]] = defaultdict(list)
+    for r in step_rows:
+        per_stage[r.action.stage].append(r)
+    return {stage: [r.action for r in sorted(seq, key=lambda r: r.start_s)]
+            for stage, seq in sorted(per_stage.items())}
 
 
-def with_overheads(table: CostTable, overheads: dict[int, float]) -> CostTable:
-    """Every compute action of stage s also pays that stage's per-action overhead."""
-    return {(stage, op): d + overheads.get(stage, 0.0) for (stage, op), d in table.items()}
-
-
-def _by_step_stage(rows: Iterable[ActionTime]) -> dict[tuple[int, int], list[ActionTime]]:
-    out: dict[tuple[int, int], list[ActionTime]] = defaultdict(list)
-    for r in rows:
-        if r.action.is_compute:
-            out[(r.step, r.action.stage)].append(r)
-    for seq in out.values():
-        seq.sort(key=lambda r: r.start_s)
-    return out
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def duration_fn(table: CostTable) -> Callable[[Action], float]:
-    """A simulator ``duration`` from a cost table; a missing (stage, op) is an error."""
-
-    def duration(action: Action) -> float:
-        try:
-            return table[(action.stage, action.op)]
-        except KeyError:
-            raise KeyError(f"no measured duration for {action.op.value} on stage {action.stage}; "
-                           "was the run made with the same schedule kind and stages?") from None
-
-    return duration
-
-
-def lowered_schedule(kind: str, num_stages: int, num_microbatches: int):
-    """The lowered action lists ldt's runtime executes (``kind``: ``ushape`` or ``1f1b``)."""
-    compute = (u_shape if kind == "ushape" else one_f_one_b)(num_stages, num_microbatches)
-    return lower(compute, kind)
-
-
-def predict(kind: str, num_stages: int, num_microbatches: int, table: CostTable,
-            comm_time_s: float = 0.0) -> SimResult:
-    """Simulate one step with measured durations and a constant time per message."""
-    return simulate(lowered_schedule(kind, num_stages, num_microbatches), duration_fn(table),
-                    lambda _send: comm_time_s)
+def _on_one_clock(rows: Iterable[ActionTime]) -> list[ActionTime]:
+    rows = list(rows)
+    if not rows:
+        raise ValueError("no action times: was the run made on ldt's runtime (the U-shape, or "
+                         "train.runtime=ldt) with more steps than were skipped?")
+    hosts = sorted({r.host for r in rows})
+    if len(hosts) > 1 or any(r.step_start_s is None for r in rows):
+        raise ValueError(
+            f"calibration compares stages' times, so it needs them on one clock; these rows come "
+            f"from hosts {hosts} and step starts are "
+            f"{'missing' if any(r.step_start_s is None for r in rows) else 'recorded'}. "
+            "Calibrate on a single-host run of this version of ldt-train.")
+    return rows

@@ -187,16 +187,20 @@ def play(
     matches: dict[Slot, Slot],
     duration: Callable[[Action], float] = lambda a: 0,
     comm_time: Callable[[Action], float] = lambda a: 0,
+    local_time: Callable[[Action], float] = lambda a: 0,
+    start_at: dict[int, float] | None = None,
 ) -> Played:
     """Run all stages against each other; raise a deadlock report if they stop progressing.
 
     Each stage runs until a WAIT whose SEND has not run yet, then parks on that SEND; running the
-    SEND wakes it. Linear in the number of actions. A compute takes ``duration(action)``, SEND and
-    RECV take no local time, and a WAIT ends at ``max(now, send time + comm_time(send))``.
+    SEND wakes it. Linear in the number of actions. A compute takes ``duration(action)``; a SEND
+    or RECV takes ``local_time(action)`` to post (the message leaves when the SEND starts); a WAIT
+    ends ``local_time(wait)`` after ``max(now, send time + comm_time(send))`` (e.g. a TP>1
+    stage's broadcast of what its leader received). Stage ``s`` starts at ``start_at[s]`` (0).
     """
     start: dict[int, list[float]] = {s: [] for s in schedule}
     end: dict[int, list[float]] = {s: [] for s in schedule}
-    clock: dict[int, float] = {s: 0 for s in schedule}
+    clock: dict[int, float] = {s: (start_at or {}).get(s, 0) for s in schedule}
     sent_at: dict[Slot, float] = {}
     parked: dict[Slot, int] = {}  # send slot -> stage waiting for it
     ready = deque(sorted(schedule))
@@ -218,12 +222,14 @@ def play(
                     break
                 starts.append(now)
                 now = max(now, sent_at[source] + comm_time(_at(schedule, source)))
+                now = now + local_time(action)
                 ends.append(now)
             else:
                 starts.append(now)
+                now = now + local_time(action)
                 ends.append(now)
                 if op in SEND_OPS:
-                    sent_at[(stage, index)] = now
+                    sent_at[(stage, index)] = starts[-1]
                     waiter = parked.pop((stage, index), None)
                     if waiter is not None:
                         ready.append(waiter)

@@ -53,14 +53,18 @@ def simulate(
     schedule: Schedule,
     duration: Callable[[Action], float],
     comm_time: Callable[[Action], float] = lambda a: 0,
+    local_time: Callable[[Action], float] = lambda a: 0,
+    start_at: dict[int, float] | None = None,
 ) -> SimResult:
-    """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``.
+    """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``;
+    ``local_time`` (communication actions' own time) and ``start_at`` (stage start offsets) are
+    for replaying measurements, see :func:`ldt.schedule.check.play`.
 
     Integer or ``fractions.Fraction`` costs give exact results. Raises ``ScheduleError`` on a
     malformed or deadlocking schedule, like ``check_schedule``.
     """
     matches = check_structure(schedule)
-    played = play(schedule, matches, duration, comm_time)
+    played = play(schedule, matches, duration, comm_time, local_time, start_at)
     events: list[Event] = []
     busy: dict[int, float] = {}
     for stage in sorted(schedule):

@@ -106,8 +106,10 @@ def result_from_measurements(per_stage: list[list[tuple[str, float, float]]]) ->
     for stage, rows in enumerate(per_stage):
         busy[stage] = 0.0
         for text, start, end in rows or []:
-            events.append(Event(stage, parse_action(text), start, end))
-            busy[stage] += end - start
+            action = parse_action(text)
+            events.append(Event(stage, action, start, end))
+            if action.is_compute:
+                busy[stage] += end - start
     span = max((e.end for e in events), default=0.0)
     bubble = 1.0 - sum(busy.values()) / (len(busy) * span) if span > 0 else 0.0
     return SimResult(iteration_time=span, busy=busy, bubble_fraction=bubble, peak_inflight={},

@@ -1,0 +1,96 @@
+"""Calibration (ldt/plan/calibrate.py): from recorded action times back to simulator inputs.
+
+The round trip is the check: play a schedule with known costs, write its events as
+``action_times.csv`` rows the way ldt-train does (times relative to each stage's step start,
+plus that start on one host clock), and calibration must recover the costs, the start offsets
+and the iteration time. A real run's rows are checked in test_train.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ldt.plan import calibrate
+from ldt.schedule import Op, lower, one_f_one_b, simulate, u_shape
+
+COMPUTE = {Op.F: 0.004, Op.B: 0.008, Op.FS: 0.002, Op.FE: 0.005, Op.BS: 0.003, Op.BE: 0.004}
+LOCAL = {Op.RECV_F: 0.0002, Op.RECV_B: 0.0003, Op.SEND_F: 0.0004, Op.SEND_B: 0.0005,
+         Op.WAIT_F: 0.0011, Op.WAIT_B: 0.0007}
+
+
+def _cost(action):
+    scale = 1 + 0.5 * action.stage  # stages differ, so a mixed-up stage would show
+    return (COMPUTE if action.is_compute else LOCAL)[action.op] * scale
+
+
+def _rows(schedule, start_at, steps=3, host="node0"):
+    """The rows ldt-train would write for ``steps`` identical steps of ``schedule``."""
+    result = simulate(schedule, _cost, local_time=_cost, start_at=start_at)
+    rows = []
+    for step in range(steps):
+        origin = 100.0 + step  # the host clock when the earliest stage started this step
+        for e in result.events:
+            offset = start_at.get(e.stage, 0.0)
+            rows.append(calibrate.ActionTime(step, e.action, e.start - offset, e.end - offset,
+                                             host, origin + offset))
+    return result, rows
+
+
+@pytest.mark.parametrize("kind, schedule", [
+    ("ushape", lower(u_shape(3, 4), "ushape")),
+    ("1f1b", lower(one_f_one_b(3, 4), "1f1b")),
+])
+def test_round_trip_recovers_costs_offsets_and_iteration_time(kind, schedule):
+    start_at = {0: 0.0015, 1: 0.0, 2: 0.0006}
+    played, rows = _rows(schedule, start_at)
+    cal = calibrate.calibrate(rows)
+    assert cal.schedule == schedule
+    for (stage, op), seconds in {**cal.compute, **cal.local}.items():
+        assert seconds == pytest.approx(_cost(calibrate.Action(stage, op, 0)), abs=1e-12), (stage, op)
+    assert cal.start_at == pytest.approx(start_at)
+    spans = calibrate.step_spans(rows)
+    assert list(spans.values()) == pytest.approx([played.iteration_time] * 3)
+    assert cal.predict().iteration_time == pytest.approx(played.iteration_time)
+    assert cal.predict(compute_only=True).iteration_time < played.iteration_time
+
+
+def test_a_wait_is_charged_from_when_its_message_was_sent():
+    # 2 stages, m=1; stage 1 posts its RECV and WAITs long before stage 0 sends (stage 0
+    # computes 0.004 first): the WAIT's own time must exclude that idle wait.
+    schedule = lower(one_f_one_b(2, 1), "1f1b")
+    _, rows = _rows(schedule, {})
+    wait = next(r for r in rows if r.step == 0 and r.action.op is Op.WAIT_F)
+    assert wait.duration_s > 0.003  # it did wait for stage 0's forward
+    cal = calibrate.calibrate(rows)
+    assert cal.local[(1, Op.WAIT_F)] == pytest.approx(LOCAL[Op.WAIT_F] * 1.5)
+
+
+def test_means_keep_the_slow_tail():
+    # One step in four has a 3x slower forward on stage 1 (a descheduled rank): the step's
+    # expected cost includes it, so the table must be the mean, not the median.
+    schedule = lower(one_f_one_b(2, 1), "1f1b")
+    _, rows = _rows(schedule, {}, steps=4)
+    slow = [r for r in rows if r.step == 0 and r.action.stage == 1 and r.action.op is Op.F]
+    rows = [r if r not in slow else calibrate.ActionTime(
+        r.step, r.action, r.start_s, r.start_s + 3 * r.duration_s, r.host, r.step_start_s)
+        for r in rows]
+    f = COMPUTE[Op.F] * 1.5
+    assert calibrate.calibrate(rows).compute[(1, Op.F)] == pytest.approx(f * (3 + 3) / 4)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r, i: calibrate.ActionTime(r.step, r.action, r.start_s, r.end_s,
+                                       f"node{r.action.stage}", r.step_start_s), "hosts"),
+    (lambda r, i: calibrate.ActionTime(r.step, r.action, r.start_s, r.end_s, r.host, None),
+     "step starts are missing"),
+])
+def test_needs_one_clock(edit, message):
+    _, rows = _rows(lower(one_f_one_b(2, 2), "1f1b"), {})
+    with pytest.raises(ValueError, match=message) as err:
+        calibrate.calibrate([edit(r, i) for i, r in enumerate(rows)])
+    assert "single-host run" in str(err.value)
+
+
+def test_no_rows_says_what_to_run():
+    with pytest.raises(ValueError, match="train.runtime=ldt"):
+        calibrate.calibrate([])
