@@ -30,25 +30,13 @@ RUNS = [("cpu_demo", ["cluster=cpu_demo"]), ("cpu_vtp", ["cluster=cpu_vtp", "tra
 
 
 def _measure(name: str, overrides: list[str], root: str) -> dict:
-    """One ldt-train run -> measured span and both predictions."""
+    """One ldt-train run -> calibrate.compare's figures plus metrics.csv's step time."""
     run_dir = os.path.join(root, name)
-    summary = ldt_train(run_dir, overrides + [f"train.steps={STEPS}", "train.num_microbatches=4"])
-    rows = calibrate.steady(calibrate.read_action_times(run_dir), SKIP)
-    cal = calibrate.calibrate(rows)
-    measured = median(calibrate.step_spans(rows).values())
+    ldt_train(run_dir, overrides + [f"train.steps={STEPS}", "train.num_microbatches=4"])
+    comparison = calibrate.compare(calibrate.steady(calibrate.read_action_times(run_dir), SKIP))
     with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
         step_times = [float(r["step_time_s"]) for r in csv.DictReader(f)][SKIP:]
-    raw = cal.predict(compute_only=True).iteration_time
-    full = cal.predict().iteration_time
-
-    def ms(table):
-        return {f"{s}{op.value}": round(d * 1e3, 2) for (s, op), d in sorted(table.items())}
-
-    return {"config": name, "measured_span_s": measured, "metrics_step_s": median(step_times),
-            "predicted_raw_s": raw, "predicted_s": full, "error_raw": raw / measured - 1,
-            "error": full / measured - 1, "final_loss": summary["final_loss"],
-            "compute_ms": ms(cal.compute), "comm_ms": ms(cal.local),
-            "start_at_ms": {s: round(t * 1e3, 2) for s, t in cal.start_at.items()}}
+    return {"config": name, "metrics_step_ms": median(step_times) * 1e3, **comparison.summary()}
 
 
 def _print(results: list[dict]) -> None:
@@ -56,9 +44,9 @@ def _print(results: list[dict]) -> None:
     print(f"{'config':>9} {'measured ms':>12} {'metrics ms':>11} {'sim compute-only':>17} "
           f"{'err':>7} {'sim full':>9} {'err':>7}")
     for r in results:
-        print(f"{r['config']:>9} {r['measured_span_s'] * 1e3:12.1f} {r['metrics_step_s'] * 1e3:11.1f} "
-              f"{r['predicted_raw_s'] * 1e3:17.1f} {r['error_raw']:+7.1%} "
-              f"{r['predicted_s'] * 1e3:9.1f} {r['error']:+7.1%}")
+        print(f"{r['config']:>9} {r['measured_ms']:12.1f} {r['metrics_step_ms']:11.1f} "
+              f"{r['predicted_compute_only_ms']:17.1f} {r['error_compute_only']:+7.1%} "
+              f"{r['predicted_ms']:9.1f} {r['error']:+7.1%}")
     for r in results:
         print(f"  {r['config']}: compute ms {r['compute_ms']}\n    communication ms {r['comm_ms']}"
               f"\n    stage start offsets ms {r['start_at_ms']}")
@@ -72,10 +60,11 @@ def main() -> dict:
     return emit({"bench": "calibration",
                  "cpu_demo_error": round(by["cpu_demo"]["error"], 3),
                  "cpu_vtp_error": round(by["cpu_vtp"]["error"], 3),
-                 "cpu_demo_error_compute_only": round(by["cpu_demo"]["error_raw"], 3),
-                 "cpu_vtp_error_compute_only": round(by["cpu_vtp"]["error_raw"], 3),
-                 "measured_ms": {k: round(v["measured_span_s"] * 1e3, 1) for k, v in by.items()},
-                 "predicted_ms": {k: round(v["predicted_s"] * 1e3, 1) for k, v in by.items()}})
+                 "cpu_demo_error_compute_only": round(by["cpu_demo"]["error_compute_only"], 3),
+                 "cpu_vtp_error_compute_only": round(by["cpu_vtp"]["error_compute_only"], 3),
+                 "measured_ms": {k: round(v["measured_ms"], 1) for k, v in by.items()},
+                 "predicted_ms": {k: round(v["predicted_ms"], 1) for k, v in by.items()},
+                 "metrics_step_ms": {k: round(v["metrics_step_ms"], 1) for k, v in by.items()}})
 
 
 if __name__ == "__main__":

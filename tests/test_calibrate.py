@@ -94,3 +94,27 @@ def test_needs_one_clock(edit, message):
 def test_no_rows_says_what_to_run():
     with pytest.raises(ValueError, match="train.runtime=ldt"):
         calibrate.calibrate([])
+
+
+def test_ldt_sim_measured_replays_a_run_folder(tmp_path, capsys):
+    import csv
+    import json
+
+    from ldt.tools.sim import main
+    from ldt.trainer import ACTION_TIMES_KEYS
+
+    played, rows = _rows(lower(u_shape(3, 4), "ushape"), {0: 0.001}, steps=5)
+    with open(tmp_path / "action_times.csv", "w", newline="") as f:  # ldt-train's format
+        w = csv.writer(f)
+        w.writerow(ACTION_TIMES_KEYS)
+        w.writerows((r.step, r.action.stage, str(r.action), repr(r.start_s), repr(r.end_s),
+                     r.host, repr(r.step_start_s)) for r in rows)
+    assert main(["--measured", str(tmp_path), "--skip", "2", "--json",
+                 "--png", str(tmp_path / "t.png")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 3
+    assert summary["measured_ms"] == pytest.approx(played.iteration_time * 1e3, abs=1e-3)
+    assert abs(summary["error"]) < 1e-6
+    assert (tmp_path / "t.png").stat().st_size > 0
+    assert main(["--measured", str(tmp_path / "missing")]) == 2
+    assert "train.runtime=ldt" in capsys.readouterr().err

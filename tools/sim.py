@@ -6,6 +6,11 @@
 Runs the real schedule (1F1B or U-shape, lowered with communication) through
 ``ldt.schedule.simulate``; prints the per-stage table (or ``--json``) and writes the timeline.
 Stages map to inventory kinds by device type, or explicitly with ``--kinds``.
+
+    ldt-sim --measured outputs/2026-11-21/10-00-00 [--skip 3] [--json] [--png t.png]
+
+replays an ldt-train run instead: the action lists it executed with its measured per-action
+times (its ``action_times.csv``, see ``ldt.plan.calibrate``), against its measured step.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ from typing import Optional, Sequence
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ldt-sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cluster", required=True, help="conf/cluster name or path to a YAML")
-    p.add_argument("--model", required=True, help="conf/model name or path to a YAML")
-    p.add_argument("--inventory", required=True, help="conf/inventory name or path to a YAML")
-    p.add_argument("-m", "--num-microbatches", type=int, required=True,
+    p.add_argument("--cluster", help="conf/cluster name or path to a YAML")
+    p.add_argument("--model", help="conf/model name or path to a YAML")
+    p.add_argument("--inventory", help="conf/inventory name or path to a YAML")
+    p.add_argument("-m", "--num-microbatches", type=int,
                    help="micro-batches per iteration per replica")
+    p.add_argument("--measured", metavar="RUN_DIR",
+                   help="replay an ldt-train run's action_times.csv instead of the cost model")
+    p.add_argument("--skip", type=int, default=3,
+                   help="with --measured: warm-up steps to leave out (default 3)")
     p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-flash", action="store_true", help="price materialised attention scores")
@@ -34,7 +43,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.measured:
+        return _replay(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("cluster", "model", "inventory",
+                                                    "num_microbatches") if getattr(args, n) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --measured RUN_DIR to replay a run)")
     from ldt.config import ConfigError
     from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
                           load_inventory, load_model, simulate_plan, summary, table)
@@ -60,6 +76,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(table(ev))
     return 0
 
+
+def _replay(args) -> int:
+    from ldt.plan import calibrate
+    from ldt.schedule.timeline import to_chrome_trace, to_png
+
+    try:
+        rows = calibrate.steady(calibrate.read_action_times(args.measured), args.skip)
+        comparison = calibrate.compare(rows)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"ldt-sim: --measured {args.measured}: {exc}", file=sys.stderr)
+        return 2
+    if args.trace:
+        to_chrome_trace(comparison.full, args.trace, us_per_unit=1e6)
+    if args.png:
+        to_png(comparison.full, args.png, f"replay of {args.measured}")
+    if args.json:
+        print(json.dumps(comparison.summary(), indent=2))
+        return 0
+    cal, full = comparison.calibration, comparison.full
+    print(f"{args.measured}: {comparison.steps} steps after {args.skip} skipped, "
+          f"{len(cal.schedule)} stages")
+    print(f"  measured schedule span (median)  {comparison.measured_s * 1e3:9.2f} ms")
+    print(f"  simulated, compute only          {comparison.compute_only.iteration_time * 1e3:9.2f}"
+          f" ms  {comparison.error_compute_only:+.1%}")
+    print(f"  simulated, with communication    {full.iteration_time * 1e3:9.2f} ms  "
+          f"{comparison.error:+.1%}")
+    print(f"{'stage':>5} {'busy ms':>9} {'start ms':>9}  mean ms per action")
+    for stage in cal.schedule:
+        ops = {op: t for (s, op), t in {**cal.compute, **cal.local}.items() if s == stage}
+        print(f"{stage:>5} {full.busy[stage] * 1e3:9.2f} {cal.start_at[stage] * 1e3:9.2f}  "
+              + " ".join(f"{op.value}={t * 1e3:.2f}" for op, t in ops.items()))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

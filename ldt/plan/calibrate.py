@@ -73,6 +73,10 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     """Rows of an ``action_times.csv`` (a file, or a run folder holding one)."""
     if os.path.isdir(path):
         path = os.path.join(path, "action_times.csv")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} does not exist: ldt-train writes action_times.csv into its run_dir when "
+            "ldt's runtime runs the pipeline (the U-shape, or train.runtime=ldt)")
     with open(path, newline="") as f:
         return [ActionTime(int(r["step"]), parse_action(r["action"]), float(r["start_s"]),
                            float(r["end_s"]), r.get("host") or "",
@@ -176,3 +180,49 @@ def _on_one_clock(rows: Iterable[ActionTime]) -> list[ActionTime]:
             f"{'missing' if any(r.step_start_s is None for r in rows) else 'recorded'}. "
             "Calibrate on a single-host run of this version of ldt-train.")
     return rows
+
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A run's measured schedule span against both predictions (``ldt-sim --measured``)."""
+
+    steps: int
+    measured_s: float
+    """Median over the steps of :func:`step_spans`."""
+    calibration: Calibration
+    compute_only: SimResult
+    full: SimResult
+
+    @property
+    def error(self) -> float:
+        return self.full.iteration_time / self.measured_s - 1
+
+    @property
+    def error_compute_only(self) -> float:
+        return self.compute_only.iteration_time / self.measured_s - 1
+
+    def summary(self) -> dict:
+        """JSON-ready figures, times in ms."""
+        def ms(table: dict) -> dict:
+            return {(f"{k[0]}{k[1].value}" if isinstance(k, tuple) else k): round(v * 1e3, 3)
+                    for k, v in sorted(table.items())}
+
+        cal = self.calibration
+        return {"steps": self.steps, "measured_ms": round(self.measured_s * 1e3, 3),
+                "predicted_ms": round(self.full.iteration_time * 1e3, 3),
+                "error": round(self.error, 4),
+                "predicted_compute_only_ms": round(self.compute_only.iteration_time * 1e3, 3),
+                "error_compute_only": round(self.error_compute_only, 4),
+                "bubble_fraction": round(float(self.full.bubble_fraction), 4),
+                "busy_ms": ms(self.full.busy), "start_at_ms": ms(cal.start_at),
+                "compute_ms": ms(cal.compute), "comm_ms": ms(cal.local)}
+
+
+def compare(rows: Iterable[ActionTime]) -> Comparison:
+    """Calibrate on ``rows`` and replay: how well the schedule model explains the run."""
+    rows = list(rows)
+    cal = calibrate(rows)
+    return Comparison(steps=len({r.step for r in rows}),
+                      measured_s=statistics.median(step_spans(rows).values()), calibration=cal,
+                      compute_only=cal.predict(compute_only=True), full=cal.predict())
