@@ -118,3 +118,10 @@ def test_ldt_sim_measured_replays_a_run_folder(tmp_path, capsys):
     assert (tmp_path / "t.png").stat().st_size > 0
     assert main(["--measured", str(tmp_path / "missing")]) == 2
     assert "train.runtime=ldt" in capsys.readouterr().err
+
+
+def test_steps_with_different_action_lists_are_refused():
+    _, rows = _rows(lower(one_f_one_b(2, 2), "1f1b"), {}, steps=2)
+    _, other = _rows(lower(one_f_one_b(2, 3), "1f1b"), {}, steps=2)
+    with pytest.raises(ValueError, match="step 1 ran other action lists than step 0"):
+        calibrate.calibrate([r for r in rows if r.step == 0] + [r for r in other if r.step == 1])

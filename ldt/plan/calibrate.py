@@ -124,6 +124,10 @@ def calibrate(rows: Iterable[ActionTime]) -> Calibration:
     for r in rows:
         by_step[r.step].append(r)
     schedule = _action_lists(by_step[min(by_step)])
+    for step, step_rows in by_step.items():
+        if _action_lists(step_rows) != schedule:
+            raise ValueError(f"step {step} ran other action lists than step {min(by_step)}; "
+                             "calibrate on steps of one run with one schedule")
     sent = {(r.step, r.action.channel, r.action.mb): r.clock_start_s
             for r in rows if r.action.op in SEND_OPS}
     samples: dict[tuple[int, Op], list[float]] = defaultdict(list)
