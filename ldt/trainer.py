@@ -277,7 +277,10 @@ def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
                 for i, (step_start, step_rows) in enumerate(steps):
                     w.writerows((rows[i]["step"], stage, a, s, e, host, step_start)
                                 for a, s, e in step_rows)
-        result = result_from_measurements([steps[-1][1] for _, steps in timeline])
+        last = [steps[-1] for _, steps in timeline]  # per stage: (step start, rows)
+        one_clock = len({host for host, _ in timeline}) == 1  # else stages' starts don't compare
+        offsets = [start - min(s for s, _ in last) for start, _ in last] if one_clock else None
+        result = result_from_measurements([step_rows for _, step_rows in last], offsets)
         to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
         to_png(result, os.path.join(run_dir, "timeline.png"),
                f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")

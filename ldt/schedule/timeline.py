@@ -96,18 +96,21 @@ def to_png(result: SimResult, path: str | os.PathLike[str], title: str) -> None:
     plt.close(fig)
 
 
-def result_from_measurements(per_stage: list[list[tuple[str, float, float]]]) -> SimResult:
+def result_from_measurements(per_stage: list[list[tuple[str, float, float]]],
+                             stage_offsets: list[float] | None = None) -> SimResult:
     """A SimResult from measured (action string, start s, end s) per stage, for the same
-    trace and PNG as a simulation. Starts are relative to each stage's own step start."""
+    trace and PNG as a simulation. Starts are relative to each stage's own step start, shifted
+    by ``stage_offsets[stage]`` (its step start after the earliest stage's, when known)."""
     from ldt.schedule.ir import parse_action
     from ldt.schedule.simulate import Event
 
     events, busy = [], {}
     for stage, rows in enumerate(per_stage):
         busy[stage] = 0.0
+        shift = stage_offsets[stage] if stage_offsets else 0.0
         for text, start, end in rows or []:
             action = parse_action(text)
-            events.append(Event(stage, action, start, end))
+            events.append(Event(stage, action, start + shift, end + shift))
             if action.is_compute:
                 busy[stage] += end - start
     span = max((e.end for e in events), default=0.0)
