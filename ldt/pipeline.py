@@ -13,13 +13,17 @@ import functools
 from typing import Any, Optional
 
 from ldt.runtime import StageRoles, StepResult, run_actions
-from ldt.schedule import check_schedule, lower, one_f_one_b, u_shape
+from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
 
 
 @functools.lru_cache(maxsize=64)
-def stage_schedules(kind: str, num_stages: int, num_microbatches: int):
-    """The lowered, deadlock-checked action lists of every stage."""
+def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
+                    forward_only: bool = False):
+    """The lowered, deadlock-checked action lists of every stage (``forward_only``: the
+    training schedule's forwards only, for evaluation)."""
     compute = (u_shape if kind == "ushape" else one_f_one_b)(num_stages, num_microbatches)
+    if forward_only:
+        compute = forwards_of(compute)
     schedule = lower(compute, kind)
     check_schedule(schedule)
     return schedule
@@ -27,11 +31,12 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int):
 
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
              seq_length: int, micro_batch_size: int, comm, state, config,
-             record_timings: bool = False) -> StepResult:
-    """One training step of this rank's stage (the U-shape when the topology says so)."""
+             record_timings: bool = False, forward_only: bool = False) -> StepResult:
+    """One training step (or, ``forward_only``, one evaluation step: losses, no gradients) of
+    this rank's stage (the U-shape when the topology says so)."""
     topo = state.topology
     kind = "ushape" if topo.u_shape else "1f1b"
-    schedule = stage_schedules(kind, topo.num_stages, num_microbatches)
+    schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only)
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
     return run_actions(
@@ -39,7 +44,7 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
         data_iterator=data_iterator if roles.reads_data else None,
         num_microbatches=num_microbatches,
         tensor_shape=(seq_length, micro_batch_size, config.hidden_size), config=config,
-        schedule=schedule, record_timings=record_timings)
+        schedule=schedule, record_timings=record_timings, keep_activations=not forward_only)
 
 
 def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -55,11 +60,11 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     from ldt.p2p import VtpCommunicator
     from ldt.parallel_state import get_vtp_state
 
-    if forward_only or collect_non_loss_data:
+    if collect_non_loss_data:
         raise NotImplementedError(
-            "forward_only / collect_non_loss_data are not supported by ldt's U-shape schedule "
-            "yet; evaluate with a training-free forward on stage 0's chunks or use a plain "
-            "pipeline (cluster.u_shape=false) for evaluation")
+            "collect_non_loss_data is not supported by ldt's schedule runtime; collect what "
+            "you need inside forward_step_func's loss function, or evaluate a plain pipeline "
+            "(cluster.u_shape=false) on megatron's schedule")
     state = get_vtp_state()
     models = model if isinstance(model, list) else [model]
     config = get_model_config(models[0])
@@ -69,4 +74,4 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     return run_step(forward_step_func=forward_step_func, data_iterator=data_iterator,
                     model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                     micro_batch_size=micro_batch_size, comm=comm, state=state,
-                    config=config).losses
+                    config=config, forward_only=forward_only).losses

@@ -66,8 +66,9 @@ _BACKWARD_OF = {Op.B: Op.F, Op.BS: Op.FE, Op.BE: Op.FS}
 def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicator,
                 forward_step_func: Callable, data_iterator: Optional[Iterator],
                 num_microbatches: int, tensor_shape, config, schedule=None,
-                record_timings: bool = False) -> StepResult:
-    """Execute one stage's lowered action list for one training step."""
+                record_timings: bool = False, keep_activations: bool = True) -> StepResult:
+    """Execute one stage's lowered action list for one step. ``keep_activations=False`` is
+    evaluation (a forward-only list): no forward keeps its input/output for a backward."""
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
@@ -94,7 +95,8 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         out, _ = forward_step(forward_step_func, data_for(a.op, a.mb), model, num_microbatches,
                               inp, result.losses, config, cp_group_size=1,
                               current_microbatch=a.mb, is_last_stage=is_loss)
-        saved[(a.op, a.mb)] = (inp, out)
+        if keep_activations:
+            saved[(a.op, a.mb)] = (inp, out)
         if not is_loss:
             to_send[(FORWARD, a.mb)] = out
 

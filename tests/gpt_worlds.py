@@ -97,7 +97,7 @@ class AuditLog:
         pass
 
 
-def _run_schedule(state, topo, full_state, m, overlap=False, observers=()):
+def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.model import build_chunk, global_param_name
@@ -121,24 +121,25 @@ def _run_schedule(state, topo, full_state, m, overlap=False, observers=()):
         losses = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data,
             model=models if len(models) > 1 else models[0], num_microbatches=m,
-            seq_length=MODEL.seq_length, micro_batch_size=MBS)
+            seq_length=MODEL.seq_length, micro_batch_size=MBS, forward_only=forward_only)
         return _collect(chunks, models, losses)
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iters if vpp else iters[0],
         model=models if vpp else models[0],
         num_microbatches=m, seq_length=MODEL.seq_length, micro_batch_size=MBS,
-        forward_only=False)
+        forward_only=forward_only)
     return _collect(chunks, models, losses)
 
 
 def _collect(chunks, models, losses):
     from ldt.model import global_param_name
 
-    grads = {}
+    grads = {}  # only parameters that got one (none after a forward-only run)
     for chunk, gpt in zip(chunks, models):
         for name, p in gpt.named_parameters():
-            grads[global_param_name(chunk, name)] = p.grad.detach().clone()
+            if p.grad is not None:
+                grads[global_param_name(chunk, name)] = p.grad.detach().clone()
     return [float(x["lm loss"]) for x in losses], grads
 
 
@@ -161,7 +162,8 @@ def reference(rank, world, ms, seed=1234):
 
 
 def vtp_run(rank, world, topo, full_state, m, variants):
-    """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool}) in one world."""
+    """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
+    "forward_only": bool}) in one world."""
     from ldt.layout import split_layers
 
     import ldt
@@ -178,7 +180,8 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         state = _setup(t, observers=[audit])
         Tripwire.touched = False
         losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
-                                      overlap=v.get("overlap", False))
+                                      overlap=v.get("overlap", False),
+                                      forward_only=v.get("forward_only", False))
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
                         "touched_data": Tripwire.touched})

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import pytest
 
-from ldt.schedule import Action, Op, lower, one_f_one_b, simulate, u_shape
+from ldt.schedule import Action, Op, check_schedule, forwards_of, lower, one_f_one_b, simulate, u_shape
 
 RATIOS = [Fraction(1), Fraction(2)]
 
@@ -134,3 +134,21 @@ def test_edge_as_slow_as_cloud_is_edge_bound() -> None:
         m = 3 * p
         ushape_time, _ = iteration(p, m, Fraction(1), Fraction(1))
         assert ushape_time >= 4 * m
+
+
+@pytest.mark.parametrize("kind", ["ushape", "1f1b"])
+def test_forward_only_schedules_are_deadlock_free_and_complete(kind: str) -> None:
+    """Evaluation runs the training schedule's forwards: every micro-batch's forward on every
+    stage, no backward, no gradient message, and no wait cycle (checked by play)."""
+    forwards = {Op.F, Op.FS, Op.FE}
+    for p in range(2, 9):
+        for m in range(1, 3 * p + 1):
+            train = (u_shape if kind == "ushape" else one_f_one_b)(p, m)
+            schedule = lower(forwards_of(train), kind)
+            check_schedule(schedule)
+            for s, actions in schedule.items():
+                compute = [a for a in actions if a.is_compute]
+                assert {a.op for a in compute} <= forwards
+                assert sorted((a.op.value, a.mb) for a in compute) == sorted(
+                    (a.op.value, a.mb) for a in train[s] if a.op in forwards)
+                assert all(a.op.value[-1] != "B" for a in actions if not a.is_compute), (p, m)

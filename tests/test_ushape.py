@@ -1,8 +1,9 @@
 """U-shape (edge-cloud) training through ldt's schedule and runtime, against the reference.
 
 Loss within 1e-6 relative, every gradient within 1e-5 absolute, for TP lists [1,2,1],
-[2,1] (a two-stage ring) and [1,1,1,1], with fewer and more micro-batches than stages. The
-same worlds record every boundary tensor (the audit) and whether a cloud rank read data.
+[2,1] (a two-stage ring) and [1,1,1,1], with fewer and more micro-batches than stages; and
+evaluation (``forward_only=True``): the same losses, no gradient anywhere. The same worlds
+record every boundary tensor (the audit) and whether a cloud rank read data.
 """
 
 import pytest
@@ -27,6 +28,7 @@ def case(request, ref):
     topo = Topology(tuple(Stage(i, "edge" if i == 0 else f"cloud{i}", "cpu", t)
                           for i, t in enumerate(tps)), u_shape=True)
     variants = [{"name": f"m{m}", "m": m} for m in MS]
+    variants.append({"name": "eval", "m": MS[1], "forward_only": True})  # last: see test_eval
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], MS[0], variants),
                           timeout_s=240)
     return topo, variants, out
@@ -48,6 +50,20 @@ def test_ushape_matches_reference(case, ref):
 
 
 @pytest.mark.timeout(400)
+def test_eval_matches_reference_losses_without_gradients(case, ref):
+    topo, variants, out = case
+    i = len(variants) - 1
+    assert variants[i]["forward_only"]
+    want = ref[variants[i]["m"]]["losses"]  # the training forward's losses, same weights
+    losses = next(rank[i]["losses"] for rank in out
+                  if rank[i]["stage"] == topo.loss_stage() and rank[i]["tp_rank"] == 0)
+    assert len(losses) == len(want)
+    for got, exp in zip(losses, want):
+        assert abs(got - exp) <= LOSS_RTOL * abs(exp), (got, exp)
+    assert all(rank[i]["grads"] == {} for rank in out), "a forward-only step made gradients"
+
+
+@pytest.mark.timeout(400)
 def test_only_activations_and_gradients_cross_boundaries(case):
     from gpt_worlds import MBS, MODEL
 
@@ -59,10 +75,14 @@ def test_only_activations_and_gradients_cross_boundaries(case):
         assert dtype == "torch.float32", (src, dst, dtype)  # no token ids, no labels
         assert shape == (MODEL.seq_length, MBS, MODEL.hidden_size), shape
         assert shape != label_shape
-    # each micro-batch crosses every boundary once forward and once backward
-    for i, m in enumerate(MS):
+    # each micro-batch crosses every boundary once forward and once backward (evaluation:
+    # forward only)
+    for i, v in enumerate(variants):
         sent = [c for rank in out for c in rank[i]["sent"]]
-        assert len(sent) == 2 * topo.num_stages * m
+        per_mb = 1 if v.get("forward_only") else 2
+        assert len(sent) == per_mb * topo.num_stages * v["m"], v
+        if v.get("forward_only"):
+            assert {direction for _, _, direction, _, _ in sent} == {"F"}, v
     # the cloud never touched a data iterator; the edge did
     for rank in out:
         for r in rank:

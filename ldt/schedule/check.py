@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ldt.schedule.ir import (
     COMPUTE_OPS,
     EDGE_OPS,
+    FORWARD_OPS,
     PLAIN_OPS,
     RECV_OPS,
     SEND_OPS,
@@ -46,8 +47,10 @@ def check_schedule(schedule: Schedule) -> None:
 def check_structure(schedule: Schedule) -> dict[Slot, Slot]:
     """All checks except the dry run; returns the WAIT -> SEND matching the dry run needs."""
     _check_stage_keys(schedule)
+    # a schedule without any backward is an evaluation schedule: it needs the forwards only
+    training = any(a.op in COMPUTE_OPS - FORWARD_OPS for acts in schedule.values() for a in acts)
     for stage in sorted(schedule):
-        _check_compute(schedule, stage)
+        _check_compute(schedule, stage, training)
         _check_recv_wait_pairs(schedule, stage)
     return match_messages(schedule)
 
@@ -61,14 +64,15 @@ def _check_stage_keys(schedule: Schedule) -> None:
                              f"{action.stage}; a stage's list holds only its own actions")
 
 
-def _check_compute(schedule: Schedule, stage: int) -> None:
+def _check_compute(schedule: Schedule, stage: int, training: bool) -> None:
     """Each micro-batch runs each required compute op exactly once, in data-flow order."""
     actions = schedule[stage]
     ops = {a.op for a in actions if a.op in COMPUTE_OPS}
-    required = EDGE_OPS if ops & set(EDGE_OPS) else PLAIN_OPS
-    if ops - set(required):
+    kind_ops = EDGE_OPS if ops & set(EDGE_OPS) else PLAIN_OPS
+    if ops - set(kind_ops):
         raise _error(schedule, None, f"stage {stage} mixes plain ops {PLAIN_OPS} and U-shape edge "
                      f"ops {EDGE_OPS}; a stage is either a plain stage or the edge")
+    required = kind_ops if training else tuple(op for op in kind_ops if op in FORWARD_OPS)
     seen: dict[tuple[int, object], int] = {}
     for index, action in enumerate(actions):
         if action.op not in COMPUTE_OPS:

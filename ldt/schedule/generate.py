@@ -5,6 +5,7 @@
 * :func:`u_shape` is the edge-cloud schedule: stage 0 (the edge) holds the start chunk and the end
   chunk and runs FS/FE/BS/BE per micro-batch; stages 1..P-1 (the cloud) run F/B. Its order is
   derived, not hard-coded: see :func:`u_shape` and ``docs/ushape_schedule.md``.
+* :func:`forwards_of` keeps the forwards of a training schedule (evaluation).
 * :func:`lower` turns a compute-only schedule into one with SEND/RECV/WAIT actions.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from ldt.schedule.ir import Action, Channel, Op, Schedule
+from ldt.schedule.ir import FORWARD_OPS, Action, Channel, Op, Schedule
 
 KINDS = ("1f1b", "ushape")
 _EDGE_RANK = {Op.FS: 0, Op.FE: 1, Op.BS: 2, Op.BE: 3}
@@ -97,6 +98,17 @@ def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction) -> list[Act
             units.append((key, [Action(0, Op.FE, a.mb), Action(0, Op.BS, a.mb)]))
     units.sort(key=lambda unit: unit[0])
     return [action for _, unit in units for action in unit]
+
+
+def forwards_of(schedule: Schedule) -> Schedule:
+    """The forward actions of a compute-only schedule, in their order (evaluation: no grads).
+
+    Why derived, not generated anew: every stage's list is a subsequence of a deadlock-free
+    list, and dropping the backwards only removes dependencies, so no wait cycle can appear;
+    the edge keeps the FS/FE interleaving the training schedule chose (``check_schedule`` still
+    runs on the lowered result)."""
+    return {s: [a for a in actions if a.op in FORWARD_OPS] for s, actions in schedule.items()}
+
 
 
 def lower(schedule: Schedule, kind: str) -> Schedule:

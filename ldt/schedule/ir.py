@@ -46,6 +46,7 @@ class Op(str, Enum):
 COMPUTE_OPS = frozenset({Op.F, Op.B, Op.FS, Op.FE, Op.BS, Op.BE})
 EDGE_OPS = (Op.FS, Op.FE, Op.BS, Op.BE)  # in the order one micro-batch must run them
 PLAIN_OPS = (Op.F, Op.B)
+FORWARD_OPS = frozenset({Op.F, Op.FS, Op.FE})  # an evaluation (forward-only) schedule's ops
 SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 WAIT_OPS = frozenset({Op.WAIT_F, Op.WAIT_B})
