@@ -108,6 +108,9 @@ class TrainConfig:
     comm_timeout_s: float = 60.0
     """Timeout of every process group ldt creates: a dead rank stops the others after this."""
     log_interval: int = 1
+    eval_every: int = 0
+    """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
+    only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
 
 
 @dataclass

@@ -43,8 +43,12 @@ class TextData:
     """Fixed-length windows of a byte stream, in a seeded order, sharded by DP rank.
 
     ``batch(step, mb)`` is a pure function of (seed, step, micro-batch, dp rank), so a resumed
-    run and a single-process reference see exactly the same samples.
+    run and a single-process reference see exactly the same samples. The last
+    ``1/EVAL_SHARE`` of the windows is held out: training never reads it, and
+    :meth:`eval_iterator` always reads the same micro-batches of it (a comparable eval loss).
     """
+
+    EVAL_SHARE = 20
 
     def __init__(self, path: Optional[str], seq_length: int, micro_batch_size: int,
                  num_microbatches: int, *, dp_rank: int = 0, dp: int = 1, seed: int = 1234,
@@ -55,15 +59,31 @@ class TextData:
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         self.seq, self.mbs, self.m = seq_length, micro_batch_size, num_microbatches
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
-        self.num_windows = (len(self.tokens) - 1) // seq_length
-        if self.num_windows < micro_batch_size:
+        windows = (len(self.tokens) - 1) // seq_length
+        self.num_eval_windows = windows // self.EVAL_SHARE
+        self.num_windows = windows - self.num_eval_windows  # training windows
+        if min(self.num_windows, self.num_eval_windows) < micro_batch_size:
             raise ValueError(f"corpus of {len(raw)} bytes is too small for sequences of "
-                             f"{seq_length}; use a larger data.path or data.max_bytes")
+                             f"{seq_length} (1/{self.EVAL_SHARE} is held out for evaluation); "
+                             "use a larger data.path or data.max_bytes")
 
     def batch(self, step: int, mb: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        return self._windows(self.seed * 1_000_003 + step, mb, 0, self.num_windows)
+
+    def eval_batch(self, mb: int) -> dict:
+        return self._windows(self.seed * 1_000_003 - 1, mb, self.num_windows,
+                             self.num_eval_windows)
+
+    def step_iterator(self, step: int) -> Iterator[dict]:
+        return (self.batch(step, mb) for mb in range(self.m))
+
+    def eval_iterator(self) -> Iterator[dict]:
+        return (self.eval_batch(mb) for mb in range(self.m))
+
+    def _windows(self, seed: int, mb: int, first_window: int, num_windows: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
         per_step = self.dp * self.m * self.mbs
-        order = torch.randint(0, self.num_windows, (per_step,), generator=g)
+        order = first_window + torch.randint(0, num_windows, (per_step,), generator=g)
         first = (self.dp_rank * self.m + mb) * self.mbs
         starts = order[first:first + self.mbs] * self.seq
         rows = torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()])
@@ -73,6 +93,3 @@ class TextData:
             "loss_mask": torch.ones(self.mbs, self.seq),
             "position_ids": torch.arange(self.seq).repeat(self.mbs, 1),
         }
-
-    def step_iterator(self, step: int) -> Iterator[dict]:
-        return (self.batch(step, mb) for mb in range(self.m))

@@ -4,7 +4,8 @@
 collective), then either joins a torchrun world (RANK / WORLD_SIZE set) or, launched bare,
 starts the cluster's world itself on this machine (gloo on 127.0.0.1). The run folder gets the
 resolved config, ``metrics.csv`` and the measured timeline; the last line printed is one JSON
-object (steps, final_loss, tokens_per_s, step_time_s, and parity_max_abs_diff with
+object (steps, final_loss, eval_loss with train.eval_every, tokens_per_s, step_time_s, and
+parity_max_abs_diff with
 ``train.verify=true``). A bad config exits with status 2 and one message naming the field,
 the value and the fix.
 """
@@ -85,8 +86,9 @@ def _launch_local(cfg: dict, topo) -> int:
     if cfg["train"]["verify"]:
         ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
-        summary["parity_max_abs_diff"] = max(
-            abs(a - b) for a, b in zip(summary["losses"], ref["losses"]))
+        pairs = [*zip(summary["losses"], ref["losses"]),
+                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", []))]
+        summary["parity_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
     print(json.dumps(_public(summary)))
     return 0
 
@@ -134,8 +136,8 @@ def _describe(exc, topo) -> str:
 
 
 def _public(summary: dict) -> dict:
-    keys = ("steps", "first_step", "final_loss", "first_loss", "tokens_per_s", "step_time_s",
-            "parity_max_abs_diff", "run_dir")
+    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "tokens_per_s",
+            "step_time_s", "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 
 

@@ -21,7 +21,7 @@ import torch
 
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
 
-REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s")
+REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss")
 # action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
 # relative to that stage's step start, which is step_start_s on the clock of `host`.
 ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
@@ -165,12 +165,10 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
     bar = _progress(t.steps - first_step, reporter)
-    for step in range(first_step, t.steps):
-        for obs in observers:
-            obs.new_step(step)
-        opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        iters = [None] * len(models) if data is None else [data.step_iterator(step) for _ in models]
+
+    def pipeline_pass(make_iterator, forward_only: bool = False):
+        """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
+        iters = [None] * len(models) if data is None else [make_iterator() for _ in models]
         if ldt_runtime:
             from ldt.p2p import VtpCommunicator
 
@@ -178,15 +176,23 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
-                           config=models[0].config, record_timings=True)
-            losses = res.losses
-            timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in res.timings]))
-        else:
-            losses = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iters if len(models) > 1 else iters[0],
-                model=models if len(models) > 1 else models[0], num_microbatches=m,
-                seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size)
+                           config=models[0].config, record_timings=not forward_only,
+                           forward_only=forward_only)
+            return res.losses, res.timings
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters if len(models) > 1 else iters[0],
+            model=models if len(models) > 1 else models[0], num_microbatches=m,
+            seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size,
+            forward_only=forward_only), []
+
+    for step in range(first_step, t.steps):
+        for obs in observers:
+            obs.new_step(step)
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        losses, timed = pipeline_pass(lambda: data.step_iterator(step))
+        if ldt_runtime:
+            timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
         allreduce_dp_grads(params, state)
         norm = global_grad_norm(params, state)
         clip_grads(params, t.clip_grad, norm)
@@ -196,7 +202,12 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         loss = _mean_loss(losses, state) if state.stage == topo.loss_stage() else None
         dt = time.perf_counter() - t0
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
-                   tokens_per_s=tokens_per_step / dt)
+                   tokens_per_s=tokens_per_step / dt, eval_loss=None)
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            with torch.no_grad():  # as megatron's evaluate(): held-out data, no graph, no grads
+                eval_losses, _ = pipeline_pass(data.eval_iterator if data else None, True)
+            if state.stage == topo.loss_stage():
+                row["eval_loss"] = _mean_loss(eval_losses, state)
         rows.append(row)
         if t.save_every and (step + 1) % t.save_every == 0:
             checkpoint.save(run_dir, step, models, chunks, opt, state)
@@ -213,9 +224,11 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir}
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
     step_time = sorted(steady)[len(steady) // 2]
+    evals = [r["eval_loss"] for r in rows if r["eval_loss"] is not None]
     return {"steps": t.steps, "first_step": first_step, "final_loss": rows[-1]["loss"],
             "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+            **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
             "run_dir": run_dir}
 
 

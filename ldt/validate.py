@@ -76,6 +76,8 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must be >= 1")
     if train.num_microbatches < 1:
         raise ConfigError(f"train.num_microbatches={train.num_microbatches} must be >= 1")
+    if train.eval_every < 0:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0: no evaluation)")
     if train.schedule not in ("auto", "1f1b", "interleaved"):
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"

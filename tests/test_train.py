@@ -57,9 +57,9 @@ def test_default_job_trains_and_reports(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("overrides", [
-    ["cluster=cpu_vtp"],
+    ["cluster=cpu_vtp", "train.eval_every=2"],
     ["cluster=cpu_demo", "train.audit_comm=true"],
-    ["cluster=cpu_demo", "model.tie_embeddings=true"],
+    ["cluster=cpu_demo", "model.tie_embeddings=true", "train.eval_every=2"],
     ["cluster=cpu_uniform", "cluster.dp=2"],
     ["cluster=cpu_vtp", "train.schedule=interleaved", "cluster.layout=Et|t|t|t|t|tL",
      "train.num_microbatches=6", "train.overlap_p2p_comm=true"],
@@ -67,6 +67,16 @@ def test_default_job_trains_and_reports(tmp_path):
 def test_verify_matches_single_process_reference(tmp_path, overrides):
     summary, _ = ldt_train(tmp_path, "train.steps=5", "train.verify=true", *overrides)
     assert summary["parity_max_abs_diff"] < PARITY, summary
+    if "train.eval_every=2" in overrides:  # held-out loss after steps 2, 4 and the last, 5
+        def evals(run_dir):
+            with open(run_dir / "metrics.csv") as f:
+                return [(int(r["step"]), float(r["eval_loss"])) for r in csv.DictReader(f)
+                        if r["eval_loss"]]
+
+        got, want = evals(tmp_path), evals(tmp_path / "reference")
+        assert [s for s, _ in got] == [s for s, _ in want] == [1, 3, 4]
+        assert all(abs(a - b) < PARITY for (_, a), (_, b) in zip(got, want)), (got, want)
+        assert summary["eval_loss"] == got[-1][1]
 
 
 @pytest.mark.timeout(300)

@@ -37,6 +37,8 @@ CASES = {
     "interleaved_m": (["cluster=cpu_vtp", "train.schedule=interleaved",
                        "cluster.layout=Et|t|t|t|t|tL", "train.num_microbatches=4"], {},
                       ["train.num_microbatches=4", "multiple of the stage count", "use 6"]),
+    "eval_negative": (["train.eval_every=-1"], {},
+                      ["train.eval_every=-1 must be >= 0", "0: no evaluation"]),
 }
 
 
