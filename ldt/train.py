@@ -5,9 +5,8 @@ collective), then either joins a torchrun world (RANK / WORLD_SIZE set) or, laun
 starts the cluster's world itself on this machine (gloo on 127.0.0.1). The run folder gets the
 resolved config, ``metrics.csv`` and the measured timeline; the last line printed is one JSON
 object (steps, final_loss, eval_loss with train.eval_every, tokens_per_s, step_time_s, and
-parity_max_abs_diff with
-``train.verify=true``). A bad config exits with status 2 and one message naming the field,
-the value and the fix.
+parity_max_abs_diff with ``train.verify=true``). A bad config exits with status 2 and one
+message naming the field, the value and the fix.
 """
 
 from __future__ import annotations
