@@ -71,6 +71,7 @@ class TextData:
         return self._windows(self.seed * 1_000_003 + step, mb, 0, self.num_windows)
 
     def eval_batch(self, mb: int) -> dict:
+        # one fixed draw (the seed of "step -1") from the held-out windows: every eval compares
         return self._windows(self.seed * 1_000_003 - 1, mb, self.num_windows,
                              self.num_eval_windows)
 

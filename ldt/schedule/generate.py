@@ -110,7 +110,6 @@ def forwards_of(schedule: Schedule) -> Schedule:
     return {s: [a for a in actions if a.op in FORWARD_OPS] for s, actions in schedule.items()}
 
 
-
 def lower(schedule: Schedule, kind: str) -> Schedule:
     """Add communication to a compute-only schedule (pure: returns a new schedule).
 
