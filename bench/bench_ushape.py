@@ -40,8 +40,8 @@ def _worker(rank, world, model_dict, m, reps):
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.p2p import VtpCommunicator
     from ldt.patches import megatron_state
-    from ldt.pipeline import run_step
-    from ldt.trainer import make_forward_step
+    from ldt.schedule.forward_backward import run_step
+    from ldt.training.stage import make_forward_step
     from ldt.validate import validate
 
     model = ModelConfig(**model_dict)

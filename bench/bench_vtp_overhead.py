@@ -53,9 +53,9 @@ def _worker(rank, world, tps, model_dict, reps):
     import ldt
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
-    from ldt.pipeline import run_step
+    from ldt.schedule.forward_backward import run_step
     from ldt.p2p import VtpCommunicator
-    from ldt.trainer import make_forward_step
+    from ldt.training.stage import make_forward_step
     from ldt.validate import validate
 
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ def emit(out: dict) -> dict:
 
 
 def make_batches(model, micro_batch_size: int, m: int, seed: int = 7) -> list[dict]:
-    """``m`` random micro-batches in the layout ``ldt.trainer.make_forward_step`` reads."""
+    """``m`` random micro-batches in the layout ``ldt.training.stage.make_forward_step`` reads."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(m):
@@ -50,8 +50,8 @@ def build_chunks(model, split, stage: int, tp: int, tp_rank: int, pg_collection=
     uniform path); ldt passes its stage's groups. Same weights either way, so both paths run
     the identical model.
     """
-    from ldt.init import init_chunk
-    from ldt.model import build_chunk, global_param_name
+    from ldt.models.init import init_chunk
+    from ldt.models.build import build_chunk, global_param_name
 
     models = []
     for chunk in split.stage_chunks(stage):

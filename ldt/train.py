@@ -70,7 +70,7 @@ def _save_config(cfg: dict, run_dir: str) -> None:
 def _launch_local(cfg: dict, topo) -> int:
     """Bare launch: start the whole world here; every child is reaped whatever happens."""
     from ldt.launch import WorldError, run_local_world
-    from ldt.trainer import reference_config, train_worker
+    from ldt.training.loop import reference_config, train_worker
 
     run_dir = os.path.abspath(cfg["run_dir"])
     _save_config(cfg, run_dir)
@@ -96,7 +96,7 @@ def _join_torchrun(cfg: dict) -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary."""
     import torch.distributed as dist
 
-    from ldt.trainer import train_worker
+    from ldt.training.loop import train_worker
 
     backend = _world_backend(cfg)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))

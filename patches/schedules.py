@@ -5,7 +5,7 @@ The schedules themselves stay unmodified: they accept ``p2p_communicator=`` and
 from those. This patch wraps the function ``get_forward_backward_func()`` returns and fills in
 a :class:`~ldt.p2p.VtpCommunicator` and the stage's process-group collection when the caller
 passed neither. 1F1B, interleaved (incl. ``overlap_p2p_comm``) and no-pipelining all go
-through it. A U-shape topology gets ldt's own schedule (:func:`ldt.pipeline.forward_backward_ldt`),
+through it. A U-shape topology gets ldt's own schedule (:func:`ldt.schedule.forward_backward.forward_backward_ldt`),
 since megatron has none with a wraparound loss stage. ctx: optional object with ``observers`` (boundary observers for audit/NaN checks).
 """
 
@@ -51,7 +51,7 @@ def install(ctx):
         from ldt.parallel_state import get_vtp_state, is_vtp_initialized
 
         if is_vtp_initialized() and get_vtp_state().topology.u_shape:
-            from ldt.pipeline import forward_backward_ldt
+            from ldt.schedule.forward_backward import forward_backward_ldt
 
             return functools.partial(forward_backward_ldt, observers=observers)
         fn = original(*args, **kwargs)

@@ -40,7 +40,7 @@ def even_layout(num_layers: int, segments: int) -> str:
 
 
 def forward_step(data_iterator, model):
-    from ldt.model import causal_mask
+    from ldt.models.build import causal_mask
 
     batch = next(data_iterator) if data_iterator is not None else None  # None: no data here
     if batch is None:
@@ -100,8 +100,8 @@ class AuditLog:
 def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ldt.model import build_chunk, global_param_name
-    from ldt.sharding import load_full_state
+    from ldt.models.build import build_chunk, global_param_name
+    from ldt.models.sharding import load_full_state
 
     chunks = topo.split.stage_chunks(state.stage)
     vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None
@@ -133,7 +133,7 @@ def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False)
 
 
 def _collect(chunks, models, losses):
-    from ldt.model import global_param_name
+    from ldt.models.build import global_param_name
 
     grads = {}  # only parameters that got one (none after a forward-only run)
     for chunk, gpt in zip(chunks, models):
@@ -146,7 +146,7 @@ def _collect(chunks, models, losses):
 def reference(rank, world, ms, seed=1234):
     """Full model on one process through megatron's no-pipelining schedule."""
     from ldt.layout import split_layers
-    from ldt.model import build_chunk
+    from ldt.models.build import build_chunk
     from ldt.topology import Stage, Topology
 
     topo = Topology((Stage(0, "ref", "cpu", 1),),

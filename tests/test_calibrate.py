@@ -101,7 +101,7 @@ def test_ldt_sim_measured_replays_a_run_folder(tmp_path, capsys):
     import json
 
     from ldt.tools.sim import main
-    from ldt.trainer import ACTION_TIMES_KEYS
+    from ldt.training.outputs import ACTION_TIMES_KEYS
 
     played, rows = _rows(lower(u_shape(3, 4), "ushape"), {0: 0.001}, steps=5)
     with open(tmp_path / "action_times.csv", "w", newline="") as f:  # ldt-train's format

@@ -62,7 +62,7 @@ def test_resume_into_another_layout(tmp_path):
 
 
 def test_incomplete_checkpoint_is_refused(tmp_path):
-    from ldt import checkpoint
+    from ldt.training import checkpoint
 
     (tmp_path / "checkpoints" / "step_0000001" / "stage_0").mkdir(parents=True)
     assert checkpoint.latest(str(tmp_path)) is None  # no COMPLETE marker: never loaded

@@ -87,9 +87,9 @@ def _nan_at_boundary(rank, world):
     from gpt_worlds import MBS, MODEL, forward_step, make_batches
     from ldt import patches
     from ldt.config import ClusterConfig, StageConfig
-    from ldt.init import init_chunk
-    from ldt.model import build_chunk, global_param_name
-    from ldt.observe import FiniteCheck
+    from ldt.models.init import init_chunk
+    from ldt.models.build import build_chunk, global_param_name
+    from ldt.training.observe import FiniteCheck
     from ldt.topology import Topology
 
     topo = Topology.from_config(ClusterConfig(stages=[StageConfig("edge", "cpu", 1),

@@ -10,7 +10,7 @@ import torch
 
 from gpt_worlds import reference, vtp_run
 from ldt.launch import run_local_world
-from ldt.sharding import unshard
+from ldt.models.sharding import unshard
 from ldt.topology import Stage, Topology
 
 M = 6  # micro-batches: a multiple of 2 and 3 stages (interleaved needs it)

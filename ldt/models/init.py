@@ -1,7 +1,7 @@
 """Layout-invariant initialization: the same initial model whatever the stages and TP sizes.
 
 Every parameter's full (TP=1) value is drawn from a generator seeded by (seed, its global
-name), then sliced for this rank's TP shard (:mod:`ldt.sharding`). So a VTP run, a uniform run
+name), then sliced for this rank's TP shard (:mod:`ldt.models.sharding`). So a VTP run, a uniform run
 and the single-process reference of ``train.verify`` start from identical weights, and a
 checkpoint can be re-sharded for another layout. The distributions are megatron-core's
 defaults: normal(0, init_method_std) weights, output projections scaled by
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ldt.sharding import shard
+from ldt.models.sharding import shard
 
 _SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 
@@ -43,7 +43,7 @@ def full_shape(name: str, local: torch.Tensor, tp: int, split_dim) -> tuple:
 def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, tp_rank: int,
                rename=lambda n: n) -> None:
     """Overwrite a chunk's parameters with their layout-invariant initial values."""
-    from ldt.sharding import split_dim
+    from ldt.models.sharding import split_dim
 
     with torch.no_grad():
         for local_name, p in module.named_parameters():

@@ -1,55 +1,25 @@
 """The training loop of one rank: build its stage, then step.
 
 Flow (one owner per piece): config -> :func:`ldt.validate.validate` (topology) ->
-:func:`ldt.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.model` + :mod:`ldt.init`
+:func:`ldt.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.models.build` + :mod:`ldt.models.init`
 (this stage's chunks) -> schedule (megatron's 1F1B / interleaved through the patched
-``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.optim` (DP all-reduce,
-global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.TextData`.
+``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.training.optim` (DP all-reduce,
+global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.bytes.TextData`.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import os
-import socket
 import time
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
-
-REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss")
-# action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
-# relative to that stage's step start, which is step_start_s on the clock of `host`.
-ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
-
-
-def make_forward_step(seq_length: int):
-    """Megatron-style forward_step_func; stages without data get ``data_iterator=None``."""
-    from ldt.model import causal_mask
-
-    mask = causal_mask(seq_length)
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator) if data_iterator is not None else None
-        if batch is None:
-            return model(None, None, mask), _loss_func(None)
-        out = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
-        return out, _loss_func(batch["loss_mask"])
-
-    return forward_step
-
-
-def _loss_func(loss_mask):
-    def loss_func(output_tensor):
-        lm = loss_mask if loss_mask is not None else torch.ones_like(output_tensor)
-        loss = (output_tensor.float() * lm).sum() / lm.sum()
-        return loss, {"lm loss": loss.clone().detach()}  # clone: the schedule divides in place
-
-    return loss_func
+from ldt.training.outputs import gather_timings, progress_bar, write_outputs
+from ldt.training.stage import build_stage_models, make_forward_step
 
 
 def parse(cfg: dict) -> SimpleNamespace:
@@ -89,7 +59,7 @@ def _record_pid(run_dir: str, rank: int) -> None:
 
 
 def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
-    from ldt.observe import CommAudit, FiniteCheck
+    from ldt.training.observe import CommAudit, FiniteCheck
 
     out: list = []
     if train.audit_comm:
@@ -99,47 +69,14 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
     return out
 
 
-def build_stage_models(c, topo, state) -> list:
-    from megatron.core import tensor_parallel
-
-    from ldt.init import init_chunk
-    from ldt.model import build_chunk, global_param_name
-
-    tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
-    chunks = topo.split.stage_chunks(state.stage)
-    vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None
-    stage = topo.stages[state.stage]
-    models = []
-    for chunk in chunks:
-        gpt = build_chunk(c.model, chunk, stage.tp, device=stage.device, vpp=vpp,
-                          num_stages=topo.num_stages, pg_collection=state.pg_collection())
-        init_chunk(gpt, seed=c.train.seed, num_layers=c.model.num_layers, tp=stage.tp,
-                   tp_rank=state.info.tp_rank, rename=lambda n, ch=chunk: global_param_name(ch, n))
-        gpt.config.overlap_p2p_comm = bool(c.train.overlap_p2p_comm and vpp)
-        gpt.config.batch_p2p_comm = not gpt.config.overlap_p2p_comm
-        models.append(gpt)
-    if c.model.tie_embeddings and any(ch.has_embedding for ch in chunks):
-        tie_embeddings(chunks, models)
-    return models
-
-
-def tie_embeddings(chunks, models) -> None:
-    """Share the input embedding with the output head. Validation guarantees both sit on
-    this stage (U-shape edge or a one-stage model), so no cross-stage group is needed: the
-    head chunk just uses the embedding's parameter, and both gradients accumulate into it."""
-    emb = next(g for ch, g in zip(chunks, models) if ch.has_embedding)
-    head = next(g for ch, g in zip(chunks, models) if ch.has_head)
-    head.output_layer.weight = emb.embedding.word_embeddings.weight
-
-
 def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ldt.data import TextData
-    from ldt.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
-    from ldt.pipeline import run_step
+    from ldt.data.bytes import TextData
+    from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
+    from ldt.schedule.forward_backward import run_step
 
-    from ldt import checkpoint
+    from ldt.training import checkpoint
 
     t, m = c.train, c.train.num_microbatches
     models = build_stage_models(c, topo, state)
@@ -164,7 +101,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
-    bar = _progress(t.steps - first_step, reporter)
+    bar = progress_bar(t.steps - first_step, reporter)
 
     def pipeline_pass(make_iterator, forward_only: bool = False):
         """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
@@ -216,10 +153,10 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                             step_s=f"{dt:.3f}")
     bar.close()
-    timeline = _gather_timings(timings, state) if ldt_runtime else None
+    timeline = gather_timings(timings, state) if ldt_runtime else None
     if not reporter:
         return None
-    _write_outputs(run_dir, rows, timeline, topo)
+    write_outputs(run_dir, rows, timeline, topo)
     if not rows:
         return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir}
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
@@ -242,61 +179,9 @@ def _mean_loss(losses, state) -> float:
     return float(value.item())
 
 
-def _progress(total: int, enabled: bool):
-    """tqdm on the reporting rank only (a disabled tqdm still allocates a process lock)."""
-    if not enabled:
-        return SimpleNamespace(update=lambda n: None, set_postfix=lambda **kw: None,
-                               close=lambda: None)
-    import threading
-
-    from tqdm import tqdm
-
-    # a thread lock: tqdm's default multiprocessing lock would outlive this worker's os._exit
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, desc="ldt-train", unit="step", dynamic_ncols=True, mininterval=0.5)
-
-
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape always runs on ldt's runtime; a plain pipeline when train.runtime=ldt."""
     return topo.u_shape or train.runtime == "ldt"
-
-
-def _gather_timings(timings, state):
-    """Every stage leader's host and measured per-action times of every step (for the loss
-    leader). Step starts are ``perf_counter`` values: one clock for all processes of a host
-    (Linux CLOCK_MONOTONIC), so stages on one host can be lined up against each other."""
-    import torch.distributed as dist
-
-    if not state.is_leader or state.leader_group is None:
-        return None
-    gathered: list[Any] = [None] * state.topology.num_stages
-    dist.all_gather_object(gathered, (socket.gethostname(), timings), group=state.leader_group)
-    return gathered  # [stage] -> (host, [step] -> (step_start, [(action, start_s, end_s)]))
-
-
-def _write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "metrics.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=REPORT_KEYS)
-        w.writeheader()
-        w.writerows(rows)
-    if timeline:
-        from ldt.schedule.timeline import result_from_measurements, to_chrome_trace, to_png
-
-        with open(os.path.join(run_dir, "action_times.csv"), "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(ACTION_TIMES_KEYS)
-            for stage, (host, steps) in enumerate(timeline):
-                for i, (step_start, step_rows) in enumerate(steps):
-                    w.writerows((rows[i]["step"], stage, a, s, e, host, step_start)
-                                for a, s, e in step_rows)
-        last = [steps[-1] for _, steps in timeline]  # per stage: (step start, rows)
-        one_clock = len({host for host, _ in timeline}) == 1  # else stages' starts don't compare
-        offsets = [start - min(s for s, _ in last) for start, _ in last] if one_clock else None
-        result = result_from_measurements([step_rows for _, step_rows in last], offsets)
-        to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
-        to_png(result, os.path.join(run_dir, "timeline.png"),
-               f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")
 
 
 def reference_config(cfg: dict) -> dict:

@@ -39,7 +39,7 @@ def split_dim(name: str) -> Optional[int]:
             return dim
     raise KeyError(
         f"no TP sharding rule for parameter {name!r}; ldt knows GPTModel with the local layer "
-        "spec; add a rule to ldt/sharding.py for other modules"
+        "spec; add a rule to ldt/models/sharding.py for other modules"
     )
 
 

@@ -28,7 +28,7 @@ def step_dir(root: str, step: int) -> str:
 
 
 def _named_params(models, chunks):
-    from ldt.model import global_param_name
+    from ldt.models.build import global_param_name
 
     for chunk, gpt in zip(chunks, models):
         for name, p in gpt.named_parameters():
@@ -37,7 +37,7 @@ def _named_params(models, chunks):
 
 def _gather_full(name: str, local: torch.Tensor, state) -> Optional[torch.Tensor]:
     """The full tensor on the stage leader (None elsewhere)."""
-    from ldt.sharding import split_dim, unshard
+    from ldt.models.sharding import split_dim, unshard
 
     tp = len(state.stage_ranks)
     if tp == 1 or split_dim(name) is None:
@@ -105,7 +105,7 @@ def load(path: str, models, chunks, optimizer, state) -> int:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from ldt.sharding import shard
+    from ldt.models.sharding import shard
 
     found = latest(path)
     if found is None:

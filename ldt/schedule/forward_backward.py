@@ -1,4 +1,4 @@
-"""ldt's own forward-backward function: the U-shape schedule run by :mod:`ldt.runtime`.
+"""ldt's own forward-backward function: the U-shape schedule run by :mod:`ldt.schedule.runtime`.
 
 It has the signature of megatron-core's forward-backward functions, so with ldt active
 ``get_forward_backward_func()`` returns it for a U-shape cluster and a Megatron training loop
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-from ldt.runtime import StageRoles, StepResult, run_actions
+from ldt.schedule.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
 
 

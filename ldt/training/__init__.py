@@ -1,0 +1,1 @@
+"""The training job of one rank: stage build, loop, optimizer pieces, checkpoints, outputs."""
