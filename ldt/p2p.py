@@ -88,13 +88,13 @@ class _VTPRecvWork:
             else:
                 for w in self._works:
                     w.wait()
+            buf = self.tensor.detach()
+            if self._staged is not None:
+                buf.copy_(self._staged)
+            if self._stage_size > 1:  # a non-leader's receive is this broadcast
+                dist.broadcast(buf, src=self._leader, group=self._tp_group)
         except Exception as exc:
             raise _boundary_error(self._what, self._posted, exc) from exc
-        buf = self.tensor.detach()
-        if self._staged is not None:
-            buf.copy_(self._staged)
-        if self._stage_size > 1:
-            dist.broadcast(buf, src=self._leader, group=self._tp_group)
         self._done = True
         if self._on_ready is not None:
             self._on_ready(self.tensor)
@@ -256,12 +256,13 @@ class VtpCommunicator(P2PCommunicator):
         stages = self.state.topology.stages
         key = (src, dst) if direction == FORWARD else (dst, src)
         what = "an activation" if direction == FORWARD else "a gradient"
-        peer = dst if verb == "send" else src
+        peer, prep = (dst, "to") if verb == "send" else (src, "from")
         me = self.state.stage
+        if not self.state.is_leader:
+            verb += f" (through its stage leader, rank {self.state.stage_ranks[0]})"
         return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
-                f"'{stages[me].name}') {verb} of {what} "
-                f"{'to' if verb == 'send' else 'from'} stage {peer} '{stages[peer].name}' "
-                f"(rank {peer_rank})")
+                f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "
+                f"'{stages[peer].name}' (rank {peer_rank})")
 
 
 def check_boundary_config(config) -> None:
