@@ -35,7 +35,8 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
         f"# Train with train.num_microbatches={p.num_microbatches} "
-        f"train.micro_batch_size={micro_batch_size} (global batch "
+        + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
+        + f"train.micro_batch_size={micro_batch_size} (global batch "
         f"{p.dp * p.num_microbatches * micro_batch_size}).",
         f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
         f"{ev.pipeline_time * 1e3:.1f} ms + dp all-reduce {ev.dp_allreduce_time * 1e3:.1f} ms), "
@@ -63,6 +64,7 @@ def summary(ev: Evaluation, inventory: Inventory) -> dict[str, Any]:
     return {
         "cluster": cluster_dict(p, inventory),
         "num_microbatches": p.num_microbatches,
+        "prefetch": p.prefetch,
         "iteration_time_s": ev.iteration_time,
         "pipeline_time_s": ev.pipeline_time,
         "dp_allreduce_time_s": ev.dp_allreduce_time,
@@ -89,7 +91,8 @@ def table(ev: Evaluation) -> str:
     p = ev.plan
     lines.append(
         f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, dp={p.dp}, "
-        f"m={p.num_microbatches}, layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
+        f"m={p.num_microbatches}, " + (f"prefetch {p.prefetch}, " if p.prefetch else "")
+        + f"layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
         f"(pipeline {ev.pipeline_time * 1e3:.2f} + dp all-reduce {ev.dp_allreduce_time * 1e3:.2f}), "
         f"bubble {ev.bubble_fraction:.1%}" + ("" if ev.fits else "; DOES NOT FIT in memory (!)"))
     return "\n".join(lines)
