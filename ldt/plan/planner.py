@@ -12,7 +12,8 @@ Search, coarse to fine (each step exists because the next one is too slow to run
 4. the best few simulated plans are refined by moving single layers between segments, judged by the
    simulator, within a budget of simulations;
 5. a U-shape gets the prefetch depth that hides its edge links' latency
-   (:func:`ldt.plan.evaluate.choose_prefetch`).
+   (:func:`ldt.plan.evaluate.choose_prefetch`): once on the best closed form before step 3 (the
+   search compares plans at that depth), then for each start of step 4 and for the winner.
 
 The simulated iteration time (pipeline + data-parallel all-reduce) is the number that is
 minimised and reported.
@@ -96,6 +97,7 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     ranked = _simulate_ranked([p for p, _ in plans], cost, opts)
     best, sims = ranked[0], len(ranked)
     for start in ranked[:opts.refine_top]:
+        start = choose_prefetch(start, cost)  # U-shape: this plan's own depth
         ev, n = refine(start, cost, opts.refine_sims, opts.refine_seconds / opts.refine_top,
                        edge_min)
         sims += n
