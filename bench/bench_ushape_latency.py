@@ -15,8 +15,9 @@ delay.
 
 Prediction: the simulator replays each schedule's action lists with the per-(stage, op) mean
 times and stage offsets recorded at no delay in this run (``ldt.plan.calibrate``), with the
-delay added to every message on the edge's links. Prints a table and one JSON line
-(``ushape_latency``).
+delay added to every message on the edge's links, and gloo's rendezvous on them (a message
+leaves only once its receive's "ready" notice has crossed the link; the emulation models it
+too, see docs/network.md). Prints a table and one JSON line (``ushape_latency``).
 """
 
 from __future__ import annotations
@@ -130,9 +131,11 @@ def _predict(recorded: list, t_f: float) -> dict[str, float]:
                 for a, s, e in acts]
         cal = calibrate.calibrate(rows)
         for k in DELAYS:
-            delay = k * t_f
+            def slow(a, delay=k * t_f):  # the edge's links
+                return delay if 0 in (a.stage, a.peer) else 0
+
             sim = simulate(cal.schedule, cal._time, local_time=cal._time, start_at=cal.start_at,
-                           comm_time=lambda send: delay if 0 in (send.stage, send.peer) else 0)
+                           comm_time=slow, handshake=slow)
             out[f"{k}:{d}"] = sim.iteration_time
     return out
 
