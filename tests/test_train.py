@@ -36,6 +36,8 @@ def test_default_job_trains_and_reports(tmp_path):
     trace = json.loads((tmp_path / "timeline.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"0FS0", "0FE0", "0BS0", "0BE0", "1F0", "2B3"} <= names
+    tracks = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert tracks == ["stage 0: edge", "stage 1: cloud0", "stage 2: cloud1"]
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert (tmp_path / "config.yaml").exists()
     # action_times.csv: every step ran exactly the generated U-shape action lists, and the rows
