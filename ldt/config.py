@@ -106,7 +106,8 @@ class ModelConfig:
             raise ConfigError(
                 f"model.hidden_size={hidden} is not a multiple of model.num_attention_heads="
                 f"{heads}: megatron's head size is hidden_size / num_attention_heads "
-                f"(kv_channels), which must be whole; use model.hidden_size={' or '.join(map(str, near))}, "
+                f"(kv_channels), which must be whole; use model.hidden_size="
+                f"{' or '.join(map(str, near))}, "
                 f"or model.num_attention_heads in {divisors[-6:]} (a divisor of {hidden})")
         groups = self.num_query_groups
         if _given(heads, groups) and groups is not None and heads % groups:

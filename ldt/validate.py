@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ldt.config import ConfigError, DataConfig, ModelConfig, TrainConfig, to_data, to_model, to_train
+from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_data, to_model,
+                        to_train)
 from ldt.device import check_devices_present
 from ldt.topology import Topology
 
@@ -98,7 +99,8 @@ def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> lis
 def _check_resume(path: str) -> None:
     if not os.path.exists(path):
         raise ConfigError(f"train.resume={path!r} does not exist; give the run folder of an "
-                          "earlier run (with checkpoints/) or one of its checkpoints/step_N folders")
+                          "earlier run (with checkpoints/) or one of its checkpoints/step_N "
+                          "folders")
     # torch loads only here (the checkpoint module needs it), i.e. only when resuming
     from ldt.training.checkpoint import COMPLETE, latest
 

@@ -55,7 +55,8 @@ def test_info_config_dir_and_config_name(tmp_path):
     proc = run(tmp_path, "--config-dir", str(conf), "--config-name", "exp", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = yaml.safe_load(proc.stdout)
-    assert cfg["train"]["steps"] == 3 and [s["name"] for s in cfg["cluster"]["stages"]] == ["a", "b"]
+    assert cfg["train"]["steps"] == 3
+    assert [s["name"] for s in cfg["cluster"]["stages"]] == ["a", "b"]
     proc = run(tmp_path, "--config-dir", str(conf), "cluster=mine", "--cfg", "job")
     assert [s["name"] for s in yaml.safe_load(proc.stdout)["cluster"]["stages"]] == ["a", "b"]
 
