@@ -68,6 +68,15 @@ def test_hydra_refusing_the_command_line_is_exit_2(tmp_path):
     assert proc.returncode == 2 and "stpes" in proc.stderr, proc.stderr
 
 
+def test_relative_paths_are_from_where_ldt_train_started(tmp_path):
+    """hydra.job.chdir=true moves the job into its run folder; data.path stays relative to the
+    folder ldt-train was started in (here: found, and refused as too small, not 'missing')."""
+    (tmp_path / "small.txt").write_text("tiny")
+    proc = run(tmp_path, "hydra.job.chdir=true", "data.path=small.txt")
+    assert proc.returncode == 2, proc.stderr
+    assert f"data.path='{tmp_path / 'small.txt'}' gives 4 bytes" in proc.stderr
+
+
 def test_multirun_of_bad_configs_runs_every_job_and_exits_2(tmp_path):
     proc = run(tmp_path, "-m", "model.seq_length=0,-1", f"run_dir={tmp_path / 'sweep'}")
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
