@@ -26,6 +26,7 @@ def load(overrides: Sequence[str]):
     from omegaconf.errors import OmegaConfBaseException
 
     from ldt.config import ConfigError
+    from ldt.data.files import check_data
     from ldt.hydra_app import compose
     from ldt.validate import validate
 
@@ -38,6 +39,8 @@ def load(overrides: Sequence[str]):
         if path and not os.path.isfile(path):
             raise ConfigError(f"data.path={path!r} is not a file; give a text file or leave "
                               "data.path unset for the built-in corpus")
+        rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
+        check_data(plain["data"], plain["model"], plain["train"], topo, rank)  # data ranks only
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{exc}".strip()) from None
     return plain, topo
