@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -82,6 +83,9 @@ class Tokenizer:
                 raise ConfigError(f"--eod-token={eod_token!r} with the bytes tokenizer: its end "
                                   f"of document is fixed ({BYTES_EOD}); leave --eod-token out")
             return
+        # an audit event: the Rust library opens the file where Python's "open" event cannot
+        # see it, and the communication audit must see a cloud rank building a tokenizer
+        sys.audit("ldt.tokenizer.load", source.path)
         if source.kind == "json":
             self._load_json(source)
         else:

@@ -9,7 +9,8 @@ The audit also records what is *not* an activation or a gradient (:class:`Messag
 transport (``ldt.p2p``) whose group spans more than one stage or holds a rank of a stage that
 owns no data (the cloud), with its caller, group, stages and payload (dtypes and shapes, or the
 types of the objects), and, on cloud ranks, every file opened outside the Python installation
-and the run folder (a cloud rank that opened a data file or a tokenizer would show here).
+and the run folder, and every tokenizer it loads (a cloud rank that read a data file or built
+a tokenizer would show here).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ TRANSPORT = "ldt.p2p"  # the boundary transport: its tensors are CommAudit's act
 # that never leave the stage, hundreds per step; not recorded
 STAGE_COMPUTE = "megatron.core.tensor_parallel."
 _TAP: Optional["MessageTap"] = None  # audit hooks cannot be removed: they consult this
+# raised by ldt.data.tokenizer (the Rust tokenizers library opens files unseen by "open")
+TOKENIZER_EVENT = "ldt.tokenizer.load"
 
 
 class MessageTap:
@@ -212,13 +215,13 @@ class MessageTap:
         return sorted(torch.distributed.get_process_group_ranks(group))
 
     # ---- files (cloud ranks) ----------------------------------------------------------------
-    def on_open(self, path, mode) -> None:
-        if isinstance(path, int):
+    def on_open(self, path, mode, kind: str = "file_open") -> None:
+        if isinstance(path, int) or self._file.closed:
             return
         full = os.path.abspath(os.fsdecode(path))
-        if full.startswith(self._known) or self._file.closed:
+        if kind == "file_open" and full.startswith(self._known):
             return
-        self._file.write(json.dumps({"step": self.step, "kind": "file_open", "rank": self.rank,
+        self._file.write(json.dumps({"step": self.step, "kind": kind, "rank": self.rank,
                                      "stage": self.stage, "path": full,
                                      "mode": str(mode)}) + "\n")
 
@@ -241,11 +244,15 @@ def _install_open_hook() -> None:
         return
 
     def hook(event: str, args) -> None:
-        if event == "open" and _TAP is not None:
-            try:
+        if _TAP is None or event not in ("open", TOKENIZER_EVENT):
+            return
+        try:
+            if event == "open":
                 _TAP.on_open(args[0], args[1] if len(args) > 1 else None)
-            except Exception:  # an audit hook must never break the call it watches
-                pass
+            else:
+                _TAP.on_open(args[0], None, kind="tokenizer_load")
+        except Exception:  # an audit hook must never break the call it watches
+            pass
 
     sys.addaudithook(hook)
     _HOOKED = True
