@@ -140,7 +140,8 @@ def test_blend_and_split_parse_as_megatron_does():
 
     from ldt.data.files import parse_blend, split_bookends
 
-    for blend in (["/d/a"], ["/d/a", "/d/b"], ["0.3", "/d/a", "0.7", "/d/b"], ["2", "/d/a", "1", "/d/b"]):
+    for blend in (["/d/a"], ["/d/a", "/d/b"], ["0.3", "/d/a", "0.7", "/d/b"],
+                  ["2", "/d/a", "1", "/d/b"]):
         prefixes, weights = get_blend_from_list(blend)
         assert parse_blend(blend) == (prefixes, weights if len(prefixes) > 1 else None)
     assert parse_blend("0.3 /d/a.bin 0.7 /d/b") == (["/d/a", "/d/b"], [0.3, 0.7])

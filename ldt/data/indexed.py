@@ -86,7 +86,7 @@ def build_indexed(data, model, train, topo, state) -> Optional[IndexedData]:
         sizes = [None] * 3 if weights is None else [1 if s in used else 0 for s in range(3)]
     config = GPTDatasetConfig(
         random_seed=train.seed, sequence_length=model.seq_length, blend=(prefixes, weights),
-        split=",".join(str(v) for v in _shares(data.split)), path_to_cache=cache,
+        split=str(data.split), path_to_cache=cache,  # megatron-core reads 969,30,1 and 969/30/1
         tokenizer=tokens, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=False)  # ldt passes its own causal mask
     # splits ldt never reads are not built (an empty unused split would loop forever too)
@@ -131,8 +131,3 @@ def on_rank0_host() -> bool:
     if "WORLD_SIZE" in env and env.get("LOCAL_WORLD_SIZE") == env["WORLD_SIZE"]:
         return True
     return env.get("GROUP_RANK") == "0"
-
-
-def _shares(split: str) -> list[float]:
-    """data.split as numbers (megatron-core normalises them itself)."""
-    return [float(p) for p in str(split).replace("/", ",").split(",") if p.strip()]

@@ -210,9 +210,11 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     summary = Summary(prefix, workers=workers)
     t0 = time.perf_counter()
     tmp_bin, tmp_idx = prefix + ".bin.tmp", prefix + ".idx.tmp"
+    chunks = (c for p in paths
+              for c in _chunks(documents(p, fmt, json_key, text_documents, summary.bad_lines)))
+    bar = _bar(sum(os.path.getsize(p) for p in paths), progress)
     try:
-        _write(paths, tok, tmp_bin, tmp_idx, summary, workers, fmt, json_key, text_documents,
-               eod_token, tokenizer, progress)
+        _write(chunks, tok, (tokenizer, eod_token), tmp_bin, tmp_idx, summary, bar)
         if summary.documents == 0:
             raise ConfigError(f"no documents in {', '.join(inputs)}: every line was bad "
                               f"({_describe(summary.bad_lines)})")
@@ -233,15 +235,15 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     return summary
 
 
-def _write(paths, tok, tmp_bin, tmp_idx, summary, workers, fmt, json_key, text_documents,
-           eod_token, spec, progress) -> None:
+def _write(chunks, tok, load_args: tuple, tmp_bin: str, tmp_idx: str, summary: Summary,
+           bar) -> None:
+    """Tokenize ``chunks`` (in ``summary.workers`` processes) into megatron-core's writer."""
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     dtype = DType.optimal_dtype(tok.vocab_size)
     summary.dtype = np.dtype(dtype).name
     builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
-    bar = _bar(sum(os.path.getsize(p) for p in paths), progress)
 
     def write(docs: list, size: int) -> None:
         for doc in docs:
@@ -252,15 +254,13 @@ def _write(paths, tok, tmp_bin, tmp_idx, summary, workers, fmt, json_key, text_d
         bar.update(size)
         bar.set_postfix(docs=summary.documents, bad=len(summary.bad_lines))
 
-    chunks = (c for p in paths
-              for c in _chunks(documents(p, fmt, json_key, text_documents, summary.bad_lines)))
     try:
-        if workers == 1:
-            _init_worker(spec, eod_token, dtype, tok)
+        if summary.workers == 1:
+            _init_worker(*load_args, dtype, tok)
             for texts, size in chunks:
                 write(_encode(texts), size)
         else:
-            _parallel(chunks, workers, (spec, eod_token, dtype), write)
+            _parallel(chunks, summary.workers, (*load_args, dtype), write)
         builder.finalize(tmp_idx)
         bar.update(bar.total - bar.n)  # bytes of trailing blank or bad lines
     finally:

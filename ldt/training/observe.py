@@ -127,7 +127,7 @@ class MessageTap:
     :meth:`close`. A call from :data:`TRANSPORT` is the boundary transport and is left to
     :class:`CommAudit`'s boundary records. On a cloud rank, an audit hook records files opened
     outside the Python installation, the code on ``sys.path``, ``/proc``, ``/sys``, ``/dev``
-    and ``ignore_files_under`` (the run folder).
+    and ``ignore_files_under`` (the run folder), and every tokenizer ldt loads.
     """
 
     def __init__(self, path: str, topology, rank: int, ignore_files_under=()):
@@ -138,7 +138,7 @@ class MessageTap:
         self._file = open(path, "a", buffering=1)
         self._local = threading.local()
         self._signatures: dict = {}
-        self._undo = [self._wrap(name) for name in MESSAGE_CALLS if hasattr(torch.distributed, name)]
+        self._undo = [self._wrap(n) for n in MESSAGE_CALLS if hasattr(torch.distributed, n)]
         code = [os.path.dirname(importlib.util.find_spec(p).origin)
                 for p in ("ldt", "ldt.patches", "ldt.tools", "ldt.conf")]
         roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *code,
@@ -183,8 +183,11 @@ class MessageTap:
             bound = self._signatures[name].bind(*args, **kwargs).arguments
         except TypeError:
             bound = {}
-        ranks = self._ranks(name, bound)
-        stages = sorted({self.topology.rank_info(r).stage for r in ranks})
+        try:
+            ranks = self._ranks(name, bound)
+            stages = sorted({self.topology.rank_info(r).stage for r in ranks})
+        except Exception:  # a group torch cannot name: recorded as reaching everyone
+            ranks, stages = None, list(range(self.topology.num_stages))
         crosses, cloud = len(stages) > 1, bool(self.cloud.intersection(stages))
         if not (crosses or cloud) or (not crosses and site.startswith(STAGE_COMPUTE)):
             return
@@ -196,7 +199,8 @@ class MessageTap:
                                "shape": list(t.shape)} for t in tensors],
                   "bytes": sum(t.numel() * t.element_size() for t in tensors)}
         if name.endswith("_object") or name.endswith("_object_list"):
-            objects = bound.get("obj", bound.get("object_list", bound.get("scatter_object_input_list")))
+            objects = next((bound[k] for k in ("obj", "object_list", "scatter_object_input_list")
+                            if k in bound), None)
             items = objects if isinstance(objects, list) else [objects]
             record["objects"] = [type(o).__name__ for o in items]
         self._file.write(json.dumps(record) + "\n")
@@ -230,7 +234,7 @@ def _tensors(value) -> list:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for v in value if isinstance(v, torch.Tensor) for t in [v]]
+        return [v for v in value if isinstance(v, torch.Tensor)]
     return []
 
 
