@@ -189,6 +189,21 @@ class DataConfig:
     """A text file to train on; None uses a corpus every machine has (Python's own sources)."""
     max_bytes: int = 4_000_000
     """Read at most this many bytes of the corpus."""
+    tokenizer: str = "bytes"
+    """``bytes`` (a token per byte, vocabulary 256) or the local path of a Hugging Face
+    tokenizer (a ``tokenizer.json`` or a folder ``AutoTokenizer`` loads); never downloaded.
+    With ``blend``: the tokenizer the data was preprocessed with (checked against
+    ``model.vocab_size``). Only the data stages load it."""
+    blend: Optional[Any] = None
+    """Megatron indexed datasets to train on, as Megatron's ``--data-path``: ``PREFIX``,
+    ``[PREFIX1, PREFIX2]`` or ``[W1, PREFIX1, W2, PREFIX2]`` (``ldt-preprocess`` writes
+    ``PREFIX.bin`` + ``PREFIX.idx``). None: bytes of ``path`` / the built-in corpus."""
+    split: str = "969,30,1"
+    """Train, validation, test shares of each dataset's documents (``train.eval_every`` reads
+    the validation split; the test split is never read)."""
+    cache_dir: Optional[str] = None
+    """Where megatron-core caches its sample indices (global rank 0 writes them; data ranks on
+    other hosts build theirs in memory). None: ``$XDG_CACHE_HOME/ldt/indices`` (~/.cache)."""
 
     def __post_init__(self) -> None:
         _at_least("data", self, "max_bytes", 1, "it caps how much of the corpus is read")

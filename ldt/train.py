@@ -89,9 +89,16 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
         raise ConfigError(f"{exc}".strip()) from None
     plain["run_dir"] = os.path.abspath(run_dir)
     # relative to where ldt-train was started, also under hydra.job.chdir=true
-    for group, key in (("data", "path"), ("train", "resume")):
-        if plain[group].get(key):
-            plain[group][key] = to_absolute_path(plain[group][key])
+    for group, key in (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+                       ("train", "resume")):
+        value = plain[group].get(key)
+        if value and not (key == "tokenizer" and value == "bytes"):
+            plain[group][key] = to_absolute_path(value)
+    if plain["data"].get("blend") is not None:
+        from ldt.data.files import format_blend, parse_blend
+
+        plain["data"]["blend"] = format_blend(*parse_blend(plain["data"]["blend"],
+                                                           base=to_absolute_path(".")))
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
     topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
     warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)

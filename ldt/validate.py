@@ -48,11 +48,15 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all.
     Relative paths are taken from the working directory, as the workers will.
     """
+    from ldt.data.files import check_data
+
     data, model, train = to_data(data), to_model(model), to_train(train)
     warnings = []
     stage = topo.rank_info(rank).stage if rank is not None and rank < topo.world_size else None
-    if stage is None or stage in topo.data_stages():
-        warnings += _check_data(data, model, train)
+    # indexed data and tokenizers: the settings everywhere, the files on data ranks only
+    check_data(data, model, train, topo, rank)
+    if data.blend is None and (stage is None or stage in topo.data_stages()):
+        warnings += _check_data(data, model, train)  # bytes-as-tokens text
     if train.resume:
         _check_resume(train.resume)
     return warnings
