@@ -34,9 +34,27 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "model.tie_embeddings=false")
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
+    from ldt.models.spec import transformer_impl
+
+    for s in topo.stages:
+        transformer_impl(model, s.device)
     if train is not None:
         _check_train(topo, train)
+        _check_checkpoint(train, model)
     return topo
+
+
+def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
+    """A checkpoint to resume or load from must fit the model (metadata only, no collective)."""
+    if train.resume and train.load:
+        raise ConfigError(f"train.resume={train.resume!r} and train.load={train.load!r} are both "
+                          "set; resume continues a run (weights, optimizer, step), load takes "
+                          "weights only: set one of them")
+    path = train.resume or train.load
+    if path:
+        from ldt.training.checkpoint import check_compatible
+
+        check_compatible(path, model)
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
@@ -45,8 +63,7 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
         ("model.num_attention_heads", model.num_attention_heads),
         ("model.hidden_size", model.hidden_size),
         ("model.ffn_hidden_size", ffn),
-        ("model.vocab_size", model.vocab_size),
-    ]
+    ]  # the vocabulary is padded to fit every stage (ldt.models.vocab)
     if model.num_query_groups:
         dims.append(("model.num_query_groups", model.num_query_groups))
     for stage in topo.stages:

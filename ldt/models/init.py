@@ -43,12 +43,13 @@ def full_shape(name: str, local: torch.Tensor, tp: int, split_dim) -> tuple:
 def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, tp_rank: int,
                rename=lambda n: n) -> None:
     """Overwrite a chunk's parameters with their layout-invariant initial values."""
-    from ldt.models.sharding import split_dim
+    from ldt.models.sharding import is_gated, split_dim
 
+    gated = is_gated(module)
     with torch.no_grad():
         for local_name, p in module.named_parameters():
             name = rename(local_name)
             dim = split_dim(name)
             full = full_init(name, full_shape(name, p, tp, dim), seed=seed,
                              num_layers=num_layers, dtype=p.dtype)
-            p.copy_(shard(name, full, tp, tp_rank))
+            p.copy_(shard(name, full, tp, tp_rank, gated=gated))

@@ -41,7 +41,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
     state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
     stage = topo.stages[state.stage]
     observers = _observers(c.train, run_dir, rank)
-    names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
+    names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
     patches.apply(names, ctx=SimpleNamespace(observers=observers))
     try:
         return _train(rank, c, topo, state, observers, run_dir)
@@ -89,6 +89,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         first_step = checkpoint.load(t.resume, models, chunks, opt, state)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
+    elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
+        checkpoint.load(t.load, models, chunks, None, state)
     data = None
     if state.stage in topo.data_stages():
         data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
@@ -147,7 +149,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                 row["eval_loss"] = _mean_loss(eval_losses, state)
         rows.append(row)
         if t.save_every and (step + 1) % t.save_every == 0:
-            checkpoint.save(run_dir, step, models, chunks, opt, state)
+            checkpoint.save(run_dir, step, models, chunks, opt, state, model=c.model)
         if reporter:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -192,6 +194,16 @@ def reference_config(cfg: dict) -> dict:
                       "u_shape": False, "layout": None, "dp": 1}
     ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])
     ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False)
+    ref["model"]["make_vocab_size_divisible_by"] = _vocab_multiple(cfg)  # the same padding
     ref["reference"] = True
     return ref
 
+
+def _vocab_multiple(cfg: dict) -> int:
+    """The vocabulary padding multiple of ``cfg``'s cluster (the reference has TP 1)."""
+    from ldt.models.vocab import vocab_multiple, vocab_stage_tps
+    from ldt.topology import Topology
+
+    model = to_model(cfg["model"])
+    topo = Topology.from_config(cfg["cluster"], model)
+    return vocab_multiple(vocab_stage_tps(topo), model.make_vocab_size_divisible_by)
