@@ -235,12 +235,17 @@ FAMILIES = {f.architecture: f for f in (LLAMA, QWEN2)}
 
 
 def family_of_hf(hf) -> Family:
+    """The family of a transformers config: its ``architectures``, else its ``model_type``."""
     archs = list(getattr(hf, "architectures", None) or [])
     for arch in archs:
         if arch in FAMILIES:
             return FAMILIES[arch]
-    raise ConfigError(f"architectures={archs}: ldt converts {', '.join(FAMILIES)}; add a "
-                      "Family table to ldt/models/hf/families.py for another architecture")
+    by_type = {f.name: f for f in FAMILIES.values()}
+    if not archs and getattr(hf, "model_type", None) in by_type:
+        return by_type[hf.model_type]
+    raise ConfigError(f"architectures={archs} (model_type={getattr(hf, 'model_type', None)!r}): "
+                      f"ldt converts {', '.join(FAMILIES)}; add a Family table to "
+                      "ldt/models/hf/families.py for another architecture")
 
 
 def family_of_model(model) -> Family:
