@@ -39,8 +39,10 @@ def write_random_llama(folder: str, shard_bytes: int = 512 * 2**20) -> int:
     shapes = {"model.embed_tokens.weight": (v, h)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+        shapes.update({p + "self_attn.q_proj.weight": (h, h),
+                       p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, h),
                        p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                        p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
                        p + "post_attention_layernorm.weight": (h,)})
