@@ -5,8 +5,8 @@ family from the ModelConfig, layout-invariant init, tying) and loads weights the
 ``train.load`` does (``checkpoint.load`` with no optimizer), then runs megatron's schedules
 (ldt's U-shape runtime for a U-shape) through the patched ``get_forward_backward_func``:
 
-- ``logits``: a forward-only pass whose loss function gathers the head's vocabulary shards
-  and hands the logits back (megatron's schedules collect what a loss function returns);
+- ``logits``: :func:`ldt.training.logits.forward_logits` (a forward-only pass of the cluster's
+  schedule whose loss function gathers the head's vocabulary shards and reports the logits);
 - ``train``: one forward-backward step with labels: losses and full gradients (for TP 1/2/4);
 - ``oracle``: megatron-core's own ``sharded_state_dict()`` says which slice of every global
   tensor this rank holds; it must be what ``ldt.models.sharding`` put there.
@@ -31,9 +31,7 @@ def batches(vocab_size: int, seq: int, seed: int = 5) -> list[dict]:
     return out
 
 
-def _forward_step(state, seq: int, want_logits: bool):
-    import torch.distributed as dist
-
+def _loss_step(seq: int):
     from ldt.models.build import causal_mask
 
     mask = causal_mask(seq)
@@ -42,16 +40,11 @@ def _forward_step(state, seq: int, want_logits: bool):
         batch = next(data_iterator) if data_iterator is not None else None
         if batch is None:
             return model(None, None, mask), None
-        labels = None if want_logits else batch["labels"]
-        out = model(batch["tokens"], batch["position_ids"], mask, labels=labels)
+        out = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
 
         def loss_func(output):
-            if not want_logits:
-                loss = output.float().mean()
-                return loss, {"lm loss": loss.clone().detach()}
-            parts = [torch.empty_like(output) for _ in state.stage_ranks]
-            dist.all_gather(parts, output.contiguous(), group=state.tp_group)
-            return output.float().sum() * 0.0, {"logits": torch.cat(parts, dim=-1).detach()}
+            loss = output.float().mean()
+            return loss, {"lm loss": loss.clone().detach()}
 
         return out, loss_func
 
@@ -66,6 +59,7 @@ def run_case(case: dict) -> dict:
     from ldt.models.build import global_param_name
     from ldt.models.sharding import is_gated
     from ldt.training import checkpoint
+    from ldt.training.logits import forward_logits
     from ldt.training.stage import build_stage_models
     from ldt.validate import validate
 
@@ -86,23 +80,21 @@ def run_case(case: dict) -> dict:
         if case.get("oracle"):
             out["oracle"] = _oracle(case["checkpoint"], chunks, models)
         data = batches(model.vocab_size, model.seq_length)
-        kind = case["kind"]
+        if case["kind"] == "logits":
+            out["logits"] = forward_logits(models, data, state=state,
+                                           seq_length=model.seq_length, micro_batch_size=MBS)
+            return out
         reads = state.stage in topo.data_stages()
         iters = [iter(data) if reads else None for _ in models]
-        with torch.no_grad() if kind == "logits" else torch.enable_grad():
-            store = get_forward_backward_func()(
-                forward_step_func=_forward_step(state, model.seq_length, kind == "logits"),
-                data_iterator=iters if len(models) > 1 and not topo.u_shape else iters[0],
-                model=models if len(models) > 1 else models[0], num_microbatches=M,
-                seq_length=model.seq_length, micro_batch_size=MBS,
-                forward_only=kind == "logits")
-        if kind == "logits":
-            out["logits"] = [x["logits"] for x in store]
-        else:
-            out["losses"] = [float(x["lm loss"]) for x in store]
-            out["grads"] = {global_param_name(ch, n): p.grad.detach().clone()
-                            for ch, g in zip(chunks, models) for n, p in g.named_parameters()
-                            if p.grad is not None}
+        store = get_forward_backward_func()(
+            forward_step_func=_loss_step(model.seq_length),
+            data_iterator=iters if len(models) > 1 and not topo.u_shape else iters[0],
+            model=models if len(models) > 1 else models[0], num_microbatches=M,
+            seq_length=model.seq_length, micro_batch_size=MBS)
+        out["losses"] = [float(x["lm loss"]) for x in store]
+        out["grads"] = {global_param_name(ch, n): p.grad.detach().clone()
+                        for ch, g in zip(chunks, models) for n, p in g.named_parameters()
+                        if p.grad is not None}
         return out
     finally:
         patches.revert()
