@@ -41,7 +41,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
+    import warnings
+
     import ldt.quiet  # noqa: F401
+
+    # torch.distributed.checkpoint in one process (no_dist=True) says so on every file
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from ldt.config import ConfigError
     from ldt.models.hf import export_hf, import_hf, write_model_yaml
 
@@ -56,9 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         path = write_model_yaml(model, os.path.join(args.out, "conf", "model", f"{name}.yaml"),
                                 seq_length=seq, params_dtype=args.dtype or _dtype_of(args.out))
         conf = os.path.abspath(os.path.join(args.out, "conf"))
-        print(f"model config: {path}\nstart a run from it:\n  ldt-train "
-              f"hydra.searchpath=[file://{conf}] model={name} "
-              f"train.load={os.path.abspath(args.out)}")
+        print(f"model config: {path}\nstart a run from it (with a cluster that fits it):\n"
+              f"  ldt-train hydra.searchpath=[file://{conf}] model={name} "
+              f"train.load={os.path.abspath(args.out)} cluster=...")
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ldt-convert: {exc}", file=sys.stderr)
         return 2
