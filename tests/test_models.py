@@ -196,3 +196,31 @@ def test_shape_mismatch_names_the_parameter(imported):
     with pytest.raises(ConfigError, match="has no parameter decoder.layers.0.self_attention"
                                           ".linear_qkv.bias"):
         check_shapes(no_bias, cfg, "x")
+
+
+def test_rope_shim_applies_and_reverts():
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+
+    from ldt import patches
+
+    with patches.applied(["rope_cpu"]):
+        assert rope.torch is not torch and rope.torch.cuda.current_device() == "cpu"
+        assert rope.torch.cat is torch.cat  # everything else is torch's own
+    assert rope.torch is torch
+
+
+def test_ldt_convert_command_line(tmp_path, imported, capsys):
+    from ldt.hydra_app import compose
+    from ldt.models.arch import arch_of
+    from ldt.tools.convert import main
+
+    hf_model, cfg, ckpt = imported
+    out = tmp_path / "mine"
+    assert main(["import", str(ckpt.parent / "hf"), str(out), "--seq-length", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert f"model=mine train.load={out}" in printed
+    composed = to_model(compose([f"hydra.searchpath=[file://{out / 'conf'}]",
+                                 "model=mine"]).model)
+    assert arch_of(composed) == arch_of(cfg) and composed.seq_length == 64
+    assert main(["import", str(tmp_path), str(tmp_path / "x")]) == 2  # no config.json
+    assert "has no config.json" in capsys.readouterr().err
