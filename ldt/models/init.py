@@ -4,9 +4,9 @@ Every parameter's full (TP=1) value is drawn from a generator seeded by (seed, i
 name in the canonical naming), then sliced for this rank's TP shard (:mod:`ldt.models.sharding`,
 which knows a gated MLP's ``[gate; up]`` fc1). So a VTP run, a uniform run and the
 single-process reference of ``train.verify`` start from identical weights, whatever the family
-and the layer implementation, and a checkpoint can be re-sharded for another layout. The distributions are megatron-core's
-defaults: normal(0, init_method_std) weights, output projections scaled by
-1/sqrt(2 * num_layers), zero biases, unit norm weights.
+and the layer implementation, and a checkpoint can be re-sharded for another layout. The
+distributions are megatron-core's defaults: normal(0, init_method_std) weights, output
+projections scaled by 1/sqrt(2 * num_layers), zero biases, unit norm weights.
 """
 
 from __future__ import annotations

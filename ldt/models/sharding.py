@@ -87,6 +87,17 @@ def unshard(name: str, shards: list[torch.Tensor], *, gated: bool = False) -> to
     return torch.cat(shards, dim=dim)
 
 
+def shard_into(name: str, full: torch.Tensor, local_shape, tp: int, tp_rank: int, *,
+               gated: bool = False) -> torch.Tensor:
+    """The shard of ``full`` for a local parameter of ``local_shape``: vocabulary tensors get
+    this model's padding first (a checkpoint may have been padded for other TP sizes)."""
+    from ldt.models.vocab import fit_rows, is_vocab_param
+
+    if is_vocab_param(name):
+        full = fit_rows(name, full, local_shape[0] * tp)
+    return shard(name, full, tp, tp_rank, gated=gated)
+
+
 def load_full_state(module: torch.nn.Module, full: Mapping[str, torch.Tensor], tp: int,
                     tp_rank: int, rename=lambda n: n) -> None:
     """Copy a full (TP=1) state into a TP-sharded module; ``rename`` maps local -> full names."""

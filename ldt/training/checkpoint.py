@@ -131,17 +131,9 @@ def load(path: str, models, chunks, optimizer, state) -> int:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from ldt.models.sharding import is_gated
-    from ldt.models.vocab import fit_rows, is_vocab_param
+    from ldt.models.sharding import is_gated, shard_into
 
     gated = is_gated(models[0])
-
-    def shard(n, full, tp, tp_rank, local):
-        from ldt.models.sharding import shard as shard_full
-
-        if is_vocab_param(n):
-            full = fit_rows(n, full, local.shape[0] * tp)
-        return shard_full(n, full, tp, tp_rank, gated=gated)
 
     found = latest(path)
     if found is None:
@@ -171,13 +163,15 @@ def load(path: str, models, chunks, optimizer, state) -> int:
         with torch.no_grad():
             for n in names:
                 p = wanted.pop(n)
-                p.copy_(shard(n, sd["model"][n], tp, tp_rank, p))
+                p.copy_(shard_into(n, sd["model"][n], p.shape, tp, tp_rank, gated=gated))
                 if n in sd["optim"]:
                     o = sd["optim"][n]
                     optimizer.state[p] = {
                         "step": o["step"].clone(),
-                        "exp_avg": shard(n, o["exp_avg"], tp, tp_rank, p).clone(),
-                        "exp_avg_sq": shard(n, o["exp_avg_sq"], tp, tp_rank, p).clone()}
+                        "exp_avg": shard_into(n, o["exp_avg"], p.shape, tp, tp_rank,
+                                              gated=gated).clone(),
+                        "exp_avg_sq": shard_into(n, o["exp_avg_sq"], p.shape, tp, tp_rank,
+                                                 gated=gated).clone()}
     if wanted:
         raise KeyError(f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is "
                        "for another model (check model.* against the run that saved it)")
