@@ -72,7 +72,8 @@ def run_case(case: dict) -> dict:
         c = SimpleNamespace(model=model, train=TrainConfig(seed=99))
         models = build_stage_models(c, topo, state)
         chunks = topo.split.stage_chunks(state.stage)
-        checkpoint.load(case["checkpoint"], models, chunks, None, state)
+        if case["checkpoint"]:  # else: ldt's layout-invariant init
+            checkpoint.load(case["checkpoint"], models, chunks, None, state)
         out = {"stage": state.stage, "tp_rank": state.info.tp_rank,
                "gated": is_gated(models[0]),
                "shapes": {global_param_name(ch, n): tuple(p.shape)

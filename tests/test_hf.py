@@ -96,13 +96,17 @@ CASES = {  # name -> (family, cluster, kind, model overrides, check the sharding
     "llama_tp1": ("llama", _cluster([1, 1, 1, 1], "Et|t|t|tL"), "train", {}, False),
     "llama_tp2": ("llama", _cluster([2, 2], "Ett|ttL"), "train", {}, True),
     "llama_tp4": ("llama", _cluster([4], None), "train", {}, True),
+    # no checkpoint: ldt's layout-invariant init of the same SwiGLU + GQA model
+    "init_tp1": ("llama", _cluster([1, 1, 1, 1], "Et|t|t|tL"), "train", {}, None),
+    "init_tp2": ("llama", _cluster([2, 2], "Ett|ttL"), "train", {}, None),
+    "init_tp4": ("llama", _cluster([4], None), "train", {}, None),
 }
 
 
 @pytest.fixture(scope="module")
 def ran(hf):
     cases = [{"model": _model(hf, fam, **over), "cluster": cluster, "kind": kind,
-              "checkpoint": str(hf[fam][1]), "oracle": oracle}
+              "checkpoint": None if oracle is None else str(hf[fam][1]), "oracle": oracle}
              for fam, cluster, kind, over, oracle in CASES.values()]
     out = run_local_world(4, world, (cases,), timeout_s=400)
     return {name: [rank[i] for rank in out] for i, name in enumerate(CASES)}
@@ -131,11 +135,14 @@ def test_logits_equal_transformers(hf, ran, name):
 
 
 @pytest.mark.timeout(600)
-def test_tp_1_2_4_same_loss_and_grads(ran):
+@pytest.mark.parametrize("start", ["llama", "init"])
+def test_tp_1_2_4_same_loss_and_grads(ran, start):
+    """From the imported checkpoint, and from ldt's layout-invariant init."""
     from ldt.models.sharding import unshard
 
     results = {}
-    for name in ("llama_tp1", "llama_tp2", "llama_tp4"):
+    for tp in (1, 2, 4):
+        name = f"{start}_tp{tp}"
         per_rank = ran[name]
         assert all(r["gated"] for r in per_rank)
         shards = {}
@@ -144,10 +151,10 @@ def test_tp_1_2_4_same_loss_and_grads(ran):
                 shards.setdefault(n, {})[r["tp_rank"]] = g
         grads = {n: unshard(n, [s[i] for i in sorted(s)], gated=True)
                  for n, s in shards.items()}
-        results[name] = (_loss_stage_results(per_rank)["losses"], grads)
-    base_losses, base_grads = results["llama_tp1"]
+        results[tp] = (_loss_stage_results(per_rank)["losses"], grads)
+    base_losses, base_grads = results[1]
     assert len(base_losses) == 2
-    for name in ("llama_tp2", "llama_tp4"):
+    for name in (2, 4):
         losses, grads = results[name]
         assert losses == pytest.approx(base_losses, abs=1e-6), name
         assert set(grads) == set(base_grads)
@@ -158,7 +165,7 @@ def test_tp_1_2_4_same_loss_and_grads(ran):
 @pytest.mark.timeout(600)
 def test_shards_are_where_megatron_puts_them(ran):
     checked = 0
-    for name, (_, _, _, _, oracle) in CASES.items():
+    for name, (_, _, _, _, oracle) in CASES.items():  # None: no checkpoint
         if oracle:
             for r in ran[name]:
                 assert r["oracle"] == [], (name, r["stage"], r["tp_rank"], r["oracle"][:3])
