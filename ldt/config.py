@@ -81,6 +81,32 @@ class ModelConfig:
     """``float32``, ``bfloat16`` or ``float16``; also the dtype of tensors at stage boundaries."""
     tie_embeddings: bool = False
     """Share input embedding and output head (only where both sit on one stage, e.g. U-shape)."""
+    # ---- architecture (the family: GPT, Llama, Qwen2, ...), see ldt/models/build.py ----
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a position table, GPT-2) or ``rope`` (rotary: Llama, Qwen2)."""
+    rotary_base: float = 10000.0
+    """RoPE base period (Hugging Face's ``rope_theta``); only with ``rope``."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions RoPE rotates; only with ``rope``."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` or ``RMSNorm``."""
+    norm_epsilon: float = 1e-5
+    """The norms' epsilon (Hugging Face's ``rms_norm_eps``)."""
+    gated_linear_unit: bool = False
+    """Gated MLP: fc1 computes gate and up projections, fc2 takes ``act(gate) * up``."""
+    activation: str = "gelu"
+    """``gelu``, ``silu``, or ``swiglu`` (SiLU with a gate: needs gated_linear_unit=true)."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (GPT); Llama and Qwen2 have none."""
+    add_qkv_bias: bool = False
+    """Biases in the QKV projection even without add_bias_linear (Qwen2)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's rule: the vocabulary is padded to a multiple of this times the TP size of
+    every stage holding the embedding or the head (ldt.models.vocab)."""
+    transformer_impl: str = "auto"
+    """Megatron's layer implementation: ``local`` (megatron-core's own modules),
+    ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
+    installed, local elsewhere)."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
@@ -121,6 +147,21 @@ class ModelConfig:
                 f"model.max_position_embeddings={pos} < model.seq_length={seq}: the position "
                 f"embedding has no row for the later tokens; set max_position_embeddings >= "
                 f"{seq} or leave it unset")
+        for key, allowed in (("position_embedding_type", ("learned_absolute", "rope")),
+                             ("normalization", ("LayerNorm", "RMSNorm")),
+                             ("activation", ("gelu", "silu", "swiglu")),
+                             ("transformer_impl", ("auto", "local", "transformer_engine"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not supported; use "
+                                  f"one of {', '.join(allowed)}")
+        if self.activation == "swiglu" and not self.gated_linear_unit:
+            raise ConfigError("model.activation=swiglu is SiLU with a gate; set "
+                              "model.gated_linear_unit=true, or use model.activation=silu")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"model.make_vocab_size_divisible_by="
+                              f"{self.make_vocab_size_divisible_by} must be >= 1")
 
 
 @dataclass
@@ -154,6 +195,9 @@ class TrainConfig:
     """Write a checkpoint every N steps (0: never)."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
+    load: Optional[str] = None
+    """Checkpoint folder to take the weights from (e.g. ``ldt-convert``'s output for a Hugging
+    Face model), into any layout: no optimizer state, training starts at step 0."""
     comm_timeout_s: float = 60.0
     """Timeout of every process group ldt creates: a dead rank stops the others after this."""
     log_interval: int = 1

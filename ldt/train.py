@@ -90,7 +90,7 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     plain["run_dir"] = os.path.abspath(run_dir)
     # relative to where ldt-train was started, also under hydra.job.chdir=true
     for group, key in (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
-                       ("train", "resume")):
+                       ("train", "resume"), ("train", "load")):
         value = plain[group].get(key)
         if value and not (key == "tokenizer" and value == "bytes"):
             plain[group][key] = to_absolute_path(value)

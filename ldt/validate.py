@@ -36,8 +36,13 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "model.tie_embeddings=false")
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
+    from ldt.models.spec import transformer_impl
+
+    for s in topo.stages:
+        transformer_impl(model, s.device)
     if train is not None:
         _check_train(topo, to_train(train))
+        _check_checkpoint(to_train(train), model)
     return topo
 
 
@@ -57,8 +62,6 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     check_data(data, model, train, topo, rank)
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
-    if train.resume:
-        _check_resume(train.resume)
     return warnings
 
 
@@ -100,19 +103,29 @@ def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> lis
     return []
 
 
-def _check_resume(path: str) -> None:
+def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
+    """A checkpoint to resume or load from must exist, be complete and fit the model
+    (metadata only, no collective)."""
+    if train.resume and train.load:
+        raise ConfigError(f"train.resume={train.resume!r} and train.load={train.load!r} are both "
+                          "set; resume continues a run (weights, optimizer, step), load takes "
+                          "weights only: set one of them")
+    field, path = ("train.resume", train.resume) if train.resume else ("train.load", train.load)
+    if not path:
+        return
     if not os.path.exists(path):
-        raise ConfigError(f"train.resume={path!r} does not exist; give the run folder of an "
-                          "earlier run (with checkpoints/) or one of its checkpoints/step_N "
-                          "folders")
-    # torch loads only here (the checkpoint module needs it), i.e. only when resuming
-    from ldt.training.checkpoint import COMPLETE, latest
+        raise ConfigError(f"{field}={path!r} does not exist; give the run folder of an "
+                          "earlier run (with checkpoints/), one of its checkpoints/step_N "
+                          "folders or an ldt-convert output folder")
+    # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
+    from ldt.training.checkpoint import COMPLETE, check_compatible, latest
 
     if latest(path) is None:
         raise ConfigError(
-            f"train.resume={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
+            f"{field}={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
             "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
-            "mid-save; give a folder with a complete checkpoint, or drop train.resume")
+            "mid-save; give a folder with a complete checkpoint, or drop " + field)
+    check_compatible(path, model)
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
@@ -121,8 +134,7 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
         ("model.num_attention_heads", model.num_attention_heads),
         ("model.hidden_size", model.hidden_size),
         ("model.ffn_hidden_size", ffn),
-        ("model.vocab_size", model.vocab_size),
-    ]
+    ]  # the vocabulary is padded to fit every stage (ldt.models.vocab)
     if model.num_query_groups:
         dims.append(("model.num_query_groups", model.num_query_groups))
     for stage in topo.stages:

@@ -41,7 +41,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
     state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
     stage = topo.stages[state.stage]
     observers = _observers(c.train, run_dir, rank)
-    names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
+    names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
     patches.apply(names, ctx=SimpleNamespace(observers=observers))
     try:
         return _train(rank, c, topo, state, observers, run_dir)
@@ -91,6 +91,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         first_step = checkpoint.load(t.resume, models, chunks, opt, state)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
+    elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
+        checkpoint.load(t.load, models, chunks, None, state)
     data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
     forward_step = make_forward_step(c.model.seq_length)
@@ -143,7 +145,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                 row["eval_loss"] = _mean_loss(eval_losses, state)
         rows.append(row)
         if t.save_every and (step + 1) % t.save_every == 0:
-            checkpoint.save(run_dir, step, models, chunks, opt, state)
+            checkpoint.save(run_dir, step, models, chunks, opt, state, model=c.model)
         if reporter:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -190,4 +192,3 @@ def reference_config(cfg: dict) -> dict:
     ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False)
     ref["reference"] = True
     return ref
-
