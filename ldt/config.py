@@ -111,6 +111,12 @@ class TrainConfig:
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
+    boundary_noise: float = 0.0
+    """Privacy defence, off by default (0). Data-owning stages (the U-shape's edge) add Gaussian
+    noise to every tensor they send across a stage boundary (activations to the cloud, gradients
+    back at the wraparound); its standard deviation is this many times the RMS of the tensor
+    sent (one message: seq x micro-batch x hidden values), so 1.0 means noise as strong as the
+    signal. ``ldt-audit`` measures what it buys and costs (docs/privacy.md)."""
 
 
 @dataclass
