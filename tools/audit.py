@@ -30,9 +30,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the report here (default: OUT/audit.json)")
     p.add_argument("--steps", type=int, help="training steps of each victim run "
                    "(default: train.steps)")
-    p.add_argument("--noise", default="0.5,1,2",
+    p.add_argument("--noise", default="1,2,4",
                    help="train.boundary_noise settings to measure besides 0, comma-separated "
-                   "('' for none; default 0.5,1,2)")
+                   "('' for none; default 1,2,4)")
     p.add_argument("--checkpoint", help="start the runs from this checkpoint (the weights the "
                    "cloud knows): a run folder with checkpoints/ or a checkpoints/step_N folder")
     p.add_argument("--cloud-text", help="the cloud's own text (default: the Python standard "

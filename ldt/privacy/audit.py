@@ -37,7 +37,7 @@ class AuditOptions:
     out: str = "outputs/audit"
     steps: Optional[int] = None
     """Training steps of each victim run (default: train.steps)."""
-    noise_levels: tuple = (0.5, 1.0, 2.0)
+    noise_levels: tuple = (1.0, 2.0, 4.0)
     """train.boundary_noise settings to measure besides 0."""
     checkpoint: Optional[str] = None
     """Start every run but ``shadow_unknown`` from this checkpoint (a run folder or step)."""
@@ -217,18 +217,23 @@ def format_report(report: dict) -> str:
                      f"{r['first_step']:>6.3f} {r['last_step']:>6.3f} {r['chance']:>6.3f}")
     lines.append("")
     head = (f"{'train.boundary_noise':>20} {'final loss':>10} {'eval loss':>9} "
-            f"{'best input recovery':>19} {'best label recovery':>19} {'chance':>6}")
-    lines += ["the defence's trade-off (loss: mean of the last 5 steps; eval: held-out data):",
+            f"{'input: all / first step':>23} {'label: all / first step':>23} {'chance':>6}")
+    lines += ["the defence's trade-off (loss: mean of the last 5 steps; eval: held-out data; "
+              "recovery: the best attack's, over all steps and in the first step alone):",
               head, "-" * len(head)]
     for loss in report["losses"]:
         ours = [r for r in report["rows"] if r["run"] == loss["run"]
                 and r["tensor"].startswith("0->") and r["metric"] == "accuracy"]
-        best_in = max((r["recovery"] for r in ours if r["attack"].startswith("input")),
-                      default=float("nan"))
-        best_label = max((r["recovery"] for r in ours if r["attack"].startswith("label")),
-                         default=float("nan"))
+
+        def best(what: str) -> str:
+            mine = [r for r in ours if r["attack"].startswith(what)]
+            if not mine:
+                return "-"
+            return (f"{max(r['recovery'] for r in mine):.3f} / "
+                    f"{max(r['first_step'] for r in mine):.3f}")
+
         ev, chance = loss["eval_loss"], max((r["chance"] for r in ours), default=float("nan"))
         lines.append(f"{loss['boundary_noise']:>20g} {loss['final_loss_last5']:>10.4f} "
-                     f"{ev if ev is None else format(ev, '.4f'):>9} {best_in:>19.3f} "
-                     f"{best_label:>19.3f} {chance:>6.3f}")
+                     f"{ev if ev is None else format(ev, '.4f'):>9} {best('input'):>23} "
+                     f"{best('label'):>23} {chance:>6.3f}")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ nothing leaves the machine.
 
 from __future__ import annotations
 
+import copy
 import glob
 import math
 import os
@@ -49,7 +50,7 @@ def plan_runs(cfg: dict, out: str, *, steps: int, noise_levels, cloud_text: str,
     shadow_steps = max(1, math.ceil(shadow_tokens / tokens_per_step))
 
     def variant(name: str, *, data_path=None, resume=checkpoint, n=steps, **train_changes) -> Run:
-        c = _copy(cfg)
+        c = copy.deepcopy(cfg)
         c["train"].update(steps=first + n if resume else n, resume=resume, verify=False,
                           audit_comm=False, save_every=0, check_finite=None, eval_every=0,
                           boundary_noise=0.0)
@@ -83,12 +84,6 @@ def _first_step(checkpoint: Optional[str]) -> int:
     return int(open(os.path.join(found, "COMPLETE")).read().strip()) + 1
 
 
-def _copy(cfg: dict) -> dict:
-    import copy
-
-    return copy.deepcopy(cfg)
-
-
 def audit_worker(rank: int, world: int, runs: list[Run]) -> list[Optional[dict]]:
     """One rank of the audit's world: every run in turn, each captured at its boundaries."""
     from ldt.training.loop import train_worker
@@ -115,7 +110,7 @@ def default_cloud_files() -> list[str]:
     the same language as the default edge corpus (the top-level ``*.py``, see
     :mod:`ldt.data.bytes`) but not one file of it. Test suites are left out."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    skip = ("site-packages", "dist-packages", "test", "idle_test")
+    skip = ("site-packages", "dist-packages", "test", "tests", "idle_test")
     return sorted(f for f in glob.glob(os.path.join(stdlib, "*", "**", "*.py"), recursive=True)
                   if not any(part in skip for part in os.path.relpath(f, stdlib).split(os.sep)))
 
@@ -126,7 +121,7 @@ def write_cloud_text(path: str, max_bytes: int) -> str:
     edge = set(default_corpus_files())
     parts, total = [], 0
     for name in default_cloud_files():
-        if name in edge:
+        if name in edge:  # a guard: sub-package files are never top-level ones
             continue
         with open(name, "rb") as f:
             parts.append(f.read(max_bytes - total))
