@@ -51,14 +51,18 @@ class AuditOptions:
 
 
 def audit(opts: AuditOptions, log=print) -> dict:
-    from ldt.train import load
+    from ldt.config import ConfigError
+    from ldt.hydra_app import compose
+    from ldt.train import prepare
 
-    cfg, topo = load(opts.overrides)
+    cfg, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
     if not topo.u_shape:
-        from ldt.config import ConfigError
-
         raise ConfigError("ldt-audit measures what the cloud of a U-shape learns; the cluster "
                           "has cluster.u_shape=false: use a U-shape cluster (e.g. cpu_demo)")
+    if cfg["data"].get("blend") is not None:
+        raise ConfigError("ldt-audit reads the edge's true tokens from byte data (data.path or "
+                          "the built-in corpus); data.blend (indexed datasets) is not supported "
+                          "yet: audit with data.path=<a text file of the same kind>")
     os.makedirs(opts.out, exist_ok=True)
     cloud_text = opts.cloud_text or R.write_cloud_text(
         os.path.join(opts.out, "cloud_text.txt"), opts.cloud_text_bytes)
@@ -86,6 +90,7 @@ def audit(opts: AuditOptions, log=print) -> dict:
                    "seed": cfg["train"]["seed"], "layout": topo.split.to_layout_string(),
                    "model": cfg["model"]["name"]},
         "crossed": crossed(by_name["victim"].run_dir),
+        "other_messages": other_messages(by_name["victim"].run_dir),
         "capture_equals_sent": {r.name: R.same_on_both_sides(r, topo.num_stages)
                                 for r in victims},
         "losses": [loss_row(r, summaries[r.name]) for r in victims],
@@ -198,12 +203,37 @@ def crossed(run_dir: str) -> list[dict]:
     return sorted(out, key=lambda e: (e["direction"], e["src_stage"]))
 
 
+def other_messages(run_dir: str) -> list[dict]:
+    """What else the edge took part in across a boundary, from the communication audit's
+    message tap (``comm_audit_messages.jsonl``): e.g. the gradient-norm all-reduce."""
+    path = os.path.join(run_dir, "comm_audit_messages.jsonl")
+    if not os.path.exists(path):
+        return []
+    seen: dict[str, dict] = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") != "message" or r.get("stage") != 0 or not r.get("crosses_boundary"):
+                continue
+            payload = [f"{t['dtype']} {t['shape']}" for t in r.get("tensors", [])] + \
+                [f"object {o}" for o in r.get("objects", [])]
+            entry = seen.setdefault(f"{r['site']} {r['op']} {payload}", {
+                "site": r["site"], "op": r["op"], "stages": r["group_stages"],
+                "payload": payload, "messages": 0, "steps": set()})
+            entry["messages"] += 1
+            entry["steps"].add(r["step"])
+    return [{**e, "steps": len(e["steps"])} for e in seen.values()]
+
+
 def format_report(report: dict) -> str:
     lines = ["what crossed per step (train.audit_comm of the victim run):"]
     for c in report["crossed"]:
         who = "edge" if c["src_stage"] == 0 else f"stage {c['src_stage']}"
         lines.append(f"  {c['src_stage']}->{c['dst_stage']} {c['direction']:<10} {who:<8} "
                      f"{c['dtype']} {c['shape']}  x{c['messages_per_step']}")
+    for m in report.get("other_messages", []):
+        lines.append(f"  and {m['op']} over stages {m['stages']} ({m['site']}): "
+                     f"{', '.join(m['payload'])}, {m['messages']} in {m['steps']} steps")
     same = [ok for run in report["capture_equals_sent"].values() for ok in run.values()]
     lines.append(f"the cloud's capture equals what the edge sent, bit for bit: "
                  f"{sum(same)} of {len(same)} channels x runs")

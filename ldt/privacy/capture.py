@@ -42,6 +42,12 @@ class BoundaryCapture:
         if self.recvs:
             self._write(f"recv_{src}-{dst}_{direction}", tensor)
 
+    def close(self) -> None:
+        for data, index in self._files.values():
+            data.close()
+            index.close()
+        self._files = {}
+
     def _write(self, channel: str, tensor: torch.Tensor) -> None:
         if channel not in self._files:
             path = os.path.join(self.folder, channel)

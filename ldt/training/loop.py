@@ -50,6 +50,8 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     try:
         return _train(rank, c, topo, state, observers, run_dir)
     finally:
+        for obs in observers:  # the audit's message tap unwraps torch.distributed
+            getattr(obs, "close", lambda: None)()
         patches.revert(names)
         ldt.destroy_vtp()
 
@@ -76,7 +78,7 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
 def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ldt.data.bytes import TextData
+    from ldt.data import build_training_data
     from ldt.privacy.defence import send_transforms
     from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
     from ldt.schedule.forward_backward import run_step
@@ -94,14 +96,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         first_step = checkpoint.load(t.resume, models, chunks, opt, state)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
-    data = None
-    if state.stage in topo.data_stages():
-        data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
-                        dp_rank=state.info.dp_rank, dp=topo.dp, seed=t.seed,
-                        max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
+    data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    if rank == 0 and not c.reference:
-        print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
