@@ -204,6 +204,12 @@ class TrainConfig:
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
+    boundary_noise: float = 0.0
+    """Privacy defence, off by default (0). Data-owning stages (the U-shape's edge) add Gaussian
+    noise to every tensor they send across a stage boundary (activations to the cloud, gradients
+    back at the wraparound); its standard deviation is this many times the RMS of the tensor
+    sent (one message: seq x micro-batch x hidden values), so 1.0 means noise as strong as the
+    signal. ``ldt-audit`` measures what it buys and costs (docs/privacy.md)."""
 
     def __post_init__(self) -> None:
         _at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
@@ -214,6 +220,7 @@ class TrainConfig:
         _at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
         _at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
         _at_least("train", self, "log_interval", 1, "1 reports every step")
+        _at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
                                                  and self.comm_timeout_s > 0):
             raise ConfigError(

@@ -166,6 +166,14 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(f"train.num_microbatches={train.num_microbatches} must be >= 1")
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0: no evaluation)")
+    if train.boundary_noise > 0 and train.verify:
+        raise ConfigError(
+            f"train.verify=true with train.boundary_noise={train.boundary_noise}: the noise makes "
+            "the run differ from the single-process reference on purpose; set one of them off")
+    if train.boundary_noise > 0 and not (topo.u_shape or train.runtime == "ldt"):
+        raise ConfigError(
+            f"train.boundary_noise={train.boundary_noise} is applied by ldt's runtime; use "
+            "cluster.u_shape=true or train.runtime=ldt (megatron's own 1F1B does not apply it)")
     if train.schedule not in ("auto", "1f1b", "interleaved"):
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,8 +29,10 @@ def parse(cfg: dict) -> SimpleNamespace:
                            reference=bool(cfg.get("reference", False)))
 
 
-def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dict]:
-    """Train on this rank; the loss stage's leader of replica 0 returns the summary."""
+def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
+                 observe: Optional[Callable] = None) -> Optional[dict]:
+    """Train on this rank; the loss stage's leader of replica 0 returns the summary.
+    ``observe(rank, topo, run_dir)`` (module-level) adds boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
     from ldt.validate import validate
@@ -41,6 +43,8 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
     state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
     stage = topo.stages[state.stage]
     observers = _observers(c.train, run_dir, rank)
+    if observe is not None:
+        observers += observe(rank, topo, run_dir)
     names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
     patches.apply(names, ctx=SimpleNamespace(observers=observers))
     try:
@@ -75,6 +79,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.data import build_training_data
+    from ldt.privacy.defence import send_transforms
     from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
     from ldt.schedule.forward_backward import run_step
 
@@ -100,6 +105,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
     bar = progress_bar(t.steps - first_step, reporter)
+    transforms = send_transforms(t, topo, state.stage)  # once per run: one noise stream
 
     def pipeline_pass(make_iterator, forward_only: bool = False):
         """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
@@ -107,7 +113,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         if ldt_runtime:
             from ldt.p2p import VtpCommunicator
 
-            comm = VtpCommunicator(models[0].config, state, observers)
+            comm = VtpCommunicator(models[0].config, state, observers, transforms)
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
