@@ -160,7 +160,7 @@ class VtpCommunicator(P2PCommunicator):
     """Megatron's P2PCommunicator with VTP stage boundaries underneath."""
 
     def __init__(self, config, state: Optional[VtpState] = None,
-                 observers: Optional[list[BoundaryObserver]] = None):
+                 observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
         # Not calling super().__init__: it derives next/prev ranks from pp_group's members,
         # and a VTP pipeline "group" has none; the attributes the schedules read are set here.
         state = state or get_vtp_state()
@@ -175,6 +175,9 @@ class VtpCommunicator(P2PCommunicator):
         self.prev_rank = topo.leader(self.prev_stage, state.info.dp_rank)
         self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
         self.observers = list(observers or [])
+        # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
+        # observers and the peer see what actually crossed (e.g. ldt.privacy.defence's noise)
+        self.send_transforms = list(send_transforms or [])
 
     # ---- the one hook megatron's public methods call ---------------------------------------
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
@@ -208,6 +211,8 @@ class VtpCommunicator(P2PCommunicator):
         src, dst = self.state.stage, peer_stage
         plan, group = self._boundary(src, dst, direction)
         payload = tensor.detach()
+        for transform in self.send_transforms:
+            payload = transform(payload, src, dst, direction)
         if plan.host_staged:
             payload = payload.to("cpu", copy=True)
         payload = payload.contiguous()

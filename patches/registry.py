@@ -67,6 +67,7 @@ _PATCH_MODULES = (
     "ldt.patches.cpu_shims",
     "ldt.patches.schedules",
     "ldt.patches.cuda_to_cpu",
+    "ldt.patches.rope_cpu",
 )
 
 

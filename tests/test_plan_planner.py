@@ -113,7 +113,7 @@ def _edge_link(latency_ms: float):
 
 
 def test_planner_picks_prefetch_from_the_edge_link_latency():
-    """A one-way latency of ~2 edge forwards on the edge's links (the edge's forward is ~57 ms
+    """A one-way latency of ~2 edge forwards on the edge's links (the edge's forward is ~67 ms
     for llama_7b on edge_cloud): the planner picks a deeper prefetch than without latency, the
     simulator prices it well below the plain U-shape, the latency costs only the pipeline's fill
     and drain (4 slow crossings), and the YAML tells ldt-train the depth."""
@@ -135,3 +135,7 @@ def test_planner_picks_prefetch_from_the_edge_link_latency():
     assert choose_prefetch(plain, cost).plan.prefetch == depth
     header = cluster_yaml(slow.best, slow_inventory, model.name, 1).splitlines()[1]
     assert f"train.prefetch={depth}" in header
+    from omegaconf import OmegaConf
+
+    from ldt.plan import train_yaml
+    assert OmegaConf.create(train_yaml(slow.best, model.name, 1, "slow")).prefetch == depth

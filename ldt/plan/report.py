@@ -48,6 +48,21 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     return "\n".join(head) + "\n" + body
 
 
+def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str) -> str:
+    """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
+    ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned."""
+    p = ev.plan
+    settings = {"defaults": ["default"], "num_microbatches": p.num_microbatches,
+                "micro_batch_size": micro_batch_size}
+    if p.prefetch:  # the U-shape's prefetch depth it was priced with
+        settings["prefetch"] = p.prefetch
+    body = OmegaConf.to_yaml(OmegaConf.create(settings))
+    return (f"# Planned by ldt-plan for model {model_name} with cluster={cluster_name}: global "
+            f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
+            f"{p.num_microbatches} micro-batches x {micro_batch_size}"
+            + (f", prefetch {p.prefetch}" if p.prefetch else "") + ".\n" + body)
+
+
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
     return [{
         "stage": s.index, "name": s.name, "kind": s.kind, "device": s.device, "tp": s.tp,

@@ -74,11 +74,25 @@ def unavailable() -> Optional[str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"iproute2's `{tool}` is not installed"
+    # What a harness needs, tried in a throw-away namespace (deleting it deletes the pair):
+    # a namespace, a veth pair, a tbf qdisc. Any failure is a reason to skip, not an error.
     probe = f"{PREFIX}-{os.getpid()}-probe"
-    proc = _run(["ip", "netns", "add", probe], check=False)
-    if proc.returncode != 0:
-        return f"`ip netns add` failed: {proc.stderr.strip()}"
-    _run(["ip", "netns", "del", probe], check=False)
+    steps = (["ip", "netns", "add", probe],
+             ["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"],
+             ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "p0", "root", "tbf",
+              "rate", "100mbit", "burst", "32kbit", "latency", "400ms"])
+    try:
+        for argv in steps:
+            proc = _run(argv, check=False)
+            if proc.returncode != 0:
+                return f"`{' '.join(argv[:4])} ...` failed: {proc.stderr.strip()}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"`ip netns` probe failed: {exc}"
+    finally:
+        try:
+            _run(["ip", "netns", "del", probe], check=False)
+        except (OSError, subprocess.SubprocessError):
+            pass
     return None
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -29,8 +29,10 @@ def parse(cfg: dict) -> SimpleNamespace:
                            reference=bool(cfg.get("reference", False)))
 
 
-def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dict]:
-    """Train on this rank; the loss stage's leader of replica 0 returns the summary."""
+def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
+                 observe: Optional[Callable] = None) -> Optional[dict]:
+    """Train on this rank; the loss stage's leader of replica 0 returns the summary.
+    ``observe(rank, topo, run_dir)`` (module-level) adds boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
     from ldt.validate import validate
@@ -41,11 +43,15 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str) -> Optional[dic
     state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
     stage = topo.stages[state.stage]
     observers = _observers(c.train, run_dir, rank)
-    names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
+    if observe is not None:
+        observers += observe(rank, topo, run_dir)
+    names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
     patches.apply(names, ctx=SimpleNamespace(observers=observers))
     try:
         return _train(rank, c, topo, state, observers, run_dir)
     finally:
+        for obs in observers:  # the audit's message tap unwraps torch.distributed
+            getattr(obs, "close", lambda: None)()
         patches.revert(names)
         ldt.destroy_vtp()
 
@@ -72,7 +78,8 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
 def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ldt.data.bytes import TextData
+    from ldt.data import build_training_data
+    from ldt.privacy.defence import send_transforms
     from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
     from ldt.schedule.forward_backward import run_step
 
@@ -89,19 +96,16 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         first_step = checkpoint.load(t.resume, models, chunks, opt, state)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
-    data = None
-    if state.stage in topo.data_stages():
-        data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
-                        dp_rank=state.info.dp_rank, dp=topo.dp, seed=t.seed,
-                        max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
+    elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
+        checkpoint.load(t.load, models, chunks, None, state)
+    data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    if rank == 0 and not c.reference:
-        print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
     bar = progress_bar(t.steps - first_step, reporter)
+    transforms = send_transforms(t, topo, state.stage)  # once per run: one noise stream
 
     def pipeline_pass(make_iterator, forward_only: bool = False):
         """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
@@ -109,7 +113,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         if ldt_runtime:
             from ldt.p2p import VtpCommunicator
 
-            comm = VtpCommunicator(models[0].config, state, observers)
+            comm = VtpCommunicator(models[0].config, state, observers, transforms)
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
@@ -147,7 +151,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                 row["eval_loss"] = _mean_loss(eval_losses, state)
         rows.append(row)
         if t.save_every and (step + 1) % t.save_every == 0:
-            checkpoint.save(run_dir, step, models, chunks, opt, state)
+            checkpoint.save(run_dir, step, models, chunks, opt, state, model=c.model)
         if reporter:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
@@ -194,4 +198,3 @@ def reference_config(cfg: dict) -> dict:
     ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False, prefetch=0)
     ref["reference"] = True
     return ref
-
