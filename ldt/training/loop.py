@@ -73,7 +73,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.data.bytes import TextData
-    from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
+    from ldt.training.optim import (allreduce_dp_grads, allreduce_tied_grads, clip_grads,
+                                    global_grad_norm, lr_lambda)
     from ldt.schedule.forward_backward import run_step
 
     from ldt.training import checkpoint
@@ -131,6 +132,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
         allreduce_dp_grads(params, state)
+        allreduce_tied_grads(models, state)
         norm = global_grad_norm(params, state)
         clip_grads(params, t.clip_grad, norm)
         lr = sched.get_last_lr()[0]
