@@ -46,13 +46,15 @@ def model_provider(pp: int, seed: int) -> GPTModel:
 
 def batches(num_microbatches: int, step: int):
     g = torch.Generator().manual_seed(1000 + step)
+    device = torch.device("cuda")
     for _ in range(num_microbatches):
         tokens = torch.randint(0, VOCAB, (MBS, SEQ + 1), generator=g)
         mask = torch.ones(MBS, SEQ)
         mask[:, -3:] = 0.0
-        yield {"tokens": tokens[:, :-1].cuda(), "labels": tokens[:, 1:].cuda(),
-               "loss_mask": mask.cuda(), "position_ids": torch.arange(SEQ).repeat(MBS, 1).cuda(),
-               "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1).cuda()}
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+                 "position_ids": torch.arange(SEQ).repeat(MBS, 1),
+                 "attention_mask": torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)}
+        yield {k: v.to(device) for k, v in batch.items()}
 
 
 def loss_func(loss_mask, output_tensor):
@@ -126,7 +128,7 @@ def main() -> None:
     fresh.load_state_dict(dist_checkpointing.load(fresh.sharded_state_dict(), args.ckpt))
     trained = dict(gpt.named_parameters())
     record["ckpt_max_diff"] = max(
-        float((p - trained[n]).abs().max()) for n, p in fresh.named_parameters())
+        float((p - trained[n]).detach().abs().max()) for n, p in fresh.named_parameters())
     record["ckpt_params"] = len(trained)
     with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
         json.dump(record, f)
