@@ -10,7 +10,8 @@ Checks that need only one config group live in ``__post_init__``; checks that ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, List, Optional
 
 from omegaconf import MISSING, OmegaConf
@@ -20,6 +21,21 @@ DEVICE_TYPES = ("cuda", "npu", "cpu")
 
 class ConfigError(ValueError):
     """A config that cannot work. The message names the field, the value and the fix."""
+
+
+def _given(*values: Any) -> bool:
+    """True when no value is still MISSING ('???'): a bare schema instance is not checked."""
+    return all(v != MISSING for v in values)
+
+
+def _at_least(group: str, obj: Any, name: str, low: float, fix: str) -> None:
+    """Refuse ``group.name`` below ``low`` (or not a finite number)."""
+    value = getattr(obj, name)
+    if not _given(value) or value is None:
+        return
+    if not math.isfinite(value) or value < low:
+        finite = "" if isinstance(value, int) else "a finite number "
+        raise ConfigError(f"{group}.{name}={value} must be {finite}>= {low:g}; {fix}")
 
 
 @dataclass
@@ -73,6 +89,39 @@ class ModelConfig:
                 f"model.params_dtype={self.params_dtype!r} is not supported; "
                 "use float32, bfloat16 or float16"
             )
+        for name, what in (("num_layers", "the number of decoder layers"),
+                           ("hidden_size", "the model width"),
+                           ("num_attention_heads", "the number of attention heads"),
+                           ("vocab_size", "the vocabulary size"),
+                           ("seq_length", "the tokens per sample"),
+                           ("ffn_hidden_size", "the MLP width, or leave it unset (4 * hidden)"),
+                           ("num_query_groups", "the GQA groups, or leave it unset (MHA)"),
+                           ("max_position_embeddings", "a value >= seq_length, or leave it unset")):
+            _at_least("model", self, name, 1, f"set model.{name} to {what}")
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        # Megatron-LM's rule (megatron-core would silently use hidden_size // heads): without
+        # kv_channels, the head size is hidden_size / num_attention_heads and must be whole.
+        if _given(heads, hidden) and getattr(self, "kv_channels", None) is None and hidden % heads:
+            near = sorted({hidden - hidden % heads, hidden - hidden % heads + heads} - {0})
+            divisors = [d for d in range(1, 129) if hidden % d == 0 and hidden // d >= 8]
+            raise ConfigError(
+                f"model.hidden_size={hidden} is not a multiple of model.num_attention_heads="
+                f"{heads}: megatron's head size is hidden_size / num_attention_heads "
+                f"(kv_channels), which must be whole; use model.hidden_size="
+                f"{' or '.join(map(str, near))}, "
+                f"or model.num_attention_heads in {divisors[-6:]} (a divisor of {hidden})")
+        groups = self.num_query_groups
+        if _given(heads, groups) and groups is not None and heads % groups:
+            raise ConfigError(
+                f"model.num_query_groups={groups} does not divide model.num_attention_heads="
+                f"{heads} (each group serves heads / groups query heads); use a divisor of "
+                f"{heads}, or leave num_query_groups unset for plain multi-head attention")
+        seq, pos = self.seq_length, self.max_position_embeddings
+        if _given(seq, pos) and pos is not None and pos < seq:
+            raise ConfigError(
+                f"model.max_position_embeddings={pos} < model.seq_length={seq}: the position "
+                f"embedding has no row for the later tokens; set max_position_embeddings >= "
+                f"{seq} or leave it unset")
 
 
 @dataclass
@@ -113,6 +162,27 @@ class TrainConfig:
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
 
+    def __post_init__(self) -> None:
+        _at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
+        _at_least("train", self, "lr", 0, "a typical value is 1e-4 to 1e-3")
+        _at_least("train", self, "min_lr", 0, "the cosine decay ends at min_lr (0 is allowed)")
+        _at_least("train", self, "warmup_steps", 0, "0 starts at the full learning rate")
+        _at_least("train", self, "weight_decay", 0, "0 disables weight decay")
+        _at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
+        _at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
+        _at_least("train", self, "log_interval", 1, "1 reports every step")
+        if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
+                                                 and self.comm_timeout_s > 0):
+            raise ConfigError(
+                f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
+                "> 0 (a dead rank stops the others after this long); e.g. 60")
+        if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
+                f"down to min_lr; set train.min_lr <= {self.lr}")
+        if _given(self.seed) and not 0 <= self.seed < 2**32:
+            raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
+
 
 @dataclass
 class DataConfig:
@@ -120,6 +190,9 @@ class DataConfig:
     """A text file to train on; None uses a corpus every machine has (Python's own sources)."""
     max_bytes: int = 4_000_000
     """Read at most this many bytes of the corpus."""
+
+    def __post_init__(self) -> None:
+        _at_least("data", self, "max_bytes", 1, "it caps how much of the corpus is read")
 
 
 @dataclass
@@ -156,6 +229,18 @@ def to_model(obj: Any) -> ModelConfig:
     return _typed(ModelConfig, obj, "model")
 
 
+def to_train(obj: Any) -> TrainConfig:
+    if isinstance(obj, TrainConfig):
+        return obj
+    return _typed(TrainConfig, obj, "train")
+
+
+def to_data(obj: Any) -> DataConfig:
+    if isinstance(obj, DataConfig):
+        return obj
+    return _typed(DataConfig, obj if obj is not None else {}, "data")
+
+
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
     return to_cluster(OmegaConf.load(path))
@@ -174,8 +259,21 @@ def _typed(schema: type, obj: Any, group: str) -> Any:
     """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
     from omegaconf.errors import OmegaConfBaseException
 
+    import difflib
+
+    from omegaconf.errors import ConfigKeyError
+
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _plain(obj)))
+    except ConfigKeyError as exc:  # a key the schema does not have (e.g. +train.typo=1)
+        owner = exc.object_type if isinstance(exc.object_type, type) else schema
+        key = exc.full_key if owner is schema else f"stages[i].{exc.key}"
+        names = [f.name for f in fields(owner)]
+        close = difflib.get_close_matches(str(exc.key), names, n=1)
+        hint = f", or did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
+        raise ConfigError(
+            f"{group}.{key} is not a field of {group} ({owner.__name__}); remove it{hint} "
+            "(all fields: ldt/config.py or `ldt-train --cfg job`)") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(

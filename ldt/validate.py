@@ -7,9 +7,11 @@ fix, never later as a hang inside a collective. :func:`validate` returns the val
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
-from ldt.config import ConfigError, ModelConfig, TrainConfig, to_model
+from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_data, to_model,
+                        to_train)
 from ldt.device import check_devices_present
 from ldt.topology import Topology
 
@@ -29,8 +31,78 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
     if train is not None:
-        _check_train(topo, train)
+        _check_train(topo, to_train(train))
     return topo
+
+
+def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) -> list[str]:
+    """Refuse a data file or a resume folder that cannot work; return warnings to print.
+
+    Checked where they are read: the data file on the ranks of data stages (the cloud stages
+    of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all.
+    Relative paths are taken from the working directory, as the workers will.
+    """
+    data, model, train = to_data(data), to_model(model), to_train(train)
+    warnings = []
+    stage = topo.rank_info(rank).stage if rank is not None and rank < topo.world_size else None
+    if stage is None or stage in topo.data_stages():
+        warnings += _check_data(data, model, train)
+    if train.resume:
+        _check_resume(train.resume)
+    return warnings
+
+
+def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> list[str]:
+    from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
+
+    if model.vocab_size < 256:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} cannot hold byte tokens (0..255), which is "
+            "what ldt's data is; set model.vocab_size >= 256")
+    path, what = data.path, f"data.path={data.path!r}"
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"{what} is not a file; give a text file, or leave data.path unset "
+                          "for the built-in corpus")
+    head = b""
+    if path:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096)
+        except OSError as exc:
+            raise ConfigError(f"{what} cannot be read ({exc.strerror}); check its permissions "
+                              "or give another file") from None
+    size = corpus_size(path, data.max_bytes)
+    source = what if path else "the built-in corpus (data.path unset)"
+    if size == 0:
+        raise ConfigError(f"{source} is empty (0 bytes); give a text file with at least "
+                          f"{min_corpus_bytes(model.seq_length, train.micro_batch_size)} bytes")
+    if min(split_windows(size, model.seq_length)) < train.micro_batch_size:
+        need = min_corpus_bytes(model.seq_length, train.micro_batch_size)
+        capped = f" (data.max_bytes={data.max_bytes})" if size == data.max_bytes else ""
+        raise ConfigError(
+            f"{source} gives {size} bytes{capped}, too few for one micro-batch of "
+            f"train.micro_batch_size={train.micro_batch_size} sequences of model.seq_length="
+            f"{model.seq_length} in training and in the held-out 1/20: it needs >= {need} bytes; "
+            "use a larger file (or data.max_bytes), or a smaller seq_length / micro_batch_size")
+    if b"\0" in head:
+        return [f"{what} looks binary (NUL bytes in its first 4 KiB); ldt trains on its raw "
+                "bytes as tokens, which is only meaningful for text"]
+    return []
+
+
+def _check_resume(path: str) -> None:
+    if not os.path.exists(path):
+        raise ConfigError(f"train.resume={path!r} does not exist; give the run folder of an "
+                          "earlier run (with checkpoints/) or one of its checkpoints/step_N "
+                          "folders")
+    # torch loads only here (the checkpoint module needs it), i.e. only when resuming
+    from ldt.training.checkpoint import COMPLETE, latest
+
+    if latest(path) is None:
+        raise ConfigError(
+            f"train.resume={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
+            "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
+            "mid-save; give a folder with a complete checkpoint, or drop train.resume")
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:

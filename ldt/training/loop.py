@@ -96,8 +96,6 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                         dp_rank=state.info.dp_rank, dp=topo.dp, seed=t.seed,
                         max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    if rank == 0 and not c.reference:
-        print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
