@@ -85,7 +85,8 @@ class ModelConfig:
     params_dtype: str = "float32"
     """``float32``, ``bfloat16`` or ``float16``; also the dtype of tensors at stage boundaries."""
     tie_embeddings: bool = False
-    """Share input embedding and output head (only where both sit on one stage, e.g. U-shape)."""
+    """Share input embedding and output head. On different stages (plain pipeline) the last
+    stage keeps a copy that megatron's embedding group keeps equal, across TP sizes."""
     # ---- architecture (the family: GPT, Llama, Qwen2, ...), see ldt/models/build.py ----
     position_embedding_type: str = "learned_absolute"
     """``learned_absolute`` (a position table, GPT-2) or ``rope`` (rotary: Llama, Qwen2)."""

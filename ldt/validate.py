@@ -28,12 +28,6 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             f"launch {topo.world_size} processes or change cluster.stages[*].tp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
-    if model.tie_embeddings and not (topo.u_shape or topo.num_stages == 1):
-        raise ConfigError(
-            "model.tie_embeddings=true needs the embedding and the head on one stage; with "
-            f"{topo.num_stages} stages and cluster.u_shape=false they are on stages 0 and "
-            f"{topo.num_stages - 1}. Use cluster.u_shape=true (the edge holds both) or set "
-            "model.tie_embeddings=false")
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
     from ldt.models.spec import transformer_impl

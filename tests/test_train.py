@@ -61,10 +61,12 @@ def test_default_job_trains_and_reports(tmp_path):
     ["cluster=cpu_vtp", "train.eval_every=2"],
     ["cluster=cpu_demo", "train.audit_comm=true"],
     ["cluster=cpu_demo", "model.tie_embeddings=true", "train.eval_every=2"],
+    ["cluster=cpu_vtp", "model.tie_embeddings=true"],
     ["cluster=cpu_uniform", "cluster.dp=2"],
     ["cluster=cpu_vtp", "train.schedule=interleaved", "cluster.layout=Et|t|t|t|t|tL",
      "train.num_microbatches=6", "train.overlap_p2p_comm=true"],
-], ids=["cpu_vtp", "cpu_demo_audit", "cpu_demo_tied", "dp2", "interleaved_overlap"])
+], ids=["cpu_vtp", "cpu_demo_audit", "cpu_demo_tied", "cpu_vtp_tied_across_stages", "dp2",
+        "interleaved_overlap"])
 def test_verify_matches_single_process_reference(tmp_path, overrides):
     summary, _ = ldt_train(tmp_path, "train.steps=5", "train.verify=true", *overrides)
     assert summary["parity_max_abs_diff"] < PARITY, summary

@@ -32,8 +32,6 @@ CASES = {
                        ["cluster.stages[0].device='cuda'", "this machine has only ['cpu']"]),
     "dp_zero": (["cluster.dp=0"], {}, ["cluster.dp=0 must be >= 1"]),
     "typo_key": (["+cluster.stages.0.devise=cpu"], {}, ["devise"]),
-    "tie_across_stages": (["cluster=cpu_vtp", "model.tie_embeddings=true"], {},
-                          ["model.tie_embeddings=true", "stages 0 and 2", "u_shape=true"]),
     "interleaved_one_chunk": (["cluster=cpu_vtp", "train.schedule=interleaved"], {},
                               ["train.schedule=interleaved needs several chunks per stage",
                                "k * 3 segments", "Et|t|t|t|t|tL"]),

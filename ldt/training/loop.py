@@ -80,7 +80,8 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
 
     from ldt.data import build_training_data
     from ldt.privacy.defence import send_transforms
-    from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
+    from ldt.training.optim import (allreduce_dp_grads, allreduce_tied_grads, clip_grads,
+                                    global_grad_norm, lr_lambda)
     from ldt.schedule.forward_backward import run_step
 
     from ldt.training import checkpoint
@@ -135,6 +136,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
         allreduce_dp_grads(params, state)
+        allreduce_tied_grads(models, state)
         norm = global_grad_norm(params, state)
         clip_grads(params, t.clip_grad, norm)
         lr = sched.get_last_lr()[0]
