@@ -61,6 +61,11 @@ class ClusterConfig:
     host_staging: str = "auto"
     """Boundary transport: ``auto`` (host-staged gloo only where device types differ) or
     ``always`` (force copy-to-host + gloo on every boundary; used to test that path on CPU)."""
+    link_delay_ms: Any = 0.0
+    """Emulated one-way link delay, a measurement tool (off: 0): a number for every stage
+    boundary, or a list with one number per boundary ``i -> i+1`` in pipeline order (the last,
+    ``P-1 -> 0``, is the U-shape's return path). Every message crossing a boundary, either way,
+    is delivered no earlier than that long after it could have been; see docs/network.md."""
 
 
 @dataclass
@@ -180,6 +185,10 @@ class TrainConfig:
     default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it
     records per-action times). The U-shape always runs on ldt's runtime."""
     overlap_p2p_comm: bool = False
+    prefetch: int = 0
+    """U-shape only: extra micro-batches in flight per slow edge <-> cloud link, so that link
+    latency adds no steady-state bubble (0: the plain U-shape; ``ldt-plan`` picks it from the
+    inventory's link latency; see docs/network.md)."""
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 2

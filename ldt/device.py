@@ -94,6 +94,8 @@ class BoundaryPlan:
     dst_stage: int
     transport: Transport
     backend: str  # backend of the leader group used for this boundary
+    delay_ms: float = 0.0
+    """Emulated one-way link delay (``cluster.link_delay_ms``; a measurement tool, 0: off)."""
 
     @property
     def host_staged(self) -> bool:
@@ -101,7 +103,7 @@ class BoundaryPlan:
 
 
 def plan_boundary(src_stage: int, src_device: str, dst_stage: int, dst_device: str,
-                  force_host_staging: bool = False) -> BoundaryPlan:
+                  force_host_staging: bool = False, delay_ms: float = 0.0) -> BoundaryPlan:
     """Native when both sides share a device type with point-to-point support, else host-staged."""
     src_backend = backend_for(src_device)
     backend_for(dst_device)  # validates the name
@@ -111,5 +113,5 @@ def plan_boundary(src_stage: int, src_device: str, dst_stage: int, dst_device: s
         and src_backend in P2P_BACKENDS
     )
     if native:
-        return BoundaryPlan(src_stage, dst_stage, Transport.NATIVE, src_backend)
-    return BoundaryPlan(src_stage, dst_stage, Transport.HOST_STAGED, "gloo")
+        return BoundaryPlan(src_stage, dst_stage, Transport.NATIVE, src_backend, delay_ms)
+    return BoundaryPlan(src_stage, dst_stage, Transport.HOST_STAGED, "gloo", delay_ms)

@@ -14,6 +14,9 @@ schedules run unmodified on top of it.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 from typing import Optional, Protocol
 
 import torch
@@ -36,15 +39,24 @@ class BoundaryObserver(Protocol):
     def on_recv(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
 
 
+class BoundaryError(RuntimeError):
+    """A send or receive across a stage boundary failed (peer gone, link down, timeout); the
+    message names the boundary's stages, the direction and the peer rank."""
+
+
 class _SendWork:
     """The leader's isend(s); keeps the sent buffer alive until waited."""
 
-    def __init__(self, works: list, keep_alive: torch.Tensor):
-        self._works, self._keep_alive = works, keep_alive
+    def __init__(self, works: list, keep_alive: torch.Tensor, what: str = "send"):
+        self._works, self._keep_alive, self._what = works, keep_alive, what
+        self._posted = time.monotonic()
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
+        try:
+            for w in self._works:
+                w.wait()
+        except Exception as exc:
+            raise _boundary_error(self._what, self._posted, exc) from exc
         self._works, self._keep_alive = [], None
 
     def is_completed(self) -> bool:
@@ -60,28 +72,88 @@ class _VTPRecvWork:
     """
 
     def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
-                 stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None):
+                 stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
+                 what: str = "receive", delay_s: float = 0.0):
         self.tensor = tensor
         self._works, self._tp_group, self._leader = works, tp_group, leader
         self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
-        self._done = False
+        self._done, self._what, self._posted = False, what, time.monotonic()
+        self._delay = _LinkDelay(works, delay_s) if delay_s > 0 and works else None
 
     def wait(self) -> None:
         if self._done:
             return
-        for w in self._works:
-            w.wait()
-        buf = self.tensor.detach()
-        if self._staged is not None:
-            buf.copy_(self._staged)
-        if self._stage_size > 1:
-            dist.broadcast(buf, src=self._leader, group=self._tp_group)
+        try:
+            if self._delay is not None:
+                self._delay.wait()  # it waited the works (a gloo work must be waited once)
+            else:
+                for w in self._works:
+                    w.wait()
+            buf = self.tensor.detach()
+            if self._staged is not None:
+                buf.copy_(self._staged)
+            if self._stage_size > 1:  # a non-leader's receive is this broadcast
+                dist.broadcast(buf, src=self._leader, group=self._tp_group)
+        except Exception as exc:
+            raise _boundary_error(self._what, self._posted, exc) from exc
         self._done = True
         if self._on_ready is not None:
             self._on_ready(self.tensor)
 
     def is_completed(self) -> bool:
         return self._done
+
+
+class _LinkDelay:
+    """``cluster.link_delay_ms``: deliver a received message ``delay_s`` late (measurement tool).
+
+    Only the receiver's clock is used (hosts' clocks differ): a helper thread waits the leader's
+    irecv and notes when the message arrived; :meth:`wait` returns no earlier than
+    ``max(arrival + delay, posted + 2 * delay)``. The first term is the link's one-way delay on
+    the data. The second is gloo's rendezvous (its TCP transport sends a message only once the
+    receiver's "ready" notice reached the sender): a receive posted after the sender was ready
+    costs a round trip from the post on a real link, whatever the local arrival says. The
+    sender and the receiver's other work are never blocked; only the WAIT that consumes the
+    message is. Measured lateness with the receiver busy in Python: ~1.3 ms (5 ms before the
+    switch interval was shortened).
+    """
+
+    SWITCH_INTERVAL_S = 2e-4
+
+    def __init__(self, works: list, delay_s: float):
+        # The helper needs the GIL to note the arrival; with Python's default switch interval
+        # (5 ms) a main thread in pure-Python code held it long enough to make the delay ~5 ms
+        # late (measured). A short interval costs nothing while no other thread wants the GIL.
+        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
+        self.delay_s, self.posted = delay_s, time.monotonic()
+        self.arrived: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._watch, args=(works,), daemon=True,
+                                        name="ldt-link-delay")
+        self._thread.start()
+
+    def _watch(self, works: list) -> None:
+        try:
+            for w in works:
+                w.wait()
+            self.arrived = time.monotonic()
+        except BaseException as exc:  # re-raised by wait() on the main thread
+            self.error = exc
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        due = max(self.arrived + self.delay_s, self.posted + 2 * self.delay_s)
+        pause = due - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+
+
+def _boundary_error(what: str, posted: float, exc: Exception) -> BoundaryError:
+    return BoundaryError(f"{what} failed {time.monotonic() - posted:.1f} s after it was posted "
+                         f"({type(exc).__name__}: {exc})")
 
 
 class VtpCommunicator(P2PCommunicator):
@@ -147,8 +219,12 @@ class VtpCommunicator(P2PCommunicator):
         for obs in self.observers:
             obs.on_send(src, dst, direction, payload)
         dst_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
-        work = dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction])
-        return _SendWork([work], payload)
+        what = self._describe("send", src, dst, direction, dst_rank)
+        try:
+            work = dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction])
+        except Exception as exc:
+            raise _boundary_error(what, time.monotonic(), exc) from exc
+        return _SendWork([work], payload, what)
 
     def recv(self, shape, peer_stage: int, direction: str) -> tuple[torch.Tensor, _VTPRecvWork]:
         """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``."""
@@ -158,15 +234,20 @@ class VtpCommunicator(P2PCommunicator):
         if dtype is None:
             raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
-        works, staged = [], None
+        works, staged, delay_s = [], None, 0.0
         src_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
+        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
         if self.state.is_leader:
             plan, group = self._boundary(peer_stage, self.state.stage, direction)
             target = tensor.detach()
             if plan.host_staged:
                 staged = torch.empty(tuple(shape), dtype=dtype, device="cpu")
                 target = staged
-            works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
+            try:
+                works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
+            except Exception as exc:
+                raise _boundary_error(what, time.monotonic(), exc) from exc
+            delay_s = plan.delay_ms / 1e3
         src, dst = peer_stage, self.state.stage
 
         def on_ready(t: torch.Tensor) -> None:
@@ -176,12 +257,26 @@ class VtpCommunicator(P2PCommunicator):
         return tensor, _VTPRecvWork(
             tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
             stage_size=len(self.state.stage_ranks), staged=staged,
-            on_ready=on_ready if self.observers else None)
+            on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s)
 
     def _boundary(self, src: int, dst: int, direction: str):
         """Activations travel along a boundary's arrow (src -> dst), gradients against it."""
         key = (src, dst) if direction == FORWARD else (dst, src)
         return self.state.boundary_groups[key]
+
+    def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int) -> str:
+        """E.g. "boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2
+        'cloud1' (rank 3)"; ``src``/``dst``: the stages the message leaves and reaches."""
+        stages = self.state.topology.stages
+        key = (src, dst) if direction == FORWARD else (dst, src)
+        what = "an activation" if direction == FORWARD else "a gradient"
+        peer, prep = (dst, "to") if verb == "send" else (src, "from")
+        me = self.state.stage
+        if not self.state.is_leader:
+            verb += f" (through its stage leader, rank {self.state.stage_ranks[0]})"
+        return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
+                f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "
+                f"'{stages[peer].name}' (rank {peer_rank})")
 
 
 def check_boundary_config(config) -> None:

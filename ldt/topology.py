@@ -48,6 +48,8 @@ class Topology:
     u_shape: bool = False
     split: Optional[LayerSplit] = None
     force_host_staging: bool = False
+    link_delay_ms: tuple[float, ...] = ()
+    """Emulated delay per boundary, in :meth:`boundaries` order (empty: none)."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -85,14 +87,17 @@ class Topology:
             Stage(i, s.name, s.device, int(s.tp)) for i, s in enumerate(cluster.stages)
         )
         topo = cls(stages, dp=int(cluster.dp), u_shape=bool(cluster.u_shape),
-                   force_host_staging=cluster.host_staging == "always")
+                   force_host_staging=cluster.host_staging == "always",
+                   link_delay_ms=_link_delays(cluster.link_delay_ms, len(stages),
+                                              bool(cluster.u_shape)))
         if model is None:
             return topo
         from ldt.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
                              layout=cluster.layout, min_chunk_layers=1)
-        return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging)
+        return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging,
+                   topo.link_delay_ms)
 
     # ---- sizes ----------------------------------------------------------------------------
     @property
@@ -171,10 +176,11 @@ class Topology:
         ``P-1 -> 0`` (the U-shape's return path; interleaved schedules use it as well)."""
         n = self.num_stages
         pairs = [(i, (i + 1) % n) for i in range(n)] if n > 1 else []
+        delays = self.link_delay_ms or (0.0,) * len(pairs)
         return [
             plan_boundary(a, self.stages[a].device, b, self.stages[b].device,
-                          self.force_host_staging)
-            for a, b in pairs
+                          self.force_host_staging, delay)
+            for (a, b), delay in zip(pairs, delays)
         ]
 
     def boundary(self, src_stage: int, dst_stage: int) -> BoundaryPlan:
@@ -202,8 +208,36 @@ class Topology:
         title = (f"ldt topology: {self.num_stages} stages, TP {self.tp_sizes}, dp {self.dp}, "
                  f"world {self.world_size}, {kind}")
         links = ", ".join(f"{b.src_stage}->{b.dst_stage}:{b.transport.value}"
+                          + (f"+{b.delay_ms:g}ms delay" if b.delay_ms else "")
                           for b in self.boundaries())
         return "\n".join([title, *lines, f"boundaries: {links or '-'}"])
+
+
+def _link_delays(value, num_stages: int, u_shape: bool) -> tuple[float, ...]:
+    """``cluster.link_delay_ms`` as one delay per boundary (see ClusterConfig)."""
+    boundaries = num_stages if num_stages > 1 else 0
+    order = ", ".join(f"{i}->{(i + 1) % num_stages}" for i in range(boundaries))
+    if isinstance(value, bool):
+        raise ConfigError(f"cluster.link_delay_ms={value!r}; give milliseconds, not a boolean")
+    if value is None or isinstance(value, (int, float)):
+        values = [float(value or 0.0)] * boundaries
+    elif not isinstance(value, (str, bytes)) and hasattr(value, "__iter__"):
+        values = list(value)
+        if len(values) == boundaries - 1 and not u_shape:  # a plain pipeline: no return path
+            values.append(0.0)
+        if len(values) != boundaries:
+            raise ConfigError(
+                f"cluster.link_delay_ms={list(value)} has {len(list(value))} entries; give one "
+                f"number for every boundary, or one per boundary in the order {order}")
+    else:
+        raise ConfigError(f"cluster.link_delay_ms={value!r}; give a number of milliseconds or a "
+                          f"list with one per boundary ({order})")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"cluster.link_delay_ms entry {i} ({v!r}) must be a number of "
+                              "milliseconds >= 0")
+    values = [float(v) for v in values]
+    return tuple(values) if any(values) else ()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -172,6 +172,9 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"
         )
+    if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
+        raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
+                          "schedule must be >= 0, and 0 without cluster.u_shape=true")
     if train.runtime not in ("auto", "megatron", "ldt"):
         raise ConfigError(f"train.runtime={train.runtime!r}; use 'auto', 'megatron' or 'ldt'")
     if train.runtime == "ldt" and train.schedule == "interleaved":

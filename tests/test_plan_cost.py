@@ -156,3 +156,17 @@ def test_shipped_inventories_load():
         assert inv.total_devices > 0
     assert load_inventory("a100_910b").total_devices == 24
     assert load_inventory("edge_cloud").edge == "edge_gpu"
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("p,m", [(2, 3), (3, 12), (4, 6)])
+def test_prefetch_inflight_closed_form_matches_simulator(p, m, prefetch):
+    """A prefetching U-shape holds 2d more micro-batches in the edge's start chunk and d more on
+    every cloud stage (clipped by m): the planner's memory model and the schedule agree."""
+    inv = synthetic_inventory({"a100": 8})
+    cost = CostModel(load_model("gpt_tiny"), inv, 1)
+    plan = Plan(tuple(StageSpec("a100", 1) for _ in range(p)), (1,) * (p + 1), True, 1, m,
+                prefetch)
+    ev = simulate_plan(plan, cost)
+    for s in range(p):
+        assert ev.stages[s].inflight == tuple(c.inflight for c in plan.stage_chunks(s)), s

@@ -100,3 +100,42 @@ def test_plans_256_devices():
     result = plan(inventory, load_model("llama_7b"), Workload(1, 1024))
     assert result.best.fits
     _assert_uses_inventory(result, inventory)
+
+
+def _edge_link(latency_ms: float):
+    """edge_cloud with its edge <-> cloud link given this latency and a bandwidth so high that
+    only the latency matters."""
+    inventory = load_inventory("edge_cloud")
+    for link in inventory.links:
+        if {link.a, link.b} == {"edge_gpu", "ascend910b"}:
+            link.latency_us, link.bandwidth_gbps = latency_ms * 1e3, 1e6
+    return inventory
+
+
+def test_planner_picks_prefetch_from_the_edge_link_latency():
+    """A one-way latency of ~2 edge forwards on the edge's links (the edge's forward is ~67 ms
+    for llama_7b on edge_cloud): the planner picks a deeper prefetch than without latency, the
+    simulator prices it well below the plain U-shape, the latency costs only the pipeline's fill
+    and drain (4 slow crossings), and the YAML tells ldt-train the depth."""
+    from dataclasses import replace
+
+    from ldt.plan import choose_prefetch
+
+    model, wl, latency = load_model("llama_7b"), Workload(1, 64), 0.120
+    fast = plan(_edge_link(0.0), model, wl)
+    slow_inventory = _edge_link(latency * 1e3)
+    slow = plan(slow_inventory, model, wl)
+    cost = make_cost(slow_inventory, model, wl)
+    depth = slow.best.plan.prefetch
+    plain = simulate_plan(replace(slow.best.plan, prefetch=0), cost)
+    assert depth > fast.best.plan.prefetch and slow.best.fits
+    assert slow.best.plan.num_stages == fast.best.plan.num_stages
+    assert slow.best.iteration_time < 0.95 * plain.iteration_time
+    assert slow.best.iteration_time <= fast.best.iteration_time + 4 * latency
+    assert choose_prefetch(plain, cost).plan.prefetch == depth
+    header = cluster_yaml(slow.best, slow_inventory, model.name, 1).splitlines()[1]
+    assert f"train.prefetch={depth}" in header
+    from omegaconf import OmegaConf
+
+    from ldt.plan import train_yaml
+    assert OmegaConf.create(train_yaml(slow.best, model.name, 1, "slow")).prefetch == depth

@@ -220,3 +220,17 @@ def test_chrome_trace_and_png(tmp_path) -> None:
     to_png(result, png, "U-shape P=3 m=6")
     assert png.stat().st_size > 1000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_handshake_models_a_rendezvous_transport() -> None:
+    """gloo sends a message only once the receive's "ready" notice has reached the sender: a
+    receive posted late (stage 1 starts at 10) costs a round trip from the post (10 + 1 + 1)
+    instead of the eager arrival (sent at 0, arrived at 1, waited at 10)."""
+    schedule = {0: [parse_action("0F0"), parse_action("0SEND_F0>1")],
+                1: [parse_action("1RECV_F0<0"), parse_action("1WAIT_F0<0"), parse_action("1F0")]}
+    kwargs = dict(duration=lambda a: 1 if a.stage == 1 else 0, comm_time=lambda a: 1,
+                  start_at={1: 10})
+    assert simulate(schedule, **kwargs).iteration_time == 11
+    assert simulate(schedule, handshake=lambda a: 1, **kwargs).iteration_time == 13
+    assert simulate(schedule, start_at={1: 0}, duration=kwargs["duration"], comm_time=lambda a: 1,
+                    handshake=lambda a: 1).iteration_time == 3  # posted with the send: 2 hops

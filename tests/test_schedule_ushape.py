@@ -152,3 +152,72 @@ def test_forward_only_schedules_are_deadlock_free_and_complete(kind: str) -> Non
                 assert sorted((a.op.value, a.mb) for a in compute) == sorted(
                     (a.op.value, a.mb) for a in train[s] if a.op in forwards)
                 assert all(a.op.value[-1] != "B" for a in actions if not a.is_compute), (p, m)
+
+
+# ---- prefetch: tolerance of edge <-> cloud link latency (docs/network.md) --------------------
+PREFETCH = [1, 2, 3]
+
+
+def prefetching(p: int, m: int, d: int, r: Fraction = Fraction(2)) -> dict[int, list[Action]]:
+    return lower(u_shape(p, m, backward_ratio=r, prefetch=d), "ushape", prefetch=d)
+
+
+def edge_link_time(p: int, m: int, r: Fraction, edge_share: Fraction, latency: Fraction,
+                   d: int) -> Fraction:
+    """Iteration time with ``latency`` on the edge's links only (stage 0 <-> 1 and P-1)."""
+    ushape_cost, _ = costs(p, r, edge_share)
+    return simulate(prefetching(p, m, d, r), ushape_cost,
+                    lambda a: latency if 0 in (a.stage, a.peer) else 0).iteration_time
+
+
+@pytest.mark.parametrize("d", PREFETCH)
+def test_prefetch_is_deadlock_free_and_holds_the_stated_memory(d: int) -> None:
+    """Every P = 2..8, m = 1..3P: complete, deadlock-free (training and evaluation), the edge's
+    start chunk holds min(P + 1 + 2d, m) micro-batches, cloud stage s min(P + 1 - s + d, m), the
+    end chunk one; receives on the edge's links are posted up to 1 + 2d ahead."""
+    for p in range(2, 9):
+        for m in range(1, 3 * p + 1):
+            schedule = prefetching(p, m, d)
+            result = simulate(schedule, lambda a: 1)  # checks structure, plays for deadlock
+            assert result.peak_inflight[0] == min(p + 1 + 2 * d, m), (p, m)
+            assert result.peak_inflight_end[0] == 1
+            for s in range(1, p):
+                assert result.peak_inflight[s] == min(p + 1 - s + d, m), (p, m, s)
+            check_schedule(lower(forwards_of(u_shape(p, m, prefetch=d)), "ushape", prefetch=d))
+            posted = outstanding = 0
+            for a in schedule[1]:
+                if a.channel == (0, 1, "F"):
+                    outstanding += {Op.RECV_F: 1, Op.WAIT_F: -1}[a.op]
+                    posted = max(posted, outstanding)
+            assert posted == min(1 + 2 * d, m), (p, m)
+
+
+@pytest.mark.parametrize("r", RATIOS)
+@pytest.mark.parametrize("edge_share", [Fraction(1, 4), Fraction(1, 3), Fraction(1, 2)])
+def test_prefetch_hides_edge_link_latency(r: Fraction, edge_share: Fraction) -> None:
+    """A one-way latency of up to 2 edge forwards (d = 1) or 4 (d = 2) on the edge's links adds no
+    steady-state bubble (each extra micro-batch adds exactly one cloud F + B), and the whole
+    iteration pays only the fill and drain: at most the 4 slow crossings of one micro-batch's
+    round trip (FS -> cloud, cloud -> FE, BS -> cloud, cloud -> BE) over no latency at all."""
+    for d, most in ((1, 2), (2, 4)):
+        for p in range(2, 7):
+            for k in range(1, most + 1):
+                latency = k * edge_share  # k edge forwards
+                first = p + 2 + 2 * d
+                times = [edge_link_time(p, m, r, edge_share, latency, d)
+                         for m in range(first, first + 3)]
+                assert {b - a for a, b in zip(times, times[1:])} == {1 + r}, (d, p, k)
+                m = 4 * p
+                assert (edge_link_time(p, m, r, edge_share, latency, d)
+                        <= edge_link_time(p, m, r, edge_share, Fraction(0), 0) + 4 * latency)
+
+
+def test_without_prefetch_two_edge_forwards_of_latency_cost_a_bubble() -> None:
+    """The plain U-shape (d = 0) hides latency only below about one edge forward: at 2 it pays
+    in steady state (edge share 1/2, B = 2F), which is what prefetch removes."""
+    r, share, latency = Fraction(2), Fraction(1, 2), Fraction(1)  # 2 edge forwards
+    for p in (2, 3, 4):
+        for d, bubble in ((0, True), (1, False)):
+            first = 6 * p
+            times = [edge_link_time(p, m, r, share, latency, d) for m in (first, first + 4)]
+            assert ((times[1] - times[0]) / 4 > 1 + r) == bubble, (p, d)

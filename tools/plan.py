@@ -107,7 +107,8 @@ def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
         root = os.path.dirname(os.path.dirname(cluster)) or "."
         return (f"train it: ldt-train --config-dir {root} cluster={stem} train={stem} "
                 f"model={model_name}")
-    return (f"train it with: train.num_microbatches={plan.num_microbatches} "
+    prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
+    return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
             f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "
             "folder to get a train/ file with these too)")
 

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-flash", action="store_true", help="price materialised attention scores")
     p.add_argument("--kinds", help="inventory kind per stage, comma-separated")
+    p.add_argument("--prefetch", type=int, default=0,
+                   help="U-shape prefetch depth (train.prefetch; default 0)")
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--png", help="write a PNG timeline")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -51,6 +53,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                     "num_microbatches") if getattr(args, n) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (or --measured RUN_DIR to replay a run)")
+    from dataclasses import replace
+
     from ldt.config import ConfigError
     from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
                           load_inventory, load_model, simulate_plan, summary, table)
@@ -63,7 +67,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cluster = load_cluster(args.cluster)
         validate(cluster, model, check_devices=False)
         kinds = args.kinds.split(",") if args.kinds else None
-        plan = cluster_to_plan(cluster, model, inventory, args.num_microbatches, kinds)
+        if args.prefetch < 0 or (args.prefetch and not cluster.u_shape):
+            raise ConfigError(f"--prefetch {args.prefetch}: a U-shape's depth, >= 0")
+        plan = replace(cluster_to_plan(cluster, model, inventory, args.num_microbatches, kinds),
+                       prefetch=args.prefetch)
         cost = CostModel(model, inventory, args.mbs, args.dtype, not args.no_flash)
         ev = simulate_plan(plan, cost)
         export_timeline(ev, args.trace, args.png)

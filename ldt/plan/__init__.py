@@ -11,8 +11,8 @@ See ``docs/planner.md`` for what is modelled and what is assumed.
 
 from ldt.plan.convert import cluster_to_plan, export_timeline, load_cluster
 from ldt.plan.cost import ChunkLoad, CostModel, Memory
-from ldt.plan.evaluate import (Evaluation, Plan, StageReport, StageSpec, closed_form,
-                               estimate_plan, simulate_plan, simulate_times)
+from ldt.plan.evaluate import (Evaluation, Plan, StageReport, StageSpec, choose_prefetch,
+                               closed_form, estimate_plan, simulate_plan, simulate_times)
 from ldt.plan.exhaustive import ExhaustiveResult, exhaustive
 from ldt.plan.inventory import (DeviceKind, Inventory, Link, Workload, load_inventory, load_model,
                                 valid_tp_sizes)
@@ -22,7 +22,8 @@ from ldt.plan.report import cluster_dict, cluster_yaml, summary, table, train_ya
 __all__ = [
     "ChunkLoad", "CostModel", "DeviceKind", "Evaluation", "ExhaustiveResult", "Inventory", "Link",
     "Memory", "Plan", "PlanResult", "PlannerOptions", "StageReport", "StageSpec", "Workload",
-    "closed_form", "cluster_dict", "cluster_to_plan", "cluster_yaml", "estimate_plan",
-    "exhaustive", "export_timeline", "load_cluster", "load_inventory", "load_model", "make_cost",
-    "plan", "simulate_plan", "simulate_times", "summary", "table", "train_yaml", "valid_tp_sizes",
+    "choose_prefetch", "closed_form", "cluster_dict", "cluster_to_plan", "cluster_yaml",
+    "estimate_plan", "exhaustive", "export_timeline", "load_cluster", "load_inventory",
+    "load_model", "make_cost", "plan", "simulate_plan", "simulate_times", "summary", "table",
+    "train_yaml", "valid_tp_sizes",
 ]

@@ -33,6 +33,8 @@ class Plan:
     u_shape: bool
     dp: int
     num_microbatches: int
+    prefetch: int = 0
+    """U-shape only: the schedule's prefetch depth (``train.prefetch``)."""
 
     @property
     def num_stages(self) -> int:
@@ -42,11 +44,12 @@ class Plan:
         """The chunks a stage holds; ``inflight`` overrides the closed-form in-flight counts
         (edge: (start chunk, end chunk)), e.g. with the simulator's peaks."""
         p, m, last = self.num_stages, self.num_microbatches, len(self.layers) - 1
+        d = self.prefetch if self.u_shape else 0
         if self.u_shape and stage == 0:
-            start, end = inflight or (min(p + 1, m), 1)
+            start, end = inflight or (min(p + 1 + 2 * d, m), 1)
             return [ChunkLoad(self.layers[0], embedding=True, inflight=start),
                     ChunkLoad(self.layers[last], head=True, inflight=end)]
-        held = inflight[0] if inflight else min(p + (1 if self.u_shape else 0) - stage, m)
+        held = inflight[0] if inflight else min(p + (1 if self.u_shape else 0) - stage + d, m)
         return [ChunkLoad(self.layers[stage], embedding=stage == 0,
                           head=not self.u_shape and stage == last, inflight=held)]
 
@@ -71,7 +74,8 @@ class Plan:
 
     def describe(self) -> str:
         st = " ".join(f"{s.kind}/tp{s.tp}" for s in self.stages)
-        return f"dp={self.dp} m={self.num_microbatches} [{st}] layout={self.layout()}"
+        extra = f" prefetch={self.prefetch}" if self.prefetch else ""
+        return f"dp={self.dp} m={self.num_microbatches}{extra} [{st}] layout={self.layout()}"
 
 @dataclass
 class StageReport:
@@ -110,10 +114,11 @@ class Evaluation:
         return all(s.fits for s in self.stages)
 
 @lru_cache(maxsize=64)
-def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool):
-    """The lowered action lists the runtime runs (cached: they depend on P, m and kind only)."""
+def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool, prefetch: int = 0):
+    """The lowered action lists the runtime runs (cached: they depend on P, m, kind, depth)."""
     if ushape:
-        return lower(u_shape(num_stages, num_microbatches), "ushape")
+        return lower(u_shape(num_stages, num_microbatches, prefetch=prefetch), "ushape",
+                     prefetch=prefetch)
     return lower(one_f_one_b(num_stages, num_microbatches), "1f1b")
 
 def chunk_times(plan: Plan, cost: CostModel) -> list[list[tuple[float, float]]]:
@@ -143,9 +148,10 @@ def comm_table(plan: Plan, cost: CostModel) -> dict[tuple[int, int], float]:
     return out
 
 def simulate_times(ops: dict[int, dict[Op, float]], comm: dict[tuple[int, int], float],
-                   num_microbatches: int, ushape: bool) -> SimResult:
-    """Run the real lowered schedule with these per-op and per-boundary times."""
-    schedule = lowered_schedule(len(ops), num_microbatches, ushape)
+                   num_microbatches: int, ushape: bool, prefetch: int = 0) -> SimResult:
+    """Run the real lowered schedule with these per-op and per-boundary times (a boundary's
+    time includes its link latency, see :meth:`CostModel.boundary_time`)."""
+    schedule = lowered_schedule(len(ops), num_microbatches, ushape, prefetch)
     return simulate(schedule, duration=lambda a: ops[a.stage][a.op],
                     comm_time=lambda a: comm[(a.stage, a.peer)])
 
@@ -169,7 +175,7 @@ def closed_form(plan: Plan, cost: CostModel) -> float:
 def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     """Simulate one iteration; memory uses the simulator's peak in-flight micro-batches."""
     sim = simulate_times(op_table(plan, cost), comm_table(plan, cost), plan.num_microbatches,
-                         plan.u_shape)
+                         plan.u_shape, plan.prefetch if plan.u_shape else 0)
     inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
                 else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
     return _evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
@@ -202,3 +208,21 @@ def _evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: d
 
 def with_layers(plan: Plan, layers: tuple[int, ...]) -> Plan:
     return replace(plan, layers=tuple(layers))
+
+
+MAX_PREFETCH = 3
+
+
+def choose_prefetch(ev: Evaluation, cost: CostModel, max_depth: int = MAX_PREFETCH,
+                    tolerance: float = 0.005) -> Evaluation:
+    """The U-shape's prefetch depth for a plan: the smallest depth whose simulated iteration is
+    within ``tolerance`` of the fastest depth that fits in memory (each depth keeps more
+    micro-batches in flight: 2 more in the edge's start chunk, 1 more on every cloud stage).
+    The link latency enters through the boundary times, so a fast link keeps depth 0."""
+    if not ev.plan.u_shape:
+        return ev
+    tried = [ev if d == ev.plan.prefetch else simulate_plan(replace(ev.plan, prefetch=d), cost)
+             for d in range(max_depth + 1)]
+    fits = [e for e in tried if e.fits] or [ev]
+    fastest = min(e.iteration_time for e in fits)
+    return next(e for e in fits if e.iteration_time <= fastest * (1 + tolerance))

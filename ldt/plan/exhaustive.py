@@ -2,8 +2,8 @@
 
 It enumerates everything the planner's model allows: every dp size, every multiset of stages per
 kind (any mix of TP sizes, any number of devices left idle), every order of those stages (kinds
-interleaved freely; the U-shape edge first), every contiguous layer split, and simulates each
-memory-feasible plan on the real schedule. The only shortcut is exact: a plan is not simulated
+interleaved freely; the U-shape edge first), every contiguous layer split (and, for a U-shape,
+every prefetch depth), and simulates each memory-feasible plan on the real schedule. The only shortcut is exact: a plan is not simulated
 when a lower bound on its time (a stage must run all its micro-batches after the stages before
 it have passed micro-batch 0 forward and back) already exceeds the best time found.
 """
@@ -16,8 +16,8 @@ from typing import Iterator, Optional
 
 from ldt.config import ModelConfig
 from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, chunk_times, dp_allreduce,
-                               simulate_plan)
+from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, chunk_times,
+                               dp_allreduce, simulate_plan)
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.planner import make_cost, wants_ushape
 
@@ -93,6 +93,7 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
     ushape = wants_ushape(inventory, workload)
     L, b, g = model.num_layers, workload.micro_batch_size, workload.global_batch_size
     emin = workload.edge_min_layers
+    depths = range(MAX_PREFETCH + 1) if ushape else (0,)  # the U-shape's prefetch, too
     best: Optional[Evaluation] = None
     plans = sims = 0
     for dp in range(1, inventory.total_devices + 1):
@@ -104,8 +105,8 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
             lows = [emin] + [1] * (p - 1) + [emin] if ushape else [1] * p
             if ushape and p < 2:
                 continue
-            for layers in _compositions(L, lows):
-                plan = Plan(stages, layers, ushape, dp, m)
+            for layers, depth in itertools.product(_compositions(L, lows), depths):
+                plan = Plan(stages, layers, ushape, dp, m, depth)
                 if not _fits(plan, cost):
                     continue
                 plans += 1

@@ -10,7 +10,10 @@ Search, coarse to fine (each step exists because the next one is too slow to run
 3. plans are simulated on the real schedule (``ldt.schedule``) in closed-form order, as many
    as a time budget allows (all of them on small instances);
 4. the best few simulated plans are refined by moving single layers between segments, judged by the
-   simulator, within a budget of simulations.
+   simulator, within a budget of simulations;
+5. a U-shape gets the prefetch depth that hides its edge links' latency
+   (:func:`ldt.plan.evaluate.choose_prefetch`): once on the best closed form before step 3 (the
+   search compares plans at that depth), then for each start of step 4 and for the winner.
 
 The simulated iteration time (pipeline + data-parallel all-reduce) is the number that is
 minimised and reported.
@@ -19,14 +22,14 @@ minimised and reported.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from ldt.config import ConfigError, ModelConfig
 from ldt.plan.candidates import orders, stage_sets
 from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, closed_form, simulate_plan,
-                               with_layers)
+from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, closed_form,
+                               simulate_plan, with_layers)
 from ldt.plan.inventory import Inventory, Workload
 from ldt.plan.split import best_split
 
@@ -86,14 +89,21 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     if not plans:
         raise ConfigError(_nothing_fits(inventory, model, workload, len(sets)))
     plans.sort(key=lambda pc: pc[1])
+    if ushape:  # the depth that hides the edge links' latency, on the best closed form; the
+        # search then compares plans at that depth (it depends on latency vs. per-micro-batch
+        # compute, which plans of one inventory share) and step 5 revisits it for the winner
+        depth = choose_prefetch(simulate_plan(plans[0][0], cost), cost).plan.prefetch
+        plans = [(replace(p, prefetch=depth), c) for p, c in plans]
     ranked = _simulate_ranked([p for p, _ in plans], cost, opts)
     best, sims = ranked[0], len(ranked)
     for start in ranked[:opts.refine_top]:
+        start = choose_prefetch(start, cost)  # U-shape: this plan's own depth
         ev, n = refine(start, cost, opts.refine_sims, opts.refine_seconds / opts.refine_top,
                        edge_min)
         sims += n
         if ev.fits and ev.iteration_time < best.iteration_time:
             best = ev
+    best = choose_prefetch(best, cost)  # U-shape: hide the edge links' latency if it pays
     return PlanResult(best, ranked, len(sets), used, sims, time.perf_counter() - t0)
 
 

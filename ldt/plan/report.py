@@ -35,7 +35,8 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
         f"# Train with train.num_microbatches={p.num_microbatches} "
-        f"train.micro_batch_size={micro_batch_size} (global batch "
+        + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
+        + f"train.micro_batch_size={micro_batch_size} (global batch "
         f"{p.dp * p.num_microbatches * micro_batch_size}).",
         f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
         f"{ev.pipeline_time * 1e3:.1f} ms + dp all-reduce {ev.dp_allreduce_time * 1e3:.1f} ms), "
@@ -51,12 +52,15 @@ def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_n
     """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
     ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned."""
     p = ev.plan
-    body = OmegaConf.to_yaml(OmegaConf.create({
-        "defaults": ["default"], "num_microbatches": p.num_microbatches,
-        "micro_batch_size": micro_batch_size}))
+    settings = {"defaults": ["default"], "num_microbatches": p.num_microbatches,
+                "micro_batch_size": micro_batch_size}
+    if p.prefetch:  # the U-shape's prefetch depth it was priced with
+        settings["prefetch"] = p.prefetch
+    body = OmegaConf.to_yaml(OmegaConf.create(settings))
     return (f"# Planned by ldt-plan for model {model_name} with cluster={cluster_name}: global "
             f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
-            f"{p.num_microbatches} micro-batches x {micro_batch_size}.\n" + body)
+            f"{p.num_microbatches} micro-batches x {micro_batch_size}"
+            + (f", prefetch {p.prefetch}" if p.prefetch else "") + ".\n" + body)
 
 
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
@@ -75,6 +79,7 @@ def summary(ev: Evaluation, inventory: Inventory) -> dict[str, Any]:
     return {
         "cluster": cluster_dict(p, inventory),
         "num_microbatches": p.num_microbatches,
+        "prefetch": p.prefetch,
         "iteration_time_s": ev.iteration_time,
         "pipeline_time_s": ev.pipeline_time,
         "dp_allreduce_time_s": ev.dp_allreduce_time,
@@ -101,7 +106,8 @@ def table(ev: Evaluation) -> str:
     p = ev.plan
     lines.append(
         f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, dp={p.dp}, "
-        f"m={p.num_microbatches}, layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
+        f"m={p.num_microbatches}, " + (f"prefetch {p.prefetch}, " if p.prefetch else "")
+        + f"layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
         f"(pipeline {ev.pipeline_time * 1e3:.2f} + dp all-reduce {ev.dp_allreduce_time * 1e3:.2f}), "
         f"bubble {ev.bubble_fraction:.1%}" + ("" if ev.fits else "; DOES NOT FIT in memory (!)"))
     return "\n".join(lines)

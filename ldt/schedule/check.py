@@ -13,6 +13,7 @@ timed simulator (``simulate.py``) calls them with real durations.
 from __future__ import annotations
 
 from collections import deque
+from math import inf
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,6 +194,7 @@ def play(
     comm_time: Callable[[Action], float] = lambda a: 0,
     local_time: Callable[[Action], float] = lambda a: 0,
     start_at: dict[int, float] | None = None,
+    handshake: Callable[[Action], float] | None = None,
 ) -> Played:
     """Run all stages against each other; raise a deadlock report if they stop progressing.
 
@@ -201,11 +203,15 @@ def play(
     or RECV takes ``local_time(action)`` to post (the message leaves when the SEND starts); a WAIT
     ends ``local_time(wait)`` after ``max(now, send time + comm_time(send))`` (e.g. a TP>1
     stage's broadcast of what its leader received). Stage ``s`` starts at ``start_at[s]`` (0).
+    ``handshake(recv)``: a rendezvous transport (gloo's TCP) sends a message only once the
+    receiver's "ready" notice, sent when the RECV was posted, has reached the sender: the
+    message leaves at ``max(send time, recv post + handshake(recv))``. None: eager messages.
     """
     start: dict[int, list[float]] = {s: [] for s in schedule}
     end: dict[int, list[float]] = {s: [] for s in schedule}
     clock: dict[int, float] = {s: (start_at or {}).get(s, 0) for s in schedule}
     sent_at: dict[Slot, float] = {}
+    posted: dict[tuple, float] = {}  # (channel, mb) -> when its RECV's notice reaches the sender
     parked: dict[Slot, int] = {}  # send slot -> stage waiting for it
     ready = deque(sorted(schedule))
     while ready:
@@ -225,11 +231,14 @@ def play(
                     parked[source] = stage
                     break
                 starts.append(now)
-                now = max(now, sent_at[source] + comm_time(_at(schedule, source)))
+                leaves = max(sent_at[source], posted.get((action.channel, action.mb), -inf))
+                now = max(now, leaves + comm_time(_at(schedule, source)))
                 now = now + local_time(action)
                 ends.append(now)
             else:
                 starts.append(now)
+                if handshake is not None and op in RECV_OPS:
+                    posted[(action.channel, action.mb)] = now + handshake(action)
                 now = now + local_time(action)
                 ends.append(now)
                 if op in SEND_OPS:

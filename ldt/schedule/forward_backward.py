@@ -18,25 +18,29 @@ from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shap
 
 @functools.lru_cache(maxsize=64)
 def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
-                    forward_only: bool = False):
+                    forward_only: bool = False, prefetch: int = 0):
     """The lowered, deadlock-checked action lists of every stage (``forward_only``: the
-    training schedule's forwards only, for evaluation)."""
-    compute = (u_shape if kind == "ushape" else one_f_one_b)(num_stages, num_microbatches)
+    training schedule's forwards only, for evaluation; ``prefetch``: the U-shape's depth)."""
+    if kind == "ushape":
+        compute = u_shape(num_stages, num_microbatches, prefetch=prefetch)
+    else:
+        compute = one_f_one_b(num_stages, num_microbatches)
     if forward_only:
         compute = forwards_of(compute)
-    schedule = lower(compute, kind)
+    schedule = lower(compute, kind, prefetch=prefetch if kind == "ushape" else 0)
     check_schedule(schedule)
     return schedule
 
 
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
              seq_length: int, micro_batch_size: int, comm, state, config,
-             record_timings: bool = False, forward_only: bool = False) -> StepResult:
+             record_timings: bool = False, forward_only: bool = False,
+             prefetch: int = 0) -> StepResult:
     """One training step (or, ``forward_only``, one evaluation step: losses, no gradients) of
-    this rank's stage (the U-shape when the topology says so)."""
+    this rank's stage (the U-shape when the topology says so, with ``prefetch``)."""
     topo = state.topology
     kind = "ushape" if topo.u_shape else "1f1b"
-    schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only)
+    schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only, prefetch)
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
     return run_actions(

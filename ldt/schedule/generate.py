@@ -39,7 +39,8 @@ def _one_f_one_b_stage(stage: int, warmup: int, m: int, fwd: Op, bwd: Op) -> lis
     return actions
 
 
-def u_shape(num_stages: int, num_microbatches: int, backward_ratio: float = 2) -> Schedule:
+def u_shape(num_stages: int, num_microbatches: int, backward_ratio: float = 2,
+            prefetch: int = 0) -> Schedule:
     """The U-shape schedule: edge = stage 0 (FS/FE/BS/BE), cloud = stages 1..P-1 (F/B).
 
     Why this order: seen from the data flow, the U-shape is a (P+1)-stage pipeline whose first
@@ -62,21 +63,39 @@ def u_shape(num_stages: int, num_microbatches: int, backward_ratio: float = 2) -
     after the edge's next action: the schedule is deadlock-free for every P >= 2 and m >= 1.
     When the edge's four chunks together cost no more than a cloud stage's F+B, the cloud runs
     exactly as in the (P+1)-stage 1F1B, i.e. with no extra steady-state bubble.
+
+    ``prefetch`` (d >= 0) makes the schedule tolerate edge <-> cloud link latency. In 1F1B two
+    neighbours run in lock step: stage s sends its next forward only after the backward that
+    came back from s+1, so a one-way latency L on their link costs a bubble once 2L exceeds
+    the slack of that loop. Every extra warmup micro-batch of s over s+1 adds one F+B period of
+    slack. The U-shape has two slow links, edge -> first cloud stage and last cloud stage ->
+    edge (end chunk), so d adds d warmup forwards per slow link downstream: every cloud stage
+    runs d more (for the return link; they keep their lead over each other), the edge's start
+    chunk 2d more (for both). Memory: d more micro-batches in flight on every cloud stage,
+    2d more in the edge's start chunk (the end chunk still holds one). The merge is played with
+    a one-way latency of d cloud forwards on the two slow links (the order then leaves room
+    for the messages; with d = 0 nothing changes). Receives on those links are posted ahead
+    too (:func:`lower` with ``prefetch``), so early sends also travel early.
     """
     _require(num_stages >= 2 and num_microbatches >= 1,
              f"the U-shape needs P >= 2 stages (edge + cloud) and m >= 1, got P={num_stages}, "
              f"m={num_microbatches}")
     p, m = num_stages, num_microbatches
     _require(backward_ratio > 0, f"backward_ratio must be > 0, got {backward_ratio}")
-    logical = one_f_one_b(p + 1, m)
-    schedule: Schedule = {0: _merge_edge(logical, p, Fraction(backward_ratio))}
+    _require(isinstance(prefetch, int) and prefetch >= 0,
+             f"prefetch must be an integer >= 0, got {prefetch!r}")
+    warmups = [p + 2 * prefetch] + [p - s + prefetch for s in range(1, p)] + [0]
+    logical = {s: _one_f_one_b_stage(s, min(w, m), m, Op.F, Op.B) for s, w in enumerate(warmups)}
+    schedule: Schedule = {0: _merge_edge(logical, p, Fraction(backward_ratio), prefetch)}
     for s in range(1, p):
         schedule[s] = logical[s]
     return schedule
 
 
-def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction) -> list[Action]:
-    """Merge logical stages 0 (start chunk) and P (end chunk) of a (P+1)-stage 1F1B into stage 0."""
+def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction,
+                latency: int = 0) -> list[Action]:
+    """Merge logical stages 0 (start chunk) and P (end chunk) of a (P+1)-stage 1F1B into stage 0,
+    played with ``latency`` (in cloud forwards) on the links to and from the edge."""
     from ldt.schedule.simulate import simulate  # late: simulate imports check, not generate
 
     backward: int | Fraction = backward_ratio
@@ -86,7 +105,12 @@ def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction) -> list[Act
     def cost(action: Action) -> int | Fraction:
         return 1 if action.op is Op.F else backward
 
-    played = simulate(lower(logical, "1f1b"), duration=cost)
+    slow = {(0, 1), (1, 0), (p - 1, p), (p, p - 1)}
+
+    def comm(send: Action) -> int:
+        return latency if (send.stage, send.peer) in slow else 0
+
+    played = simulate(lower(logical, "1f1b"), duration=cost, comm_time=comm)
     start = {(e.stage, e.action.op, e.action.mb): e.start for e in played.events if e.action.is_compute}
     units: list[tuple[tuple[float, int, int], list[Action]]] = []
     for a in logical[0]:
@@ -110,7 +134,7 @@ def forwards_of(schedule: Schedule) -> Schedule:
     return {s: [a for a in actions if a.op in FORWARD_OPS] for s, actions in schedule.items()}
 
 
-def lower(schedule: Schedule, kind: str) -> Schedule:
+def lower(schedule: Schedule, kind: str, prefetch: int = 0) -> Schedule:
     """Add communication to a compute-only schedule (pure: returns a new schedule).
 
     Rules: each SEND directly follows the compute producing it; each WAIT directly precedes the
@@ -118,30 +142,41 @@ def lower(schedule: Schedule, kind: str) -> Schedule:
     list, and the next one right after the WAIT of the previous message on that channel (so every
     channel has at most one receive outstanding, which keeps buffers bounded and matching FIFO).
     Posting a receive never blocks, so early posting cannot add a deadlock.
+
+    ``prefetch`` (U-shape): channels to and from the edge keep ``1 + 2 * prefetch`` receives
+    outstanding, as many messages as :func:`u_shape` with that ``prefetch`` can send ahead, so
+    they cross a slow link as soon as they are sent (gloo moves a message only once its receive
+    is posted).
     """
     _require(kind in KINDS, f"unknown schedule kind {kind!r}; use one of {KINDS}")
     num_stages = len(schedule)
     _require(sorted(schedule) == list(range(num_stages)),
              f"stages must be 0..{num_stages - 1}, got {sorted(schedule)}")
-    return {s: _lower_stage(schedule[s], s, num_stages, kind) for s in range(num_stages)}
+    _require(prefetch >= 0, f"prefetch must be >= 0, got {prefetch}")
+    ahead = 1 + 2 * prefetch if kind == "ushape" else 1
+    return {s: _lower_stage(schedule[s], s, num_stages, kind, ahead) for s in range(num_stages)}
 
 
-def _lower_stage(actions: list[Action], stage: int, p: int, kind: str) -> list[Action]:
+def _lower_stage(actions: list[Action], stage: int, p: int, kind: str,
+                 edge_ahead: int = 1) -> list[Action]:
     inputs = [(i, _input_channel(a, p, kind)) for i, a in enumerate(actions)]
     incoming: dict[Channel, list[int]] = {}  # channel -> micro-batches in consumption order
     for i, channel in inputs:
         if channel is not None:
             incoming.setdefault(channel, []).append(actions[i].mb)
-    lowered = [_comm(Op.RECV_F if ch[2] == "F" else Op.RECV_B, stage, mbs[0], ch[0])
-               for ch, mbs in incoming.items()]
+    # receives kept outstanding per channel: edge_ahead on links touching the edge (stage 0)
+    ahead = {ch: edge_ahead if 0 in ch[:2] else 1 for ch in incoming}
+    lowered = [_comm(Op.RECV_F if ch[2] == "F" else Op.RECV_B, stage, mb, ch[0])
+               for ch, mbs in incoming.items() for mb in mbs[:ahead[ch]]]
     position = {ch: 0 for ch in incoming}
     for (i, channel), action in zip(inputs, actions):
         if channel is not None:
             direction, src = channel[2], channel[0]
             lowered.append(_comm(Op.WAIT_F if direction == "F" else Op.WAIT_B, stage, action.mb, src))
             position[channel] += 1
-            if position[channel] < len(incoming[channel]):
-                nxt = incoming[channel][position[channel]]
+            later = position[channel] + ahead[channel] - 1
+            if later < len(incoming[channel]):
+                nxt = incoming[channel][later]
                 lowered.append(_comm(Op.RECV_F if direction == "F" else Op.RECV_B, stage, nxt, src))
         lowered.append(action)
         output = _output_channel(action, p, kind)

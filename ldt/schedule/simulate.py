@@ -55,16 +55,18 @@ def simulate(
     comm_time: Callable[[Action], float] = lambda a: 0,
     local_time: Callable[[Action], float] = lambda a: 0,
     start_at: dict[int, float] | None = None,
+    handshake: Callable[[Action], float] | None = None,
 ) -> SimResult:
     """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``;
     ``local_time`` (communication actions' own time) and ``start_at`` (stage start offsets) are
-    for replaying measurements, see :func:`ldt.schedule.check.play`.
+    for replaying measurements, ``handshake`` models a rendezvous transport; see
+    :func:`ldt.schedule.check.play`.
 
     Integer or ``fractions.Fraction`` costs give exact results. Raises ``ScheduleError`` on a
     malformed or deadlocking schedule, like ``check_schedule``.
     """
     matches = check_structure(schedule)
-    played = play(schedule, matches, duration, comm_time, local_time, start_at)
+    played = play(schedule, matches, duration, comm_time, local_time, start_at, handshake)
     events: list[Event] = []
     busy: dict[int, float] = {}
     for stage in sorted(schedule):

@@ -119,7 +119,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=not forward_only,
-                           forward_only=forward_only)
+                           forward_only=forward_only, prefetch=t.prefetch)
             return res.losses, res.timings
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters if len(models) > 1 else iters[0],
@@ -197,6 +197,6 @@ def reference_config(cfg: dict) -> dict:
     ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
                       "u_shape": False, "layout": None, "dp": 1}
     ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])
-    ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False)
+    ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False, prefetch=0)
     ref["reference"] = True
     return ref

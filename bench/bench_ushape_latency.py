@@ -1,0 +1,203 @@
+"""U-shape across three hosts with edge <-> cloud latency: plain schedule vs prefetch, measured
+and predicted.
+
+Three hosts (network namespaces, ``ldt.testing.hosts``), one stage each (edge, cloud0, cloud1,
+TP 1), ranks started as torchrun starts them. Each host gets its own CPU budget (0.6 of a core,
+a cgroup quota) so three hosts on this 2-core machine behave like three slower machines: without
+it a stage waiting on the network lends its core to the others and hides its bubbles.
+
+The edge's two links (0 -> 1 and 2 -> 0) get an emulated one-way delay of 0, 1 and 2 t_f
+(``cluster.link_delay_ms``'s mechanism), where t_f is the edge's mean chunk forward (FS, FE)
+measured in this run at no delay. For every delay the plain U-shape (prefetch 0) and the
+prefetching one (prefetch 1) run in the same world, alternating; a step is timed between two
+world barriers. Slowdown = median step at that delay / median step of the same schedule at no
+delay.
+
+Prediction: the simulator replays each schedule's action lists with the per-(stage, op) mean
+times and stage offsets recorded at no delay in this run (``ldt.plan.calibrate``), with the
+delay added to every message on the edge's links, and gloo's rendezvous on them (a message
+leaves only once its receive's "ready" notice has crossed the link; the emulation models it
+too, see docs/network.md). Prints a table and one JSON line (``ushape_latency``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+MODEL = dict(name="bench", num_layers=8, hidden_size=128, num_attention_heads=4,
+             ffn_hidden_size=512, vocab_size=256, seq_length=128)
+LAYOUT = "Et|ttt|ttt|tL"  # the edge: embedding + 1 layer, 1 layer + head + loss
+MBS, M = 2, 32
+CPUS = 0.6
+DELAYS = (0, 1, 2)  # in t_f
+PREFETCH = (0, 1)
+CAL_REPS, REPS = 3, 7
+
+
+def _worker(out_path: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import tensor_parallel
+
+    import ldt
+    from bench.common import build_chunks, make_batches, timed_step, zero_grads
+    from ldt import patches
+    from ldt.config import ClusterConfig, ModelConfig, StageConfig
+    from ldt.p2p import VtpCommunicator
+    from ldt.schedule.forward_backward import run_step
+    from ldt.training.stage import make_forward_step
+    from ldt.validate import validate
+
+    dist.init_process_group("gloo")
+    model = ModelConfig(**MODEL)
+    cluster = ClusterConfig(stages=[StageConfig(n, "cpu", 1) for n in ("edge", "cloud0", "cloud1")],
+                            u_shape=True, layout=LAYOUT)
+    topo = validate(cluster, model, world_size=dist.get_world_size())
+    patches.apply(["cpu_shims"])
+    state = ldt.initialize_vtp(topo, timeout_s=300)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    models = build_chunks(model, topo.split, state.stage, 1, 0,
+                          pg_collection=state.pg_collection())
+    batches = make_batches(model, MBS, M)
+    fwd = make_forward_step(model.seq_length)
+    reads = state.stage in topo.data_stages()
+
+    def with_delay(ms: float):
+        """This rank's state with ``ms`` on the edge's links (what cluster.link_delay_ms sets)."""
+        groups = {key: (dataclasses.replace(plan, delay_ms=ms if 0 in key else 0.0), group)
+                  for key, (plan, group) in state.boundary_groups.items()}
+        return dataclasses.replace(state, boundary_groups=groups)
+
+    def run(prefetch: int, st, record: bool = False):
+        zero_grads(models)
+        out = {}
+
+        def step():
+            out["t0"] = time.perf_counter()
+            out["res"] = run_step(
+                forward_step_func=fwd, data_iterator=iter(batches) if reads else None,
+                model=models, num_microbatches=M, seq_length=model.seq_length,
+                micro_batch_size=MBS, comm=VtpCommunicator(models[0].config, st), state=st,
+                config=models[0].config, record_timings=record, prefetch=prefetch)
+
+        elapsed = timed_step(step)
+        rows = [(str(a), s - out["t0"], e - out["t0"]) for a, s, e in out["res"].timings]
+        return elapsed, (out["t0"], rows)
+
+    plain = with_delay(0.0)
+    for d in (0, 0, 1):  # warm-up: allocator, autograd, connections
+        run(d, plain)
+    recorded = {d: [] for d in PREFETCH}  # no delay: for t_f and the simulator
+    for i in range(CAL_REPS):
+        for d in (PREFETCH if i % 2 == 0 else PREFETCH[::-1]):
+            recorded[d].append(run(d, plain, record=True)[1])
+    t_f = [0.0]
+    if state.stage == 0:
+        fwd_times = [e - s for rep in recorded[0] for a, s, e in rep[1] if a[1:3] in ("FS", "FE")]
+        t_f[0] = statistics.fmean(fwd_times)
+    holder = [t_f[0]]
+    dist.broadcast_object_list(holder, src=0)
+    t_f = holder[0]
+    configs = [(k, d) for k in DELAYS for d in PREFETCH]
+    states = {k: with_delay(k * t_f * 1e3) for k in DELAYS}
+    times: dict[str, list[float]] = {f"{k}:{d}": [] for k, d in configs}
+    for i in range(REPS):
+        for k, d in (configs if i % 2 == 0 else configs[::-1]):
+            times[f"{k}:{d}"].append(run(d, states[k])[0])
+    gathered = [None] * dist.get_world_size()
+    dist.gather_object((state.stage, recorded), gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump({"t_f": t_f, "times": times, "recorded": gathered}, f)
+    patches.revert()
+    ldt.destroy_vtp()
+    dist.destroy_process_group()
+
+
+def _predict(recorded: list, t_f: float) -> dict[str, float]:
+    """Simulated iteration per (delay, prefetch), from the no-delay action times."""
+    from ldt.plan import calibrate
+    from ldt.schedule import parse_action, simulate
+
+    out = {}
+    for d in PREFETCH:
+        rows = [calibrate.ActionTime(i, parse_action(a), s, e, "local", t0)
+                for stage, rec in recorded for i, (t0, acts) in enumerate(rec[str(d)])
+                for a, s, e in acts]
+        cal = calibrate.calibrate(rows)
+        for k in DELAYS:
+            def slow(a, delay=k * t_f):  # the edge's links
+                return delay if 0 in (a.stage, a.peer) else 0
+
+            sim = simulate(cal.schedule, cal._time, local_time=cal._time, start_at=cal.start_at,
+                           comm_time=slow, handshake=slow)
+            out[f"{k}:{d}"] = sim.iteration_time
+    return out
+
+
+def main() -> dict:
+    from ldt.testing.hosts import Hosts, unavailable
+
+    reason = unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        return {"bench": "ushape_latency", "skipped": reason}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, Hosts(3, cpus=CPUS) as net:
+        out = os.path.join(tmp, "out.json")
+        job = net.start([sys.executable, "-m", "bench.bench_ushape_latency", "--worker", out],
+                        [1, 1, 1], cwd=root)
+        results = job.wait(600)
+        bad = [r for r in results if r.returncode != 0]
+        if bad:
+            raise RuntimeError(f"rank {bad[0].rank} failed ({bad[0].returncode}):\n"
+                               f"{bad[0].stderr[-3000:]}")
+        with open(out) as f:
+            data = json.load(f)
+    t_f, times = data["t_f"], data["times"]
+    med = {key: statistics.median(v) for key, v in times.items()}
+    pred = _predict(data["recorded"], t_f)
+
+    def slow(table, k, d):
+        return table[f"{k}:{d}"] / table[f"0:{d}"] - 1
+
+    print(f"U-shape {LAYOUT}, 3 hosts x {CPUS} core, TP 1, {M} micro-batches of {MBS}x"
+          f"{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; t_f = {t_f * 1e3:.2f} ms "
+          f"(edge chunk forward); median of {REPS} steps, alternating")
+    print(f"{'one-way delay':>14} {'prefetch':>9} {'step ms':>9} {'slowdown':>9} "
+          f"{'predicted ms':>13} {'predicted':>10}  steps ms")
+    for k in DELAYS:
+        for d in PREFETCH:
+            key = f"{k}:{d}"
+            print(f"{f'{k} t_f':>14} {d:>9} {med[key] * 1e3:9.1f} "
+                  f"{slow(med, k, d):9.1%} {pred[key] * 1e3:13.1f} "
+                  f"{slow(pred, k, d):10.1%}  {' '.join(f'{t * 1e3:.0f}' for t in times[key])}")
+    fill = 4 * 2 * t_f / med["0:1"]
+    print(f"  prefetch 1 / plain at no delay: {med['0:1'] / med['0:0']:.3f} (predicted "
+          f"{pred['0:1'] / pred['0:0']:.3f}); the fill and drain alone pay 4 crossings of the "
+          f"delayed links, {fill:.1%} of the step at 2 t_f")
+    result = {"bench": "ushape_latency", "t_f_ms": round(t_f * 1e3, 2), "m": M,
+              "step_ms_no_delay": round(med["0:0"] * 1e3, 1),
+              "prefetch_2tf_vs_plain_no_delay": round(med["2:1"] / med["0:0"] - 1, 3),
+              "seconds": round(time.perf_counter() - started, 1)}
+    for k in DELAYS[1:]:
+        result[f"slowdown_{k}tf"] = round(slow(med, k, 0), 3)
+        result[f"slowdown_{k}tf_prefetch"] = round(slow(med, k, 1), 3)
+    for k in DELAYS[1:]:
+        result[f"predicted_slowdown_{k}tf"] = round(slow(pred, k, 0), 3)
+        result[f"predicted_slowdown_{k}tf_prefetch"] = round(slow(pred, k, 1), 3)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,1 @@
+"""Infrastructure for ldt's own tests and benchmarks (not needed to train)."""
