@@ -11,7 +11,7 @@ Checks that need only one config group live in ``__post_init__``; checks that ne
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
@@ -102,12 +102,27 @@ class TrainConfig:
     check_finite: Optional[bool] = None
     """Check received boundary tensors for NaN/Inf; None means on when ``verify`` is on."""
     save_every: int = 0
-    """Write a checkpoint every N steps (0: never)."""
+    """Write a checkpoint every N steps (0: never). When set, a run stopped by SIGTERM, SIGINT
+    or SIGHUP also writes one at the step it stops after."""
+    keep_last: int = 0
+    """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
     comm_timeout_s: float = 60.0
     """Timeout of every process group ldt creates: a dead rank stops the others after this."""
-    log_interval: int = 1
+    log_interval: int = 10
+    """When stdout is not a terminal (a log file), print one progress line every N steps
+    (on a terminal: a progress bar). TensorBoard events are flushed as often."""
+    stop_on_nonfinite: bool = True
+    """A NaN/Inf loss or gradient norm stops the run (exit status 1, naming the step and the
+    stage); false: record it and go on."""
+    peak_tflops: Dict[str, float] = field(
+        default_factory=lambda: {"cuda": 0.0, "npu": 0.0, "cpu": 0.0})
+    """Peak TFLOP/s of one device, per device type, for metrics.csv's ``mfu`` (model FLOPs
+    utilisation), e.g. ``train.peak_tflops.cuda=989`` (H100 SXM, dense BF16); 0: unknown, no
+    ``mfu`` (``tflops_per_device`` is always reported)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (the per-step metrics) into the run folder."""
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
