@@ -280,15 +280,20 @@ def _nbytes(obj: Any) -> int:
 
 
 def _out_of_space(exc: BaseException, folder: str, needed: int) -> bool:
-    """ENOSPC / EDQUOT anywhere in the exception's chain, or (torch's zip writer says only
-    "file write failed") less free space than the write needed, after its partial files went."""
-    seen: Optional[BaseException] = exc
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+    """ENOSPC / EDQUOT anywhere in the exception's chain (torch.distributed.checkpoint keeps
+    the writers' exceptions in ``failures``, and torch's zip writer hides the OSError behind
+    "unexpected pos"), or else less free space than the write needed."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # CheckpointException
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
     try:
         return needed > 0 and shutil.disk_usage(folder).free < needed
     except OSError:
