@@ -120,7 +120,7 @@ def _stopped_early(exc, run_dir: str) -> int:
 
     name = signal.Signals(exc.stopped_by).name
     last = latest(run_dir)
-    print(f"ldt: stopped by {name} before a step boundary ({exc.message}); "
+    print(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
           f"the last complete checkpoint is {last or 'none'}", file=sys.stderr)
     return 128 + exc.stopped_by
 

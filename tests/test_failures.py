@@ -171,10 +171,11 @@ def _stop_together(rank, world, launcher_pid):
     """Steps until the ranks agree to stop; rank 1 asks the launcher to stop at its step 3."""
     from types import SimpleNamespace
 
-    from ldt.training.guard import StepGuard
+    from ldt.training.guard import StepGuard, StopSignals
 
     state = SimpleNamespace(topology=SimpleNamespace(num_stages=1), stage=0)
-    with StepGuard(state) as guard:
+    with StopSignals() as signals:
+        guard = StepGuard(state, signals)
         for step in range(10_000):
             time.sleep(0.02 * (rank + 1))  # the ranks see the forwarded signal at other times
             if rank == 1 and step == 3:

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+from ldt.launch import STOP_SIGNALS
+
 EXIT_FAILED = 1
 
 
@@ -51,23 +52,15 @@ class Stop:
     exit_code: int = EXIT_FAILED
 
 
-class StepGuard:
-    """Signal handlers (installed by :meth:`__enter__`, main thread only) and the agreement."""
+class StopSignals:
+    """Notes SIGTERM / SIGINT / SIGHUP while the ``with`` block runs (main thread only; the
+    previous handlers come back after it), so a signal never interrupts a collective."""
 
-    def __init__(self, state, group=None):
-        self.state, self.group = state, group
+    def __init__(self):
         self.signum = 0
         self._old: dict = {}
 
-    @classmethod
-    def world_group(cls):
-        """A gloo group of every rank: the default group when it is gloo, else a new one
-        (collective: call on every rank, in the same place)."""
-        if dist.get_backend() == "gloo":
-            return None
-        return dist.new_group(backend="gloo")
-
-    def __enter__(self) -> "StepGuard":
+    def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
@@ -80,11 +73,26 @@ class StepGuard:
     def _on_signal(self, signum, frame) -> None:
         self.signum = self.signum or signum
 
+
+class StepGuard:
+    """The agreement at every step boundary (see the module docstring)."""
+
+    def __init__(self, state, signals: StopSignals, group=None):
+        self.state, self.signals, self.group = state, signals, group
+
+    @staticmethod
+    def world_group():
+        """A gloo group of every rank: the default group when it is gloo, else a new one
+        (collective: call on every rank, in the same place)."""
+        if dist.get_backend() == "gloo":
+            return None
+        return dist.new_group(backend="gloo")
+
     def agree(self, *, loss: Optional[float], grad_norm: float, peak_gib: float) -> Decision:
         """Collective over the whole world, once per step."""
         stages = self.state.topology.num_stages
         vec = torch.zeros(3 + stages, dtype=torch.float64)
-        vec[0] = self.signum
+        vec[0] = self.signals.signum
         vec[1] = float(loss is not None and not math.isfinite(loss))
         vec[2] = float(not math.isfinite(grad_norm))
         vec[3 + self.state.stage] = peak_gib

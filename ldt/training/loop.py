@@ -23,8 +23,8 @@ import torch
 
 from ldt import progress
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
-from ldt.training.guard import (StepGuard, nonfinite_stop, peak_memory_gib, save_failed_stop,
-                                signal_stop)
+from ldt.training.guard import (StepGuard, StopSignals, nonfinite_stop, peak_memory_gib,
+                                save_failed_stop, signal_stop)
 from ldt.training.outputs import gather_timings, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
@@ -48,9 +48,9 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     c = parse(cfg)
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
-    with StepGuard(None) as guard:  # from here on a stop signal waits for a step boundary
+    with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
         state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
-        guard.state, guard.group = state, StepGuard.world_group()
+        guard = StepGuard(state, signals, StepGuard.world_group())
         stage = topo.stages[state.stage]
         observers = _observers(c.train, run_dir, rank)
         names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
@@ -159,8 +159,10 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
-        record.begin("loss all-reduce", waiting=True)
-        loss = _mean_loss(losses, state) if state.stage == topo.loss_stage() else None
+        loss = None
+        if state.stage == topo.loss_stage():
+            record.begin("loss all-reduce", waiting=True)
+            loss = _mean_loss(losses, state)
         dt = time.perf_counter() - t0
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                    tokens_per_s=tokens_per_step / dt, eval_loss=None)

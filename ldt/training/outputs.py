@@ -66,15 +66,22 @@ class TensorBoard:
     on the folder or its parent). A resume purges the events from its first step on."""
 
     def __init__(self, run_dir: str, first_step: int, flush_every: int):
-        from torch.utils.tensorboard import SummaryWriter
-
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # a dependency of ldt, but an environment may lack it
+            print("ldt-train: the tensorboard package is missing: no TensorBoard events "
+                  "(pip install tensorboard, or train.tensorboard=false)", file=sys.stderr)
+            self.writer = None
+            return
         self.writer = SummaryWriter(log_dir=run_dir, purge_step=first_step or None)
         self.flush_every = max(1, flush_every)
 
     def add(self, row: dict) -> None:
+        if self.writer is None:
+            return
         step = row["step"]
         for key, value in row.items():
-            if key != "step" and isinstance(value, (int, float)) and value is not None:
+            if key != "step" and isinstance(value, (int, float)):
                 group = "memory" if key.startswith("peak_mem") else (
                     "eval" if key.startswith("eval") else "train")
                 self.writer.add_scalar(f"{group}/{key}", value, step)
@@ -82,7 +89,8 @@ class TensorBoard:
             self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class Console:
