@@ -15,6 +15,10 @@ _LAZY = {
     "get_vtp_size_list": "ldt.parallel_state",
     "get_vtp_stage_ranks": "ldt.parallel_state",
     "get_vtp_my_stage_idx": "ldt.parallel_state",
+    "is_vtp_enabled": "ldt.parallel_state",
+    "get_vtp_intra_stage_group": "ldt.parallel_state",
+    "vtp_allreduce": "ldt.parallel_state",
+    "vtp_hierarchical_barrier": "ldt.parallel_state",
     "split_layers": "ldt.layout",
 }
 

@@ -10,7 +10,8 @@ Checks that need only one config group live in ``__post_init__``; checks that ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
@@ -20,6 +21,21 @@ DEVICE_TYPES = ("cuda", "npu", "cpu")
 
 class ConfigError(ValueError):
     """A config that cannot work. The message names the field, the value and the fix."""
+
+
+def _given(*values: Any) -> bool:
+    """True when no value is still MISSING ('???'): a bare schema instance is not checked."""
+    return all(v != MISSING for v in values)
+
+
+def _at_least(group: str, obj: Any, name: str, low: float, fix: str) -> None:
+    """Refuse ``group.name`` below ``low`` (or not a finite number)."""
+    value = getattr(obj, name)
+    if not _given(value) or value is None:
+        return
+    if not math.isfinite(value) or value < low:
+        finite = "" if isinstance(value, int) else "a finite number "
+        raise ConfigError(f"{group}.{name}={value} must be {finite}>= {low:g}; {fix}")
 
 
 @dataclass
@@ -64,7 +80,34 @@ class ModelConfig:
     params_dtype: str = "float32"
     """``float32``, ``bfloat16`` or ``float16``; also the dtype of tensors at stage boundaries."""
     tie_embeddings: bool = False
-    """Share input embedding and output head (only where both sit on one stage, e.g. U-shape)."""
+    """Share input embedding and output head. On different stages (plain pipeline) the last
+    stage keeps a copy that megatron's embedding group keeps equal, across TP sizes."""
+    # ---- architecture (the family: GPT, Llama, Qwen2, ...), see ldt/models/build.py ----
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a position table, GPT-2) or ``rope`` (rotary: Llama, Qwen2)."""
+    rotary_base: float = 10000.0
+    """RoPE base period (Hugging Face's ``rope_theta``); only with ``rope``."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions RoPE rotates; only with ``rope``."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` or ``RMSNorm``."""
+    norm_epsilon: float = 1e-5
+    """The norms' epsilon (Hugging Face's ``rms_norm_eps``)."""
+    gated_linear_unit: bool = False
+    """Gated MLP: fc1 computes gate and up projections, fc2 takes ``act(gate) * up``."""
+    activation: str = "gelu"
+    """``gelu``, ``silu``, or ``swiglu`` (SiLU with a gate: needs gated_linear_unit=true)."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (GPT); Llama and Qwen2 have none."""
+    add_qkv_bias: bool = False
+    """Biases in the QKV projection even without add_bias_linear (Qwen2)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's rule: the vocabulary is padded to a multiple of this times the TP size of
+    every stage holding the embedding or the head (ldt.models.vocab)."""
+    transformer_impl: str = "auto"
+    """Megatron's layer implementation: ``local`` (megatron-core's own modules),
+    ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
+    installed, local elsewhere)."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
@@ -72,6 +115,54 @@ class ModelConfig:
                 f"model.params_dtype={self.params_dtype!r} is not supported; "
                 "use float32, bfloat16 or float16"
             )
+        for name, what in (("num_layers", "the number of decoder layers"),
+                           ("hidden_size", "the model width"),
+                           ("num_attention_heads", "the number of attention heads"),
+                           ("vocab_size", "the vocabulary size"),
+                           ("seq_length", "the tokens per sample"),
+                           ("ffn_hidden_size", "the MLP width, or leave it unset (4 * hidden)"),
+                           ("num_query_groups", "the GQA groups, or leave it unset (MHA)"),
+                           ("max_position_embeddings", "a value >= seq_length, or leave it unset")):
+            _at_least("model", self, name, 1, f"set model.{name} to {what}")
+        heads, hidden = self.num_attention_heads, self.hidden_size
+        # Megatron-LM's rule (megatron-core would silently use hidden_size // heads): without
+        # kv_channels, the head size is hidden_size / num_attention_heads and must be whole.
+        if _given(heads, hidden) and getattr(self, "kv_channels", None) is None and hidden % heads:
+            near = sorted({hidden - hidden % heads, hidden - hidden % heads + heads} - {0})
+            divisors = [d for d in range(1, 129) if hidden % d == 0 and hidden // d >= 8]
+            raise ConfigError(
+                f"model.hidden_size={hidden} is not a multiple of model.num_attention_heads="
+                f"{heads}: megatron's head size is hidden_size / num_attention_heads "
+                f"(kv_channels), which must be whole; use model.hidden_size="
+                f"{' or '.join(map(str, near))}, "
+                f"or model.num_attention_heads in {divisors[-6:]} (a divisor of {hidden})")
+        groups = self.num_query_groups
+        if _given(heads, groups) and groups is not None and heads % groups:
+            raise ConfigError(
+                f"model.num_query_groups={groups} does not divide model.num_attention_heads="
+                f"{heads} (each group serves heads / groups query heads); use a divisor of "
+                f"{heads}, or leave num_query_groups unset for plain multi-head attention")
+        seq, pos = self.seq_length, self.max_position_embeddings
+        if _given(seq, pos) and pos is not None and pos < seq:
+            raise ConfigError(
+                f"model.max_position_embeddings={pos} < model.seq_length={seq}: the position "
+                f"embedding has no row for the later tokens; set max_position_embeddings >= "
+                f"{seq} or leave it unset")
+        for key, allowed in (("position_embedding_type", ("learned_absolute", "rope")),
+                             ("normalization", ("LayerNorm", "RMSNorm")),
+                             ("activation", ("gelu", "silu", "swiglu")),
+                             ("transformer_impl", ("auto", "local", "transformer_engine"))):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not supported; use "
+                                  f"one of {', '.join(allowed)}")
+        if self.activation == "swiglu" and not self.gated_linear_unit:
+            raise ConfigError("model.activation=swiglu is SiLU with a gate; set "
+                              "model.gated_linear_unit=true, or use model.activation=silu")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ConfigError(f"model.make_vocab_size_divisible_by="
+                              f"{self.make_vocab_size_divisible_by} must be >= 1")
 
 
 @dataclass
@@ -108,6 +199,9 @@ class TrainConfig:
     """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
+    load: Optional[str] = None
+    """Checkpoint folder to take the weights from (e.g. ``ldt-convert``'s output for a Hugging
+    Face model), into any layout: no optimizer state, training starts at step 0."""
     comm_timeout_s: float = 60.0
     """Timeout of every process group ldt creates: a dead rank stops the others after this."""
     log_interval: int = 10
@@ -126,6 +220,39 @@ class TrainConfig:
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
+    boundary_noise: float = 0.0
+    """Privacy defence, off by default (0). Data-owning stages (the U-shape's edge) add Gaussian
+    noise to every tensor they send across a stage boundary (activations to the cloud, gradients
+    back at the wraparound); its standard deviation is this many times the RMS of the tensor
+    sent (one message: seq x micro-batch x hidden values), so 1.0 means noise as strong as the
+    signal. ``ldt-audit`` measures what it buys and costs (docs/privacy.md)."""
+
+    def __post_init__(self) -> None:
+        _at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
+        _at_least("train", self, "lr", 0, "a typical value is 1e-4 to 1e-3")
+        _at_least("train", self, "min_lr", 0, "the cosine decay ends at min_lr (0 is allowed)")
+        _at_least("train", self, "warmup_steps", 0, "0 starts at the full learning rate")
+        _at_least("train", self, "weight_decay", 0, "0 disables weight decay")
+        _at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
+        _at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
+        _at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
+        _at_least("train", self, "log_interval", 1, "1 reports every step")
+        _at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
+        if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
+                                                 and self.comm_timeout_s > 0):
+            raise ConfigError(
+                f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
+                "> 0 (a dead rank stops the others after this long); e.g. 60")
+        if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
+            raise ConfigError(
+                f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
+                f"down to min_lr; set train.min_lr <= {self.lr}")
+        for device, peak in (self.peak_tflops if _given(self.peak_tflops) else {}).items():
+            if not (math.isfinite(peak) and peak >= 0):
+                raise ConfigError(f"train.peak_tflops.{device}={peak} must be a finite number "
+                                  ">= 0 (TFLOP/s of one device; 0: unknown, no mfu)")
+        if _given(self.seed) and not 0 <= self.seed < 2**32:
+            raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
 
 
 @dataclass
@@ -134,6 +261,24 @@ class DataConfig:
     """A text file to train on; None uses a corpus every machine has (Python's own sources)."""
     max_bytes: int = 4_000_000
     """Read at most this many bytes of the corpus."""
+    tokenizer: str = "bytes"
+    """``bytes`` (a token per byte, vocabulary 256) or the local path of a Hugging Face
+    tokenizer (a ``tokenizer.json`` or a folder ``AutoTokenizer`` loads); never downloaded.
+    With ``blend``: the tokenizer the data was preprocessed with (checked against
+    ``model.vocab_size``). Only the data stages load it."""
+    blend: Optional[Any] = None
+    """Megatron indexed datasets to train on, as Megatron's ``--data-path``: ``PREFIX``,
+    ``[PREFIX1, PREFIX2]`` or ``[W1, PREFIX1, W2, PREFIX2]`` (``ldt-preprocess`` writes
+    ``PREFIX.bin`` + ``PREFIX.idx``). None: bytes of ``path`` / the built-in corpus."""
+    split: str = "969,30,1"
+    """Train, validation, test shares of each dataset's documents (``train.eval_every`` reads
+    the validation split; the test split is never read)."""
+    cache_dir: Optional[str] = None
+    """Where megatron-core caches its sample indices (global rank 0 writes them; data ranks on
+    other hosts build theirs in memory). None: ``$XDG_CACHE_HOME/ldt/indices`` (~/.cache)."""
+
+    def __post_init__(self) -> None:
+        _at_least("data", self, "max_bytes", 1, "it caps how much of the corpus is read")
 
 
 @dataclass
@@ -170,6 +315,18 @@ def to_model(obj: Any) -> ModelConfig:
     return _typed(ModelConfig, obj, "model")
 
 
+def to_train(obj: Any) -> TrainConfig:
+    if isinstance(obj, TrainConfig):
+        return obj
+    return _typed(TrainConfig, obj, "train")
+
+
+def to_data(obj: Any) -> DataConfig:
+    if isinstance(obj, DataConfig):
+        return obj
+    return _typed(DataConfig, obj if obj is not None else {}, "data")
+
+
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
     return to_cluster(OmegaConf.load(path))
@@ -188,8 +345,21 @@ def _typed(schema: type, obj: Any, group: str) -> Any:
     """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
     from omegaconf.errors import OmegaConfBaseException
 
+    import difflib
+
+    from omegaconf.errors import ConfigKeyError
+
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _plain(obj)))
+    except ConfigKeyError as exc:  # a key the schema does not have (e.g. +train.typo=1)
+        owner = exc.object_type if isinstance(exc.object_type, type) else schema
+        key = exc.full_key if owner is schema else f"stages[i].{exc.key}"
+        names = [f.name for f in fields(owner)]
+        close = difflib.get_close_matches(str(exc.key), names, n=1)
+        hint = f", or did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
+        raise ConfigError(
+            f"{group}.{key} is not a field of {group} ({owner.__name__}); remove it{hint} "
+            "(all fields: ldt/config.py or `ldt-train --cfg job`)") from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         raise ConfigError(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
-
-import torch
+from typing import TYPE_CHECKING, Iterable
 
 from ldt.config import DEVICE_TYPES, ConfigError
+
+if TYPE_CHECKING:  # torch loads on first use: config checks run before it (ldt-train answers fast)
+    import torch
 
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 # Backends whose point-to-point send/recv ldt relies on between stage leaders.
@@ -39,6 +40,8 @@ def backend_for(device_type: str) -> str:
 
 def torch_device(device_type: str, local_rank: int = 0) -> torch.device:
     """The torch device a rank of this device type computes on."""
+    import torch
+
     backend_for(device_type)  # validates the name
     if device_type == "cpu":
         return torch.device("cpu")
@@ -52,6 +55,8 @@ def available_device_types() -> frozenset[str]:
     probing vendor libraries by hand. ``LDT_FAKE_DEVICES=cuda,npu`` adds types for planning
     and for tests of the selection logic on machines without them.
     """
+    import torch
+
     found = {"cpu"}
     acc = getattr(torch, "accelerator", None)
     if acc is not None and acc.is_available():
@@ -65,6 +70,11 @@ def available_device_types() -> frozenset[str]:
 
 def check_devices_present(device_types: Iterable[str], available: frozenset[str] | None = None) -> None:
     """Refuse a cluster that names a device type this machine does not have."""
+    device_types = list(device_types)
+    for dev in device_types:
+        backend_for(dev)
+    if available is None and set(device_types) <= {"cpu"}:
+        return  # every machine has a CPU: no need to ask torch (and pay for importing it)
     available = available_device_types() if available is None else available
     for i, dev in enumerate(device_types):
         backend_for(dev)

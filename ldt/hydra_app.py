@@ -1,8 +1,17 @@
-"""Hydra plumbing: the ``conf/`` tree ships inside the package as ``ldt.conf``."""
+"""Hydra plumbing: the ``conf/`` tree ships inside the package as ``ldt.conf``.
+
+:func:`run_app` turns a task function into a Hydra application with Hydra's own command line
+(``--help``, ``--cfg job``, ``--info``, ``-m``, ``--config-dir``, ``--config-name``,
+``hydra.run.dir=...``): ``ldt-train`` and ``python -m ldt.topology`` are built with it.
+:func:`compose` gives the same config without an application (for the API and tests).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+import os
+import sys
+from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -10,6 +19,8 @@ from ldt.config import register_configs
 
 CONFIG_MODULE = "ldt.conf"
 CONFIG_NAME = "config"
+EXIT_CONFIG = 2
+"""Exit status of a config (or command line) that cannot work."""
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
@@ -22,3 +33,61 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+
+
+def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = None, *,
+            run_folder: bool = True) -> int:
+    """Run ``task`` as a Hydra app over ``conf/`` and return the process exit status.
+
+    ``run_folder=False`` is for apps that write nothing (``python -m ldt.topology``): Hydra's
+    folders then go to a temporary directory that is removed afterwards.
+
+    ``task(cfg)`` runs once per job (once, or once per multirun job, one after another) and
+    returns that job's status; the app's status is the first non-zero one. When Hydra itself
+    refuses the command line before any job starts (an unknown group option, a key that is not
+    in the schema, bad override syntax) the status is 2, like any other config ldt refuses.
+
+    Under torchrun (``RANK`` set) only rank 0 keeps Hydra's run folder and ``.hydra/``; the
+    other ranks write nothing there and learn the folder from rank 0 (the task does that once
+    the world is up), so clocks that differ across nodes cannot split a run in two.
+    """
+    import hydra
+
+    register_configs()
+    args = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("RANK", "0") != "0":
+        if any(a in ("-m", "--multirun") for a in args):
+            print("ldt: --multirun under torchrun is not supported; launch torchrun once per job",
+                  file=sys.stderr)
+            return EXIT_CONFIG
+        args += ["hydra.output_subdir=null", "hydra.run.dir=."]
+    scratch = None
+    if not run_folder:
+        import tempfile
+
+        scratch = tempfile.mkdtemp(prefix="ldt-hydra-")
+        args += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}",
+                 "hydra.output_subdir=null"]
+    codes: list[int] = []
+
+    @functools.wraps(task)  # Hydra names the job after the task's module
+    def job(cfg: DictConfig) -> int:
+        codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
+        codes[-1] = int(task(cfg) or 0)
+        return codes[-1]
+
+    app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
+                     version_base="1.3")(job)
+    saved, sys.argv = sys.argv, [sys.argv[0], *args]
+    try:
+        app()
+    except SystemExit as exc:  # --help, --version, or Hydra refusing the command line
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        return EXIT_CONFIG if code == 1 and not codes else code
+    finally:
+        sys.argv = saved
+        if scratch is not None:
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
+    return next((c for c in codes if c), 0)

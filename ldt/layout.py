@@ -8,7 +8,8 @@ Grammar (what ``cluster.layout`` accepts; a superset of what Megatron's own pars
   contain ``|`` and other groups (``E|(tt|)*3L``, ``E|((t|)*2t|)*2L``); a group without ``*n`` counts
   once; ``*0`` is allowed and drops the item, as in Megatron; an empty group ``()`` is an error;
 * commas and whitespace are cosmetic and ignored anywhere except inside a number;
-* empty segments are legal (``E||tL``).
+* empty segments are legal in the grammar (``E||tL``), as in Megatron; ldt's training refuses
+  chunks without a decoder layer (``split_layers(..., min_chunk_layers=1)``).
 
 Anything else raises :class:`LayoutError` (a ``ValueError``) whose message names the field, quotes
 the value, points at the offending position with a caret and says how to fix it.
@@ -81,8 +82,9 @@ def _tokenize(text: str) -> list[tuple[str, object, int]]:
     return toks
 
 
-def _parse(text: str) -> list[list[tuple[str, int]]]:
-    """Segments of (token, position in ``text``) pairs."""
+def _parse(text: str, starts: list | None = None) -> list[list[tuple[str, int]]]:
+    """Segments of (token, position in ``text``) pairs; ``starts`` (if given) receives where
+    each segment begins: 0 for the first, else the position of the '|' that opens it."""
     if not isinstance(text, str):
         raise LayoutError(f"must be a string, got {type(text).__name__}", value=text, fix=_GRAMMAR_FIX)
 
@@ -126,11 +128,15 @@ def _parse(text: str) -> list[list[tuple[str, int]]]:
     if opens:
         fail("unclosed '('", opens[-1], "add the matching ')' (followed by '*n' to repeat the group)")
     segments: list[list[tuple[str, int]]] = [[]]
+    opened = [0]
     for sym, pos in stack[0]:
         if sym == "|":
             segments.append([])
+            opened.append(pos)
         else:
             segments[-1].append((sym, pos))
+    if starts is not None:
+        starts[:] = opened
     return segments
 
 
@@ -270,8 +276,27 @@ def _validate(segs, text: str, num_layers: int, num_stages: int, u_shape: bool) 
                           pos=early[0][1], fix="move the 'm' tokens after the last 't', before 'L'")
 
 
+def _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, minimum) -> None:
+    """Refuse a segment with fewer than ``minimum`` decoder layers (see :func:`split_layers`)."""
+    thin = [i for i, seg in enumerate(segs) if seg.count("t") < minimum]
+    if not thin:
+        return
+    i = thin[0]
+    shown = "".join(segs[i]) or "empty"
+    if starts:  # an explicit layout: point at the segment
+        raise LayoutError(
+            f"segment {i} ({shown}) has {segs[i].count('t')} decoder layers ('t')", value=layout,
+            pos=starts[i], fix=f"ldt builds each segment as a megatron-core GPTModel with at "
+            f"least {minimum} layer(s): move a 't' into it from a neighbour, or use fewer stages")
+    raise LayoutError(
+        f"{num_layers} decoder layers cannot give each of the {len(segs)} chunks "
+        f"({'U-shape: ' if u_shape else ''}{num_stages} stages) at least {minimum}",
+        field="model.num_layers", value=num_layers,
+        fix=f"use model.num_layers >= {len(segs) * minimum}, or fewer stages in cluster.stages")
+
+
 def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
-                 layout: str | None = None) -> LayerSplit:
+                 layout: str | None = None, min_chunk_layers: int = 0) -> LayerSplit:
     """Place ``num_layers`` decoder layers (plus E, L, m) on ``num_stages`` pipeline stages.
 
     With ``layout`` (a non-blank string) the segments are checked and placed as described in the
@@ -285,6 +310,10 @@ def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
       start segment. So every cloud stage gets a layer once ``num_layers >= P - 1``; with fewer
       layers the later cloud stages (and the edge chunks) are empty.
 
+    ``min_chunk_layers=1`` refuses a chunk without a decoder layer (an empty segment, or one
+    holding only ``E``/``L``): the grammar allows it, ldt's model build does not (every chunk is
+    a GPTModel with at least one layer), so a training config asks for it.
+
     Raises :class:`LayoutError` naming the field, the value and the fix on any mismatch.
     """
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -297,12 +326,14 @@ def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
         raise LayoutError(f"u_shape needs at least 2 stages (edge + cloud), got {num_stages}",
                           field="cluster.u_shape", value=u_shape,
                           fix="add a cloud stage to cluster.stages, or set u_shape: false")
+    starts: list = []
     if layout is None or (isinstance(layout, str) and not layout.strip()):
         segs = _even_segments(num_layers, num_stages, u_shape)
     else:
-        psegs = _parse(layout)
+        psegs = _parse(layout, starts)
         _validate(psegs, layout, num_layers, num_stages, u_shape)
         segs = [[sym for sym, _ in seg] for seg in psegs]
+    _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, min_chunk_layers)
     per_stage: list[list[Chunk]] = [[] for _ in range(num_stages)]
     offset = 0
     for i, seg in enumerate(segs):

@@ -88,7 +88,7 @@ class VtpCommunicator(P2PCommunicator):
     """Megatron's P2PCommunicator with VTP stage boundaries underneath."""
 
     def __init__(self, config, state: Optional[VtpState] = None,
-                 observers: Optional[list[BoundaryObserver]] = None):
+                 observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
         # Not calling super().__init__: it derives next/prev ranks from pp_group's members,
         # and a VTP pipeline "group" has none; the attributes the schedules read are set here.
         state = state or get_vtp_state()
@@ -103,6 +103,9 @@ class VtpCommunicator(P2PCommunicator):
         self.prev_rank = topo.leader(self.prev_stage, state.info.dp_rank)
         self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
         self.observers = list(observers or [])
+        # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
+        # observers and the peer see what actually crossed (e.g. ldt.privacy.defence's noise)
+        self.send_transforms = list(send_transforms or [])
 
     # ---- the one hook megatron's public methods call ---------------------------------------
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
@@ -136,6 +139,8 @@ class VtpCommunicator(P2PCommunicator):
         src, dst = self.state.stage, peer_stage
         plan, group = self._boundary(src, dst, direction)
         payload = tensor.detach()
+        for transform in self.send_transforms:
+            payload = transform(payload, src, dst, direction)
         if plan.host_staged:
             payload = payload.to("cpu", copy=True)
         payload = payload.contiguous()
@@ -200,37 +205,119 @@ def _local_index(state: VtpState) -> int:
 
 
 # ---- the reference implementation's functional API -----------------------------------------
-def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kw):
+# As in MindSpeed LDT: receives take (tensor_shape, config, async_op) and return the tensor, or
+# (tensor, {"recv_prev" | "recv_next": handle}) with async_op; sends take the tensor and return
+# a list of work handles on a stage's rank 0 (None elsewhere), so callers ``handles.extend()``.
+# Keywords pick the channel: ``group`` (a group or a list of groups) with ``next_rank`` /
+# ``prev_rank`` (a global rank or a list, one per group). Without them, or with megatron's
+# pipeline group (ldt's StagePipelineGroup), the stage boundary to the neighbouring stage's
+# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator.
+def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kwargs):
     """Receive this stage's input activation from the previous stage."""
-    return _recv(tensor_shape, config, async_op, FORWARD, kw)
+    return _recv(tensor_shape, config, async_op, FORWARD, kwargs)
 
 
-def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kw):
+def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kwargs):
     """Receive the gradient of this stage's output from the next stage."""
-    return _recv(tensor_shape, config, async_op, BACKWARD, kw)
+    return _recv(tensor_shape, config, async_op, BACKWARD, kwargs)
 
 
-def _recv(tensor_shape, config, async_op: bool, direction: str, kw: dict):
-    comm = VtpCommunicator(config, **kw)
-    forward = direction == FORWARD
-    tensor, work = comm.recv(tensor_shape, comm.prev_stage if forward else comm.next_stage,
-                             direction)
+def vtp_send_forward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
+    """Send this stage's output activation to the next stage: the leader's work handles."""
+    return _send(tensor, config, FORWARD, kwargs)
+
+
+def vtp_send_backward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
+    """Send the gradient of this stage's input to the previous stage: the leader's handles."""
+    return _send(tensor, config, BACKWARD, kwargs)
+
+
+def _communicator(config, kwargs: dict) -> tuple[VtpCommunicator, list]:
+    """The communicator and the (group, peer rank) routes of one functional call."""
+    groups = kwargs.pop("group", None)
+    next_rank, prev_rank = kwargs.pop("next_rank", None), kwargs.pop("prev_rank", None)
+    comm = VtpCommunicator(config or _SendOnlyConfig(), **kwargs)
+    return comm, (groups, next_rank, prev_rank)
+
+
+def _routes(comm: VtpCommunicator, routing, direction: str, sending: bool) -> list:
+    """[(group or None, peer leader rank)]: None means the stage boundary of ``comm``."""
+    groups, next_rank, prev_rank = routing
+    toward_next = (direction == FORWARD) == sending  # send forward / receive a gradient
+    peers = next_rank if toward_next else prev_rank
+    default_peer = comm.next_rank if toward_next else comm.prev_rank
+    groups = groups if isinstance(groups, (list, tuple)) else [groups]
+    if peers is None:
+        peers = [default_peer] * len(groups)
+    peers = peers if isinstance(peers, (list, tuple)) else [peers]
+    if len(groups) == 1 and len(peers) > 1:
+        groups = groups * len(peers)
+    if len(groups) != len(peers):
+        raise ConfigError(f"group= has {len(groups)} groups but the peer ranks are {peers}; "
+                          "give one rank per group")
+    from ldt.cross_stage import StagePipelineGroup
+
+    return [(None if g is None or isinstance(g, StagePipelineGroup) else g, int(r))
+            for g, r in zip(groups, peers)]
+
+
+def _peer_stage(comm: VtpCommunicator, rank: int) -> int:
+    info = comm.state.topology.rank_info(rank)
+    if not info.is_leader:
+        raise ConfigError(f"rank {rank} is not a stage leader; stage boundaries run between "
+                          f"leaders (get_vtp_stage_ranks()[stage][0])")
+    return info.stage
+
+
+def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optional[list]:
+    comm, routing = _communicator(config, kwargs)
+    if not comm.state.is_leader:
+        return None
+    handles = []
+    for group, rank in _routes(comm, routing, direction, sending=True):
+        if group is None:
+            handles.append(comm.send(tensor, _peer_stage(comm, rank), direction))
+        else:  # a group the caller built: send as given, through the host where it is gloo
+            payload = tensor.detach()
+            if dist.get_backend(group) == "gloo" and payload.device.type != "cpu":
+                payload = payload.to("cpu")
+            payload = payload.contiguous()
+            handles.append(_SendWork([dist.isend(payload, dst=rank, group=group,
+                                                 tag=_TAGS[direction])], payload))
+    return handles
+
+
+def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
+    comm, routing = _communicator(config, kwargs)
+    routes = _routes(comm, routing, direction, sending=False)
+    key = "recv_prev" if direction == FORWARD else "recv_next"
+    if all(g is None for g, _ in routes) and len(routes) == 1:
+        tensor, work = comm.recv(tensor_shape, _peer_stage(comm, routes[0][1]), direction)
+    else:
+        if any(g is None for g, _ in routes):
+            raise ConfigError("mix of ldt's pipeline group and other groups in group=; give "
+                              "only groups you built, or none")
+        tensor, work = _recv_over_groups(comm, tensor_shape, routes, direction)
     if async_op:
-        return tensor, {"recv_prev" if forward else "recv_next": work}
+        return tensor, {key: work}
     work.wait()
     return tensor
 
 
-def vtp_send_forward(tensor: torch.Tensor, config=None, **kw):
-    """Send this stage's output activation to the next stage; the leader's handle or None."""
-    comm = VtpCommunicator(config or _SendOnlyConfig(), **kw)
-    return comm.send(tensor, comm.next_stage, FORWARD)
-
-
-def vtp_send_backward(tensor: torch.Tensor, config=None, **kw):
-    """Send the gradient of this stage's input to the previous stage; handle or None."""
-    comm = VtpCommunicator(config or _SendOnlyConfig(), **kw)
-    return comm.send(tensor, comm.prev_stage, BACKWARD)
+def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
+    """Receive over groups the caller built (one irecv per group into one buffer), then the
+    stage broadcast, as the reference does."""
+    dtype = comm.config.pipeline_dtype
+    tensor = torch.empty(tuple(shape), dtype=dtype, device=comm.device, requires_grad=True)
+    works, staged = [], None
+    if comm.state.is_leader:
+        target = tensor.detach()
+        if any(dist.get_backend(g) == "gloo" for g, _ in routes) and comm.device.type != "cpu":
+            staged = target = torch.empty(tuple(shape), dtype=dtype, device="cpu")
+        works = [dist.irecv(target, src=rank, group=g, tag=_TAGS[direction]) for g, rank in routes]
+    return tensor, _VTPRecvWork(tensor, works, tp_group=comm.state.tp_group,
+                                leader=comm.state.stage_ranks[0],
+                                stage_size=len(comm.state.stage_ranks), staged=staged)
 
 
 class _SendOnlyConfig:

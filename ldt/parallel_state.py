@@ -9,14 +9,17 @@
   boundary is host-staged). One group per *directed* boundary means a two-stage ring, where
   prev == next, still has one FIFO channel per (group, direction): a forward activation can
   never match a backward gradient, even on NCCL which ignores tags;
-- a gloo group of all leaders of a replica (cross-stage scalars: loss, grad norm) and a
-  replica-wide model-parallel group.
+- a gloo group of all leaders of a replica (the cross-stage channel for scalars, and for the
+  cross-stage groups below);
+- the groups megatron-core runs collectives on that span stages (:mod:`ldt.cross_stage`): the
+  pipeline group, the embedding and position-embedding groups, the model-parallel group and
+  the distributed-optimizer instance group.
 
 It then points megatron-core's ``parallel_state`` globals at them so Megatron code on each rank
-sees its own stage's TP size and rank, pipeline rank = stage index, pipeline size = number of
-stages and next/prev pipeline rank = the neighbouring leaders (wrapping around). The
-private-name writes live in :mod:`ldt.patches.megatron_state`, the only module that touches
-megatron's internals.
+sees its own stage: TP size and rank of the stage, pipeline rank = stage index, pipeline size =
+number of stages, next/prev pipeline rank = the neighbouring leaders (wrapping around), expert
+groups for expert-parallel size 1. The private-name writes live in
+:mod:`ldt.patches.megatron_state`, the only module that touches megatron's internals.
 
 Module state: the reference API (``is_vtp_stage_rank0()`` and friends) is a set of free
 functions, so the active :class:`VtpState` is kept here; new code should pass the state object.
@@ -26,36 +29,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
 from ldt.config import ConfigError
+from ldt.cross_stage import (EmbeddingGroup, StageHierarchyGroup, StagePipelineGroup,
+                             register, unregister)
 from ldt.device import BoundaryPlan, backend_for
 from ldt.topology import RankInfo, Topology
 
 DEFAULT_TIMEOUT_S = 600.0
 
-
-class StagePipelineGroup:
-    """What Megatron's schedules call the pipeline group: rank = stage index, size = stages.
-
-    In a VTP world there is no real group whose members are "one rank per stage" for every rank
-    (non-leaders never talk across stages), and the schedules only ask ``.rank()`` and
-    ``.size()`` of it. Cross-stage traffic goes through :class:`ldt.p2p.VtpCommunicator`.
-    """
-
-    def __init__(self, stage: int, num_stages: int, leaders: tuple[int, ...]):
-        self._stage, self._size, self.leaders = stage, num_stages, leaders
-
-    def rank(self) -> int:
-        return self._stage
-
-    def size(self) -> int:
-        return self._size
-
-    def __repr__(self) -> str:
-        return f"StagePipelineGroup(stage={self._stage}, stages={self._size})"
+__all__ = ["StagePipelineGroup", "VtpState", "initialize_vtp", "destroy_vtp", "get_vtp_state",
+           "is_vtp_initialized", "default_embedding_stages", "is_vtp_enabled",
+           "is_vtp_stage_rank0", "get_vtp_size_list", "get_vtp_stage_ranks",
+           "get_vtp_my_stage_idx", "get_vtp_intra_stage_group", "vtp_allreduce",
+           "vtp_hierarchical_barrier"]
 
 
 @dataclass
@@ -70,13 +60,21 @@ class VtpState:
     dp_group: dist.ProcessGroup
     dp_group_gloo: dist.ProcessGroup
     tp_dp_group: dist.ProcessGroup
-    replica_group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup  # model parallel: every rank of this replica
     leader_group: Optional[dist.ProcessGroup]  # None on non-leaders
     pp_group: StagePipelineGroup
     # directed boundary (src_stage, dst_stage) -> (plan, group); only on the two leaders
     boundary_groups: dict[tuple[int, int], tuple[BoundaryPlan, dist.ProcessGroup]] = field(
         default_factory=dict)
+    # megatron's embedding / position-embedding groups (None where this rank has no copy) and
+    # their members as this rank sees them (also set on ranks outside, as megatron does)
+    embd_group: Optional[dist.ProcessGroup] = None
+    embedding_ranks: list[int] = field(default_factory=list)
+    pos_embd_group: Optional[dist.ProcessGroup] = None
+    position_embedding_ranks: list[int] = field(default_factory=list)
+    dist_opt_group: Optional[dist.ProcessGroup] = None  # every rank of every replica
     owned_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
+    python_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
 
     @property
     def stage(self) -> int:
@@ -91,26 +89,46 @@ class VtpState:
         return self.topology.stage_ranks(self.info.stage, self.info.dp_rank)
 
     def pg_collection(self):
-        """megatron-core's ProcessGroupCollection for this rank's stage (passed to schedules)."""
+        """megatron-core's ProcessGroupCollection for this rank's stage (schedules, models,
+        DDP, ``finalize_model_grads`` and the optimizer take groups from it)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pgs = ProcessGroupCollection()
         pgs.tp, pgs.pp, pgs.cp = self.tp_group, self.pp_group, self.cp_group
         pgs.tp_cp = self.tp_group
-        pgs.embd = pgs.pos_embd = None  # embedding and head never tie across stages in ldt
+        pgs.embd, pgs.pos_embd = self.embd_group, self.pos_embd_group
         pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = self.dp_group
+        pgs.tp_dp_cp = self.tp_dp_group
         pgs.mp = self.replica_group
+        # expert parallel size 1: experts are sharded like the dense layers
+        pgs.ep = self.cp_group
+        pgs.expt_tp = pgs.tp_ep = self.tp_group
+        pgs.tp_ep_pp = self.replica_group
+        pgs.expt_dp = pgs.intra_expt_dp = self.dp_group
+        pgs.intra_dist_opt = self.dist_opt_group
         return pgs
 
 
 _STATE: Optional[VtpState] = None
 
 
-def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> VtpState:
+def default_embedding_stages(topology: Topology) -> list[int]:
+    """Stages holding a copy of the word embedding: megatron's first and last pipeline stage,
+    or only stage 0 where it also holds the head (one stage, or the U-shape's edge)."""
+    if topology.num_stages == 1 or topology.u_shape:
+        return [0]
+    return [0, topology.num_stages - 1]
+
+
+def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
+                   embedding_stages: Optional[Sequence[int]] = None,
+                   position_embedding_stages: Optional[Sequence[int]] = None) -> VtpState:
     """Create every group of ``topology`` (collective over the whole world) and activate it.
 
     The world must already be initialized (``torch.distributed.init_process_group``) with
     exactly ``topology.world_size`` ranks; that is checked before the first collective.
+    ``embedding_stages`` / ``position_embedding_stages``: the stages of the embedding groups
+    (default: :func:`default_embedding_stages` and stage 0, as megatron's defaults).
     """
     global _STATE
     if not dist.is_initialized():
@@ -125,6 +143,9 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
             f"{topology.replica_size} = {topology.world_size} (tp per stage {topology.tp_sizes}); "
             "launch that many processes or change cluster.stages[*].tp / cluster.dp"
         )
+    emb_stages = _check_stages(topology, embedding_stages, default_embedding_stages(topology),
+                               "embedding")
+    pos_stages = _check_stages(topology, position_embedding_stages, [0], "position embedding")
     if _STATE is not None:
         destroy_vtp()
     timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
@@ -140,8 +161,6 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
         return None
 
     mine: dict[str, dist.ProcessGroup] = {}
-    devices = {s.device for s in topology.stages}
-    mixed_backend = "gloo" if len(devices) > 1 else backend_for(next(iter(devices)))
 
     # Context-parallel size is 1: a group of one. Only its member creates it (local
     # synchronization, hashed name), so this is O(1) per rank, not one world barrier per rank.
@@ -170,29 +189,92 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None) -> Vtp
         g = new_group(topology.leaders(d), "gloo")
         if g is not None:
             mine["leaders"] = g
-        g = new_group([r for s in range(topology.num_stages)
-                       for r in topology.stage_ranks(s, d)], mixed_backend)
-        if g is not None:
-            mine["replica"] = g
+        if len(emb_stages) > 1:  # the embedding copies' leaders (tied embedding and head)
+            g = new_group([topology.leader(s, d) for s in emb_stages], "gloo")
+            if g is not None:
+                mine["emb_leaders"] = g
+        if len(pos_stages) > 1:
+            g = new_group([topology.leader(s, d) for s in pos_stages], "gloo")
+            if g is not None:
+                mine["pos_leaders"] = g
         for plan in topology.boundaries():
             pair = sorted({topology.leader(plan.src_stage, d), topology.leader(plan.dst_stage, d)})
             g = new_group(pair, plan.backend)
             if g is not None:
                 boundary_groups[(plan.src_stage, plan.dst_stage)] = (plan, g)
 
+    tp_dp_group = mine.get("tp_dp", mine["tp"])
+    cross = _cross_stage_groups(topology, info, mine, tp_dp_group, emb_stages, pos_stages)
     state = VtpState(
         topology=topology, rank=rank, info=info,
         tp_group=mine["tp"], cp_group=mine["cp"], dp_group=mine["dp"], dp_group_gloo=mine["dp_gloo"],
-        tp_dp_group=mine.get("tp_dp", mine["tp"]), replica_group=mine["replica"],
-        leader_group=mine.get("leaders"),
-        pp_group=StagePipelineGroup(info.stage, topology.num_stages, topology.leaders(info.dp_rank)),
-        boundary_groups=boundary_groups, owned_groups=owned,
+        tp_dp_group=tp_dp_group, leader_group=mine.get("leaders"),
+        boundary_groups=boundary_groups, owned_groups=owned, **cross,
     )
     from ldt.patches import megatron_state
 
     megatron_state.install(state)
     _STATE = state
     return state
+
+
+def _check_stages(topology: Topology, stages, default, what: str) -> list[int]:
+    stages = list(default if stages is None else stages)
+    if not stages or any(not 0 <= s < topology.num_stages for s in stages):
+        raise ConfigError(f"{what} stages {stages} must be stage indices of the "
+                          f"{topology.num_stages}-stage cluster")
+    return sorted(set(stages))
+
+
+def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_group,
+                        emb_stages: list[int], pos_stages: list[int]) -> dict:
+    """The groups that span stages, as :mod:`ldt.cross_stage` process groups, registered
+    with torch.distributed under the members this rank sees."""
+    rank, d = info.rank, info.dp_rank
+    leaders = topology.leaders(d)
+    out: dict = {"python_groups": []}
+
+    def keep(group, members, name):
+        register(group, members, name)
+        out["python_groups"].append(group)
+        return group
+
+    out["pp_group"] = pp = StagePipelineGroup(
+        info.stage, topology.num_stages, leaders, me=rank, tp_group=mine["tp"],
+        leader_group=mine.get("leaders"), name=f"ldt_pp_{d}")
+    keep(pp, pp.members(), pp.group_name_)
+
+    def view(stages):  # one member per stage: this rank for its own stage, else the leader
+        return [rank if s == info.stage else leaders[s] for s in stages]
+
+    def stage_subset(cls, stages, leader_key, name):
+        if info.stage not in stages:
+            return None
+        group = cls(stages.index(info.stage), len(stages), [leaders[s] for s in stages],
+                    me=rank, tp_group=mine["tp"], leader_group=mine.get(leader_key), name=name)
+        return keep(group, view(stages), name)
+
+    out["embd_group"] = stage_subset(EmbeddingGroup, emb_stages, "emb_leaders", f"ldt_embd_{d}")
+    out["embedding_ranks"] = view(emb_stages)
+    out["pos_embd_group"] = stage_subset(StagePipelineGroup, pos_stages, "pos_leaders",
+                                         f"ldt_pos_embd_{d}")
+    out["position_embedding_ranks"] = view(pos_stages)
+
+    replica = [r for s in range(topology.num_stages) for r in topology.stage_ranks(s, d)]
+    roots = {r: topology.leader(topology.rank_info(r).stage, d) for r in replica}
+    out["replica_group"] = keep(StageHierarchyGroup(
+        f"ldt_mp_{d}", replica, rank, stage_group=mine["tp"], stage_root=leaders[info.stage],
+        leader_group=mine.get("leaders"), stage_roots=roots), replica, f"ldt_mp_{d}")
+    if topology.dp == 1:
+        out["dist_opt_group"] = out["replica_group"]
+    else:  # every replica: reduce over the stage's TP x DP ranks, replica 0's leaders cross
+        world = list(range(topology.world_size))
+        roots = {r: topology.leader(topology.rank_info(r).stage, 0) for r in world}
+        out["dist_opt_group"] = keep(StageHierarchyGroup(
+            "ldt_dist_opt", world, rank, stage_group=tp_dp_group, stage_root=roots[rank],
+            leader_group=mine.get("leaders") if d == 0 else None, stage_roots=roots),
+            world, "ldt_dist_opt")
+    return out
 
 
 def destroy_vtp() -> None:
@@ -203,10 +285,12 @@ def destroy_vtp() -> None:
     from ldt.patches import megatron_state
 
     megatron_state.uninstall()
+    for g in _STATE.python_groups:
+        unregister(g)
     for g in _STATE.owned_groups:
         try:
             dist.destroy_process_group(g)
-        except Exception:  # a group of a dead world: nothing left to free
+        except Exception:  # a group of a dead world, or one megatron already destroyed
             pass
     _STATE = None
 
@@ -222,21 +306,50 @@ def is_vtp_initialized() -> bool:
 
 
 # ---- the reference implementation's names (MindSpeed LDT), kept for its users -------------
+# Before initialization they answer as the reference does: this rank is its stage's rank 0,
+# and the layout queries return None.
+def is_vtp_enabled() -> bool:
+    """True once the VTP state is built."""
+    return _STATE is not None
+
+
 def is_vtp_stage_rank0() -> bool:
-    """True on the leader (TP rank 0) of this rank's stage."""
-    return get_vtp_state().is_leader
+    """True on the leader (TP rank 0) of this rank's stage; True before initialization."""
+    return True if _STATE is None else _STATE.is_leader
 
 
-def get_vtp_size_list() -> list[int]:
-    """TP size of every stage, in pipeline order."""
-    return get_vtp_state().topology.tp_sizes
+def get_vtp_size_list() -> Optional[list[int]]:
+    """TP size of every stage, in pipeline order (None before initialization)."""
+    return None if _STATE is None else list(_STATE.topology.tp_sizes)
 
 
-def get_vtp_stage_ranks(stage: Optional[int] = None) -> list[int]:
-    """Global ranks of a stage (default: this rank's) in this rank's replica."""
-    st = get_vtp_state()
-    return list(st.topology.stage_ranks(st.stage if stage is None else stage, st.info.dp_rank))
+def get_vtp_stage_ranks() -> Optional[list[list[int]]]:
+    """Every stage's global ranks in this rank's replica, in pipeline order: the reference
+    idiom ``get_vtp_stage_ranks()[get_vtp_my_stage_idx()][0]`` is this stage's leader."""
+    if _STATE is None:
+        return None
+    topo, d = _STATE.topology, _STATE.info.dp_rank
+    return [list(topo.stage_ranks(s, d)) for s in range(topo.num_stages)]
 
 
-def get_vtp_my_stage_idx() -> int:
-    return get_vtp_state().stage
+def get_vtp_my_stage_idx() -> Optional[int]:
+    """This rank's stage index (None before initialization)."""
+    return None if _STATE is None else _STATE.stage
+
+
+def get_vtp_intra_stage_group() -> Optional[dist.ProcessGroup]:
+    """The group of this rank's stage (its TP group), None for a one-rank stage."""
+    if _STATE is None or len(_STATE.stage_ranks) == 1:
+        return None
+    return _STATE.tp_group
+
+
+def vtp_allreduce(tensor, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce over every rank of this replica: within the stage, across the stage leaders
+    (host-staged), then back out in the stage (megatron's model-parallel group here)."""
+    dist.all_reduce(tensor, op=op, group=get_vtp_state().replica_group)
+
+
+def vtp_hierarchical_barrier() -> None:
+    """A barrier over every rank of this replica, stage by stage."""
+    dist.barrier(group=get_vtp_state().replica_group)

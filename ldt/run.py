@@ -38,13 +38,26 @@ class Activation:
 
 def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[float] = None,
              rank: Optional[int] = None) -> Activation:
-    """One line in a Megatron-core script (before ``initialize_model_parallel``) turns VTP on.
+    """One line in a Megatron-core script turns VTP on: anywhere before the script calls
+    ``parallel_state.initialize_model_parallel`` (also after it imported megatron's functions,
+    e.g. ``get_forward_backward_func`` or ``initialize_model_parallel`` itself).
 
     ``cluster``: a path to a cluster YAML, a ClusterConfig or a dict. The stage device of this
     rank (``RANK`` from the environment) decides whether the CPU shims are applied.
     """
     import ldt.quiet  # noqa: F401
+    from megatron.core import parallel_state as ps
+
     from ldt import patches
+    from ldt.config import ConfigError
+    from ldt.parallel_state import is_vtp_initialized
+
+    if ps.model_parallel_is_initialized() and not is_vtp_initialized():
+        raise ConfigError(
+            "ldt.run.activate() was called after parallel_state.initialize_model_parallel(): "
+            "megatron's uniform groups are already built. Call activate() before "
+            "initialize_model_parallel (anywhere above it in the script), or run the script "
+            "unchanged with `python -m ldt.run --cluster FILE.yaml script.py`")
 
     cfg = load_cluster_yaml(cluster) if isinstance(cluster, (str, os.PathLike)) else to_cluster(cluster)
     if u_shape is not None:
@@ -52,7 +65,8 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     topo = Topology.from_config(cfg)
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     on_cpu = topo.rank_info(rank).device == "cpu" if rank < topo.world_size else False
-    names = ["init_model_parallel", "schedules"] + (["cpu_shims", "cuda_to_cpu"] if on_cpu else [])
+    names = (["init_model_parallel", "schedules", "dist_checkpointing"]
+             + (["cpu_shims", "rope_cpu", "cuda_to_cpu"] if on_cpu else []))
     act = Activation(topo, timeout_s, names)
     patches.apply(names, ctx=act)
     return act
@@ -60,9 +74,17 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
 
 def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
                 timeout_s: float, script: str, args: list) -> None:
+    import atexit
+
     activate(cluster, u_shape=u_shape, timeout_s=timeout_s, rank=rank)
     sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        # What the interpreter does when a script ends; this process ends with os._exit
+        # instead, which would leave e.g. the multiprocessing Manager that megatron's
+        # dist-checkpointing writer starts running, holding the launcher's output open.
+        atexit._run_exitfuncs()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

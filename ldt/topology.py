@@ -91,7 +91,7 @@ class Topology:
         from ldt.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
-                             layout=cluster.layout)
+                             layout=cluster.layout, min_chunk_layers=1)
         return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging)
 
     # ---- sizes ----------------------------------------------------------------------------
@@ -207,15 +207,36 @@ class Topology:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ldt.topology [hydra overrides]``: print the rank map of a config."""
-    from ldt.hydra_app import compose
+    """``python -m ldt.topology [hydra flags] [overrides]``: print the rank map of a config.
+
+    A Hydra app over the same ``conf/`` as ``ldt-train`` (so ``--help``, ``--cfg job`` and
+    ``--config-dir`` work alike); it validates the config (not the devices: a rank map of a
+    GPU/NPU cluster is printed on any machine) and starts nothing.
+    """
+    from ldt.hydra_app import run_app
+
+    return run_app(_print_rank_map, argv, run_folder=False)
+
+
+def _print_rank_map(cfg) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from ldt.hydra_app import EXIT_CONFIG
     from ldt.validate import validate
 
-    cfg = compose(list(sys.argv[1:] if argv is None else argv))
-    topo = validate(cfg.cluster, cfg.model, world_size=None, check_devices=False)
+    try:
+        topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,
+                        check_devices=False)
+    except ValueError as exc:  # ConfigError, LayoutError
+        print(f"ldt: invalid config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    choices = HydraConfig.get().runtime.choices
+    print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
     print(topo.rank_map())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ldt.topology import main as _main  # this module's functions, not __main__'s copies
+
+    sys.exit(_main())

@@ -1,12 +1,15 @@
-"""``ldt-train``: the main job, a Hydra app over ``conf/``.
+"""``ldt-train``: the main job, a Hydra app over ``conf/`` (Hydra's own command line).
 
-``ldt-train [overrides]`` composes and validates the config (on every rank, before any
-collective), then either joins a torchrun world (RANK / WORLD_SIZE set) or, launched bare,
-starts the cluster's world itself on this machine (gloo on 127.0.0.1). The run folder gets the
-resolved config, ``metrics.csv`` and the measured timeline; the last line printed is one JSON
-object (steps, final_loss, eval_loss with train.eval_every, tokens_per_s, step_time_s, and
-parity_max_abs_diff with ``train.verify=true``). A bad config exits with status 2 and one
-message naming the field, the value and the fix.
+``ldt-train [overrides]`` composes the config and validates it (types, numbers, the layout,
+the data file, the resume folder) before torch or megatron-core is imported, so a config that
+cannot work is refused in about a second, with exit status 2 and one line naming the field,
+the value and the fix. It then says what it starts and either joins a torchrun world (RANK /
+WORLD_SIZE set) or, launched bare, starts the cluster's world itself on this machine (gloo on
+127.0.0.1). The run folder is Hydra's (``hydra.run.dir``; ``run_dir=`` is an alias; with
+``-m`` one sub-folder per job) and gets the resolved config, ``metrics.csv`` and the measured
+timeline; the last line a run prints is one JSON object (steps, final_loss, eval_loss with
+train.eval_every, tokens_per_s, step_time_s, and parity_max_abs_diff with
+``train.verify=true``). ``ldt-train --help`` lists the groups and the switches that matter.
 """
 
 from __future__ import annotations
@@ -14,49 +17,91 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from typing import Sequence
+from typing import Optional, Sequence
 
-EXIT_CONFIG = 2
+from ldt.hydra_app import EXIT_CONFIG
 
 
-def load(overrides: Sequence[str]):
-    """Compose + validate: (cfg as a plain dict, topology). Raises ValueError subclasses."""
+def main(argv: Sequence[str] | None = None) -> int:
+    from ldt.hydra_app import run_app
+
+    return run_app(_job, argv)
+
+
+def _job(cfg) -> int:
+    """One run (one job of a multirun): validate, say what starts, then launch or join."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
+    try:
+        plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+    except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"ldt: invalid config{where}: {exc}", file=sys.stderr)
+        _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        return EXIT_CONFIG
+    for warning in warnings:
+        print(f"ldt: warning: {warning}", file=sys.stderr)
+    choices = hydra_cfg.runtime.choices
+    what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: {topo.num_stages} "
+            f"stages, TP {topo.tp_sizes}, dp {topo.dp}"
+            + (", U-shape" if topo.u_shape else ""))
+    if rank is not None:
+        if rank == 0:
+            print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
+                  flush=True)
+        return _join_torchrun(plain, topo)
+    print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
+          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
+    return _launch_local(plain, topo)
+
+
+def _discard_run_folder(path: str, cwd: str) -> None:
+    """A refused config leaves no run folder behind: Hydra made it (and ``.hydra/`` in it)
+    before the job could validate. Removed only when that is all it holds, with the parents
+    it leaves empty below the working directory (``outputs/<date>``)."""
+    import shutil
+
+    if not os.path.isdir(path) or not set(os.listdir(path)) <= {".hydra"}:
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    parent = os.path.dirname(path)
+    while parent.startswith(cwd + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
+        os.rmdir(parent)
+        parent = os.path.dirname(parent)
+
+
+def prepare(cfg, run_dir: str, rank: Optional[int] = None):
+    """The composed config as a plain dict (run folder and paths made absolute), validated:
+    ``(cfg, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron."""
+    from hydra.utils import to_absolute_path
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from ldt.config import ConfigError
-    from ldt.hydra_app import compose
-    from ldt.validate import validate
+    from ldt.validate import check_files, validate
 
     try:
-        cfg = compose(list(overrides))
-        world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-        topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
         plain = OmegaConf.to_container(cfg, resolve=True)
-        path = plain["data"]["path"]
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"data.path={path!r} is not a file; give a text file or leave "
-                              "data.path unset for the built-in corpus")
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{exc}".strip()) from None
-    return plain, topo
+    plain["run_dir"] = os.path.abspath(run_dir)
+    # relative to where ldt-train was started, also under hydra.job.chdir=true
+    for group, key in (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+                       ("train", "resume"), ("train", "load")):
+        value = plain[group].get(key)
+        if value and not (key == "tokenizer" and value == "bytes"):
+            plain[group][key] = to_absolute_path(value)
+    if plain["data"].get("blend") is not None:
+        from ldt.data.files import format_blend, parse_blend
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
-    from hydra.errors import HydraException
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg, topo = load(args)
-    except (ValueError, HydraException) as exc:
-        rank = os.environ.get("RANK")
-        where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    if "RANK" in os.environ:
-        return _join_torchrun(cfg)
-    return _launch_local(cfg, topo)
+        plain["data"]["blend"] = format_blend(*parse_blend(plain["data"]["blend"],
+                                                           base=to_absolute_path(".")))
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
+    warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
+    return plain, topo, warnings
 
 
 def _save_config(cfg: dict, run_dir: str) -> None:
@@ -68,21 +113,17 @@ def _save_config(cfg: dict, run_dir: str) -> None:
 
 def _launch_local(cfg: dict, topo) -> int:
     """Bare launch: start the whole world here; every child is reaped whatever happens."""
+    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
     from ldt.launch import WorldError, run_local_world
-    from ldt.training.checkpoint_files import CheckpointError
     from ldt.training.loop import reference_config, train_worker
 
     run_dir = os.path.abspath(cfg["run_dir"])
-    try:
-        _check_resume(cfg, hashes=True)
-    except CheckpointError as exc:
-        print(f"ldt: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
     _save_config(cfg, run_dir)
     timeout = cfg["train"]["comm_timeout_s"]
+    # prepare() (check_files with every rank local) checked the checkpoint's checksums
+    verified = bool(cfg["train"]["resume"] or cfg["train"].get("load"))
     try:
-        results = run_local_world(topo.world_size, train_worker,
-                                  (cfg, run_dir, bool(cfg["train"]["resume"])),
+        results = run_local_world(topo.world_size, train_worker, (cfg, run_dir, verified),
                                   timeout_s=_job_timeout(cfg), comm_timeout_s=timeout,
                                   stop_grace_s=max(120.0, 2 * timeout))
     except WorldError as exc:
@@ -104,14 +145,6 @@ def _launch_local(cfg: dict, topo) -> int:
     return 0
 
 
-def _check_resume(cfg: dict, hashes: bool) -> None:
-    """``train.resume`` checked before any rank starts (files, model, steps left)."""
-    if cfg["train"]["resume"]:
-        from ldt.training.checkpoint_files import preflight
-
-        preflight(cfg["train"]["resume"], cfg["model"], cfg["train"]["steps"], hashes=hashes)
-
-
 def _stopped_early(exc, run_dir: str) -> int:
     """A stop signal ended the world before the ranks reached a step boundary."""
     import signal
@@ -131,23 +164,20 @@ def _summary_line(summary: dict) -> str:
     return summary_json(_public(summary))
 
 
-def _join_torchrun(cfg: dict) -> int:
+def _join_torchrun(cfg: dict, topo) -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary."""
+    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
     import torch.distributed as dist
 
-    from ldt.training.checkpoint_files import CheckpointError
     from ldt.training.loop import train_worker
 
-    try:  # the same on every rank, before any collective (checksums: each rank, on load)
-        _check_resume(cfg, hashes=False)
-    except CheckpointError as exc:
-        print(f"ldt: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
     backend = _world_backend(cfg)
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
-    holder = [os.path.abspath(cfg["run_dir"])]
-    dist.broadcast_object_list(holder, src=0)  # one run folder, whatever each clock said
+    holder = [cfg["run_dir"]]
+    dist.broadcast_object_list(holder, src=0)  # rank 0's run folder (only it kept Hydra's)
+    cfg["run_dir"] = holder[0]
     if dist.get_rank() == 0:
+        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}", flush=True)
         _save_config(cfg, holder[0])
     summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
     code = 0

@@ -7,9 +7,11 @@ fix, never later as a hang inside a collective. :func:`validate` returns the val
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
-from ldt.config import ConfigError, ModelConfig, TrainConfig, to_model
+from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_data, to_model,
+                        to_train)
 from ldt.device import check_devices_present
 from ldt.topology import Topology
 
@@ -26,17 +28,101 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             f"launch {topo.world_size} processes or change cluster.stages[*].tp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
-    if model.tie_embeddings and not (topo.u_shape or topo.num_stages == 1):
-        raise ConfigError(
-            "model.tie_embeddings=true needs the embedding and the head on one stage; with "
-            f"{topo.num_stages} stages and cluster.u_shape=false they are on stages 0 and "
-            f"{topo.num_stages - 1}. Use cluster.u_shape=true (the edge holds both) or set "
-            "model.tie_embeddings=false")
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
+    from ldt.models.spec import transformer_impl
+
+    for s in topo.stages:
+        transformer_impl(model, s.device)
     if train is not None:
-        _check_train(topo, train)
+        _check_train(topo, to_train(train))
+        _check_checkpoint(to_train(train), model)
     return topo
+
+
+def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) -> list[str]:
+    """Refuse a data file or a resume folder that cannot work; return warnings to print.
+
+    Checked where they are read: the data file on the ranks of data stages (the cloud stages
+    of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all
+    (sizes in :func:`validate`; every sha256 here when ``rank=None``, else each rank checks
+    the files it reads as it loads them). Relative paths are taken from the working
+    directory, as the workers will.
+    """
+    from ldt.data.files import check_data
+
+    data, model, train = to_data(data), to_model(model), to_train(train)
+    warnings = []
+    stage = topo.rank_info(rank).stage if rank is not None and rank < topo.world_size else None
+    # indexed data and tokenizers: the settings everywhere, the files on data ranks only
+    check_data(data, model, train, topo, rank)
+    if data.blend is None and (stage is None or stage in topo.data_stages()):
+        warnings += _check_data(data, model, train)  # bytes-as-tokens text
+    if rank is None and (train.resume or train.load):  # every rank is here: hash it once
+        from ldt.training.checkpoint_files import preflight
+
+        preflight(train.resume or train.load, "train.resume" if train.resume else "train.load",
+                  hashes=True)
+    return warnings
+
+
+def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> list[str]:
+    from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
+
+    if model.vocab_size < 256:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} cannot hold byte tokens (0..255), which is "
+            "what ldt's data is; set model.vocab_size >= 256")
+    path, what = data.path, f"data.path={data.path!r}"
+    if path and not os.path.isfile(path):
+        raise ConfigError(f"{what} is not a file; give a text file, or leave data.path unset "
+                          "for the built-in corpus")
+    head = b""
+    if path:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096)
+        except OSError as exc:
+            raise ConfigError(f"{what} cannot be read ({exc.strerror}); check its permissions "
+                              "or give another file") from None
+    size = corpus_size(path, data.max_bytes)
+    source = what if path else "the built-in corpus (data.path unset)"
+    if size == 0:
+        raise ConfigError(f"{source} is empty (0 bytes); give a text file with at least "
+                          f"{min_corpus_bytes(model.seq_length, train.micro_batch_size)} bytes")
+    if min(split_windows(size, model.seq_length)) < train.micro_batch_size:
+        need = min_corpus_bytes(model.seq_length, train.micro_batch_size)
+        capped = f" (data.max_bytes={data.max_bytes})" if size == data.max_bytes else ""
+        raise ConfigError(
+            f"{source} gives {size} bytes{capped}, too few for one micro-batch of "
+            f"train.micro_batch_size={train.micro_batch_size} sequences of model.seq_length="
+            f"{model.seq_length} in training and in the held-out 1/20: it needs >= {need} bytes; "
+            "use a larger file (or data.max_bytes), or a smaller seq_length / micro_batch_size")
+    if b"\0" in head:
+        return [f"{what} looks binary (NUL bytes in its first 4 KiB); ldt trains on its raw "
+                "bytes as tokens, which is only meaningful for text"]
+    return []
+
+
+def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
+    """A checkpoint to resume or load from must exist, be complete and fit the model
+    (metadata only, no collective)."""
+    if train.resume and train.load:
+        raise ConfigError(f"train.resume={train.resume!r} and train.load={train.load!r} are both "
+                          "set; resume continues a run (weights, optimizer, step), load takes "
+                          "weights only: set one of them")
+    field, path = ("train.resume", train.resume) if train.resume else ("train.load", train.load)
+    if not path:
+        return
+    # exists, complete, every file of the size its manifest says, a resume has steps left
+    # (sha256 too: check_files on a launcher, or each rank on load)
+    from ldt.training.checkpoint_files import preflight
+
+    found = preflight(path, field, train.steps if train.resume else None, hashes=False)
+    # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
+    from ldt.training.checkpoint import check_compatible
+
+    check_compatible(found, model)
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
@@ -45,8 +131,7 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
         ("model.num_attention_heads", model.num_attention_heads),
         ("model.hidden_size", model.hidden_size),
         ("model.ffn_hidden_size", ffn),
-        ("model.vocab_size", model.vocab_size),
-    ]
+    ]  # the vocabulary is padded to fit every stage (ldt.models.vocab)
     if model.num_query_groups:
         dims.append(("model.num_query_groups", model.num_query_groups))
     for stage in topo.stages:
@@ -78,6 +163,14 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(f"train.num_microbatches={train.num_microbatches} must be >= 1")
     if train.eval_every < 0:
         raise ConfigError(f"train.eval_every={train.eval_every} must be >= 0 (0: no evaluation)")
+    if train.boundary_noise > 0 and train.verify:
+        raise ConfigError(
+            f"train.verify=true with train.boundary_noise={train.boundary_noise}: the noise makes "
+            "the run differ from the single-process reference on purpose; set one of them off")
+    if train.boundary_noise > 0 and not (topo.u_shape or train.runtime == "ldt"):
+        raise ConfigError(
+            f"train.boundary_noise={train.boundary_noise} is applied by ldt's runtime; use "
+            "cluster.u_shape=true or train.runtime=ldt (megatron's own 1F1B does not apply it)")
     if train.schedule not in ("auto", "1f1b", "interleaved"):
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"

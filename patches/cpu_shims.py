@@ -1,22 +1,33 @@
-"""CPU shims: let megatron-core's unmodified schedules, RNG tracker and memory buffer run on CPU.
+"""CPU shims: let megatron-core's unmodified schedules, DDP, checkpointing and RNG run on CPU.
 
 Applied only when this rank's stage device is ``cpu`` (``ldt.patches.apply(["cpu_shims"])``).
 Each shim replaces the module-level name ``torch`` inside one megatron module with a proxy that
-differs from torch in the one or two attributes that hard-code CUDA, so the module's own code
-stays as it is:
+differs from torch only where the module hard-codes CUDA, so the module's own code stays as it
+is. One proxy, :data:`TORCH_ON_CPU`, serves every module: ``device="cuda"`` in ``zeros`` /
+``empty`` / ``tensor`` means the CPU, ``torch.cuda.current_device()`` is the CPU and
+``torch.cuda.synchronize()`` does nothing. The modules, and what in them needs it:
 
-- ``pipeline_parallel.schedules``: ``torch.zeros(..., device="cuda")`` (the token counter)
-  allocates on CPU;
+- ``pipeline_parallel.schedules``: the token counter (``torch.zeros(..., device="cuda")``);
+- ``pipeline_parallel.p2p_communication``: megatron's own communicator (the uniform baseline in
+  the benchmarks): receive buffers and ``torch.cuda.synchronize()``;
+- ``utils``: ``GlobalMemoryBuffer`` allocates on ``torch.cuda.current_device()``;
+- ``distributed.param_and_grad_buffer``: DDP's grad (and param) buffers, same;
+- ``dist_checkpointing.strategies.{state_dict_saver,filesystem_async}``: a flag tensor on
+  ``'cuda'`` and ``torch.cuda.synchronize()`` after the device-to-host copy;
+- ``dist_checkpointing.strategies.filesystem_async``: the writer's results queue lives in a
+  multiprocessing Manager started with ``spawn``, which re-imports the launching script in a
+  fresh interpreter (~6 s per rank and save on this CPU); on CPU ranks it is forked instead;
 - ``tensor_parallel.random``: ``torch.cuda.{manual_seed,get_rng_state}`` and the module's
   ``_get/_set_cuda_rng_state`` use the CPU generator, so ``model_parallel_cuda_manual_seed`` and
-  ``get_cuda_rng_tracker().fork()`` work (dropout in TP regions stays reproducible);
-- ``utils``: ``GlobalMemoryBuffer`` allocates on CPU (``torch.cuda.current_device()``);
-- ``pipeline_parallel.p2p_communication``: megatron's own communicator (the uniform baseline in
-  the benchmarks) allocates receive buffers on CPU and skips ``torch.cuda.synchronize()``.
+  ``get_cuda_rng_tracker().fork()`` work (dropout in TP regions stays reproducible). Its
+  warning "CPU RNG state changed within GPU RNG context" is then always true and meaningless
+  (the "GPU" generator *is* the CPU one), so that one message is filtered out.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import types
 from typing import Any
 
@@ -40,13 +51,34 @@ class ModuleProxy(types.ModuleType):
 def _cpu_device(device: Any) -> Any:
     if device is None:
         return None
+    if isinstance(device, str) and device == "cpu":
+        return device
     dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     return torch.device("cpu") if dev.type == "cuda" else dev
 
 
-def _zeros_on_cpu(*size, device=None, **kwargs):
-    return torch.zeros(*size, device=_cpu_device(device), **kwargs)
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device=_cpu_device(device), **kwargs)
 
+    make.__name__ = factory.__name__
+    return make
+
+
+_CUDA_ON_CPU = ModuleProxy(torch.cuda, current_device=lambda: "cpu",
+                           synchronize=lambda *a, **k: None)
+TORCH_ON_CPU = ModuleProxy(torch, cuda=_CUDA_ON_CPU, zeros=_on_cpu(torch.zeros),
+                           empty=_on_cpu(torch.empty), tensor=_on_cpu(torch.tensor))
+
+# megatron modules whose global name ``torch`` becomes TORCH_ON_CPU
+_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
 
 _cuda_rng_on_cpu = ModuleProxy(
     torch.cuda,
@@ -54,26 +86,42 @@ _cuda_rng_on_cpu = ModuleProxy(
     get_rng_state=lambda *a, **k: torch.get_rng_state(),
     set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
 )
-_cuda_device_is_cpu = ModuleProxy(torch.cuda, current_device=lambda: "cpu")
-_cuda_p2p_on_cpu = ModuleProxy(torch.cuda, current_device=lambda: "cpu", synchronize=lambda: None)
+
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
-@register("cpu_shims", "CPU stand-ins for megatron's CUDA-only token counter, RNG and buffers")
+def _forked_results_queue():
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if fa._results_queue is None:
+        fa._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    return fa._results_queue
+
+
+def _drop_rng_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != _RNG_WARNING
+
+
+@register("cpu_shims", "CPU stand-ins for megatron's CUDA-only buffers, token counter, "
+                       "checkpoint flags and RNG")
 def install(ctx) -> Any:
-    from megatron.core import utils
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    import importlib
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mrandom
 
-    undos = [
-        swap_attr(schedules, "torch", ModuleProxy(torch, zeros=_zeros_on_cpu)),
+    undos = [swap_attr(importlib.import_module(name), "torch", TORCH_ON_CPU)
+             for name in _MODULES]
+    undos.append(swap_attr(filesystem_async, "_get_write_results_queue", _forked_results_queue))
+    undos += [
         swap_attr(mrandom, "torch", ModuleProxy(torch, cuda=_cuda_rng_on_cpu)),
-        swap_attr(mrandom, "_get_cuda_rng_state",
-                  lambda *a, **k: torch.get_rng_state()),
+        swap_attr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         swap_attr(mrandom, "_set_cuda_rng_state",
                   lambda state, *a, **k: torch.set_rng_state(state)),
-        swap_attr(utils, "torch", ModuleProxy(torch, cuda=_cuda_device_is_cpu)),
-        swap_attr(p2p_communication, "torch", ModuleProxy(torch, cuda=_cuda_p2p_on_cpu)),
     ]
+    rng_logger = logging.getLogger(mrandom.__name__)
+    rng_logger.addFilter(_drop_rng_warning)
+    undos.append(lambda: rng_logger.removeFilter(_drop_rng_warning))
 
     def undo() -> None:
         for u in reversed(undos):

@@ -1,8 +1,10 @@
 """Point megatron-core's ``parallel_state`` globals at ldt's VTP groups (and back).
 
 ``initialize_model_parallel`` cannot build a VTP world (it asserts world % (tp*pp) == 0 and
-gives every stage the same TP size), so the state is written directly. These are private
-names of megatron-core 0.16; the registry's version check guards them.
+gives every stage the same TP size), so the state is written directly: every global that
+megatron-core 0.16's ``initialize_model_parallel`` sets, so every getter answers for this
+rank's stage. These are private names of megatron-core 0.16; the registry's version check
+guards them, and :func:`uninstall` resets exactly the names :func:`install` wrote.
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ from __future__ import annotations
 from megatron.core import parallel_state as ps
 
 from ldt.patches.registry import check_megatron_version
+
+_WRITTEN: list[str] = []
+
+
+def _set(name: str, value) -> None:
+    if not hasattr(ps, name):  # a renamed global: fail loudly, not silently set a new name
+        raise AttributeError(f"megatron.core.parallel_state has no {name}; "
+                             "ldt.patches.megatron_state needs updating for this release")
+    setattr(ps, name, value)
+    _WRITTEN.append(name)
 
 
 def install(state) -> None:
@@ -21,51 +33,65 @@ def install(state) -> None:
     dp_ranks = list(topo.dp_ranks(info.stage, info.tp_rank))
     replica = [r for s in range(topo.num_stages) for r in topo.stage_ranks(s, info.dp_rank)]
 
-    ps._TENSOR_MODEL_PARALLEL_GROUP = state.tp_group
-    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
-    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = state.tp_group  # context parallel size is 1
+    _set("_TENSOR_MODEL_PARALLEL_GROUP", state.tp_group)
+    _set("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", tp_ranks)
+    _set("_TENSOR_AND_CONTEXT_PARALLEL_GROUP", state.tp_group)  # context parallel size is 1
 
-    # Pipeline: rank = stage, size = stages; next/prev = neighbouring leaders (wraps around).
-    ps._PIPELINE_MODEL_PARALLEL_GROUP = state.pp_group
-    ps._PIPELINE_GLOBAL_RANKS = list(topo.leaders(info.dp_rank))
-    ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = info.stage
-    ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = topo.num_stages
+    # Pipeline: rank = stage, size = stages. The group's members as this rank sees them: the
+    # leader of every other stage, itself for its own, so next/prev are the neighbouring
+    # leaders (wrapping around) and first/last name ranks of the first/last stage.
+    _set("_PIPELINE_MODEL_PARALLEL_GROUP", state.pp_group)
+    _set("_PIPELINE_GLOBAL_RANKS", state.pp_group.members())
+    _set("_MPU_PIPELINE_MODEL_PARALLEL_RANK", info.stage)
+    _set("_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", topo.num_stages)
 
-    ps._DATA_PARALLEL_GROUP = state.dp_group
-    ps._DATA_PARALLEL_GROUP_GLOO = state.dp_group_gloo
-    ps._DATA_PARALLEL_GLOBAL_RANKS = dp_ranks
-    ps._DATA_PARALLEL_GROUP_WITH_CP = state.dp_group
-    ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = state.dp_group_gloo
-    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = dp_ranks
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = state.dp_group
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = state.dp_group_gloo
-    ps._TENSOR_AND_DATA_PARALLEL_GROUP = state.tp_dp_group
-    ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = state.tp_dp_group
+    _set("_DATA_PARALLEL_GROUP", state.dp_group)
+    _set("_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
+    _set("_DATA_PARALLEL_GLOBAL_RANKS", dp_ranks)
+    _set("_DATA_PARALLEL_GROUP_WITH_CP", state.dp_group)
+    _set("_DATA_PARALLEL_GROUP_WITH_CP_GLOO", state.dp_group_gloo)
+    _set("_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", dp_ranks)
+    _set("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", state.dp_group)
+    _set("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", state.dp_group_gloo)
+    _set("_TENSOR_AND_DATA_PARALLEL_GROUP", state.tp_dp_group)
+    _set("_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", state.tp_dp_group)
 
-    ps._MODEL_PARALLEL_GROUP = state.replica_group
-    ps._MODEL_PARALLEL_GLOBAL_RANKS = replica
-    ps._CONTEXT_PARALLEL_GROUP = state.cp_group
-    ps._CONTEXT_PARALLEL_GLOBAL_RANKS = [state.rank]
+    _set("_MODEL_PARALLEL_GROUP", state.replica_group)
+    _set("_MODEL_PARALLEL_GLOBAL_RANKS", replica)
+    _set("_CONTEXT_PARALLEL_GROUP", state.cp_group)
+    _set("_CONTEXT_PARALLEL_GLOBAL_RANKS", [state.rank])
 
-    # No expert parallelism in ldt yet: EP = 1 (a group of one), expert TP = the stage's TP.
-    ps._EXPERT_MODEL_PARALLEL_GROUP = state.cp_group
-    ps._MPU_EXPERT_MODEL_PARALLEL_WORLD_SIZE = 1
-    ps._MPU_EXPERT_MODEL_PARALLEL_RANK = 0
-    ps._EXPERT_TENSOR_PARALLEL_GROUP = state.tp_group
-    ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = state.tp_group
-    ps._EXPERT_DATA_PARALLEL_GROUP = state.dp_group
-    ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = state.dp_group_gloo
+    # Expert parallel size 1: the expert-parallel group is this rank alone, experts are
+    # sharded like the dense layers (expert TP = the stage's TP), their data-parallel group is
+    # the dense one, and the expert x tensor x pipeline group is the replica. One distributed
+    # optimizer instance: no inter-instance group, as in megatron.
+    _set("_EXPERT_MODEL_PARALLEL_GROUP", state.cp_group)
+    _set("_EXPERT_MODEL_PARALLEL_RANKS", [state.rank])
+    _set("_EXPERT_TENSOR_PARALLEL_GROUP", state.tp_group)
+    _set("_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", state.tp_group)
+    _set("_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", state.replica_group)
+    _set("_EXPERT_DATA_PARALLEL_GROUP", state.dp_group)
+    _set("_EXPERT_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
+    _set("_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", state.dp_group)
+    _set("_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
+    _set("_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", None)
+    _set("_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", state.dist_opt_group)
 
-    # Embedding and head share a stage in a U-shape; in a plain pipeline ldt does not tie them
-    # across stages (no cross-device-type embedding group), so no embedding group exists.
-    ps._EMBEDDING_GLOBAL_RANKS = []
-    ps._POSITION_EMBEDDING_GLOBAL_RANKS = []
+    # Word embedding (tied with the head) and position embedding: None where this rank holds
+    # no copy, as megatron; the member lists are set on every rank of the replica.
+    _set("_EMBEDDING_GROUP", state.embd_group)
+    _set("_EMBEDDING_GLOBAL_RANKS", list(state.embedding_ranks))
+    _set("_POSITION_EMBEDDING_GROUP", state.pos_embd_group)
+    _set("_POSITION_EMBEDDING_GLOBAL_RANKS", list(state.position_embedding_ranks))
     split = topo.split
     if split is not None and not topo.u_shape and split.vpp_size > 1:
         # get_forward_backward_func() picks the interleaved schedule from this
-        ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = split.vpp_size
+        _set("_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", split.vpp_size)
     ps._set_global_memory_buffer()
 
 
 def uninstall() -> None:
+    """Reset every global :func:`install` wrote (``destroy_model_parallel`` leaves some)."""
     ps.destroy_model_parallel()
+    while _WRITTEN:
+        setattr(ps, _WRITTEN.pop(), None)

@@ -67,6 +67,8 @@ _PATCH_MODULES = (
     "ldt.patches.cpu_shims",
     "ldt.patches.schedules",
     "ldt.patches.cuda_to_cpu",
+    "ldt.patches.rope_cpu",
+    "ldt.patches.dist_checkpointing",
 )
 
 
@@ -129,6 +131,30 @@ def applied(names: Optional[list[str]] = None, ctx: Any = None) -> Iterator[list
         yield done
     finally:
         revert(done)
+
+
+def swap_everywhere(original: Any, new: Any) -> Callable[[], None]:
+    """Rebind every module-level name bound to ``original`` (in any imported module) to ``new``.
+
+    A script that ran ``from megatron.core... import get_forward_backward_func`` before ldt
+    was activated holds the original function under its own name; swapping the attribute of
+    megatron's module alone would miss it. Returns the function restoring every binding.
+    """
+    import sys
+
+    undos = []
+    for module in list(sys.modules.values()):
+        try:
+            names = [k for k, v in vars(module).items() if v is original]
+        except TypeError:  # not a module (some libraries put other objects in sys.modules)
+            continue
+        undos += [swap_attr(module, name, new) for name in names]
+
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
 
 
 def swap_attr(obj: Any, attr: str, new: Any) -> Callable[[], None]:

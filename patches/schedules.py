@@ -6,18 +6,22 @@ from those. This patch wraps the function ``get_forward_backward_func()`` return
 a :class:`~ldt.p2p.VtpCommunicator` and the stage's process-group collection when the caller
 passed neither. 1F1B, interleaved (incl. ``overlap_p2p_comm``) and no-pipelining all go
 through it. A U-shape topology gets ldt's own schedule (:func:`ldt.schedule.forward_backward.forward_backward_ldt`),
-since megatron has none with a wraparound loss stage. ctx: optional object with ``observers`` (boundary observers for audit/NaN checks).
+since megatron has none with a wraparound loss stage. ctx: optional object with ``observers``
+(boundary observers for audit/NaN checks).
+
+The new function replaces the original under every module-level name bound to it
+(:func:`~ldt.patches.registry.swap_everywhere`), so a script that imported
+``get_forward_backward_func`` before ``ldt.run.activate()`` gets ldt's too.
 """
 
 from __future__ import annotations
 
 import functools
 
-from megatron.core import pipeline_parallel
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
-from ldt.patches.registry import register, swap_attr
+from ldt.patches.registry import register, swap_everywhere
 
 
 def with_vtp_communicator(fn, observers=()):
@@ -59,11 +63,4 @@ def install(ctx):
             return fn
         return with_vtp_communicator(fn, observers)
 
-    undo_a = swap_attr(schedules, "get_forward_backward_func", get_forward_backward_func)
-    undo_b = swap_attr(pipeline_parallel, "get_forward_backward_func", get_forward_backward_func)
-
-    def undo():
-        undo_b()
-        undo_a()
-
-    return undo
+    return swap_everywhere(original, get_forward_backward_func)

@@ -208,23 +208,33 @@ def test_a_bad_checkpoint_is_refused_before_training(tmp_path, full):
         step_dir = tmp_path / how / "checkpoints" / "step_0000023"
         shutil.copytree(source, step_dir)
         cases[how] = (step_dir, _damage(step_dir, how))
+    from ldt.config import ConfigError, to_model
+    from ldt.training.checkpoint import check_compatible
+
     for how, (step_dir, damaged) in cases.items():
         with pytest.raises(files.CheckpointError, match=re.escape(damaged)):
-            files.preflight(str(step_dir.parent.parent), model, STEPS + 10)
-    with pytest.raises(files.CheckpointError, match=r"model\.hidden_size=64, this run has "
-                                                    r"model\.hidden_size=128"):
-        files.preflight(source, {**model, "hidden_size": 128}, STEPS + 10)
+            files.preflight(str(step_dir.parent.parent), steps=STEPS + 10)
+        if how == "truncate":  # flipped bytes keep the size: only the sha256 finds them
+            with pytest.raises(files.CheckpointError, match=re.escape(damaged)):
+                files.preflight(str(step_dir.parent.parent), steps=STEPS + 10, hashes=False)
+    with pytest.raises(ConfigError, match=r"model\.hidden_size=64 but this run has "
+                                          r"model\.hidden_size=128"):
+        check_compatible(source, to_model({**model, "hidden_size": 128}))
     with pytest.raises(files.CheckpointError, match=r"end of its run .* raise train\.steps"):
-        files.preflight(str(full["dir"]), model, STEPS)
-    files.preflight(str(full["dir"]), model, STEPS + 10)  # the intact one is fine
+        files.preflight(str(full["dir"]), steps=STEPS)
+    files.preflight(str(full["dir"]), steps=STEPS + 10)  # the intact one is fine
+    check_compatible(source, to_model(model))
+    model_json = os.path.join(source, "model.json")  # written by the save, under the checksums
+    assert files.read_info(source)["files"]["model.json"]["bytes"] == os.path.getsize(model_json)
 
     # the launcher refuses them before starting any rank: exit 2, one line
-    for resume, steps, named in ((cases["flip"][0], 40, cases["flip"][1]),
-                                 (full["dir"], STEPS, "train.steps=24")):
+    for resume, extra, named in ((cases["flip"][0], ["train.steps=40"], cases["flip"][1]),
+                                 (full["dir"], [], "train.steps=24"),
+                                 (full["dir"], ["train.steps=40", "model.hidden_size=128"],
+                                  "model.hidden_size=64")):
         t0 = time.monotonic()
-        proc = subprocess.run(ldt_train(tmp_path / "refused", f"train.resume={resume}",
-                                        steps=steps),
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([*ldt_train(tmp_path / "refused", f"train.resume={resume}"),
+                               *extra], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and named in lines[0], lines
@@ -236,4 +246,4 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     (tmp_path / "checkpoints" / "step_0000001" / "stage_0").mkdir(parents=True)
     assert files.latest(str(tmp_path)) is None  # no COMPLETE marker: never loaded
     with pytest.raises(files.CheckpointError, match="no complete checkpoint"):
-        files.preflight(str(tmp_path), {"hidden_size": 64}, 10)
+        files.preflight(str(tmp_path), steps=10)

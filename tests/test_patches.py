@@ -52,3 +52,21 @@ def test_initialize_model_parallel_builds_vtp_state():
 def test_initialize_model_parallel_pp_mismatch_is_explained():
     with pytest.raises(WorldError, match=r"pipeline_model_parallel_size=4.*2 stages"):
         run_local_world(3, _script_like, (_topo(), 4), timeout_s=90)
+
+
+def _activate_too_late(rank, world):
+    from megatron.core import parallel_state as ps
+
+    import ldt.run
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        ldt.run.activate({"stages": [{"name": "a", "device": "cpu", "tp": 1}]})
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(120)
+def test_activate_after_initialize_model_parallel_says_where_it_goes():
+    with pytest.raises(WorldError, match=r"activate\(\) before initialize_model_parallel"):
+        run_local_world(1, _activate_too_late, (), timeout_s=90)

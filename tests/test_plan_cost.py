@@ -46,26 +46,39 @@ def test_layer_flops_match_textbook_formula():
 
 
 def test_llama_7b_tp8_stage_memory_by_hand():
-    """4 layers of llama_7b on a TP-8 middle stage, 3 micro-batches in flight, bf16, flash."""
+    """4 layers of llama_7b (Llama-2: SwiGLU, RMSNorm, no biases) on a TP-8 middle stage,
+    3 micro-batches in flight, bf16, flash."""
     cost = CostModel(load_model("llama_7b"), synthetic_inventory({"a100": 8}), 1)
     mem = cost.stage_memory(8, [ChunkLoad(4, inflight=3)])
     h, f, s = 4096, 11008, 4096
     qkv = 3 * 4096  # 12288: no GQA
-    # column/row-parallel matrices and the column-parallel biases, split over TP 8:
-    split = 4096 * 12288 + 12288 + 4096 * 4096 + 4096 * 11008 + 11008 + 11008 * 4096
-    assert split == 157_309_696
-    per_layer = split / 8 + 2 * 4096 + 4 * 4096  # + row biases, 2 LayerNorms (replicated)
-    assert per_layer == 19_688_288
-    params = 4 * per_layer  # 78_753_152
+    # QKV, output projection, fc1 (gate and up: 2f), fc2, split over TP 8; no biases:
+    split = 4096 * 12288 + 4096 * 4096 + 4096 * 2 * 11008 + 11008 * 4096
+    assert split == 202_375_168
+    per_layer = split / 8 + 2 * 4096  # + two RMSNorm weights (replicated)
+    assert per_layer == 25_305_088
+    params = 4 * per_layer  # 101_220_352
     assert mem.weights == params * 2  # bf16
     assert mem.grads == params * 2
     assert mem.optimizer == params * 12  # fp32 master + Adam m, v
-    # activations: s*b*(2*(4h + (2h + qkv + 2f)/8) + 2h) bytes per layer per micro-batch
-    act_layer = 4096 * (2 * (4 * h + (2 * h + qkv + 2 * f) / 8) + 2 * h)
-    assert act_layer == 4096 * 51584 == 211_288_064
+    # activations: s*b*(2*(4h + (2h + qkv + 2f + f)/8) + 2h) bytes per layer per micro-batch
+    act_layer = 4096 * (2 * (4 * h + (2 * h + qkv + 2 * f + f) / 8) + 2 * h)
+    assert act_layer == 4096 * 54336 == 222_560_256
     assert mem.activations == 4 * 3 * act_layer
-    assert mem.total == 78_753_152 * 16 + 2_535_456_768 == 3_795_507_200
+    assert mem.total == 101_220_352 * 16 + 2_670_723_072 == 4_290_248_704
     assert s == 4096
+
+
+def test_gqa_and_gated_mlp_change_flops_and_params():
+    """llama3_8b: 8 KV groups shrink QKV to h + 2h/4; SwiGLU's fc1 is 2f wide."""
+    cost = CostModel(load_model("llama3_8b"), synthetic_inventory({"a100": 8}), 1)
+    b, s, h, f = 1, 8192, 4096, 14336
+    qkv = h + 2 * h * 8 // 32
+    assert cost.layer_flops() == (2 * b * s * h * qkv + 2 * b * s * h * h + 2 * b * s * h * 2 * f
+                                  + 2 * b * s * f * h + 4 * b * s * s * h)
+    assert cost.layer_params(1) == h * qkv + h * h + 3 * h * f + 2 * h  # 218_112_000
+    assert cost.layer_params(1) == 218_112_000  # Llama-3-8B's layer, as published
+    assert cost.embedding_params(1) == 128256 * h  # RoPE: no position table
 
 
 def test_full_attention_adds_score_matrices():

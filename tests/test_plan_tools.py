@@ -36,6 +36,24 @@ def test_plan_writes_valid_yaml_trace_and_png(tmp_path, capsys):
     validate(load_cluster_yaml(str(out)), load_model("llama_7b"), check_devices=False)
     assert json.loads(trace.read_text())
     assert png.stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "t.json", "t.png"]
+
+
+def test_plan_out_creates_folders_and_a_train_file(tmp_path, capsys):
+    """--out DIR/cluster/NAME.yaml: folders created, DIR/train/NAME.yaml has the micro-batches."""
+    from ldt.hydra_app import compose
+
+    out = tmp_path / "plans" / "cluster" / "mine.yaml"
+    rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--out", str(out)])
+    assert rc == 0
+    assert f"--config-dir {tmp_path / 'plans'} cluster=mine train=mine" in capsys.readouterr().out
+    assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    cfg = compose([f"hydra.searchpath=[file://{tmp_path / 'plans'}]", "cluster=mine",
+                   "train=mine", "model=llama_7b"])
+    assert cfg.train.num_microbatches == planned["num_microbatches"]
+    assert cfg.train.micro_batch_size == 1 and cfg.train.steps == 50  # the rest: train/default
+    assert cfg.cluster.dp == planned["cluster"]["dp"]
 
 
 def test_plan_json(capsys):

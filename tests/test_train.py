@@ -6,7 +6,6 @@ must be the last line printed.
 
 import csv
 import json
-import os
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ PARITY = 1e-5
 
 
 def ldt_train(tmp_path, *overrides, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", *overrides, f"run_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     last = proc.stdout.strip().splitlines()[-1]
@@ -54,6 +53,8 @@ def test_default_job_trains_and_reports(tmp_path):
     trace = json.loads((tmp_path / "timeline.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"0FS0", "0FE0", "0BS0", "0BE0", "1F0", "2B3"} <= names
+    tracks = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert tracks == ["stage 0: edge", "stage 1: cloud0", "stage 2: cloud1"]
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert (tmp_path / "config.yaml").exists()
     # action_times.csv: every step ran exactly the generated U-shape action lists, and the rows
@@ -77,10 +78,12 @@ def test_default_job_trains_and_reports(tmp_path):
     ["cluster=cpu_vtp", "train.eval_every=2"],
     ["cluster=cpu_demo", "train.audit_comm=true"],
     ["cluster=cpu_demo", "model.tie_embeddings=true", "train.eval_every=2"],
+    ["cluster=cpu_vtp", "model.tie_embeddings=true"],
     ["cluster=cpu_uniform", "cluster.dp=2"],
     ["cluster=cpu_vtp", "train.schedule=interleaved", "cluster.layout=Et|t|t|t|t|tL",
      "train.num_microbatches=6", "train.overlap_p2p_comm=true"],
-], ids=["cpu_vtp", "cpu_demo_audit", "cpu_demo_tied", "dp2", "interleaved_overlap"])
+], ids=["cpu_vtp", "cpu_demo_audit", "cpu_demo_tied", "cpu_vtp_tied_across_stages", "dp2",
+        "interleaved_overlap"])
 def test_verify_matches_single_process_reference(tmp_path, overrides):
     summary, _ = ldt_train(tmp_path, "train.steps=5", "train.verify=true", *overrides)
     assert summary["parity_max_abs_diff"] < PARITY, summary
@@ -98,7 +101,10 @@ def test_verify_matches_single_process_reference(tmp_path, overrides):
 
 @pytest.mark.timeout(300)
 def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
-    ldt_train(tmp_path, "train.steps=2", "train.audit_comm=true", "train.num_microbatches=3")
+    # hydra.run.dir is the run folder; given both, it wins over its alias run_dir
+    ldt_train(tmp_path / "alias", "train.steps=2", "train.audit_comm=true",
+              "train.num_microbatches=3", f"hydra.run.dir={tmp_path}")
+    assert not (tmp_path / "alias").exists() and (tmp_path / ".hydra" / "config.yaml").exists()
     records = [json.loads(x) for x in (tmp_path / "comm_audit.jsonl").read_text().splitlines()]
     # cpu_demo: 3 boundaries, each crossed once forward and once backward per micro-batch
     assert len(records) == 2 * 3 * 3 * 2
@@ -111,37 +117,51 @@ def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_joins_a_torchrun_world(tmp_path):
-    """Under torchrun ldt-train joins that world instead of starting its own: same losses."""
+    """Under torchrun ldt-train joins that world instead of starting its own: same losses.
+    Every rank runs the Hydra app; rank 0's run folder is the run's (here each rank's own
+    run_dir would differ) and only rank 0 writes there, .hydra/ included."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    proc = subprocess.run([torchrun, "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-                           "--master-port", str(port), "-m", "ldt.train",
-                           f"run_dir={tmp_path / 'torchrun'}", "train.steps=3"],
-                          capture_output=True, text=True, timeout=240)
+    cwd = tmp_path / "torchrun"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "4", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           "-m", "ldt.train",
+                           "run_dir=out/rank${oc.env:RANK}", "train.steps=3"],
+                          cwd=cwd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    json.loads(proc.stdout.strip().splitlines()[-1])  # the summary is the last line
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])  # the summary is the last line
+    assert summary["run_dir"] == str(cwd / "out" / "rank0")
+    assert sorted(p.name for p in (cwd / "out").iterdir()) == ["rank0"]
+    assert (cwd / "out" / "rank0" / ".hydra" / "config.yaml").exists()
+    assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # the other ranks wrote nothing
     ldt_train(tmp_path / "bare", "train.steps=3")
 
     def losses(run_dir):
         with open(run_dir / "metrics.csv") as f:
             return [float(r["loss"]) for r in csv.DictReader(f)]
 
-    assert losses(tmp_path / "torchrun") == pytest.approx(losses(tmp_path / "bare"), abs=1e-6)
+    assert losses(cwd / "out" / "rank0") == pytest.approx(losses(tmp_path / "bare"), abs=1e-6)
 
 
 @pytest.mark.timeout(300)
 def test_planner_output_trains_in_ldt_train(tmp_path):
-    """ldt-plan writes a cluster file; ldt-train loads it as it is (Hydra search path)."""
-    plan_dir = tmp_path / "conf" / "cluster"
-    plan_dir.mkdir(parents=True)
+    """ldt-plan writes a cluster file and the micro-batch settings it planned with; ldt-train
+    loads both as they are (--config-dir, groups cluster= and train=)."""
     proc = subprocess.run([sys.executable, "-m", "ldt.tools.plan", "--inventory", "cpu_local",
-                           "--model", "gpt_tiny", "--out", str(plan_dir / "planned.yaml")],
+                           "--model", "gpt_tiny", "--global-batch", "8",
+                           "--out", str(tmp_path / "conf" / "cluster" / "planned.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    summary, out = ldt_train(tmp_path / "run", f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
-                             "cluster=planned", "train.steps=2")
+    summary, out = ldt_train(tmp_path / "run", "--config-dir", str(tmp_path / "conf"),
+                             "cluster=planned", "train=planned", "train.steps=2")
     assert summary["steps"] == 2 and summary["final_loss"] > 0
+    from omegaconf import OmegaConf
+
+    planned = OmegaConf.load(tmp_path / "conf" / "train" / "planned.yaml")
+    used = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    assert used.train.num_microbatches == planned.num_microbatches
+    assert used.train.micro_batch_size == planned.micro_batch_size == 1

@@ -1,12 +1,15 @@
 """Every bad config is refused by `ldt-train` with the field, the value and the fix.
 
 Each case runs the real entry point in a subprocess (with a timeout: a hang fails fast) and
-checks the exit status and the message. Expected texts are written here by hand.
+checks the exit status, the message and that the answer came before any world started (within
+5 s: validation imports neither torch nor megatron-core). Expected texts are written here by
+hand; ``{tmp}`` in an override is a per-test folder holding the files below.
 """
 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -15,8 +18,8 @@ CASES = {
                    ["world size is 3", "dp * sum(tp) = 1 * 4 = 4", "launch 4 processes"]),
     "tp_heads": (["cluster.stages.1.tp=3"], {},
                  ["cluster.stages[1].tp=3", "model.num_attention_heads=4"]),
-    "tp_hidden": (["model.num_attention_heads=2", "model.hidden_size=65"], {},
-                  ["cluster.stages[1].tp=2", "model.hidden_size=65"]),
+    "tp_ffn": (["model.ffn_hidden_size=255"], {},
+               ["cluster.stages[1].tp=2", "model.ffn_hidden_size=255"]),
     "layer_count": (["model.num_layers=7"], {},
                     ["cluster.layout", "6 decoder layers", "model.num_layers is 7", "fix:"]),
     "E_misplaced": (["cluster.layout=tE|tt|tt|tL"], {}, ["cluster.layout", "'E'", "first token"]),
@@ -29,8 +32,6 @@ CASES = {
                        ["cluster.stages[0].device='cuda'", "this machine has only ['cpu']"]),
     "dp_zero": (["cluster.dp=0"], {}, ["cluster.dp=0 must be >= 1"]),
     "typo_key": (["+cluster.stages.0.devise=cpu"], {}, ["devise"]),
-    "tie_across_stages": (["cluster=cpu_vtp", "model.tie_embeddings=true"], {},
-                          ["model.tie_embeddings=true", "stages 0 and 2", "u_shape=true"]),
     "interleaved_one_chunk": (["cluster=cpu_vtp", "train.schedule=interleaved"], {},
                               ["train.schedule=interleaved needs several chunks per stage",
                                "k * 3 segments", "Et|t|t|t|t|tL"]),
@@ -39,17 +40,104 @@ CASES = {
                       ["train.num_microbatches=4", "multiple of the stage count", "use 6"]),
     "eval_negative": (["train.eval_every=-1"], {},
                       ["train.eval_every=-1 must be >= 0", "0: no evaluation"]),
+    # issue #12: accepted, or refused late and raw, before
+    "steps_zero": (["train.steps=0"], {}, ["train.steps=0 must be >= 1"]),
+    "steps_negative": (["train.steps=-3"], {}, ["train.steps=-3 must be >= 1"]),
+    "seq_length_zero": (["model.seq_length=0"], {}, ["model.seq_length=0 must be >= 1"]),
+    "num_layers_zero": (["model.num_layers=0"], {}, ["model.num_layers=0 must be >= 1"]),
+    "hidden_not_heads_multiple": (["model.hidden_size=66"], {},
+                                  ["model.hidden_size=66", "model.num_attention_heads=4",
+                                   "hidden_size=64 or 68"]),
+    "gqa_groups": (["model.num_query_groups=3"], {},
+                   ["model.num_query_groups=3 does not divide model.num_attention_heads=4"]),
+    "positions_short": (["model.max_position_embeddings=32"], {},
+                        ["model.max_position_embeddings=32 < model.seq_length=64"]),
+    "vocab_below_bytes": (["model.vocab_size=128"], {}, ["model.vocab_size=128", ">= 256"]),
+    "data_missing": (["data.path={tmp}/nope.txt"], {}, ["data.path=", "nope.txt", "not a file"]),
+    "data_empty": (["data.path={tmp}/empty.txt"], {}, ["data.path=", "empty.txt", "0 bytes"]),
+    "data_small": (["data.path={tmp}/small.txt"], {},
+                   ["data.path=", "small.txt", "2000 bytes", "train.micro_batch_size=2",
+                    "model.seq_length=64", "needs >= 2561 bytes"]),
+    "data_max_bytes": (["data.max_bytes=100"], {}, ["built-in corpus", "data.max_bytes=100"]),
+    "lr_nan": (["train.lr=nan"], {}, ["train.lr=nan must be a finite number >= 0"]),
+    "lr_inf": (["train.lr=inf"], {}, ["train.lr=inf must be a finite number >= 0"]),
+    "lr_negative": (["train.lr=-0.1"], {}, ["train.lr=-0.1 must be a finite number >= 0"]),
+    "min_lr_above_lr": (["train.min_lr=0.01"], {}, ["train.min_lr=0.01 > train.lr=0.001"]),
+    "warmup_negative": (["train.warmup_steps=-1"], {}, ["train.warmup_steps=-1 must be >= 0"]),
+    "log_interval_zero": (["train.log_interval=0"], {}, ["train.log_interval=0 must be >= 1"]),
+    "layout_empty_segment": (["cluster.layout=Et||tttt|tL"], {},
+                             ["cluster.layout", "segment 1 (empty)", "position 2", "fix:"]),
+    "layout_chunk_without_layer": (["cluster.layout=E|ttt|ttt|L"], {},
+                                   ["cluster.layout", "segment 0 (E)", "0 decoder layers"]),
+    "too_few_layers": (["model.num_layers=3", "cluster.layout=null"], {},
+                       ["model.num_layers", "4 chunks", ">= 4"]),
+    "unknown_key_added": (["+train.unknown_key=1"], {},
+                          ["train.unknown_key is not a field of train"]),
+    "unknown_key": (["train.unknown_key=1"], {}, ["unknown_key"]),  # Hydra's own refusal
+    "misspelt_key": (["+train.stpes=5"], {}, ["train.stpes", "did you mean 'steps'"]),
+    "resume_missing": (["train.resume={tmp}/no_such_run"], {},
+                       ["train.resume=", "no_such_run", "does not exist"]),
+    "resume_incomplete": (["train.resume={tmp}/unfinished"], {},
+                          ["train.resume=", "unfinished", "no complete checkpoint"]),
+    "comm_timeout_zero": (["train.comm_timeout_s=0"], {},
+                          ["train.comm_timeout_s=0.0 must be a finite number of seconds > 0"]),
+    "comm_timeout_negative": (["train.comm_timeout_s=-5"], {}, ["train.comm_timeout_s=-5.0"]),
 }
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The data files and run folders the cases point at ({tmp})."""
+    tmp = tmp_path_factory.mktemp("inputs")
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "small.txt").write_bytes(b"x" * 2000)
+    step = tmp / "unfinished" / "checkpoints" / "step_0000002" / "stage_0"
+    step.mkdir(parents=True)  # a save that never wrote its COMPLETE marker
+    return tmp
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_config_is_refused(name):
+def test_bad_config_is_refused(name, files, tmp_path):
     overrides, env, expected = CASES[name]
     full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     full_env.update(env)
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", *overrides], env=full_env,
+    args = [o.replace("{tmp}", str(files)) for o in overrides]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", *args], env=full_env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=90)
+    took = time.monotonic() - start
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert took < 5.0, f"refused after {took:.1f} s: validation must come before any world"
+    assert not list(tmp_path.iterdir()), "a refused config must leave no run folder behind"
+
+
+def test_validation_imports_neither_torch_nor_megatron(tmp_path):
+    """A refused config answers before torch (1.4 s here) or megatron-core (4.5 s) load."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ldt.train",
+                           "model.hidden_size=66"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    loaded = {line.split("|")[-1].strip() for line in proc.stderr.splitlines()
+              if line.startswith("import time:")}
+    assert "hydra" in loaded  # the probe sees imports at all
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "megatron")}
+
+
+def test_binary_data_file_is_a_warning(tmp_path):
+    from ldt.config import DataConfig, ModelConfig, TrainConfig
+    from ldt.topology import Topology
+    from ldt.validate import check_files
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4)
+    topo = Topology.from_config({"stages": [{"name": "a"}]}, model)
+    warnings = check_files(DataConfig(path=str(path)), model, TrainConfig(), topo)
+    assert len(warnings) == 1 and "weights.bin" in warnings[0] and "binary" in warnings[0]
+    text = tmp_path / "corpus.txt"
+    text.write_text("plain text " * 1000)
+    assert check_files(DataConfig(path=str(text)), model, TrainConfig(), topo) == []

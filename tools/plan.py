@@ -4,13 +4,19 @@
     python -m ldt.tools.plan --inventory edge_cloud --model llama_7b --json
 
 Prints a per-stage table (or ``--json``), writes the cluster YAML with ``--out`` (validated with
-``ldt.validate`` first) and the timeline with ``--trace`` / ``--png``. Thin over :mod:`ldt.plan`.
+``ldt.validate`` first; missing folders are created) and the timeline with ``--trace`` /
+``--png``. Thin over :mod:`ldt.plan`.
+
+When ``--out`` is ``DIR/cluster/NAME.yaml`` (a Hydra config folder), the planned micro-batch
+settings go to ``DIR/train/NAME.yaml``, so ``ldt-train --config-dir DIR cluster=NAME train=NAME``
+runs the plan as it was priced.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -33,7 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-flash", action="store_true",
                    help="price materialised attention scores (no flash / fused attention)")
     p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
-    p.add_argument("--out", help="write the planned cluster YAML here")
+    p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
+                   "also DIR/train/NAME.yaml with the micro-batch settings)")
     p.add_argument("--trace", help="write a Chrome trace of the planned iteration")
     p.add_argument("--png", help="write a PNG timeline of the planned iteration")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -51,9 +58,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
                             args.u_shape, args.edge_min_layers)
         result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
+        written = []
         if args.out:
             _write_validated(args.out, cluster_yaml(result.best, inventory, model.name, args.mbs),
                              model)
+            written = [args.out, *_write_train(args.out, result.best, model.name, args.mbs)]
+        for path in (args.trace, args.png):
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         export_timeline(result.best, args.trace, args.png)
     except ConfigError as exc:
         print(f"ldt-plan: {exc}", file=sys.stderr)
@@ -67,13 +79,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(table(result.best))
         print(f"planned in {result.seconds:.2f} s ({result.stage_sets_scored} stage sets scored, "
               f"{result.plans_split} splits, {result.simulations} simulations)"
-              + (f"; wrote {args.out}" if args.out else ""))
+              + (f"; wrote {', '.join(written)}" if written else ""))
+        if written:
+            print(_how_to_train(written, model.name, result.best.plan, args.mbs))
     return 0
+
+
+def _write_train(cluster_path: str, best, model_name: str, mbs: int) -> list[str]:
+    """``DIR/train/NAME.yaml`` next to ``DIR/cluster/NAME.yaml`` (nothing for other paths)."""
+    from ldt.plan import train_yaml
+
+    folder, name = os.path.split(os.path.abspath(cluster_path))
+    if os.path.basename(folder) != "cluster":
+        return []
+    stem = os.path.splitext(name)[0]
+    path = os.path.join(os.path.dirname(folder), "train", stem + ".yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(train_yaml(best, model_name, mbs, stem))
+    return [os.path.relpath(path) if not os.path.isabs(cluster_path) else path]
+
+
+def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
+    cluster = written[0]
+    stem = os.path.splitext(os.path.basename(cluster))[0]
+    if len(written) == 2:
+        root = os.path.dirname(os.path.dirname(cluster)) or "."
+        return (f"train it: ldt-train --config-dir {root} cluster={stem} train={stem} "
+                f"model={model_name}")
+    return (f"train it with: train.num_microbatches={plan.num_microbatches} "
+            f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "
+            "folder to get a train/ file with these too)")
 
 
 def _write_validated(path: str, text: str, model) -> None:
     """Write the YAML only if it loads and validates the way users will load it."""
-    import os
     import tempfile
 
     from ldt.config import load_cluster_yaml
@@ -85,6 +125,7 @@ def _write_validated(path: str, text: str, model) -> None:
         validate(load_cluster_yaml(tmp.name), model, check_devices=False)
     finally:
         os.unlink(tmp.name)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
 

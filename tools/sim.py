@@ -77,6 +77,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _stage_names(run_dir: str):
+    """The run's stage names (its config.yaml), or None for a folder without one."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    return [s.name for s in OmegaConf.load(path).cluster.stages]
+
+
 def _replay(args) -> int:
     from ldt.plan import calibrate
     from ldt.schedule.timeline import to_chrome_trace, to_png
@@ -87,10 +99,11 @@ def _replay(args) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"ldt-sim: --measured {args.measured}: {exc}", file=sys.stderr)
         return 2
+    names = _stage_names(args.measured)
     if args.trace:
-        to_chrome_trace(comparison.full, args.trace, us_per_unit=1e6)
+        to_chrome_trace(comparison.full, args.trace, us_per_unit=1e6, stage_names=names)
     if args.png:
-        to_png(comparison.full, args.png, f"replay of {args.measured}")
+        to_png(comparison.full, args.png, f"replay of {args.measured}", stage_names=names)
     if args.json:
         print(json.dumps(comparison.summary(), indent=2))
         return 0

@@ -13,7 +13,8 @@ import os
 import sysconfig
 from typing import Iterator, Optional
 
-import torch
+EVAL_SHARE = 20
+"""The last 1/EVAL_SHARE of a corpus' windows is held out for evaluation."""
 
 
 def default_corpus_files() -> list[str]:
@@ -39,6 +40,30 @@ def load_bytes(path: Optional[str], max_bytes: int) -> bytes:
     return b"".join(out)
 
 
+def corpus_size(path: Optional[str], max_bytes: int) -> int:
+    """Bytes :func:`load_bytes` would return, from file sizes alone (nothing is read)."""
+    if path:
+        return min(os.path.getsize(path), max_bytes)
+    total = 0
+    for name in default_corpus_files():
+        total += os.path.getsize(name)
+        if total >= max_bytes:
+            return max_bytes
+    return total
+
+
+def split_windows(num_tokens: int, seq_length: int) -> tuple[int, int]:
+    """(training, held-out) windows of ``seq_length + 1`` tokens in a corpus of ``num_tokens``."""
+    windows = max(0, num_tokens - 1) // seq_length
+    return windows - windows // EVAL_SHARE, windows // EVAL_SHARE
+
+
+def min_corpus_bytes(seq_length: int, micro_batch_size: int) -> int:
+    """The smallest corpus :class:`TextData` accepts: ``micro_batch_size`` windows held out (so
+    ``EVAL_SHARE * micro_batch_size`` windows in all) plus the one token the last label needs."""
+    return EVAL_SHARE * micro_batch_size * seq_length + 1
+
+
 class TextData:
     """Fixed-length windows of a byte stream, in a seeded order, sharded by DP rank.
 
@@ -48,20 +73,20 @@ class TextData:
     :meth:`eval_iterator` always reads the same micro-batches of it (a comparable eval loss).
     """
 
-    EVAL_SHARE = 20
+    EVAL_SHARE = EVAL_SHARE
 
     def __init__(self, path: Optional[str], seq_length: int, micro_batch_size: int,
                  num_microbatches: int, *, dp_rank: int = 0, dp: int = 1, seed: int = 1234,
                  max_bytes: int = 4_000_000, vocab_size: int = 256):
+        import torch
+
         raw = load_bytes(path, max_bytes)
         if vocab_size < 256:
             raise ValueError(f"model.vocab_size={vocab_size} < 256 cannot hold byte tokens")
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         self.seq, self.mbs, self.m = seq_length, micro_batch_size, num_microbatches
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
-        windows = (len(self.tokens) - 1) // seq_length
-        self.num_eval_windows = windows // self.EVAL_SHARE
-        self.num_windows = windows - self.num_eval_windows  # training windows
+        self.num_windows, self.num_eval_windows = split_windows(len(self.tokens), seq_length)
         if min(self.num_windows, self.num_eval_windows) < micro_batch_size:
             raise ValueError(f"corpus of {len(raw)} bytes is too small for sequences of "
                              f"{seq_length} (1/{self.EVAL_SHARE} is held out for evaluation); "
@@ -82,6 +107,8 @@ class TextData:
         return (self.eval_batch(mb) for mb in range(self.m))
 
     def _windows(self, seed: int, mb: int, first_window: int, num_windows: int) -> dict:
+        import torch
+
         g = torch.Generator().manual_seed(seed)
         per_step = self.dp * self.m * self.mbs
         order = first_window + torch.randint(0, num_windows, (per_step,), generator=g)

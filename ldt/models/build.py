@@ -5,6 +5,12 @@ Every chunk is built as a stand-alone GPTModel with exactly its own decoder laye
 ``pre_process`` / ``post_process`` from the layout's ``E`` / ``L``. The global layer numbers
 are then written onto the layers, so names and checkpoints refer to the model's real layers.
 The settings that make megatron-core run on CPU (see DESIGN.md) are applied here, once.
+
+The family (GPT, Llama, Qwen2, ...) is data in :class:`~ldt.config.ModelConfig`: positions
+(learned or RoPE), norm, gated MLP and activation, GQA, biases. Each maps onto a
+TransformerConfig field or a GPTModel argument; the modules are megatron-core's own, from the
+layer spec :mod:`ldt.models.spec` picks per stage (local on CPU, Transformer Engine on cuda
+where installed).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
     """The TransformerConfig of one chunk (fp32/bf16/fp16, no dropout unless overridden)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    import torch.nn.functional as F
+
     dtype = DTYPES[model.params_dtype]
     kwargs = dict(
         num_layers=max(num_layers, 1),
@@ -31,6 +39,12 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=model.gated_linear_unit,
+        activation_func=F.gelu if model.activation == "gelu" else F.silu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1,
         params_dtype=dtype,
@@ -60,10 +74,12 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
 
 def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu",
                 vpp: Optional[int] = None, num_stages: int = 1, pg_collection=None,
-                **config_overrides):
-    """A GPTModel holding exactly ``chunk``'s layers, numbered globally."""
+                vocab_size: Optional[int] = None, **config_overrides):
+    """A GPTModel holding exactly ``chunk``'s layers, numbered globally. ``vocab_size``: the
+    padded vocabulary (:func:`ldt.models.vocab.model_vocab_size`); default: the model's own."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ldt.models.spec import layer_spec, transformer_impl
 
     config = transformer_config(model, tp, chunk.num_layers, device=device, vpp=vpp,
                                 num_stages=num_stages, **config_overrides)
@@ -72,22 +88,62 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
             f"stage {chunk.stage} chunk {chunk.index} has no decoder layer; ldt needs at least "
             "one decoder layer per chunk for now; move a layer into it in cluster.layout"
         )
-    gpt = GPTModel(
+    cls = GPTModel
+    if chunk.has_head and vocab_size and vocab_size > model.vocab_size:
+        cls = _padded_vocab_gpt_class()
+    gpt = cls(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=model.vocab_size,
+        transformer_layer_spec=layer_spec(model, transformer_impl(model, device)),
+        vocab_size=vocab_size or model.vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=chunk.has_embedding,
         post_process=chunk.has_head,
         share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=model.position_embedding_type,
+        rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent,
         pg_collection=pg_collection,
     )
+    if cls is not GPTModel:
+        gpt.real_vocab_size = model.vocab_size
     for i, layer in enumerate(gpt.decoder.layers):
         layer.layer_number = chunk.first_layer + i + 1
     if device != "cpu":
         gpt = gpt.to(device)
     return gpt
+
+
+_PADDED_VOCAB_GPT = None
+
+
+def _padded_vocab_gpt_class():
+    """GPTModel whose loss ignores the padding rows of the vocabulary.
+
+    Padding depends on the layout (:mod:`ldt.models.vocab`: a multiple of every vocabulary
+    stage's TP size), and in megatron the padded logits join the softmax, so the same model
+    would give another loss on another layout, and a resume into it would not continue
+    exactly. Masking the padded logits to -inf before megatron's own cross entropy makes the
+    loss, and every real parameter's gradient, independent of the padding (padded rows get
+    no gradient). One method overridden; the rest is megatron's GPTModel.
+    """
+    global _PADDED_VOCAB_GPT
+    if _PADDED_VOCAB_GPT is None:
+        from megatron.core.models.gpt import GPTModel
+
+        class PaddedVocabGPTModel(GPTModel):
+            real_vocab_size: int
+
+            def compute_language_model_loss(self, labels, logits):
+                local = logits.shape[-1]
+                first = self.tp_group.rank() * local  # this TP rank's vocabulary slice
+                padded = torch.arange(first, first + local, device=logits.device) \
+                    >= self.real_vocab_size
+                if bool(padded.any()):
+                    logits = logits.masked_fill(padded, float("-inf"))
+                return super().compute_language_model_loss(labels, logits)
+
+        _PADDED_VOCAB_GPT = PaddedVocabGPTModel
+    return _PADDED_VOCAB_GPT
 
 
 def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
@@ -97,8 +153,11 @@ def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
 
 
 def global_param_name(chunk: Chunk, local_name: str) -> str:
-    """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``; other names unchanged."""
-    return _shift_layer(local_name, chunk.first_layer)
+    """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``, in the one canonical
+    naming whatever the layer implementation (:func:`ldt.models.spec.canonical_name`)."""
+    from ldt.models.spec import canonical_name
+
+    return canonical_name(_shift_layer(local_name, chunk.first_layer))
 
 
 def _shift_layer(name: str, offset: int) -> str:

@@ -1,17 +1,20 @@
 """Layout-invariant initialization: the same initial model whatever the stages and TP sizes.
 
 Every parameter's full (TP=1) value is drawn from a generator seeded by (seed, its global
-name), then sliced for this rank's TP shard (:mod:`ldt.models.sharding`). So a VTP run, a uniform run
-and the single-process reference of ``train.verify`` start from identical weights, and a
-checkpoint can be re-sharded for another layout. The distributions are megatron-core's
-defaults: normal(0, init_method_std) weights, output projections scaled by
-1/sqrt(2 * num_layers), zero biases, unit norm weights.
+name in the canonical naming), then sliced for this rank's TP shard (:mod:`ldt.models.sharding`,
+which knows a gated MLP's ``[gate; up]`` fc1). So a VTP run, a uniform run and the
+single-process reference of ``train.verify`` start from identical weights, whatever the family
+and the layer implementation, and a checkpoint can be re-sharded for another layout. The
+distributions are megatron-core's defaults: normal(0, init_method_std) weights, output
+projections scaled by 1/sqrt(2 * num_layers), zero biases, unit norm weights.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+
+from typing import Optional
 
 import torch
 
@@ -41,14 +44,24 @@ def full_shape(name: str, local: torch.Tensor, tp: int, split_dim) -> tuple:
 
 
 def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, tp_rank: int,
-               rename=lambda n: n) -> None:
-    """Overwrite a chunk's parameters with their layout-invariant initial values."""
-    from ldt.models.sharding import split_dim
+               rename=lambda n: n, vocab_size: Optional[int] = None) -> None:
+    """Overwrite a chunk's parameters with their layout-invariant initial values.
 
+    ``vocab_size``: the real vocabulary; the embedding and head rows beyond it (the padding,
+    which depends on the layout's TP sizes) start at zero, so the real rows are the same
+    whatever the padding."""
+    from ldt.models.sharding import is_gated, split_dim
+    from ldt.models.vocab import fit_rows, is_vocab_param
+
+    gated = is_gated(module)
     with torch.no_grad():
         for local_name, p in module.named_parameters():
             name = rename(local_name)
             dim = split_dim(name)
-            full = full_init(name, full_shape(name, p, tp, dim), seed=seed,
+            shape = full_shape(name, p, tp, dim)
+            padded = vocab_size is not None and is_vocab_param(name) and shape[0] > vocab_size
+            full = full_init(name, (vocab_size, *shape[1:]) if padded else shape, seed=seed,
                              num_layers=num_layers, dtype=p.dtype)
-            p.copy_(shard(name, full, tp, tp_rank))
+            if padded:
+                full = fit_rows(name, full, shape[0])
+            p.copy_(shard(name, full, tp, tp_rank, gated=gated))

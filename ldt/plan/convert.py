@@ -70,7 +70,8 @@ def export_timeline(ev: Evaluation, trace: Optional[str] = None, png: Optional[s
     """Chrome trace (seconds -> microseconds) and/or PNG of a simulated evaluation."""
     if ev.sim is None:
         raise ValueError("this evaluation was not simulated; use simulate_plan() to get a timeline")
+    names = ev.plan.stage_names()
     if trace:
-        to_chrome_trace(ev.sim, trace, us_per_unit=1e6)
+        to_chrome_trace(ev.sim, trace, us_per_unit=1e6, stage_names=names)
     if png:
-        to_png(ev.sim, png, title or ev.plan.describe())
+        to_png(ev.sim, png, title or ev.plan.describe(), stage_names=names)

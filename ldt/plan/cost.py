@@ -4,17 +4,22 @@ Everything the planner and the simulator need to price a plan comes from here, s
 assumptions live in one file (and in ``docs/planner.md``):
 
 * FLOPs per decoder layer and micro-batch (b sequences of length s, hidden h, ffn f, heads a,
-  query groups g): QKV ``2bsh(h + 2hg/a)`` + output projection ``2bsh^2`` + MLP ``4bshf``
-  (two matmuls, the local GPT spec) + attention core ``4bs^2h``; with g = a, f = 4h this is the
-  textbook ``24bsh^2 + 4bs^2h``. Output head ``2bshV``; embedding lookup ~0. Backward = 2x.
+  query groups g): QKV ``2bsh(h + 2hg/a)`` + output projection ``2bsh^2`` + MLP ``2bsh*f1 +
+  2bsfh`` (fc1 is f wide, or 2f with a gated MLP: SwiGLU's gate and up) + attention core
+  ``4bs^2h``; with g = a, f = 4h, no gate this is the textbook ``24bsh^2 + 4bs^2h``. Output
+  head ``2bshV``; embedding lookup ~0. Backward = 2x.
 * Time on kind K with TP t: ``flops / (t * peak * mfu * tp_efficiency**log2 t)`` plus the TP
   all-reduces (2 per layer forward, 2 backward, of ``b*s*h`` elements) priced as a ring,
   ``2(t-1)/t * bytes / intra_bw``.
 * Memory per rank: weights (dtype) + gradients (dtype) + Adam state; 16-bit training keeps an fp32
   master copy and m, v (12 bytes/param), fp32 training keeps m, v (8 bytes/param): 16 bytes/param
   either way. No distributed optimizer, no recomputation, no sequence parallelism.
+  Parameters follow the family: biases only where the model has them (``add_bias_linear``,
+  ``add_qkv_bias``), LayerNorm weight + bias or RMSNorm weight, a position table only for
+  learned absolute positions.
   Activations per layer (Korthikanti et al. 2022, generalised to any f and dtype d bytes):
-  ``s*b*(d*(4h + (2h + 2hg/a + 2f)/t) + 2h)`` bytes, plus ``s*b*(2d+1)*a*s/t`` when attention
+  ``s*b*(d*(4h + (2h + 2hg/a + f1 + f)/t) + 2h)`` bytes (fc1's output f1 and fc2's input f;
+  f1 = f without a gate, so 2f as in the paper), plus ``s*b*(2d+1)*a*s/t`` when attention
   scores are materialised (no flash attention); times the micro-batches a chunk holds in flight.
 * A stage boundary carries ``b*s*h`` elements: ``bytes / link_bw + latency``, plus a device->host
   and host->device copy where the device types differ (host-staged gloo), plus the receiving
@@ -77,12 +82,15 @@ class CostModel:
         self.f = m.ffn_hidden_size or 4 * m.hidden_size
         self.g = m.num_query_groups or m.num_attention_heads
         self.qkv = self.h + 2 * self.h * self.g // self.a  # QKV output width
+        self.fc1 = 2 * self.f if m.gated_linear_unit else self.f  # fc1 output width
+        self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
         self._cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
     def layer_flops(self) -> float:
         b, s, h = self.b, self.s, self.h
-        return 2 * b * s * h * self.qkv + 2 * b * s * h * h + 4 * b * s * h * self.f + 4 * b * s * s * h
+        mlp = 2 * b * s * h * self.fc1 + 2 * b * s * self.f * h
+        return 2 * b * s * h * self.qkv + 2 * b * s * h * h + mlp + 4 * b * s * s * h
 
     def head_flops(self) -> float:
         return 2 * self.b * self.s * self.h * self.V
@@ -90,18 +98,21 @@ class CostModel:
     # ---- parameters per rank ----------------------------------------------------------------
     def layer_params(self, tp: int) -> float:
         """Column-parallel (QKV, fc1: weight + bias) and row-parallel weights split over TP;
-        row-parallel biases and the two LayerNorms are replicated."""
-        h, f, q = self.h, self.f, self.qkv
-        split = h * q + q + h * h + h * f + f + f * h
-        return split / tp + 2 * h + 4 * h
+        row-parallel biases and the two norms are replicated."""
+        h, f, q, f1, m = self.h, self.f, self.qkv, self.fc1, self.model
+        bias = m.add_bias_linear
+        split = h * q + h * h + h * f1 + f * h
+        split += (q if bias or m.add_qkv_bias else 0) + (f1 if bias else 0)
+        return split / tp + (2 * h if bias else 0) + 2 * self.norm
 
     def embedding_params(self, tp: int) -> float:
         pos = self.model.max_position_embeddings or self.s
-        return self.V * self.h / tp + pos * self.h
+        table = pos * self.h if self.model.position_embedding_type == "learned_absolute" else 0
+        return self.V * self.h / tp + table
 
     def head_params(self, tp: int, shares_embedding: bool = False) -> float:
         out = 0.0 if shares_embedding else self.V * self.h / tp
-        return out + 2 * self.h  # + final LayerNorm
+        return out + self.norm  # + final norm
 
     def chunk_params(self, tp: int, chunk: ChunkLoad, shares_embedding: bool = False) -> float:
         p = chunk.layers * self.layer_params(tp)
@@ -114,7 +125,7 @@ class CostModel:
     # ---- activations per micro-batch per rank (bytes) -------------------------------------------
     def layer_activation_bytes(self, tp: int) -> float:
         s, b, h, d = self.s, self.b, self.h, self.d
-        per_token = d * (4 * h + (2 * h + self.qkv + 2 * self.f) / tp) + 2 * h
+        per_token = d * (4 * h + (2 * h + self.qkv + self.fc1 + self.f) / tp) + 2 * h
         if not self.flash_attention:
             per_token += (2 * d + 1) * self.a * s / tp
         return s * b * per_token

@@ -194,9 +194,9 @@ def load_model(name_or_path: str) -> ModelConfig:
 
 
 def valid_tp_sizes(model: ModelConfig, limit: int) -> list[int]:
-    """TP sizes that divide heads, hidden, ffn, vocab (and query groups), up to ``limit``."""
-    dims = [model.num_attention_heads, model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size,
-            model.vocab_size]
+    """TP sizes that divide heads, hidden, ffn (and query groups), up to ``limit``; the
+    vocabulary is padded to fit (ldt.models.vocab)."""
+    dims = [model.num_attention_heads, model.hidden_size, model.ffn_hidden_size or 4 * model.hidden_size]
     if model.num_query_groups:
         dims.append(model.num_query_groups)
     g = 0

@@ -47,6 +47,18 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     return "\n".join(head) + "\n" + body
 
 
+def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str) -> str:
+    """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
+    ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned."""
+    p = ev.plan
+    body = OmegaConf.to_yaml(OmegaConf.create({
+        "defaults": ["default"], "num_microbatches": p.num_microbatches,
+        "micro_batch_size": micro_batch_size}))
+    return (f"# Planned by ldt-plan for model {model_name} with cluster={cluster_name}: global "
+            f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
+            f"{p.num_microbatches} micro-batches x {micro_batch_size}.\n" + body)
+
+
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
     return [{
         "stage": s.index, "name": s.name, "kind": s.kind, "device": s.device, "tp": s.tp,

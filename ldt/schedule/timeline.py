@@ -1,14 +1,16 @@
-"""Draw a simulated iteration: a Chrome trace (open in Perfetto) and a PNG timeline.
+"""Draw a simulated (or measured) iteration: a Chrome trace (open in Perfetto) and a PNG timeline.
 
 Both show what the numbers in :class:`SimResult` hide: which stage idles, when, and waiting for
 which micro-batch. matplotlib is imported inside :func:`to_png` (Agg backend) so that importing
-``ldt.schedule`` stays light.
+``ldt.schedule`` stays light. Stages are named by their cluster names where the caller knows
+them (``stage_names``); times are seconds unless ``time_unit=None`` (a unit-cost model).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Sequence
 
 from ldt.schedule.ir import Op
 from ldt.schedule.simulate import SimResult
@@ -24,12 +26,37 @@ OP_COLOURS = {
 }
 
 
-def _stage_name(stage: int, result: SimResult) -> str:
+# What each op means, for the legend (a reader of a PNG has no glossary at hand).
+OP_MEANINGS = {
+    Op.F: "F: forward of the stage's layers",
+    Op.B: "B: backward of the stage's layers",
+    Op.FS: "FS: edge forward, start chunk (embedding + first layers)",
+    Op.FE: "FE: edge forward, end chunk (last layers + head + loss)",
+    Op.BS: "BS: edge backward of the end chunk (starts the backward)",
+    Op.BE: "BE: edge backward of the start chunk (ends the backward)",
+}
+
+
+def _stage_name(stage: int, result: SimResult, names: Sequence[str] | None = None) -> str:
+    """``stage 0: edge`` with a cluster name, else ``stage 0 (edge)`` for the U-shape's edge."""
+    if names is not None and stage < len(names):
+        return f"stage {stage}: {names[stage]}"
     ops = {e.action.op for e in result.events if e.stage == stage}
     return f"stage {stage} (edge)" if Op.FS in ops else f"stage {stage}"
 
 
-def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit: float = 1e6) -> None:
+def _time_scale(span: float, time_unit: str | None) -> tuple[float, str]:
+    """(factor, unit name) that shows a span in seconds as s, ms or µs."""
+    if time_unit is None:
+        return 1.0, "cost-model units"
+    for factor, name in ((1.0, "s"), (1e3, "ms"), (1e6, "µs")):
+        if span * factor >= 1.0:
+            return factor, name
+    return 1e6, "µs"
+
+
+def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit: float = 1e6,
+                    stage_names: Sequence[str] | None = None) -> None:
     """Write one complete ("X") event per compute action; ``us_per_unit`` converts sim time to µs.
 
     The default assumes the cost model is in seconds. Stages become processes (named by metadata
@@ -38,7 +65,7 @@ def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit
     events: list[dict[str, object]] = []
     for stage in sorted(result.busy):
         events.append({"ph": "M", "name": "process_name", "pid": stage, "tid": 0,
-                       "args": {"name": _stage_name(stage, result)}})
+                       "args": {"name": _stage_name(stage, result, stage_names)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": stage, "tid": 0,
                        "args": {"sort_index": stage}})
     for event in result.events:
@@ -58,8 +85,20 @@ def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, handle)
 
 
-def to_png(result: SimResult, path: str | os.PathLike[str], title: str) -> None:
-    """One row per stage (stage 0 on top), one box per compute action labelled with its micro-batch."""
+def to_png(result: SimResult, path: str | os.PathLike[str], title: str, *,
+           stage_names: Sequence[str] | None = None, time_unit: str | None = "s") -> None:
+    """One row per stage (stage 0 on top), one box per compute action labelled with its
+    micro-batch; the legend says what each op is; saved with every label inside the image."""
+    import matplotlib.pyplot as plt
+
+    fig = draw(result, title, stage_names=stage_names, time_unit=time_unit)
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)
+    plt.close(fig)
+
+
+def draw(result: SimResult, title: str, *, stage_names: Sequence[str] | None = None,
+         time_unit: str | None = "s"):
+    """The figure :func:`to_png` saves (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,32 +107,53 @@ def to_png(result: SimResult, path: str | os.PathLike[str], title: str) -> None:
 
     stages = sorted(result.busy)
     span = float(result.iteration_time) or 1.0
+    scale, unit = _time_scale(span, time_unit)
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.25 * len(result.events) ** 0.5 * 4)),
-                                    0.6 * len(stages) + 1.6))
+                                    0.6 * len(stages) + 2.4), layout="constrained")
     used: set[Op] = set()
     for event in result.events:
         if not event.action.is_compute:
             continue
-        start, width = float(event.start), float(event.end - event.start)
+        start, width = float(event.start) * scale, float(event.end - event.start) * scale
         row = len(stages) - 1 - stages.index(event.stage)
         op = event.action.op
         used.add(op)
         ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=OP_COLOURS[op],
                        edgecolors="black", linewidth=0.5)
-        if width > 0.012 * span:
+        if width > 0.012 * span * scale:
             ax.text(start + width / 2, row, str(event.action.mb), ha="center", va="center",
                     fontsize=7, color="white")
     ax.set_yticks(range(len(stages)))
-    ax.set_yticklabels([_stage_name(s, result) for s in reversed(stages)])
-    ax.set_xlim(0, span)
-    ax.set_xlabel("time")
-    ax.set_title(f"{title}  (bubble {float(result.bubble_fraction):.1%}, "
-                 f"iteration {float(result.iteration_time):.4g})")
-    ax.legend(handles=[Patch(color=OP_COLOURS[op], label=op.value) for op in OP_COLOURS if op in used],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(used), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_yticklabels([_stage_name(s, result, stage_names) for s in reversed(stages)])
+    ax.set_ylim(-0.6, len(stages) - 0.4)
+    ax.set_xlim(0, span * scale * 1.005)  # the last box's right edge stays visible
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_ylabel("pipeline stage")
+    iteration = f"{span * scale:.4g} {unit}" if time_unit is not None else f"{span:.4g}"
+    ax.set_title(f"{title}\n(bubble {float(result.bubble_fraction):.1%}, iteration {iteration})")
+    handles = [Patch(color=OP_COLOURS[op], label=OP_MEANINGS[op])
+               for op in OP_COLOURS if op in used]
+    fig.legend(handles=handles, loc="outside lower left", ncol=min(2, len(handles)),
+               frameon=False, fontsize=8, title_fontsize=8, alignment="left",
+               title="box number = micro-batch; gaps = waiting for a neighbour or idle "
+                     "(sends, receives and waits are not drawn)")
+    return fig
+
+
+def median_step(per_stage: Sequence[Sequence[tuple[float, Sequence]]], one_clock: bool) -> int:
+    """The index of the step with the median measured span (of ``[stage][step] -> (step start,
+    [(action, start_s, end_s)])``): the step to draw, since the first carries warm-up and the
+    last is not more typical than any other. With one clock (one host) a step spans from the
+    earliest stage start to the latest action end; otherwise the longest stage's own span."""
+    def span(i: int) -> float:
+        ends = [max((end for _, _, end in steps[i][1]), default=0.0) for steps in per_stage]
+        if not one_clock:
+            return max(ends)
+        starts = [steps[i][0] for steps in per_stage]
+        return max(s + e for s, e in zip(starts, ends)) - min(starts)
+
+    order = sorted(range(len(per_stage[0])), key=span)
+    return order[(len(order) - 1) // 2]
 
 
 def result_from_measurements(per_stage: list[list[tuple[str, float, float]]],

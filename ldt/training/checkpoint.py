@@ -3,15 +3,17 @@
 Each stage leader gathers its stage's TP shards (model and AdamW state) into full tensors under
 global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
 checksums: :func:`ldt.training.checkpoint_files.write_part`). When every part is in place, rank
-0 seals the folder (``checkpoint.json`` with the step and the model, then ``COMPLETE``) and
-applies ``train.keep_last``. A save that fails (a full disk) on any writer fails on every rank
-together: the partial folder is removed, the previous checkpoint is untouched, and the caller
-learns why.
+0 writes ``model.json`` (the ModelConfig, which :func:`check_compatible` compares) and seals
+the folder (``checkpoint.json`` with the step and the checksums of its top-level files, then
+``COMPLETE``) and applies ``train.keep_last``. A save that fails (a full disk) on any writer
+fails on every rank together: the partial folder is removed, the previous checkpoint is
+untouched, and the caller learns why.
 
 Because tensors are full and named globally, a checkpoint does not depend on the layout: a
 run with other stages or TP sizes can resume from it (every rank reads the tensors its chunks
-need from whichever stage folder holds them, and slices its TP shard). :func:`write_model`
-writes such a checkpoint from full tensors alone (a model imported from elsewhere).
+need from whichever stage folder holds them, and slices its TP shard). :func:`write_tensors`
+and :func:`mark_complete` write such a checkpoint from full tensors alone (``ldt-convert``'s
+import), with the same checksums.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ldt.training import checkpoint_files as files
-from ldt.training.checkpoint_files import CheckpointError, latest, step_dir  # noqa: F401
+from ldt.training.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
+                                           step_dir)
 
 
 def _named_params(models, chunks):
@@ -35,8 +38,9 @@ def _named_params(models, chunks):
             yield global_param_name(chunk, name), p
 
 
-def _gather_full(name: str, local: torch.Tensor, state) -> Optional[torch.Tensor]:
-    """The full tensor on the stage leader (None elsewhere)."""
+def _gather_full(name: str, local: torch.Tensor, state,
+                 gated: bool = False) -> Optional[torch.Tensor]:
+    """The full tensor on the stage leader (None elsewhere); ``gated``: a gated MLP."""
     from ldt.models.sharding import split_dim, unshard
 
     tp = len(state.stage_ranks)
@@ -44,7 +48,7 @@ def _gather_full(name: str, local: torch.Tensor, state) -> Optional[torch.Tensor
         return local.detach().cpu().clone() if state.is_leader else None
     parts = [torch.empty_like(local) for _ in range(tp)] if state.is_leader else None
     dist.gather(local.detach().contiguous(), parts, dst=state.stage_ranks[0], group=state.tp_group)
-    return unshard(name, [p.cpu() for p in parts]) if state.is_leader else None
+    return unshard(name, [p.cpu() for p in parts], gated=gated) if state.is_leader else None
 
 
 @dataclass
@@ -55,18 +59,23 @@ class Saved:
     error: Optional[str] = None
 
 
-def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict,
+def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, model=None,
          keep_last: int = 0, group=None) -> Saved:
     """Write this stage's part of checkpoint ``step`` (collective over the whole world;
     ``group``: a gloo group of all ranks, None for the default group). ``info`` goes into
-    ``checkpoint.json``. A full disk on any writer is a :class:`Saved` with an error on every
+    ``checkpoint.json``; ``model``: the ModelConfig, recorded in ``model.json`` for the checks
+    of later loads. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
     target = step_dir(root, step)
+    from ldt.models.sharding import is_gated
+
     model_sd, optim_sd = {}, {}
+    gated = is_gated(models[0])
     for name, p in _named_params(models, chunks):
-        full = _gather_full(name, p, state)
+        full = _gather_full(name, p, state, gated)
         st = optimizer.state.get(p, {})
-        moments = {k: _gather_full(name, st[k], state) for k in ("exp_avg", "exp_avg_sq") if k in st}
+        moments = {k: _gather_full(name, st[k], state, gated)
+                   for k in ("exp_avg", "exp_avg_sq") if k in st}
         if state.is_leader:
             model_sd[name] = full
             if moments:
@@ -74,8 +83,7 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict,
     error = None
     if state.is_leader and state.info.dp_rank == 0:
         try:
-            files.write_part(target, f"stage_{state.stage}",
-                             {"model": model_sd, "optim": optim_sd, "step": step})
+            write_tensors(target, state.stage, model_sd, step, optim_sd)
         except files.DiskFullError as exc:
             error = str(exc)
     errors = _all_errors(error, group)
@@ -84,6 +92,11 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict,
         try:
             if errors:
                 raise files.DiskFullError(target)  # reported in the first writer's words
+            if model is not None:
+                from ldt.models.arch import write_model_json
+
+                with files.disk_full_at(target):
+                    write_model_json(target, model)
             files.seal(target, {**info, "step": step})
             files.prune(root, keep_last)
             outcome[0] = Saved(target)
@@ -105,24 +118,35 @@ def _all_errors(error: Optional[str], group) -> list[str]:
     return [e for e in gathered if e]
 
 
-def write_model(folder: str, tensors: dict, *, step: int, model: dict) -> str:
-    """A checkpoint from full (TP=1) tensors under ldt's global names, no optimizer state
-    (e.g. a model imported from Hugging Face); ``model``: its config as a plain dict.
-    A run resumes from it at ``step + 1`` (AdamW starts fresh)."""
-    files.write_part(folder, "stage_0", {"model": dict(tensors), "optim": {}, "step": step})
-    files.seal(folder, {"step": step, "model": files.model_info(model)})
-    return folder
+def write_tensors(target: str, part: int, tensors: dict, step: int,
+                  optim: Optional[dict] = None) -> str:
+    """Write ``target/stage_<part>``: full tensors under global names (and their AdamW state),
+    atomically and with checksums (:func:`ldt.training.checkpoint_files.write_part`; raises
+    its DiskFullError). Loads read every ``stage_*`` folder, so a writer may split a model
+    into any number of parts."""
+    return files.write_part(target, f"stage_{part}",
+                            {"model": tensors, "optim": optim or {}, "step": step})
+
+
+def mark_complete(target: str, step: int) -> None:
+    """Seal ``target`` (checksums of its top-level files, then COMPLETE), written last: from
+    now on the checkpoint may be loaded."""
+    files.seal(target, {"step": step})
 
 
 def load(path: str, models, chunks, optimizer, state, *, verified: bool = False) -> int:
     """Fill this rank's chunks and AdamW state from a checkpoint; returns the next step.
+    ``optimizer=None`` (``train.load``): weights only, whatever optimizer state it holds.
+    Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`).
     The files this rank reads are checked against their checksums unless ``verified`` (the
     launcher checked the whole checkpoint already)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from ldt.models.sharding import shard, split_dim
+    from ldt.models.sharding import is_gated, shard_into
+
+    gated = is_gated(models[0])
 
     found = latest(path)
     if found is None:
@@ -134,25 +158,22 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False)
     step = None
     for stage_dir in files.parts(found):
         reader = FileSystemReader(os.path.join(found, stage_dir))
-        keys = reader.read_metadata().state_dict_metadata
+        try:
+            keys = reader.read_metadata().state_dict_metadata
+        except Exception:  # a damaged .metadata: name the file if its checksum says so
+            files.verify(found, which=[stage_dir])
+            raise
         names = [n for n in wanted if f"model.{n}" in keys]
         if not names:
             continue
         if not verified:
             files.verify(found, which=[stage_dir])
-        for n in names:  # a checkpoint of another model size: name the tensor, not a raw copy_
-            local = wanted[n].shape
-            dim = split_dim(n)
-            full = tuple(s * (tp if i == dim else 1) for i, s in enumerate(local))
-            if tuple(keys[f"model.{n}"].size) != full:
-                raise CheckpointError(
-                    f"checkpoint {found} holds {n} of shape {tuple(keys[f'model.{n}'].size)}, "
-                    f"this model needs {full}: it was saved for another model; resume with "
-                    "the model it was saved with")
-        sd = {"model": {n: torch.empty(keys[f"model.{n}"].size) for n in names},
+        sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
+                                       dtype=keys[f"model.{n}"].properties.dtype)
+                        for n in names},
               "optim": {n: {k: torch.empty(keys[f"model.{n}"].size)
                             for k in ("exp_avg", "exp_avg_sq")} | {"step": torch.zeros(())}
-                        for n in names if f"optim.{n}.exp_avg" in keys},
+                        for n in names if optimizer is not None and f"optim.{n}.exp_avg" in keys},
               "step": 0}
         dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
                  no_dist=True)
@@ -160,15 +181,76 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False)
         with torch.no_grad():
             for n in names:
                 p = wanted.pop(n)
-                p.copy_(shard(n, sd["model"][n], tp, tp_rank))
+                p.copy_(shard_into(n, sd["model"][n], p.shape, tp, tp_rank, gated=gated))
                 if n in sd["optim"]:
                     o = sd["optim"][n]
                     optimizer.state[p] = {
                         "step": o["step"].clone(),
-                        "exp_avg": shard(n, o["exp_avg"], tp, tp_rank).clone(),
-                        "exp_avg_sq": shard(n, o["exp_avg_sq"], tp, tp_rank).clone()}
+                        "exp_avg": shard_into(n, o["exp_avg"], p.shape, tp, tp_rank,
+                                              gated=gated).clone(),
+                        "exp_avg_sq": shard_into(n, o["exp_avg_sq"], p.shape, tp, tp_rank,
+                                                 gated=gated).clone()}
     if wanted:
         raise CheckpointError(
             f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is for another "
             "model (check model.* against the run that saved it)")
     return int(step) + 1
+
+
+def tensor_index(path: str) -> dict:
+    """Name -> (stage folder, storage metadata: size, dtype) of every model tensor of a
+    complete checkpoint, from the metadata files alone (no tensor is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker)")
+    out = {}
+    for stage_dir in files.parts(found):
+        folder = os.path.join(found, stage_dir)
+        try:
+            metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+        except Exception:  # a damaged .metadata: name the file if its checksum says so
+            files.verify(found, which=[stage_dir])
+            raise
+        for key, meta in metadata.items():
+            if key.startswith("model."):
+                out.setdefault(key[len("model."):], (folder, meta))
+    return out
+
+
+def read_tensors(index: dict, names) -> dict:
+    """Full tensors ``names`` (stored dtype) from a :func:`tensor_index`, one folder at a time."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    by_folder: dict = {}
+    for n in names:
+        by_folder.setdefault(index[n][0], []).append(n)
+    out = {}
+    for folder, group in by_folder.items():
+        sd = {"model": {n: torch.empty(index[n][1].size, dtype=index[n][1].properties.dtype)
+                        for n in group}}
+        dcp.load(sd, storage_reader=FileSystemReader(folder),
+                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        out.update(sd["model"])
+    return out
+
+
+def check_compatible(path: str, model) -> None:
+    """Refuse a checkpoint whose architecture or tensor shapes do not fit ``model`` (a
+    ConfigError naming the field or the parameter); reads metadata only, no collective."""
+    from ldt.config import ConfigError
+    from ldt.models.arch import check_arch, check_shapes, read_model_json
+
+    found = latest(path)
+    if found is None:
+        raise ConfigError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker); give "
+                          "a run folder with checkpoints/, a checkpoints/step_N folder or an "
+                          "ldt-convert output folder")
+    saved = read_model_json(found)
+    if saved is not None:
+        check_arch(saved, model, found)
+    check_shapes({n: tuple(meta.size) for n, (_, meta) in tensor_index(found).items()}, model,
+                 found)

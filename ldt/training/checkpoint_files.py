@@ -4,14 +4,16 @@ A checkpoint is a step folder ``<run>/checkpoints/step_<N>/`` holding parts (``s
 one per writer), each a ``torch.distributed.checkpoint`` folder plus ``MANIFEST.json`` (size
 and sha256 of every file in it). A part is written into ``<part>.tmp`` and renamed into place
 with its manifest, so a part either exists whole or not at all. ``checkpoint.json`` (the step,
-the run's length, the model) and then the ``COMPLETE`` marker seal the folder; a folder
-without the marker is never loaded.
+the run's length, and the size and sha256 of every other top-level file: ``model.json``, an
+import's ``hf_config.json`` and tokenizer files) and then the ``COMPLETE`` marker seal the
+folder; a folder without the marker is never loaded.
 
 What goes *into* a checkpoint is :mod:`ldt.training.checkpoint`'s business (the training
 state, gathered collectively) or a converter's (a model imported from elsewhere); both write
 through :func:`write_part` and :func:`seal`. Before a run starts, :func:`preflight` checks a
-``train.resume`` folder on the launcher: every file against its checksum, the model against
-the run's, and that there is something left to train; each problem is one line naming the
+``train.resume`` / ``train.load`` folder (``ldt.validate`` calls it; the model against the
+run's is ``ldt.training.checkpoint.check_compatible``): every file against its size or
+checksum, and that there is something left to train; each problem is one line naming the
 file or the parameter and the fix.
 """
 
@@ -23,17 +25,14 @@ import json
 import os
 import shutil
 import warnings
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from ldt.config import ConfigError
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
 MANIFEST = "MANIFEST.json"
-# ModelConfig fields that decide the tensors' names and shapes (a resume must match them).
-MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                      "ffn_hidden_size", "vocab_size", "max_position_embeddings",
-                      "tie_embeddings")
 
 
 class CheckpointError(ConfigError):
@@ -69,10 +68,8 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
         with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
-        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256", "files": {
-            name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
-                   "sha256": _sha256(os.path.join(tmp, name))}
-            for name in sorted(os.listdir(tmp)) if name != MANIFEST}})
+        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
+                                                  "files": _manifest(tmp, skip=(MANIFEST,))})
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
     except BaseException as exc:
@@ -84,13 +81,22 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
 
 
 def seal(folder: str, info: dict) -> None:
-    """Mark ``folder`` complete: ``checkpoint.json`` (``info``: at least ``step``), then the
-    ``COMPLETE`` marker, each written and renamed into place."""
-    try:
-        _write_json(os.path.join(folder, INFO), info)
+    """Mark ``folder`` complete: ``checkpoint.json`` (``info``: at least ``step``; plus the
+    checksums of the folder's other top-level files), then the ``COMPLETE`` marker, each
+    written and renamed into place."""
+    with disk_full_at(folder):
+        files = _manifest(folder, skip=(INFO, COMPLETE))
+        _write_json(os.path.join(folder, INFO), {**info, "files": files})
         _write_text(os.path.join(folder, COMPLETE), f"{info['step']}\n")
+
+
+@contextmanager
+def disk_full_at(folder: str) -> Iterator[None]:
+    """An OSError for want of space inside becomes :class:`DiskFullError` naming ``folder``."""
+    try:
+        yield
     except OSError as exc:
-        if _out_of_space(exc, folder, 0):
+        if not isinstance(exc, DiskFullError) and _out_of_space(exc, folder, 0):
             raise DiskFullError(folder) from None
         raise
 
@@ -161,6 +167,7 @@ def verify(folder: str, *, which: Optional[list[str]] = None, hashes: bool = Tru
     names = parts(folder)
     if not names:
         raise CheckpointError(f"{folder} holds no parts; {_fix(folder)}")
+    _verify_files(folder, info.get("files", {}), hashes, folder)
     for part in which if which is not None else names:
         _verify_part(os.path.join(folder, part), hashes)
     return info
@@ -174,8 +181,13 @@ def _verify_part(part: str, hashes: bool) -> None:
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path} is missing or damaged, so {part} cannot be checked; "
                               f"{_fix(os.path.dirname(part))}") from None
+    _verify_files(part, files, hashes, os.path.dirname(part))
+
+
+def _verify_files(where: str, files: dict, hashes: bool, step_folder: str) -> None:
+    """Each file of a manifest (name -> bytes, sha256) in ``where`` against it."""
     for name, want in files.items():
-        file = os.path.join(part, name)
+        file = os.path.join(where, name)
         size = os.path.getsize(file) if os.path.exists(file) else None
         if size is None:
             problem = "is missing"
@@ -186,52 +198,32 @@ def _verify_part(part: str, hashes: bool) -> None:
             problem = "is corrupted (its sha256 differs from the one written with it)"
         else:
             continue
-        raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(os.path.dirname(part))}")
+        raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder)}")
 
 
-def preflight(resume: str, model: dict, steps: int, *, hashes: bool = True) -> str:
-    """Everything about ``train.resume`` that can be checked before any process starts;
-    returns the step folder to load. ``model``: the run's model config (a plain dict)."""
-    if not os.path.exists(resume):
-        raise CheckpointError(f"train.resume={resume!r} does not exist; give a run folder "
-                              "with checkpoints/ or a checkpoints/step_N folder")
-    found = latest(resume)
+def preflight(path: str, field: str = "train.resume", steps: Optional[int] = None, *,
+              hashes: bool = True) -> str:
+    """Everything about a checkpoint folder given as ``field`` (``train.resume`` or
+    ``train.load``) that its files can tell before any process starts: it exists, is
+    complete, every file has its size (and sha256 when ``hashes``), and, with ``steps`` (a
+    resume), something is left to train. Returns the step folder to load."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{field}={path!r} does not exist; give the run folder of an "
+                              "earlier run (with checkpoints/), one of its checkpoints/step_N "
+                              "folders or an ldt-convert output folder")
+    found = latest(path)
     if found is None:
         raise CheckpointError(
-            f"train.resume={resume!r} holds no complete checkpoint (no step folder with a "
-            f"{COMPLETE} marker); give a run folder with checkpoints/ or a checkpoints/step_N "
-            "folder")
+            f"{field}={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
+            "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
+            "mid-save; give a folder with a complete checkpoint, or drop " + field)
     info = verify(found, hashes=hashes)
-    saved = info.get("model")
-    if saved:
-        for key in MODEL_SHAPE_FIELDS:
-            want, got = _resolved(saved, key), _resolved(model, key)
-            if want != got:
-                raise CheckpointError(
-                    f"checkpoint {found} was saved for model.{key}={want}, this run has "
-                    f"model.{key}={got}; resume with the model it was saved with, or start "
-                    "without train.resume")
     next_step = int(info["step"]) + 1
-    if next_step >= steps:
+    if steps is not None and next_step >= steps:
         raise CheckpointError(
             f"checkpoint {found} is the end of its run (it continues at step {next_step}, and "
             f"train.steps={steps}): nothing left to train; raise train.steps to go on")
     return found
-
-
-def model_info(model: dict) -> dict:
-    """What :func:`preflight` compares, from a model config (a plain dict)."""
-    return {k: _resolved(model, k) for k in MODEL_SHAPE_FIELDS}
-
-
-def _resolved(model: dict, key: str) -> Any:
-    if key == "ffn_hidden_size":
-        return model.get(key) or 4 * model["hidden_size"]
-    if key == "num_query_groups":
-        return model.get(key) or model["num_attention_heads"]
-    if key == "max_position_embeddings":
-        return model.get(key) or model.get("seq_length")
-    return model.get(key)
 
 
 def _fix(step_folder: str) -> str:
@@ -245,6 +237,15 @@ def _fix(step_folder: str) -> str:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+def _manifest(folder: str, skip: tuple) -> dict:
+    """Size and sha256 of every regular file directly in ``folder`` but ``skip`` (and .tmp)."""
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                   "sha256": _sha256(os.path.join(folder, name))}
+            for name in sorted(os.listdir(folder))
+            if name not in skip and not name.endswith(".tmp")
+            and os.path.isfile(os.path.join(folder, name))}
+
+
 def _sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -17,7 +17,7 @@ import json
 import os
 import time
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,10 +37,13 @@ def parse(cfg: dict) -> SimpleNamespace:
 
 
 def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
-                 resume_verified: bool = False) -> Optional[dict]:
+                 resume_verified: bool = False,
+                 observe: Optional[Callable] = None) -> Optional[dict]:
     """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
     ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
-    ``resume_verified``: the launcher already checked ``train.resume``'s checksums."""
+    ``resume_verified``: the launcher already checked the checkpoint's checksums
+    (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
+    boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
     from ldt.validate import validate
@@ -53,11 +56,15 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         guard = StepGuard(state, signals, StepGuard.world_group())
         stage = topo.stages[state.stage]
         observers = _observers(c.train, run_dir, rank)
-        names = (["cpu_shims"] if stage.device == "cpu" else []) + ["schedules"]
+        if observe is not None:
+            observers += observe(rank, topo, run_dir)
+        names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
         finally:
+            for obs in observers:  # the audit's message tap unwraps torch.distributed
+                getattr(obs, "close", lambda: None)()
             patches.revert(names)
             ldt.destroy_vtp()
 
@@ -84,8 +91,10 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
 def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from ldt.data.bytes import TextData
-    from ldt.training.optim import allreduce_dp_grads, clip_grads, global_grad_norm, lr_lambda
+    from ldt.data import build_training_data
+    from ldt.privacy.defence import send_transforms
+    from ldt.training.optim import (allreduce_dp_grads, allreduce_tied_grads, clip_grads,
+                                    global_grad_norm, lr_lambda)
     from ldt.schedule.forward_backward import run_step
 
     from ldt.training import checkpoint
@@ -104,21 +113,19 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
                                      verified=resume_verified)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
-    data = None
-    if state.stage in topo.data_stages():
-        data = TextData(c.data.path, c.model.seq_length, t.micro_batch_size, m,
-                        dp_rank=state.info.dp_rank, dp=topo.dp, seed=t.seed,
-                        max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
+    elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
+        record.begin("loading the checkpoint")
+        checkpoint.load(t.load, models, chunks, None, state, verified=resume_verified)
+    data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    if rank == 0 and not c.reference:
-        print(topo.rank_map(), flush=True)
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
     out = _Outputs(c, topo, run_dir, first_step) if reporter else None
     device = topo.stages[state.stage].device
-    info = {"steps": t.steps, "model": _model_info(c.model)}
+    info = {"steps": t.steps}  # checkpoint.json; the model goes to model.json
+    transforms = send_transforms(t, topo, state.stage)  # once per run: one noise stream
     stop = None
 
     def pipeline_pass(make_iterator, forward_only: bool = False):
@@ -127,7 +134,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         if ldt_runtime:
             from ldt.p2p import VtpCommunicator
 
-            comm = VtpCommunicator(models[0].config, state, observers)
+            comm = VtpCommunicator(models[0].config, state, observers, transforms)
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
@@ -152,6 +159,8 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
         record.begin("data-parallel grad all-reduce", waiting=True)
         allreduce_dp_grads(params, state)
+        record.begin("tied embedding grad all-reduce", waiting=True)
+        allreduce_tied_grads(models, state)
         record.begin("global grad norm", waiting=True)
         norm = global_grad_norm(params, state)
         record.begin("optimizer step")
@@ -185,7 +194,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
             record.begin("saving a checkpoint", waiting=True)
             result = checkpoint.save(run_dir, step, models, chunks, opt, state, info=info,
-                                     keep_last=t.keep_last, group=guard.group)
+                                     model=c.model, keep_last=t.keep_last, group=guard.group)
             if result.error:
                 stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
                 break
@@ -253,14 +262,6 @@ def _stage_name(topo, stage: int) -> str:
     return f"{stage} '{topo.stages[stage].name}'"
 
 
-def _model_info(model) -> dict:
-    import dataclasses
-
-    from ldt.training.checkpoint_files import model_info
-
-    return model_info(dataclasses.asdict(model))
-
-
 def _mean_loss(losses, state) -> float:
     import torch.distributed as dist
 
@@ -286,4 +287,3 @@ def reference_config(cfg: dict) -> dict:
     ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False)
     ref["reference"] = True
     return ref
-

@@ -28,13 +28,26 @@ def allreduce_dp_grads(params: list[torch.nn.Parameter], state) -> None:
         g.copy_(reduced)
 
 
+def allreduce_tied_grads(models, state) -> None:
+    """Sum the gradients of a tied embedding and head that sit on different stages, over
+    megatron's embedding group (ldt's: it reshards between the two stages' TP sizes)."""
+    if state.embd_group is None or state.embd_group.size() < 2:
+        return
+    for gpt in models:
+        if getattr(gpt, "share_embeddings_and_output_weights", False):
+            weight = gpt.shared_embedding_or_output_weight()
+            if weight is not None and weight.grad is not None:
+                dist.all_reduce(weight.grad, group=state.embd_group)
+
+
 def global_grad_norm(params: list[torch.nn.Parameter], state) -> float:
-    """The L2 norm of the whole model's gradient, each parameter counted once."""
+    """The L2 norm of the whole model's gradient, each parameter counted once (a tied
+    head's copy of the embedding, marked ``shared``, is skipped)."""
     device = params[0].device if params else torch.device("cpu")
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     replicated = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "shared", False):
             continue
         sq = p.grad.detach().double().pow(2).sum()
         if getattr(p, "tensor_model_parallel", False):

@@ -201,7 +201,8 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
     the run goes, by :class:`MetricsLog`)."""
     os.makedirs(run_dir, exist_ok=True)
     if timeline and rows:
-        from ldt.schedule.timeline import result_from_measurements, to_chrome_trace, to_png
+        from ldt.schedule.timeline import (median_step, result_from_measurements,
+                                           to_chrome_trace, to_png)
 
         with open(os.path.join(run_dir, "action_times.csv"), "w", newline="") as f:
             w = csv.writer(f)
@@ -210,10 +211,13 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
                 for i, (step_start, step_rows) in enumerate(steps):
                     w.writerows((rows[i]["step"], stage, a, s, e, host, step_start)
                                 for a, s, e in step_rows)
-        last = [steps[-1] for _, steps in timeline]  # per stage: (step start, rows)
         one_clock = len({host for host, _ in timeline}) == 1  # else stages' starts don't compare
-        offsets = [start - min(s for s, _ in last) for start, _ in last] if one_clock else None
-        result = result_from_measurements([step_rows for _, step_rows in last], offsets)
-        to_chrome_trace(result, os.path.join(run_dir, "timeline.json"))
+        i = median_step([steps for _, steps in timeline], one_clock)
+        shown = [steps[i] for _, steps in timeline]  # per stage: (step start, rows)
+        offsets = [start - min(s for s, _ in shown) for start, _ in shown] if one_clock else None
+        result = result_from_measurements([step_rows for _, step_rows in shown], offsets)
+        names = [stage.name for stage in topo.stages]
+        to_chrome_trace(result, os.path.join(run_dir, "timeline.json"), stage_names=names)
         to_png(result, os.path.join(run_dir, "timeline.png"),
-               f"measured last step, {topo.num_stages} stages, TP {topo.tp_sizes}")
+               f"measured step {rows[i]['step']} (the median of {len(rows)} steps), "
+               f"{topo.num_stages} stages, TP {topo.tp_sizes}", stage_names=names)

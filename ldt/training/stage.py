@@ -36,6 +36,7 @@ def build_stage_models(c, topo, state) -> list:
 
     from ldt.models.init import init_chunk
     from ldt.models.build import build_chunk, global_param_name
+    from ldt.models.vocab import model_vocab_size
 
     tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
     chunks = topo.split.stage_chunks(state.stage)
@@ -44,21 +45,42 @@ def build_stage_models(c, topo, state) -> list:
     models = []
     for chunk in chunks:
         gpt = build_chunk(c.model, chunk, stage.tp, device=stage.device, vpp=vpp,
-                          num_stages=topo.num_stages, pg_collection=state.pg_collection())
+                          num_stages=topo.num_stages, pg_collection=state.pg_collection(),
+                          vocab_size=model_vocab_size(c.model, topo))
         init_chunk(gpt, seed=c.train.seed, num_layers=c.model.num_layers, tp=stage.tp,
-                   tp_rank=state.info.tp_rank, rename=lambda n, ch=chunk: global_param_name(ch, n))
+                   tp_rank=state.info.tp_rank, rename=lambda n, ch=chunk: global_param_name(ch, n),
+                   vocab_size=c.model.vocab_size)
         gpt.config.overlap_p2p_comm = bool(c.train.overlap_p2p_comm and vpp)
         gpt.config.batch_p2p_comm = not gpt.config.overlap_p2p_comm
         models.append(gpt)
-    if c.model.tie_embeddings and any(ch.has_embedding for ch in chunks):
-        tie_embeddings(chunks, models)
+    if c.model.tie_embeddings and any(ch.has_embedding or ch.has_head for ch in chunks):
+        tie_embeddings(chunks, models, state)
     return models
 
 
-def tie_embeddings(chunks, models) -> None:
-    """Share the input embedding with the output head. Validation guarantees both sit on
-    this stage (U-shape edge or a one-stage model), so no cross-stage group is needed: the
-    head chunk just uses the embedding's parameter, and both gradients accumulate into it."""
-    emb = next(g for ch, g in zip(chunks, models) if ch.has_embedding)
-    head = next(g for ch, g in zip(chunks, models) if ch.has_head)
-    head.output_layer.weight = emb.embedding.word_embeddings.weight
+def tie_embeddings(chunks, models, state) -> None:
+    """Tie the input embedding and the output head.
+
+    On one stage (U-shape edge, one-stage model) the head chunk uses the embedding's
+    parameter and both gradients accumulate into it. Across stages (plain pipeline) it is
+    megatron's own scheme: the last stage keeps a copy, zeroed and then filled by an
+    all-reduce over the embedding group (ldt's reshards between the two stages' TP sizes);
+    the copy is marked ``shared`` (counted once in the gradient norm), and the gradients are
+    summed over the same group every step (:func:`ldt.training.optim.allreduce_tied_grads`).
+    """
+    import torch.distributed as dist
+
+    emb = next((g for ch, g in zip(chunks, models) if ch.has_embedding), None)
+    head = next((g for ch, g in zip(chunks, models) if ch.has_head), None)
+    if emb is not None and head is not None:
+        head.output_layer.weight = emb.embedding.word_embeddings.weight
+        return
+    gpt = emb if emb is not None else head
+    gpt.share_embeddings_and_output_weights = True  # megatron's flag, as with pp > 1
+    weight = gpt.shared_embedding_or_output_weight()
+    weight.shared_embedding = True
+    with torch.no_grad():
+        if emb is None:
+            weight.zero_()
+            weight.shared = True
+        dist.all_reduce(weight.data, group=state.embd_group)

@@ -1,0 +1,215 @@
+"""Hugging Face checkpoints in and out, against ``transformers``' own implementation.
+
+Tiny random ``LlamaForCausalLM`` (GQA 8 heads / 4 KV groups, RoPE base 5000, untied, saved in
+several safetensors shards) and ``Qwen2ForCausalLM`` (QKV biases, tied head, a vocabulary of
+250 that ldt pads) are built offline from a config, saved, imported with ``ldt-convert``'s
+library, and run by ldt in one 4-process world:
+
+- logits on a plain VTP pipeline (TP 1/2/1) and on a U-shape (TP 1/2/1) equal transformers'
+  within 1e-5 (fp32);
+- TP 1 vs 2 vs 4 of the SwiGLU + GQA model from the same checkpoint: same losses (1e-6) and
+  gradients (1e-5);
+- every shard a rank holds is where megatron-core's ``sharded_state_dict()`` puts it;
+- export gives back the same tensors bit for bit, and transformers loads it with the same
+  logits.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from ldt.config import to_model
+from ldt.launch import run_local_world
+from model_worlds import batches, world
+
+SEQ = 16
+LOGITS_ATOL = 1e-5
+
+
+def _hf_model(kind: str):
+    import transformers
+
+    common = dict(hidden_size=64, num_hidden_layers=4, max_position_embeddings=64)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=256, intermediate_size=128,
+                                       num_attention_heads=8, num_key_value_heads=4,
+                                       rope_theta=5000.0, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=False, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(vocab_size=250, intermediate_size=96,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       rope_theta=1e6, rms_norm_eps=1e-6,
+                                       tie_word_embeddings=True, **common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so a wrong mapping shows
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _hf_logits(model, vocab_size):
+    with torch.no_grad():
+        return [model(b["tokens"]).logits for b in batches(vocab_size, SEQ)]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """{kind: (HF folder, ldt checkpoint, ModelConfig, transformers' logits)}."""
+    from ldt.models.hf import import_hf
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in ("llama", "qwen2"):
+        model = _hf_model(kind)
+        folder, ckpt = root / f"hf_{kind}", root / f"ldt_{kind}"
+        model.save_pretrained(folder, max_shard_size="200KB" if kind == "llama" else "1GB")
+        cfg = import_hf(str(folder), str(ckpt), log=lambda *_: None)
+        out[kind] = (folder, ckpt, cfg, _hf_logits(model, cfg.vocab_size))
+    return out
+
+
+def _cluster(tps, layout, u_shape=False):
+    return {"stages": [{"name": f"s{i}", "device": "cpu", "tp": t} for i, t in enumerate(tps)],
+            "u_shape": u_shape, "layout": layout}
+
+
+def _model(hf, kind, **over):
+    import dataclasses
+
+    cfg = hf[kind][2]
+    fields = dict(seq_length=SEQ, **over)
+    if kind == "llama":
+        fields.setdefault("make_vocab_size_divisible_by", 64)  # 256 rows on TP 1, 2 and 4
+    return to_model({**dataclasses.asdict(cfg), **fields})
+
+
+CASES = {  # name -> (family, cluster, kind, model overrides, check the sharding oracle)
+    "llama_vtp121": ("llama", _cluster([1, 2, 1], "Et|tt|tL"), "logits", {}, False),
+    "qwen2_vtp121": ("qwen2", _cluster([1, 2, 1], "Et|tt|tL"), "logits",
+                     {"tie_embeddings": False}, True),  # a tied checkpoint, untied run
+    "llama_ushape121": ("llama", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
+    "qwen2_ushape121": ("qwen2", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
+    "llama_tp1": ("llama", _cluster([1, 1, 1, 1], "Et|t|t|tL"), "train", {}, False),
+    "llama_tp2": ("llama", _cluster([2, 2], "Ett|ttL"), "train", {}, True),
+    "llama_tp4": ("llama", _cluster([4], None), "train", {}, True),
+    # no checkpoint: ldt's layout-invariant init of the same SwiGLU + GQA model
+    "init_tp1": ("llama", _cluster([1, 1, 1, 1], "Et|t|t|tL"), "train", {}, None),
+    "init_tp2": ("llama", _cluster([2, 2], "Ett|ttL"), "train", {}, None),
+    "init_tp4": ("llama", _cluster([4], None), "train", {}, None),
+}
+
+
+@pytest.fixture(scope="module")
+def ran(hf):
+    cases = [{"model": _model(hf, fam, **over), "cluster": cluster, "kind": kind,
+              "checkpoint": None if oracle is None else str(hf[fam][1]), "oracle": oracle}
+             for fam, cluster, kind, over, oracle in CASES.values()]
+    out = run_local_world(4, world, (cases,), timeout_s=400)
+    return {name: [rank[i] for rank in out] for i, name in enumerate(CASES)}
+
+
+def _loss_stage_results(per_rank):
+    stage = max(r["stage"] for r in per_rank)
+    return [r for r in per_rank if r["stage"] == stage and r["tp_rank"] == 0][0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[2] == "logits"])
+def test_logits_equal_transformers(hf, ran, name):
+    family = CASES[name][0]
+    vocab = hf[family][2].vocab_size
+    per_rank = ran[name]
+    u_shape = CASES[name][1]["u_shape"]
+    got = [r for r in per_rank if r["stage"] == (0 if u_shape else 2)]
+    assert got and all(len(r["logits"]) == 2 for r in got)
+    for r in got:  # every TP rank of the loss stage gathered the whole vocabulary
+        for ours, want in zip(r["logits"], hf[family][3]):
+            assert ours.shape[-1] >= vocab
+            diff = (ours[..., :vocab] - want).abs().max().item()
+            assert diff <= LOGITS_ATOL, (name, diff)
+    assert all("logits" not in r or r["logits"] == [] for r in per_rank if r not in got)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("start", ["llama", "init"])
+def test_tp_1_2_4_same_loss_and_grads(ran, start):
+    """From the imported checkpoint, and from ldt's layout-invariant init."""
+    from ldt.models.sharding import unshard
+
+    results = {}
+    for tp in (1, 2, 4):
+        name = f"{start}_tp{tp}"
+        per_rank = ran[name]
+        assert all(r["gated"] for r in per_rank)
+        shards = {}
+        for r in per_rank:
+            for n, g in r["grads"].items():
+                shards.setdefault(n, {})[r["tp_rank"]] = g
+        grads = {n: unshard(n, [s[i] for i in sorted(s)], gated=True)
+                 for n, s in shards.items()}
+        results[tp] = (_loss_stage_results(per_rank)["losses"], grads)
+    base_losses, base_grads = results[1]
+    assert len(base_losses) == 2
+    for name in (2, 4):
+        losses, grads = results[name]
+        assert losses == pytest.approx(base_losses, abs=1e-6), name
+        assert set(grads) == set(base_grads)
+        for n, g in base_grads.items():
+            assert (grads[n] - g).abs().max().item() <= 1e-5, (name, n)
+
+
+@pytest.mark.timeout(600)
+def test_shards_are_where_megatron_puts_them(ran):
+    checked = 0
+    for name, (_, _, _, _, oracle) in CASES.items():  # None: no checkpoint
+        if oracle:
+            for r in ran[name]:
+                assert r["oracle"] == [], (name, r["stage"], r["tp_rank"], r["oracle"][:3])
+                checked += 1
+    assert checked >= 4 + 4 + 4
+
+
+@pytest.mark.timeout(600)
+def test_full_shapes_match_the_built_model(hf, ran):
+    from ldt.models.arch import full_shapes
+
+    model = _model(hf, "llama")
+    built = {n: s for r in ran["llama_tp1"] for n, s in r["shapes"].items()}
+    assert built == full_shapes(model)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf, tmp_path, family):
+    import transformers
+    from safetensors import safe_open
+
+    from ldt.models.hf import export_hf
+
+    folder, ckpt, cfg, want = hf[family]
+    out = tmp_path / "exported"
+    export_hf(str(ckpt), str(out), log=lambda *_: None)
+
+    def tensors(path):
+        found = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    found.update({k: f.get_tensor(k) for k in f.keys()})
+        return found
+
+    src, back = tensors(folder), tensors(out)
+    assert set(back) == set(src)
+    for name, t in src.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(reloaded).__name__ == ("LlamaForCausalLM" if family == "llama"
+                                       else "Qwen2ForCausalLM")
+    for ours, theirs in zip(_hf_logits(reloaded, cfg.vocab_size), want):
+        assert torch.equal(ours, theirs)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == (
+        family == "qwen2")
