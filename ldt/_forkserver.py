@@ -6,8 +6,9 @@ to the launcher and the ranks, which stop at the next step boundary, and would o
 the forkserver first, whose death kills every rank at once (their parent-death signal). It
 ends when the launcher does (EOF on its "alive" pipe), with a SystemExit; tearing down an
 interpreter that holds torch and megatron-core takes ~1.5 s for nothing (it has no state to
-flush), so it leaves through ``os._exit``. Its children never run atexit handlers (they leave
-through ``os._exit`` too) and restore the default signal dispositions (:func:`ldt.launch._child`).
+flush), so it leaves through ``os._exit``. Its children drop that atexit handler (a script a
+rank runs may call the atexit handlers) and restore the default signal dispositions
+(:func:`ldt.launch._child`).
 Imported anywhere else, this module does nothing.
 """
 

@@ -23,6 +23,7 @@ normally. A second signal, or ``stop_grace_s`` without an end, stops the world a
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -78,6 +79,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
            slots: Any) -> None:
     _detach_from_forkserver()
     _die_with_parent()
+    atexit.unregister(os._exit)  # the forkserver's way out (ldt._forkserver): not a rank's,
+    # whose atexit handlers a script runner (ldt.run) calls before the rank reports
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt._forkserver)
         signal.signal(sig, signal.SIG_DFL)
     record = _progress.attach(slots[rank])

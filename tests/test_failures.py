@@ -167,8 +167,8 @@ def test_blame_names_who_the_others_wait_for():
     assert blame([rank(0), rank(1), rank(2)]) is None  # nothing tells them apart
 
 
-def _stop_together(rank, world, launcher_pid):
-    """Steps until the ranks agree to stop; rank 1 asks the launcher to stop at its step 3."""
+def _stop_together(rank, world, launcher_pid, signum):
+    """Steps until the ranks agree to stop; rank 1 signals the launcher at its step 3."""
     from types import SimpleNamespace
 
     from ldt.training.guard import StepGuard, StopSignals
@@ -179,7 +179,7 @@ def _stop_together(rank, world, launcher_pid):
         for step in range(10_000):
             time.sleep(0.02 * (rank + 1))  # the ranks see the forwarded signal at other times
             if rank == 1 and step == 3:
-                os.kill(launcher_pid, signal.SIGINT)
+                os.kill(launcher_pid, signum)
             decision = guard.agree(loss=1.0, grad_norm=1.0, peak_gib=0.1 * (rank + 1))
             if decision.signum:
                 return step, decision.signum, decision.peak_memory_gib
@@ -187,11 +187,13 @@ def _stop_together(rank, world, launcher_pid):
 
 
 @pytest.mark.timeout(120)
-def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step():
-    out = run_local_world(2, _stop_together, (os.getpid(),), timeout_s=90, comm_timeout_s=30)
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGHUP])  # SIGTERM: test_checkpoint
+def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step(sent):
+    out = run_local_world(2, _stop_together, (os.getpid(), sent), timeout_s=90,
+                          comm_timeout_s=30)
     assert out[0] == out[1], out
     step, signum, peaks = out[0]
-    assert step >= 3 and signum == signal.SIGINT and peaks == pytest.approx([0.2])
+    assert step >= 3 and signum == sent and peaks == pytest.approx([0.2])
 
 
 @pytest.mark.timeout(120)

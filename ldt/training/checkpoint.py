@@ -87,11 +87,13 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
         except files.DiskFullError as exc:
             error = str(exc)
     errors = _all_errors(error, group)
-    outcome = [None]
+    # Flags as float64 tensors, no pickled objects: these cross to the cloud stages too (the
+    # comm audit lists them); the error text is "disk full at <folder>", known everywhere.
+    ok = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
         try:
             if errors:
-                raise files.DiskFullError(target)  # reported in the first writer's words
+                raise files.DiskFullError(target)
             if model is not None:
                 from ldt.models.arch import write_model_json
 
@@ -99,19 +101,21 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
                     write_model_json(target, model)
             files.seal(target, {**info, "step": step})
             files.prune(root, keep_last)
-            outcome[0] = Saved(target)
-        except files.DiskFullError as exc:
+            ok[0] = 1
+        except files.DiskFullError:
             files.discard(target)
-            outcome[0] = Saved(None, errors[0] if errors else str(exc))
-    dist.broadcast_object_list(outcome, src=0, group=group)
-    return outcome[0]
+    dist.broadcast(ok, src=0, group=group)
+    if int(ok.item()):
+        return Saved(target)
+    return Saved(None, errors[0] if errors else str(files.DiskFullError(target)))
 
 
 def _all_errors(error: Optional[str], group) -> list[str]:
-    """Every rank's error (usually none: one small all-reduce decides whether to gather)."""
-    flag = torch.tensor([0 if error is None else 1])
+    """Every writer's error (usually none: one small all-reduce decides whether to gather;
+    only a failed save sends the messages, "disk full at <folder>", as objects)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag):
+    if not int(flag.item()):
         return []
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, error, group=group)
