@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
@@ -202,7 +202,10 @@ class TrainConfig:
     check_finite: Optional[bool] = None
     """Check received boundary tensors for NaN/Inf; None means on when ``verify`` is on."""
     save_every: int = 0
-    """Write a checkpoint every N steps (0: never)."""
+    """Write a checkpoint every N steps (0: never). When set, a run stopped by SIGTERM, SIGINT
+    or SIGHUP also writes one at the step it stops after."""
+    keep_last: int = 0
+    """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
     load: Optional[str] = None
@@ -210,7 +213,19 @@ class TrainConfig:
     Face model), into any layout: no optimizer state, training starts at step 0."""
     comm_timeout_s: float = 60.0
     """Timeout of every process group ldt creates: a dead rank stops the others after this."""
-    log_interval: int = 1
+    log_interval: int = 10
+    """When stdout is not a terminal (a log file), print one progress line every N steps
+    (on a terminal: a progress bar). TensorBoard events are flushed as often."""
+    stop_on_nonfinite: bool = True
+    """A NaN/Inf loss or gradient norm stops the run (exit status 1, naming the step and the
+    stage); false: record it and go on."""
+    peak_tflops: Dict[str, float] = field(
+        default_factory=lambda: {"cuda": 0.0, "npu": 0.0, "cpu": 0.0})
+    """Peak TFLOP/s of one device, per device type, for metrics.csv's ``mfu`` (model FLOPs
+    utilisation), e.g. ``train.peak_tflops.cuda=989`` (H100 SXM, dense BF16); 0: unknown, no
+    ``mfu`` (``tflops_per_device`` is always reported)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files (the per-step metrics) into the run folder."""
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
@@ -229,6 +244,7 @@ class TrainConfig:
         _at_least("train", self, "weight_decay", 0, "0 disables weight decay")
         _at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
         _at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
+        _at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
         _at_least("train", self, "log_interval", 1, "1 reports every step")
         _at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
@@ -240,6 +256,10 @@ class TrainConfig:
             raise ConfigError(
                 f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
                 f"down to min_lr; set train.min_lr <= {self.lr}")
+        for device, peak in (self.peak_tflops if _given(self.peak_tflops) else {}).items():
+            if not (math.isfinite(peak) and peak >= 0):
+                raise ConfigError(f"train.peak_tflops.{device}={peak} must be a finite number "
+                                  ">= 0 (TFLOP/s of one device; 0: unknown, no mfu)")
         if _given(self.seed) and not 0 <= self.seed < 2**32:
             raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
 

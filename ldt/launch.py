@@ -1,38 +1,61 @@
-"""Start a local world of processes (gloo on 127.0.0.1) and never hang doing it.
+"""Start a local world of processes (gloo on 127.0.0.1): it never hangs and never orphans.
 
 Used by a bare ``ldt-train`` / ``python -m ldt.run`` on one machine and by the multi-process
 tests. Children are forked from a forkserver that has already imported torch and megatron-core
 (importing them costs ~5 s and ~360 MB per process here), rendezvous through a TCPStore owned
 by the parent on a free port, and report back through one pipe each (pipes, unlike queues,
-leave no semaphores behind). The first failure (exception,
-signal, non-zero exit) or the timeout kills every child; the error names the rank that failed
-first and carries its traceback.
+leave no semaphores behind). The first failure (exception, signal, non-zero exit) or the
+timeout kills every child; the error names the rank that failed first and carries its
+traceback, or, when every failure is a timeout, the rank the others were waiting for
+(:mod:`ldt.progress`).
+
+Lifetimes. Every child watches a lifeline, the read end of a pipe whose only write end the
+launcher holds: EOF means the launcher is gone, however it died (SIGKILL included), and the
+child exits at once. multiprocessing hands every child the write end of the forkserver's own
+"alive" pipe; children close it, so the forkserver ends with the launcher (not with the last
+child), and PR_SET_PDEATHSIG then kills a child that cannot run its watcher (a stopped one).
+The resource tracker ends when the last of them is gone.
+
+Signals. SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every child; a child
+that handles them (ldt-train's ranks stop together at the next step boundary) returns
+normally. A second signal, or ``stop_grace_s`` without an end, stops the world at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-PRELOAD = ["ldt.quiet", "torch", "torch.distributed", "megatron.core.parallel_state",
-           "megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules", "ldt"]
+from ldt import progress as _progress
+
+PRELOAD = ["ldt._forkserver", "ldt.quiet", "torch", "torch.distributed",
+           "megatron.core.parallel_state", "megatron.core.models.gpt",
+           "megatron.core.pipeline_parallel.schedules", "ldt"]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_ORPHANED = 70  # a child whose launcher is gone
 
 _CTX: Optional[mp.context.BaseContext] = None
 
 
 class WorldError(RuntimeError):
-    """A local world failed: ``rank`` failed first (or None on a timeout)."""
+    """A local world failed: ``rank`` failed first, or (``stalled``) stopped making progress
+    while the others waited for it; None when nothing names one. ``stopped_by``: the signal
+    the launcher received, when it was told to stop."""
 
-    def __init__(self, message: str, rank: Optional[int] = None, tb: str = ""):
+    def __init__(self, message: str, rank: Optional[int] = None, tb: str = "", *,
+                 stalled: bool = False, stopped_by: Optional[int] = None):
         super().__init__(message + (f"\n--- traceback of rank {rank} ---\n{tb}" if tb else ""))
-        self.rank, self.tb = rank, tb
+        self.rank, self.tb, self.stalled, self.stopped_by = rank, tb, stalled, stopped_by
+        self.message = message
 
 
 @dataclass
@@ -52,8 +75,18 @@ def _context() -> mp.context.BaseContext:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
-           env: dict, conn: Any, timeout_s: float, init_dist: bool = True) -> None:
+           env: dict, conn: Any, timeout_s: float, init_dist: bool, lifeline: Any,
+           slots: Any) -> None:
+    _detach_from_forkserver()
     _die_with_parent()
+    atexit.unregister(os._exit)  # the forkserver's way out (ldt._forkserver): not a rank's,
+    # whose atexit handlers a script runner (ldt.run) calls before the rank reports
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt._forkserver)
+        signal.signal(sig, signal.SIG_DFL)
+    record = _progress.attach(slots[rank])
+    record.start(os.getpid())
+    threading.Thread(target=_watch_lifeline, args=(lifeline, record), daemon=True,
+                     name="ldt-lifeline").start()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -66,11 +99,14 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         import torch.distributed as dist
 
         if init_dist:  # else fn joins itself (env://, as a script under torchrun does)
+            record.begin("joining the world", waiting=True)
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                                   timeout=timedelta(seconds=timeout_s))
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
+        record.begin("running")
         out = fn(rank, world_size, *args)
+        record.finish()
         # Plain bytes: torch's queue reducers would share tensors through file descriptors
         # that die with this process before the parent reads them.
         conn.send(_Msg(rank, True, _dumps(out)))
@@ -88,52 +124,131 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     os._exit(0)
 
 
+def _watch_lifeline(lifeline, record: _progress.Progress) -> None:
+    """Heartbeat until the lifeline reports EOF (the launcher is gone), then exit at once."""
+    try:
+        while not lifeline.poll(_progress.HEARTBEAT_S):
+            record.beat()
+    except (OSError, EOFError):
+        pass
+    os._exit(EXIT_ORPHANED)
+
+
 def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
                     timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
                     env: Optional[dict] = None, grace_s: float = 3.0,
-                    init_dist: bool = True) -> list[Any]:
+                    init_dist: bool = True, stop_grace_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results.
 
-    ``fn`` must be importable (module-level). Raises :class:`WorldError` on the first failure
-    or after ``timeout_s``; either way no child is left running.
+    ``fn`` must be importable (module-level). Raises :class:`WorldError` on the first failure,
+    after ``timeout_s``, or when a stop signal did not end the world within ``stop_grace_s``;
+    whatever happens, no child is left running.
     """
     import torch.distributed as dist
 
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
+    lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+    slots = ctx.RawArray(_progress.ProgressSlot, world_size)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(target=_child, name=f"ldt-rank{r}",
                     args=(r, world_size, store.port, fn, tuple(args), dict(env or {}),
-                          pipes[r][1], comm_timeout_s or timeout_s, init_dist))
+                          pipes[r][1], comm_timeout_s or timeout_s, init_dist, lifeline_r, slots))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
-    for _, writer in pipes:
-        writer.close()  # the child holds its own end; EOF then means the child is gone
-    readers = {pipes[r][0]: r for r in range(world_size)}
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    stop = _StopSignals(procs, stop_grace_s)
     try:
-        while len(out) < world_size:
-            failures = _poll(readers, procs, out, timeout=0.2)
-            if failures:
-                # A dead rank makes its peers fail too (connection reset); collect what
-                # arrives in a short grace period and blame the root cause, not a symptom.
-                end = time.monotonic() + grace_s
-                while readers and time.monotonic() < end:
-                    failures += _poll(readers, procs, out, timeout=0.1)
-                raise _root_cause(failures)
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world_size)) - set(out))
-                raise WorldError(f"timeout after {timeout_s:.0f}s; ranks {missing} did not finish")
-        return [out[r] for r in range(world_size)]
+        with stop:
+            for p in procs:
+                p.start()
+            lifeline_r.close()
+            for _, writer in pipes:
+                writer.close()  # the child holds its own end; EOF then means the child is gone
+            return _wait(procs, pipes, slots, stop, timeout_s, grace_s)
     finally:
+        lifeline_w.close()  # every child still running exits on its own
         _reap(procs)
         for reader, _ in pipes:
             reader.close()
+
+
+def _wait(procs, pipes, slots, stop: "_StopSignals", timeout_s: float, grace_s: float):
+    world_size = len(procs)
+    readers = {pipes[r][0]: r for r in range(world_size)}
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < world_size:
+        failures = _poll(readers, procs, out, timeout=0.2)
+        if failures:
+            # Read who did what before anyone else gives up; then, since a dead rank makes its
+            # peers fail too (connection reset), collect what arrives in a short grace period
+            # and blame the root cause, not a symptom.
+            seen = _progress.snapshot(slots, [r in readers.values() for r in range(world_size)])
+            end = time.monotonic() + grace_s
+            while readers and time.monotonic() < end:
+                failures += _poll(readers, procs, out, timeout=0.1)
+            raise stop.explain(_root_cause(failures, seen))
+        stop.check()
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(world_size)) - set(out))
+            seen = _progress.snapshot(slots, [r in missing for r in range(world_size)])
+            found = _progress.blame(seen)
+            why = f"; rank {found[0]}: {found[1]}" if found else ""
+            raise stop.explain(WorldError(
+                f"timeout after {timeout_s:.0f}s; ranks {missing} did not finish{why}",
+                found[0] if found else None, stalled=found is not None))
+    return [out[r] for r in range(world_size)]
+
+
+class _StopSignals:
+    """TERM/INT/HUP handling of the launcher while a world runs (main thread only)."""
+
+    def __init__(self, procs, grace_s: float):
+        self.procs, self.grace_s = procs, grace_s
+        self.signum: Optional[int] = None
+        self.deadline: Optional[float] = None
+        self.again = False
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:
+            self.again = True
+            return
+        self.signum, self.deadline = signum, time.monotonic() + self.grace_s
+        for p in self.procs:
+            if p.pid is not None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    def check(self) -> None:
+        if self.signum is None:
+            return
+        name = signal.Signals(self.signum).name
+        if self.again:
+            raise WorldError(f"stopped by {name}, then a second signal: stopped at once",
+                             stopped_by=self.signum)
+        if time.monotonic() > self.deadline:
+            raise WorldError(f"stopped by {name}: the ranks did not stop within "
+                             f"{self.grace_s:.0f}s", stopped_by=self.signum)
+
+    def explain(self, exc: WorldError) -> WorldError:
+        """A failure while stopping is the stop's doing, not a fault of the run."""
+        if self.signum is not None and exc.stopped_by is None:
+            exc.stopped_by = self.signum
+        return exc
 
 
 _SYMPTOMS = ("Connection reset", "Connection closed", "connection closed", "timed out",
@@ -158,17 +273,44 @@ def _poll(readers: dict, procs, out: dict, timeout: float) -> list[WorldError]:
     return failures
 
 
-def _root_cause(failures: list[WorldError]) -> WorldError:
+def _root_cause(failures: list[WorldError],
+                seen: Sequence[_progress.RankProgress] = ()) -> WorldError:
     """A rank that died without a word (signal, OOM) first; then an exception that is not a
-    peer's lost connection or timeout; then the first report."""
+    peer's lost connection or timeout; then, when every failure is such a symptom, the rank
+    the progress records say the others were waiting for; then the first report."""
     silent = [f for f in failures if not f.tb]
     real = [f for f in failures if f.tb and not any(s in f.tb for s in _SYMPTOMS)]
-    return (silent or real or failures)[0]
+    if silent or real:
+        return (silent or real)[0]
+    found = _progress.blame(seen) if seen else None
+    if found is not None:
+        rank, why = found
+        others = _progress.waiting_ranks(seen, rank)
+        return WorldError(f"rank {rank} stopped making progress: {why}; ranks {others} "
+                          f"timed out waiting\n{_progress.describe(seen)}", rank, stalled=True)
+    return failures[0]
+
+
+def _detach_from_forkserver() -> None:
+    """Close this child's copy of the forkserver's "alive" pipe (multiprocessing gives one
+    to every child so that they can start processes too): while any child held it, the
+    forkserver outlived a killed launcher, and so did every child tied to it. A child that
+    starts processes itself gets a forkserver of its own."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if isinstance(fd, int):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent (the forkserver, which exits with the
-    launcher) dies, so a launcher killed with SIGKILL leaves no orphans."""
+    """Linux: SIGKILL this worker when its parent (the forkserver, which ends with the
+    launcher) dies: the backstop for a child that cannot run its lifeline watcher."""
     try:
         import ctypes
 
@@ -208,16 +350,17 @@ def _describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"signal {-code}"
+    if code == EXIT_ORPHANED:
+        return "its launcher was gone"
     return "error" if code else "ok"
 
 
 def _reap(procs) -> None:
+    """Kill what is left (a rank that handles SIGTERM would not stop for it) and wait."""
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        if p.pid is not None and p.exitcode is None:
+            p.kill()
     end = time.monotonic() + 5.0
     for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
+        if p.pid is not None:
+            p.join(max(0.0, end - time.monotonic()))

@@ -14,7 +14,6 @@ train.eval_every, tokens_per_s, step_time_s, and parity_max_abs_diff with
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from datetime import timedelta
@@ -121,21 +120,48 @@ def _launch_local(cfg: dict, topo) -> int:
     run_dir = os.path.abspath(cfg["run_dir"])
     _save_config(cfg, run_dir)
     timeout = cfg["train"]["comm_timeout_s"]
+    # prepare() (check_files with every rank local) checked the checkpoint's checksums
+    verified = bool(cfg["train"]["resume"] or cfg["train"].get("load"))
     try:
-        results = run_local_world(topo.world_size, train_worker, (cfg, run_dir),
-                                  timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)
+        results = run_local_world(topo.world_size, train_worker, (cfg, run_dir, verified),
+                                  timeout_s=_job_timeout(cfg), comm_timeout_s=timeout,
+                                  stop_grace_s=max(120.0, 2 * timeout))
     except WorldError as exc:
+        if exc.stopped_by:
+            return _stopped_early(exc, run_dir)
         print(f"ldt: training failed: {_describe(exc, topo)}", file=sys.stderr)
         return 1
     summary = next(r for r in results if r is not None)
+    if summary.get("stopped"):
+        print(f"ldt: {summary['stopped'].message}", file=sys.stderr)
+        return summary["stopped"].exit_code
     if cfg["train"]["verify"]:
         ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
         pairs = [*zip(summary["losses"], ref["losses"]),
                  *zip(summary.get("eval_losses", []), ref.get("eval_losses", []))]
         summary["parity_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
-    print(json.dumps(_public(summary)))
+    print(_summary_line(summary))
     return 0
+
+
+def _stopped_early(exc, run_dir: str) -> int:
+    """A stop signal ended the world before the ranks reached a step boundary."""
+    import signal
+
+    from ldt.training.checkpoint_files import latest
+
+    name = signal.Signals(exc.stopped_by).name
+    last = latest(run_dir)
+    print(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
+          f"the last complete checkpoint is {last or 'none'}", file=sys.stderr)
+    return 128 + exc.stopped_by
+
+
+def _summary_line(summary: dict) -> str:
+    from ldt.training.outputs import summary_json
+
+    return summary_json(_public(summary))
 
 
 def _join_torchrun(cfg: dict, topo) -> int:
@@ -154,10 +180,14 @@ def _join_torchrun(cfg: dict, topo) -> int:
         print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}", flush=True)
         _save_config(cfg, holder[0])
     summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
-    if summary is not None:
-        print(json.dumps(_public(summary)), flush=True)
+    code = 0
+    if summary is not None and summary.get("stopped"):
+        print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)
+        code = summary["stopped"].exit_code
+    elif summary is not None:
+        print(_summary_line(summary), flush=True)
     dist.destroy_process_group()
-    return 0
+    return code
 
 
 def _world_backend(cfg: dict) -> str:
@@ -180,6 +210,8 @@ def _describe(exc, topo) -> str:
     where = f"rank {exc.rank}"
     if info is not None:
         where += f" (stage {info.stage} '{topo.stages[info.stage].name}', TP rank {info.tp_rank})"
+    if exc.stalled:  # "rank N stopped making progress: ...": the others waited for it
+        return str(exc).replace(f"rank {exc.rank} ", f"{where} ", 1)
     return f"{where} failed first: {exc}"
 
 

@@ -44,8 +44,10 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     """Refuse a data file or a resume folder that cannot work; return warnings to print.
 
     Checked where they are read: the data file on the ranks of data stages (the cloud stages
-    of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all.
-    Relative paths are taken from the working directory, as the workers will.
+    of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all
+    (sizes in :func:`validate`; every sha256 here when ``rank=None``, else each rank checks
+    the files it reads as it loads them). Relative paths are taken from the working
+    directory, as the workers will.
     """
     from ldt.data.files import check_data
 
@@ -56,6 +58,11 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     check_data(data, model, train, topo, rank)
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
+    if rank is None and (train.resume or train.load):  # every rank is here: hash it once
+        from ldt.training.checkpoint_files import preflight
+
+        preflight(train.resume or train.load, "train.resume" if train.resume else "train.load",
+                  hashes=True)
     return warnings
 
 
@@ -107,19 +114,15 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     field, path = ("train.resume", train.resume) if train.resume else ("train.load", train.load)
     if not path:
         return
-    if not os.path.exists(path):
-        raise ConfigError(f"{field}={path!r} does not exist; give the run folder of an "
-                          "earlier run (with checkpoints/), one of its checkpoints/step_N "
-                          "folders or an ldt-convert output folder")
-    # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
-    from ldt.training.checkpoint import COMPLETE, check_compatible, latest
+    # exists, complete, every file of the size its manifest says, a resume has steps left
+    # (sha256 too: check_files on a launcher, or each rank on load)
+    from ldt.training.checkpoint_files import preflight
 
-    if latest(path) is None:
-        raise ConfigError(
-            f"{field}={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
-            "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
-            "mid-save; give a folder with a complete checkpoint, or drop " + field)
-    check_compatible(path, model)
+    found = preflight(path, field, train.steps if train.resume else None, hashes=False)
+    # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
+    from ldt.training.checkpoint import check_compatible
+
+    check_compatible(found, model)
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:

@@ -22,8 +22,11 @@ STEPS = 4
 # why it carries nothing derived from the data
 ALLOWED_TO_CLOUD = {
     ("barrier", "megatron.core.datasets.blended_megatron_dataset_builder"): "no payload",
-    ("barrier", "ldt.training.checkpoint"): "no payload",
     ("gather", "ldt.training.checkpoint"): "the stage's own weights (TP shards)",
+    ("all_reduce", "ldt.training.checkpoint"): "a save-failed flag (float64 scalar)",
+    ("broadcast", "ldt.training.checkpoint"): "the save's outcome flag (float64 scalar)",
+    ("all_reduce", "ldt.training.guard"): "stop signal, non-finite flags, per-stage peak "
+                                          "memory (float64 scalars)",
     ("all_reduce", "ldt.training.optim"): "squared gradient norms (float64 scalars)",
     ("broadcast", "ldt.training.optim"): "the global gradient norm",
     ("all_gather_object", "ldt.training.outputs"): "per-action timings of the schedule",

@@ -120,3 +120,100 @@ def test_nan_at_a_boundary_is_reported():
     text = str(err.value)
     assert "non-finite activation received by stage 1 from stage 0" in text, text[-3000:]
     assert "micro-batch 1" in text
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_names_the_rank_everyone_waits_for(tmp_path):
+    """Rank 2 (a non-leader of the middle stage) is stopped with SIGSTOP: its peers time out,
+    and the report names rank 2, not the first rank that timed out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}", "train.steps=100000",
+         f"train.comm_timeout_s={COMM_TIMEOUT}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = []
+    try:
+        metrics = tmp_path / "metrics.csv"
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, "no training steps"
+            time.sleep(0.05)
+        pids = [int((tmp_path / "pids" / f"rank_{r}").read_text()) for r in range(4)]
+        os.kill(pids[2], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=COMM_TIMEOUT + 30)
+        assert proc.returncode == 1
+        assert "rank 2 (stage 1 'cloud0', TP rank 1) stopped making progress: its process " \
+               "is stopped" in err, err[-3000:]
+        end = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "a rank outlived the launcher"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_blame_names_who_the_others_wait_for():
+    from ldt.progress import RankProgress, blame
+
+    def rank(r, *, state="S", step=5, label="1F3", waiting=True, for_s=10.0, beat=0.2):
+        return RankProgress(rank=r, alive=True, os_state=state, step=step, label=label,
+                            waiting=waiting, for_s=for_s, heartbeat_age_s=beat, done=False)
+
+    waits = [rank(0), rank(1, waiting=False), rank(3)]  # rank 1: blocked inside a TP collective
+    assert blame([*waits, rank(2, state="T")])[0] == 2  # stopped
+    assert blame([*waits, rank(2, beat=12.0)])[0] == 2  # frozen: no heartbeat
+    assert blame([rank(0), rank(1, waiting=False, for_s=30.0), rank(2)])[0] == 1  # busy
+    assert blame([rank(0), rank(1, step=4), rank(2)])[0] == 1  # behind everyone
+    assert blame([rank(0), rank(1), rank(2)]) is None  # nothing tells them apart
+
+
+def _stop_together(rank, world, launcher_pid, signum):
+    """Steps until the ranks agree to stop; rank 1 signals the launcher at its step 3."""
+    from types import SimpleNamespace
+
+    from ldt.training.guard import StepGuard, StopSignals
+
+    state = SimpleNamespace(topology=SimpleNamespace(num_stages=1), stage=0)
+    with StopSignals() as signals:
+        guard = StepGuard(state, signals)
+        for step in range(10_000):
+            time.sleep(0.02 * (rank + 1))  # the ranks see the forwarded signal at other times
+            if rank == 1 and step == 3:
+                os.kill(launcher_pid, signum)
+            decision = guard.agree(loss=1.0, grad_norm=1.0, peak_gib=0.1 * (rank + 1))
+            if decision.signum:
+                return step, decision.signum, decision.peak_memory_gib
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGHUP])  # SIGTERM: test_checkpoint
+def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step(sent):
+    out = run_local_world(2, _stop_together, (os.getpid(), sent), timeout_s=90,
+                          comm_timeout_s=30)
+    assert out[0] == out[1], out
+    step, signum, peaks = out[0]
+    assert step >= 3 and signum == sent and peaks == pytest.approx([0.2])
+
+
+@pytest.mark.timeout(120)
+def test_a_nonfinite_loss_stops_the_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}",
+                           "train.steps=20", "train.lr=1e30"],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "training stopped at step 1: non-finite loss (nan) on stage 0 'edge'" in last, last
+    assert "train.stop_on_nonfinite=false" in last
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[2].startswith("1,nan,")  # header, step 0, step 1
+
+
+def test_the_summary_is_always_valid_json():
+    import json
+
+    from ldt.training.outputs import summary_json
+
+    line = summary_json({"final_loss": float("nan"), "losses": [1.0, float("inf")], "steps": 2})
+    assert json.loads(line) == {"final_loss": None, "losses": [1.0, None], "steps": 2}

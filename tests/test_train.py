@@ -24,7 +24,8 @@ def ldt_train(tmp_path, *overrides, timeout=240):
 
 @pytest.mark.timeout(300)
 def test_default_job_trains_and_reports(tmp_path):
-    summary, proc = ldt_train(tmp_path, "train.steps=15")
+    summary, proc = ldt_train(tmp_path, "train.steps=15", "train.log_interval=5",
+                              "train.peak_tflops.cpu=0.087")
     assert "3 stages, TP [1, 2, 1], dp 1, world 4, U-shape" in proc.stdout  # rank map first
     assert summary["steps"] == 15
     assert summary["final_loss"] < summary["first_loss"] - 0.3  # it learns
@@ -33,6 +34,22 @@ def test_default_job_trains_and_reports(tmp_path):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == list(range(15))
     assert float(rows[-1]["loss"]) == pytest.approx(summary["final_loss"])
+    # per step: model TFLOP/s and MFU against the peak given, peak memory of every stage
+    for r in rows:
+        tflops, mfu = float(r["tflops_per_device"]), float(r["mfu"])
+        assert tflops > 0 and mfu == pytest.approx(tflops / 0.087, rel=1e-6)
+        assert all(0.05 < float(r[f"peak_mem_gib_stage{s}"]) < 8 for s in range(3))
+    # stdout is not a terminal: a plain line every log_interval steps, no tqdm stream
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("ldt-train: step")]
+    assert [x.split()[2] for x in lines] == ["5/15", "10/15", "15/15"], proc.stdout
+    assert "\r" not in proc.stdout + proc.stderr and "peak mem" in lines[0]
+    # TensorBoard events in the run folder hold the same losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(
+        [float(r["loss"]) for r in rows])
+    assert {"train/mfu", "memory/peak_mem_gib_stage1"} <= set(events.Tags()["scalars"])
     trace = json.loads((tmp_path / "timeline.json").read_text())
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"0FS0", "0FE0", "0BS0", "0BE0", "1F0", "2B3"} <= names

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ldt import progress
 from ldt.p2p import BACKWARD, FORWARD, VtpCommunicator
 from ldt.schedule import Action, Op, format_grid
 
@@ -108,7 +109,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         if in_grad is not None:
             to_send[(BACKWARD, a.mb)] = in_grad
 
+    record = progress.current()  # what this rank does now, for naming the rank a hang waits on
     for index, a in enumerate(actions):
+        record.begin(str(a), waiting=a.op in (Op.WAIT_F, Op.WAIT_B))
         t0 = time.perf_counter()
         try:
             with _label(a):
@@ -134,6 +137,7 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
             raise ActionError(
                 f"stage {a.stage} failed at action #{index} {a} ({type(exc).__name__}: {exc})\n"
                 f"{grid}") from exc
+    record.begin("waiting for this step's sends", waiting=True)
     for work in sends:
         work.wait()
     if posted or saved:

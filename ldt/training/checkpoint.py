@@ -1,30 +1,33 @@
-"""Checkpoints: one folder per stage, full (TP=1) tensors under global names, written atomically.
+"""Checkpoints: what a run saves, gathered collectively; the files are :mod:`checkpoint_files`'s.
 
-Each stage leader gathers its stage's TP shards (model and AdamW state) into full tensors and
-writes them with ``torch.distributed.checkpoint`` (single-writer mode) into
-``step_<N>/stage_<S>.tmp``, then renames it to ``stage_<S>``. After every stage is in place,
-rank 0 writes ``step_<N>/COMPLETE`` (again write-then-rename). A checkpoint without COMPLETE
-is ignored on resume, so a kill during a save never leaves one that loads half-written.
+Each stage leader gathers its stage's TP shards (model and AdamW state) into full tensors under
+global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
+checksums: :func:`ldt.training.checkpoint_files.write_part`). When every part is in place, rank
+0 writes ``model.json`` (the ModelConfig, which :func:`check_compatible` compares) and seals
+the folder (``checkpoint.json`` with the step and the checksums of its top-level files, then
+``COMPLETE``) and applies ``train.keep_last``. A save that fails (a full disk) on any writer
+fails on every rank together: the partial folder is removed, the previous checkpoint is
+untouched, and the caller learns why.
 
 Because tensors are full and named globally, a checkpoint does not depend on the layout: a
 run with other stages or TP sizes can resume from it (every rank reads the tensors its chunks
-need from whichever stage folder holds them, and slices its TP shard).
+need from whichever stage folder holds them, and slices its TP shard). :func:`write_tensors`
+and :func:`mark_complete` write such a checkpoint from full tensors alone (``ldt-convert``'s
+import), with the same checksums.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-COMPLETE = "COMPLETE"
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, "checkpoints", f"step_{step:07d}")
+from ldt.training import checkpoint_files as files
+from ldt.training.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
+                                           step_dir)
 
 
 def _named_params(models, chunks):
@@ -48,9 +51,21 @@ def _gather_full(name: str, local: torch.Tensor, state,
     return unshard(name, [p.cpu() for p in parts], gated=gated) if state.is_leader else None
 
 
-def save(root: str, step: int, models, chunks, optimizer, state, model=None) -> str:
-    """Write this stage's part of checkpoint ``step`` (collective over the whole world);
-    ``model``: the ModelConfig, recorded in ``model.json`` for the checks of later loads."""
+@dataclass
+class Saved:
+    """The outcome of :func:`save`, the same on every rank: the step folder, or why not."""
+
+    path: Optional[str]
+    error: Optional[str] = None
+
+
+def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, model=None,
+         keep_last: int = 0, group=None) -> Saved:
+    """Write this stage's part of checkpoint ``step`` (collective over the whole world;
+    ``group``: a gloo group of all ranks, None for the default group). ``info`` goes into
+    ``checkpoint.json``; ``model``: the ModelConfig, recorded in ``model.json`` for the checks
+    of later loads. A full disk on any writer is a :class:`Saved` with an error on every
+    rank, never a partial checkpoint."""
     target = step_dir(root, step)
     from ldt.models.sharding import is_gated
 
@@ -65,68 +80,70 @@ def save(root: str, step: int, models, chunks, optimizer, state, model=None) -> 
             model_sd[name] = full
             if moments:
                 optim_sd[name] = {**moments, "step": torch.as_tensor(st["step"]).clone()}
-    write = state.is_leader and state.info.dp_rank == 0
-    if write:
-        write_tensors(target, state.stage, model_sd, step, optim_sd)
-    dist.barrier()
+    error = None
+    if state.is_leader and state.info.dp_rank == 0:
+        try:
+            write_tensors(target, state.stage, model_sd, step, optim_sd)
+        except files.DiskFullError as exc:
+            error = str(exc)
+    errors = _all_errors(error, group)
+    # Flags as float64 tensors, no pickled objects: these cross to the cloud stages too (the
+    # comm audit lists them); the error text is "disk full at <folder>", known everywhere.
+    ok = torch.zeros(1, dtype=torch.float64)
     if dist.get_rank() == 0:
-        if model is not None:
-            from ldt.models.arch import write_model_json
+        try:
+            if errors:
+                raise files.DiskFullError(target)
+            if model is not None:
+                from ldt.models.arch import write_model_json
 
-            write_model_json(target, model)
-        _write_marker(target, step)
-    dist.barrier()
-    return target
+                with files.disk_full_at(target):
+                    write_model_json(target, model)
+            files.seal(target, {**info, "step": step})
+            files.prune(root, keep_last)
+            ok[0] = 1
+        except files.DiskFullError:
+            files.discard(target)
+    dist.broadcast(ok, src=0, group=group)
+    if int(ok.item()):
+        return Saved(target)
+    return Saved(None, errors[0] if errors else str(files.DiskFullError(target)))
+
+
+def _all_errors(error: Optional[str], group) -> list[str]:
+    """Every writer's error (usually none: one small all-reduce decides whether to gather;
+    only a failed save sends the messages, "disk full at <folder>", as objects)."""
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return []
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, error, group=group)
+    return [e for e in gathered if e]
 
 
 def write_tensors(target: str, part: int, tensors: dict, step: int,
                   optim: Optional[dict] = None) -> str:
-    """Write ``target/stage_<part>``: full tensors under global names (and their AdamW state)
-    with torch.distributed.checkpoint, atomically (written as ``.tmp``, then renamed). Loads
-    read every ``stage_*`` folder, so a writer may split a model into any number of parts."""
-    import torch.distributed.checkpoint as dcp
-
-    os.makedirs(target, exist_ok=True)
-    final = os.path.join(target, f"stage_{part}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    dcp.save({"model": tensors, "optim": optim or {}, "step": step}, checkpoint_id=tmp,
-             no_dist=True)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    return final
+    """Write ``target/stage_<part>``: full tensors under global names (and their AdamW state),
+    atomically and with checksums (:func:`ldt.training.checkpoint_files.write_part`; raises
+    its DiskFullError). Loads read every ``stage_*`` folder, so a writer may split a model
+    into any number of parts."""
+    return files.write_part(target, f"stage_{part}",
+                            {"model": tensors, "optim": optim or {}, "step": step})
 
 
 def mark_complete(target: str, step: int) -> None:
-    """The COMPLETE marker, written last: from now on the checkpoint may be loaded."""
-    _write_marker(target, step)
+    """Seal ``target`` (checksums of its top-level files, then COMPLETE), written last: from
+    now on the checkpoint may be loaded."""
+    files.seal(target, {"step": step})
 
 
-def _write_marker(target: str, step: int) -> None:
-    tmp = os.path.join(target, COMPLETE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{step}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, os.path.join(target, COMPLETE))
-
-
-def latest(path: str) -> Optional[str]:
-    """A complete step folder: ``path`` itself, or the newest complete one under a run folder."""
-    if os.path.exists(os.path.join(path, COMPLETE)):
-        return path
-    root = os.path.join(path, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    done = sorted(d for d in os.listdir(root)
-                  if os.path.exists(os.path.join(root, d, COMPLETE)))
-    return os.path.join(root, done[-1]) if done else None
-
-
-def load(path: str, models, chunks, optimizer, state) -> int:
+def load(path: str, models, chunks, optimizer, state, *, verified: bool = False) -> int:
     """Fill this rank's chunks and AdamW state from a checkpoint; returns the next step.
     ``optimizer=None`` (``train.load``): weights only, whatever optimizer state it holds.
-    Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`)."""
+    Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`).
+    The files this rank reads are checked against their checksums unless ``verified`` (the
+    launcher checked the whole checkpoint already)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -137,19 +154,24 @@ def load(path: str, models, chunks, optimizer, state) -> int:
 
     found = latest(path)
     if found is None:
-        raise FileNotFoundError(
-            f"train.resume={path!r} holds no complete checkpoint (no {COMPLETE} marker); give a "
-            "run folder with checkpoints/ or a checkpoints/step_N folder")
+        raise CheckpointError(
+            f"train.resume={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
+            "give a run folder with checkpoints/ or a checkpoints/step_N folder")
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
     wanted = dict(_named_params(models, chunks))
     step = None
-    for stage_dir in sorted(d for d in os.listdir(found) if d.startswith("stage_")
-                            and not d.endswith(".tmp")):
+    for stage_dir in files.parts(found):
         reader = FileSystemReader(os.path.join(found, stage_dir))
-        keys = reader.read_metadata().state_dict_metadata
+        try:
+            keys = reader.read_metadata().state_dict_metadata
+        except Exception:  # a damaged .metadata: name the file if its checksum says so
+            files.verify(found, which=[stage_dir])
+            raise
         names = [n for n in wanted if f"model.{n}" in keys]
         if not names:
             continue
+        if not verified:
+            files.verify(found, which=[stage_dir])
         sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
                                        dtype=keys[f"model.{n}"].properties.dtype)
                         for n in names},
@@ -173,8 +195,9 @@ def load(path: str, models, chunks, optimizer, state) -> int:
                         "exp_avg_sq": shard_into(n, o["exp_avg_sq"], p.shape, tp, tp_rank,
                                                  gated=gated).clone()}
     if wanted:
-        raise KeyError(f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is "
-                       "for another model (check model.* against the run that saved it)")
+        raise CheckpointError(
+            f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is for another "
+            "model (check model.* against the run that saved it)")
     return int(step) + 1
 
 
@@ -187,10 +210,14 @@ def tensor_index(path: str) -> dict:
     if found is None:
         raise FileNotFoundError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker)")
     out = {}
-    for stage_dir in sorted(d for d in os.listdir(found) if d.startswith("stage_")
-                            and not d.endswith(".tmp")):
+    for stage_dir in files.parts(found):
         folder = os.path.join(found, stage_dir)
-        for key, meta in FileSystemReader(folder).read_metadata().state_dict_metadata.items():
+        try:
+            metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+        except Exception:  # a damaged .metadata: name the file if its checksum says so
+            files.verify(found, which=[stage_dir])
+            raise
+        for key, meta in metadata.items():
             if key.startswith("model."):
                 out.setdefault(key[len("model."):], (folder, meta))
     return out

@@ -5,6 +5,10 @@ Flow (one owner per piece): config -> :func:`ldt.validate.validate` (topology) -
 (this stage's chunks) -> schedule (megatron's 1F1B / interleaved through the patched
 ``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.training.optim` (DP all-reduce,
 global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.bytes.TextData`.
+After every step all ranks agree (:mod:`ldt.training.guard`) whether to stop (a signal, a
+non-finite loss, a failed save), so they stop together; the reporting rank writes the step's
+row (:mod:`ldt.training.outputs`) as it ends. Every phase is marked in this rank's progress
+record (:mod:`ldt.progress`), which names the rank a hang waits for.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ from typing import Callable, Optional
 
 import torch
 
+from ldt import progress
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
-from ldt.training.outputs import gather_timings, progress_bar, write_outputs
+from ldt.training.guard import (StepGuard, StopSignals, nonfinite_stop, peak_memory_gib,
+                                save_failed_stop, signal_stop)
+from ldt.training.outputs import gather_timings, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
 
@@ -30,9 +37,13 @@ def parse(cfg: dict) -> SimpleNamespace:
 
 
 def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
+                 resume_verified: bool = False,
                  observe: Optional[Callable] = None) -> Optional[dict]:
-    """Train on this rank; the loss stage's leader of replica 0 returns the summary.
-    ``observe(rank, topo, run_dir)`` (module-level) adds boundary observers (ldt-audit's)."""
+    """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
+    ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
+    ``resume_verified``: the launcher already checked the checkpoint's checksums
+    (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
+    boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
     from ldt.validate import validate
@@ -40,20 +51,22 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     c = parse(cfg)
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
-    state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
-    stage = topo.stages[state.stage]
-    observers = _observers(c.train, run_dir, rank)
-    if observe is not None:
-        observers += observe(rank, topo, run_dir)
-    names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
-    patches.apply(names, ctx=SimpleNamespace(observers=observers))
-    try:
-        return _train(rank, c, topo, state, observers, run_dir)
-    finally:
-        for obs in observers:  # the audit's message tap unwraps torch.distributed
-            getattr(obs, "close", lambda: None)()
-        patches.revert(names)
-        ldt.destroy_vtp()
+    with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
+        state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
+        guard = StepGuard(state, signals, StepGuard.world_group())
+        stage = topo.stages[state.stage]
+        observers = _observers(c.train, run_dir, rank)
+        if observe is not None:
+            observers += observe(rank, topo, run_dir)
+        names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
+        patches.apply(names, ctx=SimpleNamespace(observers=observers))
+        try:
+            return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
+        finally:
+            for obs in observers:  # the audit's message tap unwraps torch.distributed
+                getattr(obs, "close", lambda: None)()
+            patches.revert(names)
+            ldt.destroy_vtp()
 
 
 def _record_pid(run_dir: str, rank: int) -> None:
@@ -75,7 +88,7 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
     return out
 
 
-def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
+def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> Optional[dict]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.data import build_training_data
@@ -87,6 +100,7 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     from ldt.training import checkpoint
 
     t, m = c.train, c.train.num_microbatches
+    record = progress.current()
     models = build_stage_models(c, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
     params = list({id(p): p for g in models for p in g.parameters()}.values())  # tied: once
@@ -94,19 +108,25 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.lr, t.min_lr))
     first_step = 0
     if t.resume:
-        first_step = checkpoint.load(t.resume, models, chunks, opt, state)
+        record.begin("loading the checkpoint")
+        first_step = checkpoint.load(t.resume, models, chunks, opt, state,
+                                     verified=resume_verified)
         sched.last_epoch = first_step - 1
         sched.step()  # learning rate of first_step
     elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
-        checkpoint.load(t.load, models, chunks, None, state)
+        record.begin("loading the checkpoint")
+        checkpoint.load(t.load, models, chunks, None, state, verified=resume_verified)
     data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
     forward_step = make_forward_step(c.model.seq_length)
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)
-    bar = progress_bar(t.steps - first_step, reporter)
+    out = _Outputs(c, topo, run_dir, first_step) if reporter else None
+    device = topo.stages[state.stage].device
+    info = {"steps": t.steps}  # checkpoint.json; the model goes to model.json
     transforms = send_transforms(t, topo, state.stage)  # once per run: one noise stream
+    stop = None
 
     def pipeline_pass(make_iterator, forward_only: bool = False):
         """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
@@ -128,43 +148,72 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
             forward_only=forward_only), []
 
     for step in range(first_step, t.steps):
+        record.step(step)
         for obs in observers:
             obs.new_step(step)
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
+        record.begin("forward-backward" + ("" if ldt_runtime else " (megatron's schedule)"))
         losses, timed = pipeline_pass(lambda: data.step_iterator(step))
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
+        record.begin("data-parallel grad all-reduce", waiting=True)
         allreduce_dp_grads(params, state)
+        record.begin("tied embedding grad all-reduce", waiting=True)
         allreduce_tied_grads(models, state)
+        record.begin("global grad norm", waiting=True)
         norm = global_grad_norm(params, state)
+        record.begin("optimizer step")
         clip_grads(params, t.clip_grad, norm)
         lr = sched.get_last_lr()[0]
         opt.step()
         sched.step()
-        loss = _mean_loss(losses, state) if state.stage == topo.loss_stage() else None
+        loss = None
+        if state.stage == topo.loss_stage():
+            record.begin("loss all-reduce", waiting=True)
+            loss = _mean_loss(losses, state)
         dt = time.perf_counter() - t0
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                    tokens_per_s=tokens_per_step / dt, eval_loss=None)
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            record.begin("evaluation")
             with torch.no_grad():  # as megatron's evaluate(): held-out data, no graph, no grads
                 eval_losses, _ = pipeline_pass(data.eval_iterator if data else None, True)
             if state.stage == topo.loss_stage():
                 row["eval_loss"] = _mean_loss(eval_losses, state)
+        record.begin("step boundary", waiting=True)
+        decision = guard.agree(loss=loss, grad_norm=norm, peak_gib=peak_memory_gib(device))
         rows.append(row)
-        if t.save_every and (step + 1) % t.save_every == 0:
-            checkpoint.save(run_dir, step, models, chunks, opt, state, model=c.model)
-        if reporter:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            step_s=f"{dt:.3f}")
-    bar.close()
+        if out is not None:
+            out.step(row, decision)
+        if decision.nonfinite and t.stop_on_nonfinite:
+            stop = nonfinite_stop(decision, step, loss, norm,
+                                  _stage_name(topo, topo.loss_stage()), checkpoint.latest(run_dir))
+            break
+        saved = None
+        if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
+            record.begin("saving a checkpoint", waiting=True)
+            result = checkpoint.save(run_dir, step, models, chunks, opt, state, info=info,
+                                     model=c.model, keep_last=t.keep_last, group=guard.group)
+            if result.error:
+                stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
+                break
+            saved = result.path
+        if decision.signum:
+            stop = signal_stop(decision.signum, step, saved, t.save_every,
+                               checkpoint.latest(run_dir), run_dir)
+            break
+    record.begin("writing outputs")
+    if out is not None:
+        out.close()
     timeline = gather_timings(timings, state) if ldt_runtime else None
     if not reporter:
         return None
     write_outputs(run_dir, rows, timeline, topo)
+    extra = {"stopped": stop} if stop is not None else {}
     if not rows:
-        return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir}
+        return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir,
+                **extra}
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
     step_time = sorted(steady)[len(steady) // 2]
     evals = [r["eval_loss"] for r in rows if r["eval_loss"] is not None]
@@ -172,7 +221,45 @@ def _train(rank, c, topo, state, observers, run_dir) -> Optional[dict]:
             "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
             **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
-            "run_dir": run_dir}
+            "run_dir": run_dir, **extra}
+
+
+class _Outputs:
+    """The reporting rank's outputs of every step: metrics.csv, TensorBoard, the console."""
+
+    def __init__(self, c, topo, run_dir: str, first_step: int):
+        from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
+                                          memory_keys, model_flops_per_step, peak_flops)
+
+        t = c.train
+        self.memory_keys = memory_keys(topo.num_stages)
+        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *self.memory_keys], first_step)
+        self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
+        self.console = Console(first_step, t.steps, t.log_interval)
+        self.flops = model_flops_per_step(c.model, t.micro_batch_size,
+                                          topo.dp * t.num_microbatches)
+        self.peak = peak_flops(topo, t.peak_tflops)
+        self.devices = topo.world_size
+
+    def step(self, row: dict, decision) -> None:
+        dt = row["step_time_s"]
+        row["tflops_per_device"] = self.flops / dt / self.devices / 1e12
+        row["mfu"] = self.flops / dt / self.peak if self.peak else None
+        row.update(zip(self.memory_keys, decision.peak_memory_gib))
+        self.metrics.append(row)
+        if self.board is not None:
+            self.board.add(row)
+        self.console.update(row)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+        self.console.close()
+
+
+def _stage_name(topo, stage: int) -> str:
+    return f"{stage} '{topo.stages[stage].name}'"
 
 
 def _mean_loss(losses, state) -> float:

@@ -1,32 +1,186 @@
-"""What a run leaves in its folder: ``metrics.csv``, ``action_times.csv``, the measured timeline,
-and the progress bar on the reporting rank."""
+"""What a run leaves in its folder and shows while it runs: ``metrics.csv`` (a row per step,
+appended as it happens), TensorBoard events, progress lines, ``action_times.csv`` and the
+measured timeline, and the one-line JSON summary.
+
+Everything here runs on the reporting rank (the loss stage's leader of replica 0).
+"""
 
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 import socket
-from types import SimpleNamespace
-from typing import Any
+import sys
+from typing import Any, Optional
 
-REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss")
+REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss",
+               "tflops_per_device", "mfu")
 # action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
 # relative to that stage's step start, which is step_start_s on the clock of `host`.
 ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
 
 
-def progress_bar(total: int, enabled: bool):
-    """tqdm on the reporting rank only (a disabled tqdm still allocates a process lock)."""
-    if not enabled:
-        return SimpleNamespace(update=lambda n: None, set_postfix=lambda **kw: None,
-                               close=lambda: None)
-    import threading
+def memory_keys(num_stages: int) -> list[str]:
+    """metrics.csv's peak-memory columns, one per stage (the largest of its ranks)."""
+    return [f"peak_mem_gib_stage{s}" for s in range(num_stages)]
 
-    from tqdm import tqdm
 
-    # a thread lock: tqdm's default multiprocessing lock would outlive this worker's os._exit
-    tqdm.set_lock(threading.RLock())
-    return tqdm(total=total, desc="ldt-train", unit="step", dynamic_ncols=True, mininterval=0.5)
+class MetricsLog:
+    """``metrics.csv``: one row per step, written and flushed as the step ends, so a killed
+    run keeps its rows. Resuming at step N into the same folder keeps the rows before N and
+    drops the later ones (they are trained again); a new run starts the file afresh."""
+
+    def __init__(self, run_dir: str, keys: list[str], first_step: int):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.csv")
+        kept, old_keys = [], []
+        if first_step > 0 and os.path.exists(self.path):
+            with open(self.path, newline="") as f:
+                reader = csv.DictReader(f)
+                old_keys = list(reader.fieldnames or [])
+                kept = [r for r in reader if r.get("step", "").isdigit()
+                        and int(r["step"]) < first_step]
+        self.keys = list(keys) + [k for k in old_keys if k not in keys]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.keys, restval="")
+            w.writeheader()
+            w.writerows(kept)
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.keys, restval="",
+                                      extrasaction="ignore")
+
+    def append(self, row: dict) -> None:
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoard:
+    """Scalars of every step as TensorBoard events in the run folder (``tensorboard --logdir``
+    on the folder or its parent). A resume purges the events from its first step on."""
+
+    def __init__(self, run_dir: str, first_step: int, flush_every: int):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # a dependency of ldt, but an environment may lack it
+            print("ldt-train: the tensorboard package is missing: no TensorBoard events "
+                  "(pip install tensorboard, or train.tensorboard=false)", file=sys.stderr)
+            self.writer = None
+            return
+        self.writer = SummaryWriter(log_dir=run_dir, purge_step=first_step or None)
+        self.flush_every = max(1, flush_every)
+
+    def add(self, row: dict) -> None:
+        if self.writer is None:
+            return
+        step = row["step"]
+        for key, value in row.items():
+            if key != "step" and isinstance(value, (int, float)):
+                group = "memory" if key.startswith("peak_mem") else (
+                    "eval" if key.startswith("eval") else "train")
+                self.writer.add_scalar(f"{group}/{key}", value, step)
+        if (step + 1) % self.flush_every == 0:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Console:
+    """Progress on the terminal: tqdm's bar when stdout is a terminal; otherwise (a log file)
+    one plain line every ``log_interval`` steps and after the last."""
+
+    def __init__(self, first_step: int, steps: int, log_interval: int,
+                 tty: Optional[bool] = None):
+        self.steps, self.interval = steps, max(1, log_interval)
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.bar = None
+        if self.tty:
+            import threading
+
+            from tqdm import tqdm
+
+            # a thread lock: tqdm's default multiprocessing lock would outlive this worker's
+            # os._exit
+            tqdm.set_lock(threading.RLock())
+            self.bar = tqdm(total=steps - first_step, desc="ldt-train", unit="step",
+                            dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, row: dict) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=_fmt(row["loss"], ".4f"),
+                                 tok_s=_fmt(row["tokens_per_s"], ".0f"),
+                                 step_s=_fmt(row["step_time_s"], ".3f"))
+        elif (row["step"] + 1) % self.interval == 0 or row["step"] + 1 == self.steps:
+            print(log_line(row, self.steps), flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def log_line(row: dict, steps: int) -> str:
+    """``step 10/50 | loss 4.6166 | lr 9.80e-04 | ...`` (peak memory per stage, GiB)."""
+    mem = [row[k] for k in row if k.startswith("peak_mem_gib_stage")]
+    parts = [f"step {row['step'] + 1}/{steps}", f"loss {_fmt(row['loss'], '.4f')}",
+             f"lr {_fmt(row['lr'], '.2e')}", f"grad_norm {_fmt(row['grad_norm'], '.3f')}",
+             f"{_fmt(row['tokens_per_s'], '.0f')} tok/s", f"{_fmt(row['step_time_s'], '.3f')} s/step"]
+    if row.get("eval_loss") is not None:
+        parts.append(f"eval_loss {_fmt(row['eval_loss'], '.4f')}")
+    if row.get("tflops_per_device") is not None:
+        parts.append(f"{_fmt(row['tflops_per_device'], '.3g')} TFLOP/s/device")
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {100 * row['mfu']:.1f}%")
+    if mem:
+        parts.append("peak mem " + "/".join(f"{m:.2f}" for m in mem) + " GiB")
+    return "ldt-train: " + " | ".join(parts)
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def model_flops_per_step(model, micro_batch_size: int, microbatches: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward, no recomputation),
+    from the planner's cost model: the same formula that prices plans."""
+    from ldt.plan.cost import CostModel
+
+    cost = CostModel(model, None, micro_batch_size)
+    return 3.0 * microbatches * (model.num_layers * cost.layer_flops() + cost.head_flops())
+
+
+def peak_flops(topo, peak_tflops: dict) -> Optional[float]:
+    """The world's peak FLOP/s from ``train.peak_tflops`` (per device type, per device);
+    None when a device type in the cluster has no entry."""
+    total = 0.0
+    for s in topo.stages:
+        if s.device not in peak_tflops or not peak_tflops[s.device]:
+            return None
+        total += s.tp * float(peak_tflops[s.device]) * 1e12
+    return total * topo.dp
+
+
+def summary_json(summary: dict) -> str:
+    """The summary line: valid JSON always (a NaN or an infinity becomes null)."""
+    return json.dumps(_finite(summary), allow_nan=False)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def gather_timings(timings, state):
@@ -43,12 +197,10 @@ def gather_timings(timings, state):
 
 
 def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
+    """At the end: ``action_times.csv`` and the measured timeline (metrics.csv is written as
+    the run goes, by :class:`MetricsLog`)."""
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "metrics.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=REPORT_KEYS)
-        w.writeheader()
-        w.writerows(rows)
-    if timeline:
+    if timeline and rows:
         from ldt.schedule.timeline import (median_step, result_from_measurements,
                                            to_chrome_trace, to_png)
 

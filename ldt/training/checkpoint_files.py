@@ -1,0 +1,301 @@
+"""Checkpoint files: atomic writes, checksums, verification, retention. No collectives here.
+
+A checkpoint is a step folder ``<run>/checkpoints/step_<N>/`` holding parts (``stage_<S>``,
+one per writer), each a ``torch.distributed.checkpoint`` folder plus ``MANIFEST.json`` (size
+and sha256 of every file in it). A part is written into ``<part>.tmp`` and renamed into place
+with its manifest, so a part either exists whole or not at all. ``checkpoint.json`` (the step,
+the run's length, and the size and sha256 of every other top-level file: ``model.json``, an
+import's ``hf_config.json`` and tokenizer files) and then the ``COMPLETE`` marker seal the
+folder; a folder without the marker is never loaded.
+
+What goes *into* a checkpoint is :mod:`ldt.training.checkpoint`'s business (the training
+state, gathered collectively) or a converter's (a model imported from elsewhere); both write
+through :func:`write_part` and :func:`seal`. Before a run starts, :func:`preflight` checks a
+``train.resume`` / ``train.load`` folder (``ldt.validate`` calls it; the model against the
+run's is ``ldt.training.checkpoint.check_compatible``): every file against its size or
+checksum, and that there is something left to train; each problem is one line naming the
+file or the parameter and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+from ldt.config import ConfigError
+
+COMPLETE = "COMPLETE"
+INFO = "checkpoint.json"
+MANIFEST = "MANIFEST.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used. The message names the file or parameter and the fix."""
+
+
+class DiskFullError(OSError):
+    """A write ran out of space; the partial files are gone, earlier checkpoints untouched."""
+
+    def __init__(self, path: str):
+        super().__init__(errno.ENOSPC, f"disk full at {path}")
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"disk full at {self.path}"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, "checkpoints", f"step_{step:07d}")
+
+
+# ---- writing ---------------------------------------------------------------------------------
+def write_part(folder: str, part: str, state_dict: dict) -> str:
+    """Write ``state_dict`` (torch.distributed.checkpoint, this process alone) as ``folder/part``,
+    atomically and with a manifest. Raises :class:`DiskFullError` when the disk is full."""
+    import torch.distributed.checkpoint as dcp
+
+    final = os.path.join(folder, part)
+    tmp = final + ".tmp"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
+                                                  "files": _manifest(tmp, skip=(MANIFEST,))})
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(exc, folder, _nbytes(state_dict)):
+            raise DiskFullError(folder) from None
+        raise
+    return final
+
+
+def seal(folder: str, info: dict) -> None:
+    """Mark ``folder`` complete: ``checkpoint.json`` (``info``: at least ``step``; plus the
+    checksums of the folder's other top-level files), then the ``COMPLETE`` marker, each
+    written and renamed into place."""
+    with disk_full_at(folder):
+        files = _manifest(folder, skip=(INFO, COMPLETE))
+        _write_json(os.path.join(folder, INFO), {**info, "files": files})
+        _write_text(os.path.join(folder, COMPLETE), f"{info['step']}\n")
+
+
+@contextmanager
+def disk_full_at(folder: str) -> Iterator[None]:
+    """An OSError for want of space inside becomes :class:`DiskFullError` naming ``folder``."""
+    try:
+        yield
+    except OSError as exc:
+        if not isinstance(exc, DiskFullError) and _out_of_space(exc, folder, 0):
+            raise DiskFullError(folder) from None
+        raise
+
+
+def discard(folder: str) -> None:
+    """Remove an unsealed step folder (a save that failed part-way)."""
+    if not os.path.exists(os.path.join(folder, COMPLETE)):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def prune(root: str, keep_last: int) -> list[str]:
+    """Keep the newest ``keep_last`` complete checkpoints under ``root`` (0: all); also drop
+    unsealed step folders older than the newest complete one (leftovers of a crash)."""
+    done = complete_steps(root)
+    if not done:
+        return []
+    folder = os.path.join(root, "checkpoints")
+    gone = done[:-keep_last] if keep_last else []
+    gone += [d for d in sorted(os.listdir(folder)) if d.startswith("step_")
+             and d < os.path.basename(done[-1])
+             and not os.path.exists(os.path.join(folder, d, COMPLETE))]
+    for d in gone:
+        shutil.rmtree(os.path.join(folder, os.path.basename(d)), ignore_errors=True)
+    return gone
+
+
+# ---- finding and checking -------------------------------------------------------------------
+def complete_steps(root: str) -> list[str]:
+    """The complete step folders under a run folder, oldest first."""
+    folder = os.path.join(root, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, d) for d in sorted(os.listdir(folder))
+            if d.startswith("step_") and os.path.exists(os.path.join(folder, d, COMPLETE))]
+
+
+def latest(path: str) -> Optional[str]:
+    """A complete step folder: ``path`` itself, or the newest complete one under a run folder."""
+    if os.path.exists(os.path.join(path, COMPLETE)):
+        return path
+    done = complete_steps(path)
+    return done[-1] if done else None
+
+
+def parts(folder: str) -> list[str]:
+    return sorted(d for d in os.listdir(folder)
+                  if os.path.isdir(os.path.join(folder, d)) and not d.endswith(".tmp"))
+
+
+def read_info(folder: str) -> dict:
+    path = os.path.join(folder, INFO)
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        int(info["step"])
+        return info
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is missing or damaged; {_fix(folder)}") from None
+
+
+def verify(folder: str, *, which: Optional[list[str]] = None, hashes: bool = True) -> dict:
+    """Check ``folder`` against its manifests (sizes always, sha256 when ``hashes``); return
+    its info. ``which``: only these parts. Raises :class:`CheckpointError` naming the file."""
+    if not os.path.exists(os.path.join(folder, COMPLETE)):
+        raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker: "
+                              f"its save did not finish); {_fix(folder)}")
+    info = read_info(folder)
+    names = parts(folder)
+    if not names:
+        raise CheckpointError(f"{folder} holds no parts; {_fix(folder)}")
+    _verify_files(folder, info.get("files", {}), hashes, folder)
+    for part in which if which is not None else names:
+        _verify_part(os.path.join(folder, part), hashes)
+    return info
+
+
+def _verify_part(part: str, hashes: bool) -> None:
+    path = os.path.join(part, MANIFEST)
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path} is missing or damaged, so {part} cannot be checked; "
+                              f"{_fix(os.path.dirname(part))}") from None
+    _verify_files(part, files, hashes, os.path.dirname(part))
+
+
+def _verify_files(where: str, files: dict, hashes: bool, step_folder: str) -> None:
+    """Each file of a manifest (name -> bytes, sha256) in ``where`` against it."""
+    for name, want in files.items():
+        file = os.path.join(where, name)
+        size = os.path.getsize(file) if os.path.exists(file) else None
+        if size is None:
+            problem = "is missing"
+        elif size != want["bytes"]:
+            problem = (f"is truncated ({size} of {want['bytes']} bytes)" if size < want["bytes"]
+                       else f"has {size} bytes, not {want['bytes']}")
+        elif hashes and _sha256(file) != want["sha256"]:
+            problem = "is corrupted (its sha256 differs from the one written with it)"
+        else:
+            continue
+        raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder)}")
+
+
+def preflight(path: str, field: str = "train.resume", steps: Optional[int] = None, *,
+              hashes: bool = True) -> str:
+    """Everything about a checkpoint folder given as ``field`` (``train.resume`` or
+    ``train.load``) that its files can tell before any process starts: it exists, is
+    complete, every file has its size (and sha256 when ``hashes``), and, with ``steps`` (a
+    resume), something is left to train. Returns the step folder to load."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{field}={path!r} does not exist; give the run folder of an "
+                              "earlier run (with checkpoints/), one of its checkpoints/step_N "
+                              "folders or an ldt-convert output folder")
+    found = latest(path)
+    if found is None:
+        raise CheckpointError(
+            f"{field}={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
+            "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
+            "mid-save; give a folder with a complete checkpoint, or drop " + field)
+    info = verify(found, hashes=hashes)
+    next_step = int(info["step"]) + 1
+    if steps is not None and next_step >= steps:
+        raise CheckpointError(
+            f"checkpoint {found} is the end of its run (it continues at step {next_step}, and "
+            f"train.steps={steps}): nothing left to train; raise train.steps to go on")
+    return found
+
+
+def _fix(step_folder: str) -> str:
+    """The fix for a damaged checkpoint: an earlier complete one, if there is one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(step_folder)))
+    earlier = [d for d in complete_steps(root)
+               if os.path.basename(d) < os.path.basename(os.path.normpath(step_folder))]
+    if earlier:
+        return f"resume from an earlier one (train.resume={earlier[-1]}) or start without it"
+    return "start without train.resume, or restore the checkpoint from a copy"
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _manifest(folder: str, skip: tuple) -> dict:
+    """Size and sha256 of every regular file directly in ``folder`` but ``skip`` (and .tmp)."""
+    return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
+                   "sha256": _sha256(os.path.join(folder, name))}
+            for name in sorted(os.listdir(folder))
+            if name not in skip and not name.endswith(".tmp")
+            and os.path.isfile(os.path.join(folder, name))}
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: str, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=1) + "\n")
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return obj.numel() * obj.element_size()
+    return 0
+
+
+def _out_of_space(exc: BaseException, folder: str, needed: int) -> bool:
+    """ENOSPC / EDQUOT anywhere in the exception's chain (torch.distributed.checkpoint keeps
+    the writers' exceptions in ``failures``, and torch's zip writer hides the OSError behind
+    "unexpected pos"), or else less free space than the write needed."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # CheckpointException
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    try:
+        return needed > 0 and shutil.disk_usage(folder).free < needed
+    except OSError:
+        return False
