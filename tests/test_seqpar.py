@@ -120,3 +120,17 @@ def test_planner_divides_the_activations_by_tp_with_sequence_parallelism():
     a, b = plain.stage_memory(2, chunks), sp.stage_memory(2, chunks)
     assert (a.weights, a.optimizer) == (b.weights, b.optimizer)
     assert b.activations < a.activations
+
+
+def test_a_sequence_length_the_tp_size_does_not_divide_is_refused():
+    import dataclasses
+
+    from ldt.config import ClusterConfig, ConfigError, StageConfig
+    from ldt.validate import validate
+
+    cluster = ClusterConfig(stages=[StageConfig("a", "cpu", 1), StageConfig("b", "cpu", 4)])
+    model = dataclasses.replace(MODEL, seq_length=18, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"cluster.stages\[1\].*seq_length=18"):
+        validate(cluster, model)
+    validate(cluster, dataclasses.replace(model, seq_length=20))
+    validate(cluster, dataclasses.replace(model, sequence_parallel=False))
