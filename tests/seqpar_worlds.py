@@ -99,7 +99,8 @@ def reference(rank, world, m, lengths=None, seed=1234):
 
 
 def vtp_run(rank, world, topo, full_state, m, variants):
-    """Each variant ({"sp": bool, "vpp": int, "overlap": bool, "lengths": list}) in one world."""
+    """Each variant ({"sp": bool, "vpp": int, "overlap": bool, "lengths": list,
+    "host_staging": bool}) in one world."""
     import ldt
     from ldt import patches
     from ldt.layout import split_layers
@@ -110,7 +111,7 @@ def vtp_run(rank, world, topo, full_state, m, variants):
                                                           v.get("vpp", 1) * topo.num_stages)
         split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape,
                              layout=layout)
-        t = dataclasses.replace(topo, split=split)
+        t = dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
         audit = AuditLog()
         state = _setup(t, observers=[audit])
         patches.apply(["sequence_parallel_norms"])
