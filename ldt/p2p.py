@@ -333,7 +333,9 @@ def _local_index(state: VtpState) -> int:
 # Keywords pick the channel: ``group`` (a group or a list of groups) with ``next_rank`` /
 # ``prev_rank`` (a global rank or a list, one per group). Without them, or with megatron's
 # pipeline group (ldt's StagePipelineGroup), the stage boundary to the neighbouring stage's
-# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator.
+# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator. With sequence
+# parallelism or variable sequence lengths, sends need the stage's ``config`` too (every rank of
+# the stage calls them: the leader gathers the sequence; the shape goes first).
 def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kwargs):
     """Receive this stage's input activation from the previous stage."""
     return _recv(tensor_shape, config, async_op, FORWARD, kwargs)
@@ -393,12 +395,16 @@ def _peer_stage(comm: VtpCommunicator, rank: int) -> int:
 
 def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optional[list]:
     comm, routing = _communicator(config, kwargs)
-    if not comm.state.is_leader:
+    sharded = comm.layout.sharded  # sequence parallel (config= given): every rank gathers
+    if not comm.state.is_leader and not sharded:
         return None
     handles = []
     for group, rank in _routes(comm, routing, direction, sending=True):
         if group is None:
             handles.append(comm.send(tensor, _peer_stage(comm, rank), direction))
+        elif sharded:
+            raise ConfigError("sequence_parallel=True with group=: ldt gathers the sequence "
+                              "only on its own stage boundaries; leave group= out")
         else:  # a group the caller built: send as given, through the host where it is gloo
             payload = tensor.detach()
             if dist.get_backend(group) == "gloo" and payload.device.type != "cpu":
@@ -406,7 +412,7 @@ def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optiona
             payload = payload.contiguous()
             handles.append(_SendWork([dist.isend(payload, dst=rank, group=group,
                                                  tag=_TAGS[direction])], payload))
-    return handles
+    return handles if comm.state.is_leader else None
 
 
 def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
@@ -429,6 +435,10 @@ def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
 def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
     """Receive over groups the caller built (one irecv per group into one buffer), then the
     stage broadcast, as the reference does."""
+    if comm.layout.sharded or comm.layout.variable_seq_lengths:
+        raise ConfigError("sequence_parallel / variable_seq_lengths with group=: ldt reshards "
+                          "and exchanges shapes only on its own stage boundaries; leave "
+                          "group= out")
     dtype = comm.config.pipeline_dtype
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm.device, requires_grad=True)
     works, staged = [], None

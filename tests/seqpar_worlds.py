@@ -124,3 +124,35 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         patches.revert()
         ldt.destroy_vtp()
     return results
+
+
+def functional_api(rank, world, topo, seq: int):
+    """The reference API (vtp_send_* / vtp_recv_*) on raw tensors, stage 0 of TP 2 with
+    sequence parallelism -> stage 1 of TP 1, with ``variable_seq_lengths``: rank r of stage 0
+    holds rows [r*seq/2, (r+1)*seq/2) of ``whole``; stage 1 must receive ``whole`` (the
+    schedule's shape says 8 rows, the message ``seq``) and send back 2 * whole, which stage 0
+    must receive as its own rows."""
+    from types import SimpleNamespace
+
+    import ldt
+    from ldt.p2p import vtp_recv_backward, vtp_recv_forward, vtp_send_backward, vtp_send_forward
+
+    state = ldt.initialize_vtp(topo, timeout_s=60)
+    sp = topo.stages[state.stage].tp > 1
+    config = SimpleNamespace(pipeline_dtype=torch.float32, sequence_parallel=sp,
+                             variable_seq_lengths=True, virtual_pipeline_model_parallel_size=None)
+    whole = torch.arange(seq * 2 * 4, dtype=torch.float32).reshape(seq, 2, 4)
+    try:
+        if state.stage == 0:
+            mine = whole.chunk(2)[state.info.tp_rank]
+            sends = vtp_send_forward(mine.clone(), config) or []  # None off the leader
+            got = vtp_recv_backward((4, 2, 4), config)
+            for handle in sends:
+                handle.wait()
+            return bool(torch.equal(got, 2 * mine))
+        got = vtp_recv_forward((8, 2, 4), config)
+        for handle in vtp_send_backward(2 * got.detach(), config) or []:
+            handle.wait()
+        return bool(torch.equal(got, whole))
+    finally:
+        ldt.destroy_vtp()

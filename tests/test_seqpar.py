@@ -26,7 +26,7 @@ import torch
 from ldt.launch import run_local_world
 from ldt.models.sharding import unshard
 from ldt.topology import Stage, Topology
-from seqpar_worlds import MBS, MODEL, reference, vtp_run
+from seqpar_worlds import MBS, MODEL, functional_api, reference, vtp_run
 
 M = 4
 LENGTHS = [16, 10, 6, 12]  # multiples of the TP sizes (sequence parallelism splits them)
@@ -153,3 +153,9 @@ def test_ldt_train_verify_with_rmsnorm(tmp_path):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     # losses only: a missing TP sum of the norm grads moved them by ~5e-6 after 3 steps
     assert summary["parity_max_abs_diff"] < 1e-6, summary
+
+
+@pytest.mark.timeout(120)
+def test_reference_api_gathers_and_scatters_the_sequence():
+    topo = Topology((Stage(0, "sp", "cpu", 2), Stage(1, "whole", "cpu", 1)))
+    assert run_local_world(3, functional_api, (topo, 6), timeout_s=90) == [True, True, True]
