@@ -113,6 +113,11 @@ class ModelConfig:
     """Megatron's layer implementation: ``local`` (megatron-core's own modules),
     ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
     installed, local elsewhere)."""
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism on every stage of TP > 1 (TP 1 stages run without):
+    activations outside attention and the MLP split along the sequence over the stage's TP
+    ranks. Stage boundaries gather and scatter the sequence (docs/design.md). Needs
+    seq_length to be a multiple of every such stage's TP size."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):

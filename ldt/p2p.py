@@ -1,9 +1,10 @@
 """VTP boundary transport: leader send/recv + intra-stage broadcast, with async handles.
 
 Only a stage's leader (TP rank 0) talks to neighbouring stages, over that boundary's own group
-(see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group;
-this is correct without sequence parallelism because boundary activations and their gradients
-are replicated on every TP rank of a stage. A boundary the device layer marks host-staged
+(see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group
+(boundary activations and their gradients are replicated on every TP rank of a stage), or,
+with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
+its sequence slices on the leader (:mod:`ldt.boundary_layout`). A boundary the device layer marks host-staged
 (different device types) copies to CPU, sends over gloo, and copies back to the device.
 
 :class:`VtpCommunicator` subclasses megatron-core's ``P2PCommunicator`` and overrides only
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from ldt.boundary_layout import SequenceLayout, recv_shape, send_shape
 from ldt.config import ConfigError
 from ldt.device import torch_device
 from ldt.parallel_state import VtpState, get_vtp_state
@@ -73,8 +75,11 @@ class _VTPRecvWork:
 
     def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
                  stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
-                 what: str = "receive", delay_s: float = 0.0):
+                 what: str = "receive", delay_s: float = 0.0,
+                 layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None):
         self.tensor = tensor
+        # a sequence-parallel stage: the leader receives ``full`` and scatters it
+        self._layout, self._full = layout, full
         self._works, self._tp_group, self._leader = works, tp_group, leader
         self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
         self._done, self._what, self._posted = False, what, time.monotonic()
@@ -90,15 +95,18 @@ class _VTPRecvWork:
                 for w in self._works:
                     w.wait()
             buf = self.tensor.detach()
+            whole = buf if self._full is None else self._full
             if self._staged is not None:
-                buf.copy_(self._staged)
-            if self._stage_size > 1:  # a non-leader's receive is this broadcast
+                whole.copy_(self._staged)
+            if self._layout is not None:  # broadcast, or the sequence scatter
+                self._layout.distribute(self._full, buf, self._tp_group, self._leader)
+            elif self._stage_size > 1:  # a non-leader's receive is this broadcast
                 dist.broadcast(buf, src=self._leader, group=self._tp_group)
         except Exception as exc:
             raise _boundary_error(self._what, self._posted, exc) from exc
         self._done = True
         if self._on_ready is not None:
-            self._on_ready(self.tensor)
+            self._on_ready(self.tensor if self._full is None else self._full)
 
     def is_completed(self) -> bool:
         return self._done
@@ -166,6 +174,7 @@ class VtpCommunicator(P2PCommunicator):
         state = state or get_vtp_state()
         check_boundary_config(config)
         topo = state.topology
+        self.layout = SequenceLayout.of(config, topo.stages[state.stage].tp)
         self.state, self.config = state, config
         self.pp_group = state.pp_group
         self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
@@ -205,12 +214,15 @@ class VtpCommunicator(P2PCommunicator):
 
     # ---- leader transport --------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer_stage: int, direction: str) -> Optional[_SendWork]:
-        """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader."""
+        """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader.
+        Every rank of the stage calls it: a sequence-parallel stage gathers on the leader."""
+        whole = self.layout.gather(tensor, self.state.tp_group, self.state.stage_ranks[0],
+                                   self.state.is_leader)
         if not self.state.is_leader:
             return None
         src, dst = self.state.stage, peer_stage
         plan, group = self._boundary(src, dst, direction)
-        payload = tensor.detach()
+        payload = whole.detach()
         for transform in self.send_transforms:
             payload = transform(payload, src, dst, direction)
         if plan.host_staged:
@@ -220,28 +232,48 @@ class VtpCommunicator(P2PCommunicator):
             obs.on_send(src, dst, direction, payload)
         dst_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
         what = self._describe("send", src, dst, direction, dst_rank)
+        works, keep = [], [payload]
         try:
-            work = dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction])
+            if self.layout.variable_seq_lengths:  # the shape first, as megatron does
+                work, buf = send_shape(payload.shape, dst_rank, group, direction, payload.device)
+                works.append(work)
+                keep.append(buf)
+            works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
         except Exception as exc:
             raise _boundary_error(what, time.monotonic(), exc) from exc
-        return _SendWork([work], payload, what)
+        return _SendWork(works, keep, what)
 
     def recv(self, shape, peer_stage: int, direction: str) -> tuple[torch.Tensor, _VTPRecvWork]:
-        """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``."""
+        """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``.
+        ``shape``: this rank's, as megatron's schedules give it (the sequence slice on a
+        sequence-parallel stage); with variable_seq_lengths the peer's message says it."""
         if shape is None:
             raise RuntimeError("tensor_shape must be given to receive at a VTP boundary")
         dtype = self.config.pipeline_dtype
         if dtype is None:
             raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
-        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
-        works, staged, delay_s = [], None, 0.0
+        works, staged, delay_s, full = [], None, 0.0, None
         src_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
         what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
-        if self.state.is_leader:
-            plan, group = self._boundary(peer_stage, self.state.stage, direction)
+        leader, layout = self.state.is_leader, self.layout
+        plan, group = self._boundary(peer_stage, self.state.stage, direction) if leader else (None, None)
+        whole_shape = layout.full_shape(shape)
+        if layout.variable_seq_lengths:
+            try:
+                got = recv_shape(src_rank, group, direction,
+                                 "cpu" if plan.host_staged else self.device) if leader else None
+                whole_shape = layout.share_shape(got, self.state.tp_group,
+                                                 self.state.stage_ranks[0], self.device)
+            except Exception as exc:
+                raise _boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
+            shape = layout.local_shape(whole_shape)
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
+        if leader:
             target = tensor.detach()
+            if layout.sharded:
+                full = target = torch.empty(whole_shape, dtype=dtype, device=self.device)
             if plan.host_staged:
-                staged = torch.empty(tuple(shape), dtype=dtype, device="cpu")
+                staged = torch.empty(whole_shape, dtype=dtype, device="cpu")
                 target = staged
             try:
                 works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
@@ -257,7 +289,8 @@ class VtpCommunicator(P2PCommunicator):
         return tensor, _VTPRecvWork(
             tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
             stage_size=len(self.state.stage_ranks), staged=staged,
-            on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s)
+            on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
+            layout=layout, full=full)
 
     def _boundary(self, src: int, dst: int, direction: str):
         """Activations travel along a boundary's arrow (src -> dst), gradients against it."""
@@ -280,18 +313,12 @@ class VtpCommunicator(P2PCommunicator):
 
 
 def check_boundary_config(config) -> None:
-    """Refuse what the leader + broadcast transport cannot carry (before any communication)."""
-    if getattr(config, "sequence_parallel", False):
-        raise ConfigError(
-            "sequence_parallel=True: activations at a VTP stage boundary are then sharded "
-            "across TP ranks and differ between stages of different TP size; ldt does not "
-            "gather/scatter them yet. Set sequence_parallel=False"
-        )
-    if getattr(config, "variable_seq_lengths", False):
-        raise ConfigError(
-            "variable_seq_lengths=True is not supported at VTP boundaries yet (shapes are not "
-            "exchanged); pad micro-batches to one sequence length and set variable_seq_lengths=False"
-        )
+    """Refuse what the boundary transport cannot carry (before any communication)."""
+    if getattr(config, "sequence_parallel", False) and getattr(config, "context_parallel_size",
+                                                               1) > 1:
+        raise ConfigError("sequence_parallel=True with context_parallel_size > 1: ldt's "
+                          "boundaries reshard the sequence over TP only; set "
+                          "context_parallel_size=1")
 
 
 def _local_index(state: VtpState) -> int:
@@ -306,7 +333,9 @@ def _local_index(state: VtpState) -> int:
 # Keywords pick the channel: ``group`` (a group or a list of groups) with ``next_rank`` /
 # ``prev_rank`` (a global rank or a list, one per group). Without them, or with megatron's
 # pipeline group (ldt's StagePipelineGroup), the stage boundary to the neighbouring stage's
-# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator.
+# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator. With sequence
+# parallelism or variable sequence lengths, sends need the stage's ``config`` too (every rank of
+# the stage calls them: the leader gathers the sequence; the shape goes first).
 def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kwargs):
     """Receive this stage's input activation from the previous stage."""
     return _recv(tensor_shape, config, async_op, FORWARD, kwargs)
@@ -366,12 +395,16 @@ def _peer_stage(comm: VtpCommunicator, rank: int) -> int:
 
 def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optional[list]:
     comm, routing = _communicator(config, kwargs)
-    if not comm.state.is_leader:
+    sharded = comm.layout.sharded  # sequence parallel (config= given): every rank gathers
+    if not comm.state.is_leader and not sharded:
         return None
     handles = []
     for group, rank in _routes(comm, routing, direction, sending=True):
         if group is None:
             handles.append(comm.send(tensor, _peer_stage(comm, rank), direction))
+        elif sharded:
+            raise ConfigError("sequence_parallel=True with group=: ldt gathers the sequence "
+                              "only on its own stage boundaries; leave group= out")
         else:  # a group the caller built: send as given, through the host where it is gloo
             payload = tensor.detach()
             if dist.get_backend(group) == "gloo" and payload.device.type != "cpu":
@@ -379,7 +412,7 @@ def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optiona
             payload = payload.contiguous()
             handles.append(_SendWork([dist.isend(payload, dst=rank, group=group,
                                                  tag=_TAGS[direction])], payload))
-    return handles
+    return handles if comm.state.is_leader else None
 
 
 def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
@@ -402,6 +435,10 @@ def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
 def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
     """Receive over groups the caller built (one irecv per group into one buffer), then the
     stage broadcast, as the reference does."""
+    if comm.layout.sharded or comm.layout.variable_seq_lengths:
+        raise ConfigError("sequence_parallel / variable_seq_lengths with group=: ldt reshards "
+                          "and exchanges shapes only on its own stage boundaries; leave "
+                          "group= out")
     dtype = comm.config.pipeline_dtype
     tensor = torch.empty(tuple(shape), dtype=dtype, device=comm.device, requires_grad=True)
     works, staged = [], None

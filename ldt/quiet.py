@@ -13,5 +13,7 @@ for _pattern in (
     r".*full scope is deprecated.*",
     r".*Transformer Engine is not installed.*",
     r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    # megatron-core's sequence-parallel all-gather / reduce-scatter use torch's older names
+    r".*`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*",
 ):
     warnings.filterwarnings("ignore", message=_pattern)

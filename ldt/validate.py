@@ -135,6 +135,12 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
     if model.num_query_groups:
         dims.append(("model.num_query_groups", model.num_query_groups))
     for stage in topo.stages:
+        if model.sequence_parallel and stage.tp > 1 and model.seq_length % stage.tp:
+            raise ConfigError(
+                f"model.sequence_parallel=true splits the sequence over the TP ranks of "
+                f"cluster.stages[{stage.index}] ({stage.name}, tp={stage.tp}), but "
+                f"model.seq_length={model.seq_length} is not a multiple of {stage.tp}; use a "
+                f"seq_length that every TP size divides, or model.sequence_parallel=false")
         for name, value in dims:
             if value % stage.tp:
                 ok = [t for t in range(1, value + 1) if value % t == 0 and t <= 64]

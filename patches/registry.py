@@ -69,6 +69,7 @@ _PATCH_MODULES = (
     "ldt.patches.cuda_to_cpu",
     "ldt.patches.rope_cpu",
     "ldt.patches.dist_checkpointing",
+    "ldt.patches.sequence_parallel",
 )
 
 

@@ -15,6 +15,7 @@ runs the plan as it was priced.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -38,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
                    help="decoder layers the edge keeps in each chunk (default 1)")
     p.add_argument("--no-flash", action="store_true",
                    help="price materialised attention scores (no flash / fused attention)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="price megatron's sequence parallelism on stages of TP > 1 (train with "
+                        "model.sequence_parallel=true)")
     p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
     p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
                    "also DIR/train/NAME.yaml with the micro-batch settings)")
@@ -55,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         inventory, model = load_inventory(args.inventory), load_model(args.model)
+        if args.sequence_parallel:
+            model = dataclasses.replace(model, sequence_parallel=True)
         workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
                             args.u_shape, args.edge_min_layers)
         result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))

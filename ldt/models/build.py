@@ -54,7 +54,8 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=device == "cpu",
-        sequence_parallel=False,
+        # megatron refuses sequence parallelism at TP 1; a TP 1 stage just runs without it
+        sequence_parallel=bool(getattr(model, "sequence_parallel", False)) and tp > 1,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

@@ -13,7 +13,7 @@ assumptions live in one file (and in ``docs/planner.md``):
   ``2(t-1)/t * bytes / intra_bw``.
 * Memory per rank: weights (dtype) + gradients (dtype) + Adam state; 16-bit training keeps an fp32
   master copy and m, v (12 bytes/param), fp32 training keeps m, v (8 bytes/param): 16 bytes/param
-  either way. No distributed optimizer, no recomputation, no sequence parallelism.
+  either way. No distributed optimizer, no recomputation.
   Parameters follow the family: biases only where the model has them (``add_bias_linear``,
   ``add_qkv_bias``), LayerNorm weight + bias or RMSNorm weight, a position table only for
   learned absolute positions.
@@ -21,6 +21,11 @@ assumptions live in one file (and in ``docs/planner.md``):
   ``s*b*(d*(4h + (2h + 2hg/a + f1 + f)/t) + 2h)`` bytes (fc1's output f1 and fc2's input f;
   f1 = f without a gate, so 2f as in the paper), plus ``s*b*(2d+1)*a*s/t`` when attention
   scores are materialised (no flash attention); times the micro-batches a chunk holds in flight.
+  With sequence parallelism (``model.sequence_parallel``) on a stage of TP t > 1 the part outside
+  attention and the MLP (``d*4h + 2h``: the norms' inputs, the dropout masks) is split along the
+  sequence too, so the whole layer is divided by t (the paper's ``sbh(34/t + 5as/(ht))``), as
+  are the embedding's dropout mask and the head's norm and input; the logits stay ``4V/t``.
+  The TP all-reduces become an all-gather plus a reduce-scatter of the same volume: same time.
 * A stage boundary carries ``b*s*h`` elements: ``bytes / link_bw + latency``, plus a device->host
   and host->device copy where the device types differ (host-staged gloo), plus the receiving
   stage's TP broadcast (the leader receives and broadcasts, see DESIGN.md).
@@ -84,6 +89,7 @@ class CostModel:
         self.qkv = self.h + 2 * self.h * self.g // self.a  # QKV output width
         self.fc1 = 2 * self.f if m.gated_linear_unit else self.f  # fc1 output width
         self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
+        self.sequence_parallel = bool(getattr(m, "sequence_parallel", False))
         self._cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
@@ -123,23 +129,29 @@ class CostModel:
         return p
 
     # ---- activations per micro-batch per rank (bytes) -------------------------------------------
+    def sequence_shards(self, tp: int) -> int:
+        """Over how many ranks the sequence outside attention and the MLP is split."""
+        return tp if self.sequence_parallel and tp > 1 else 1
+
     def layer_activation_bytes(self, tp: int) -> float:
         s, b, h, d = self.s, self.b, self.h, self.d
-        per_token = d * (4 * h + (2 * h + self.qkv + self.fc1 + self.f) / tp) + 2 * h
+        per_token = ((d * 4 * h + 2 * h) / self.sequence_shards(tp)
+                     + d * (2 * h + self.qkv + self.fc1 + self.f) / tp)
         if not self.flash_attention:
             per_token += (2 * d + 1) * self.a * s / tp
         return s * b * per_token
 
-    def embedding_activation_bytes(self) -> float:
-        return self.s * self.b * self.h  # embedding dropout mask
+    def embedding_activation_bytes(self, tp: int = 1) -> float:
+        return self.s * self.b * self.h / self.sequence_shards(tp)  # embedding dropout mask
 
     def head_activation_bytes(self, tp: int) -> float:
-        return self.s * self.b * (2 * self.d * self.h + 4 * self.V / tp)  # LN in, head in, fp32 logits
+        # LN in, head in (a sequence slice each with sequence parallelism), fp32 logits
+        return self.s * self.b * (2 * self.d * self.h / self.sequence_shards(tp) + 4 * self.V / tp)
 
     def chunk_activation_bytes(self, tp: int, chunk: ChunkLoad) -> float:
         act = chunk.layers * self.layer_activation_bytes(tp)
         if chunk.embedding:
-            act += self.embedding_activation_bytes()
+            act += self.embedding_activation_bytes(tp)
         if chunk.head:
             act += self.head_activation_bytes(tp)
         return act * chunk.inflight

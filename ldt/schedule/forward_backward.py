@@ -47,7 +47,9 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
         schedule[state.stage], roles=roles, comm=comm, forward_step_func=forward_step_func,
         data_iterator=data_iterator if roles.reads_data else None,
         num_microbatches=num_microbatches,
-        tensor_shape=(seq_length, micro_batch_size, config.hidden_size), config=config,
+        # this rank's boundary shape, as megatron's get_tensor_shapes (sequence parallel: a slice)
+        tensor_shape=(seq_length // comm.layout.shards, micro_batch_size, config.hidden_size),
+        config=config,
         schedule=schedule, record_timings=record_timings, keep_activations=not forward_only)
 
 

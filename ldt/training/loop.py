@@ -58,7 +58,8 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         observers = _observers(c.train, run_dir, rank)
         if observe is not None:
             observers += observe(rank, topo, run_dir)
-        names = (["cpu_shims", "rope_cpu"] if stage.device == "cpu" else []) + ["schedules"]
+        names = ((["cpu_shims", "rope_cpu"] if stage.device == "cpu" else [])
+                 + ["schedules", "sequence_parallel_norms"])
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
@@ -96,6 +97,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     from ldt.training.optim import (allreduce_dp_grads, allreduce_tied_grads, clip_grads,
                                     global_grad_norm, lr_lambda)
     from ldt.schedule.forward_backward import run_step
+    from ldt.training.sequence_parallel import allreduce_sequence_parallel_grads
 
     from ldt.training import checkpoint
 
@@ -157,6 +159,9 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         losses, timed = pipeline_pass(lambda: data.step_iterator(step))
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
+        # sequence parallelism's partial norm / bias grads (megatron's finalize_model_grads
+        # does this once its DDP is in, #14)
+        allreduce_sequence_parallel_grads(models, state.tp_group)
         record.begin("data-parallel grad all-reduce", waiting=True)
         allreduce_dp_grads(params, state)
         record.begin("tied embedding grad all-reduce", waiting=True)
