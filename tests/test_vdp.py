@@ -256,3 +256,31 @@ def test_data_stays_on_the_replicas_that_own_it(case):
         assert not any(r["touched_data"] for r in out if r["stage"] != 0), name
     # each of the D*M micro-batches crosses every activation boundary once each way
     assert len(sent) == 2 * len(topo.activation_boundaries()) * topo.dp * M, name
+
+
+# ---- ldt-train end to end ---------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
+    """conf/cluster/cpu_vdp.yaml (edge dp 1, cloud dp 2) trains with checkpoints; its step-2
+    checkpoint resumes into uniform dp 2 (another world size and rank map) and continues with
+    the VDP run's losses: the same state, the same semantics."""
+    import csv
+    import subprocess
+    import sys
+
+    def train(run_dir, *overrides):
+        proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={run_dir}",
+                               "train.steps=4", *overrides], capture_output=True, text=True,
+                              timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(run_dir / "metrics.csv") as f:
+            return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+    vdp = train(tmp_path / "vdp", "cluster=cpu_vdp", "train.save_every=2")
+    assert sorted(vdp) == [0, 1, 2, 3] and vdp[3] < vdp[0]
+    uniform = train(tmp_path / "uniform", "cluster=cpu_vdp", "cluster.stages.0.dp=null",
+                    "cluster.stages.1.dp=null", "cluster.dp=2",
+                    f"train.resume={tmp_path / 'vdp' / 'checkpoints' / 'step_0000001'}")
+    assert sorted(uniform) == [2, 3]
+    for step, loss in uniform.items():
+        assert abs(loss - vdp[step]) <= 1e-6 * abs(vdp[step]), (step, loss, vdp[step])
