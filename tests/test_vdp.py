@@ -284,3 +284,28 @@ def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
     assert sorted(uniform) == [2, 3]
     for step, loss in uniform.items():
         assert abs(loss - vdp[step]) <= 1e-6 * abs(vdp[step]), (step, loss, vdp[step])
+
+
+def test_ldt_sim_prices_per_stage_dp():
+    """The planner's simulator runs the lane schedule: an edge serving two cloud replicas
+    takes longer than two edges (same global batch); its all-reduce spans only the cloud."""
+    from ldt.plan.convert import cluster_to_plan
+    from ldt.plan.evaluate import simulate_plan
+    from ldt.plan.inventory import Workload, load_inventory
+    from ldt.plan.planner import make_cost
+    from ldt.config import to_model
+    from ldt.plan.inventory import _load_plain, _resolve
+
+    inv = load_inventory("edge_cloud")
+    model = to_model(_load_plain(_resolve("llama_7b", "model")))
+    cost = make_cost(inv, model, Workload())
+    stages = [{"name": "edge", "device": "cuda", "tp": 1}, {"name": "cloud", "device": "npu",
+                                                            "tp": 8}]
+    uni = simulate_plan(cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model,
+                                        inv, 8), cost)
+    stages[0]["dp"] = 1
+    vdp_plan = cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model, inv, 8)
+    assert vdp_plan.stage_dp == (1, 2)
+    vdp = simulate_plan(vdp_plan, cost)
+    assert uni.pipeline_time < vdp.pipeline_time < 2.2 * uni.pipeline_time
+    assert vdp.dp_allreduce_time < uni.dp_allreduce_time  # the edge has no DP peer
