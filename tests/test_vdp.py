@@ -309,3 +309,33 @@ def test_ldt_sim_prices_per_stage_dp():
     vdp = simulate_plan(vdp_plan, cost)
     assert uni.pipeline_time < vdp.pipeline_time < 2.2 * uni.pipeline_time
     assert vdp.dp_allreduce_time < uni.dp_allreduce_time  # the edge has no DP peer
+
+
+def test_planner_step_gives_the_cloud_more_replicas_when_it_pays(tmp_path):
+    """ldt.plan.planner._try_vdp on a cloud-bound U-shape (one fast edge card, eight V100s of
+    which the uniform plan uses four): the cloud gets dp 2 behind the edge's one replica, the
+    step is priced on the lane schedule, and the inventory is respected."""
+    from ldt.config import to_model
+    from ldt.plan.evaluate import Plan, StageSpec, simulate_plan
+    from ldt.plan.inventory import Workload, _load_plain, _resolve, load_inventory
+    from ldt.plan.planner import PlannerOptions, _try_vdp, make_cost
+
+    path = tmp_path / "inv.yaml"
+    path.write_text(
+        "name: h100_8v100\nedge: h100\nkinds:\n"
+        "  - {name: h100, device: cuda, count: 1, tflops: 989, memory_gib: 80, intra_bw_gbps: 450,"
+        " node_size: 1, mfu: 0.45, tp_efficiency: 0.9, host_bw_gbps: 50, reserved_gib: 2}\n"
+        "  - {name: v100, device: cuda, count: 8, tflops: 125, memory_gib: 32, intra_bw_gbps: 150,"
+        " node_size: 4, mfu: 0.4, tp_efficiency: 0.9, host_bw_gbps: 16, reserved_gib: 2}\n"
+        "links:\n  - {a: h100, b: v100, bandwidth_gbps: 12.5, latency_us: 100}\n"
+        "  - {a: v100, b: v100, bandwidth_gbps: 150, latency_us: 5}\n")
+    inv, work = load_inventory(str(path)), Workload()
+    cost = make_cost(inv, to_model(_load_plain(_resolve("llama_7b", "model"))), work)
+    base = simulate_plan(Plan((StageSpec("h100", 1), StageSpec("v100", 2), StageSpec("v100", 2)),
+                              (4, 12, 12, 4), True, 1, 64), cost)
+    best, sims, note = _try_vdp(base, cost, inv, work, PlannerOptions(), 1)
+    assert best.plan.stage_dp == (1, 2, 2) and best.plan.num_microbatches == 32, note
+    assert sum(s.tp * d for s, d in zip(best.plan.stages[1:], best.plan.stage_dp[1:])) <= 8
+    assert best.fits and best.iteration_time < base.iteration_time and sims > 1
+    again = simulate_plan(best.plan, cost)
+    assert again.iteration_time == pytest.approx(best.iteration_time)
