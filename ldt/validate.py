@@ -185,11 +185,6 @@ def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig])
     if train.schedule == "interleaved":
         raise ConfigError(f"train.schedule=interleaved with per-stage dp ({sizes}); use "
                           "train.schedule=auto or 1f1b, or give every stage the same dp")
-    if train.prefetch:
-        raise ConfigError(
-            f"train.prefetch={train.prefetch} with per-stage dp ({sizes}): the U-shape's "
-            "prefetch depth is not derived for lane schedules yet; set train.prefetch=0, or "
-            "give every stage the same dp")
 
 
 def _check_train(topo: Topology, train: TrainConfig) -> None:

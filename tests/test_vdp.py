@@ -5,7 +5,7 @@ The parity worlds run real gloo processes: every stage replica runs its lane of 
 gradient factor. Every replica's gradient must equal the single-process reference's over the
 same global batch (uniform DP with dp = the largest stage dp), within 1e-5; every micro-batch's
 loss within 1e-6 relative. Shapes: plain 2-stage DP 1->2, plain 3-stage DP 2->1->2 with TP
-1/2/1, U-shape edge DP 1 / cloud DP 2 and edge DP 2 / cloud DP 1.
+1/2/1, U-shape edge DP 1 / cloud DP 2 (also with prefetch depth 1) and edge DP 2 / cloud DP 1.
 """
 
 import itertools
@@ -64,10 +64,9 @@ def test_validate_names_world_formula_and_unsupported_combinations():
     with pytest.raises(ConfigError, match=r"1\*1 \+ 2\*2 = 5"):
         validate(_cluster([1, 2], [1, 2]), model, world_size=4, check_devices=False)
     for train, what in (({"runtime": "megatron"}, "train.runtime=megatron"),
-                        ({"prefetch": 1}, "train.prefetch=1")):
+                        ({"schedule": "interleaved"}, "train.schedule=interleaved")):
         with pytest.raises(ConfigError, match=what):
-            validate(_cluster([1, 2], u_shape=train.get("prefetch", 0) > 0), model,
-                     train=train, check_devices=False)
+            validate(_cluster([1, 2]), model, train=train, check_devices=False)
     with pytest.raises(ConfigError, match="tie_embeddings"):
         validate(_cluster([1, 2]), {**model, "tie_embeddings": True}, check_devices=False)
     validate(_cluster([1, 2], u_shape=True), {**model, "tie_embeddings": True},
@@ -97,6 +96,26 @@ def test_deadlock_checker_grid_per_stage_dp():
                     vdp_schedule(dps, m, u_shape)  # raises ScheduleError on any defect
                     count += 1
     assert count == 3 * 1 * 3 + 9 * 2 * 6 + 27 * 2 * 9 + 81 * 2 * 12
+    for p in range(2, 5):  # the U-shape with prefetch depth 1
+        for dps in itertools.product((1, 2, 4), repeat=p):
+            for m in range(1, 3 * p + 1):
+                vdp_schedule(dps, m, True, prefetch=1)
+
+
+def test_one_replica_everywhere_gives_the_uniform_schedules():
+    """The lane generator reduces to the stage generator: dp 1 on every stage gives exactly
+    ldt.schedule's 1F1B and U-shape lists (with every prefetch depth)."""
+    from ldt.schedule import lower, one_f_one_b, u_shape
+
+    def text(schedule):
+        return {k: [str(a) for a in v] for k, v in schedule.items()}
+
+    for p in (2, 3, 4):
+        for m in (1, 3, 7):
+            assert text(vdp_schedule((1,) * p, m, False)) == text(lower(one_f_one_b(p, m), "1f1b"))
+            for d in (0, 1, 2):
+                want = lower(u_shape(p, m, prefetch=d), "ushape", prefetch=d)
+                assert text(vdp_schedule((1,) * p, m, True, prefetch=d)) == text(want), (p, m, d)
 
 
 def test_schedule_fans_out_and_in_along_the_routing():
@@ -132,7 +151,7 @@ class _RefData:
         return self.batches[self.dp_rank * M + j]
 
 
-def vdp_worker(rank, world, topo, full_state):
+def vdp_worker(rank, world, topo, full_state, prefetch=0):
     import ldt
     from gpt_worlds import MBS, MODEL, AuditLog, Tripwire, _setup, forward_step, make_batches
     from ldt import patches
@@ -163,7 +182,7 @@ def vdp_worker(rank, world, topo, full_state):
     comm = VtpCommunicator(models[0].config, state, [audit])
     res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
                    num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
-                   comm=comm, state=state, config=models[0].config)
+                   comm=comm, state=state, config=models[0].config, prefetch=prefetch)
     params = list({id(p): p for g in models for p in g.parameters()}.values())
     allreduce_dp_grads(params, state)
     norm = global_grad_norm(params, state)
@@ -186,6 +205,7 @@ CASES = {  # name: (dp per stage, tp per stage, u_shape)
     "plain_dp2_1_2_tp121": ([2, 1, 2], [1, 2, 1], False),
     "ushape_edge1_cloud2": ([1, 2], [1, 1], True),
     "ushape_edge2_cloud1": ([2, 1], [1, 1], True),
+    "ushape_edge1_cloud2_prefetch1": ([1, 2], [1, 1], True),
 }
 
 
@@ -207,7 +227,9 @@ def case(request, ref):
     cluster = _cluster(dps, tps, u_shape,
                        layout=None if u_shape else even_layout(MODEL.num_layers, len(dps)))
     topo = validate(cluster, MODEL, train={}, check_devices=False)
-    out = run_local_world(topo.world_size, vdp_worker, (topo, ref["full"]), timeout_s=240)
+    prefetch = 1 if request.param.endswith("prefetch1") else 0
+    out = run_local_world(topo.world_size, vdp_worker, (topo, ref["full"], prefetch),
+                          timeout_s=240)
     return request.param, topo, out
 
 

@@ -195,12 +195,11 @@ def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
     from ldt.schedule.routing import Lanes
     from ldt.schedule.vdp import vdp_schedule
 
-    if plan.prefetch:
-        raise ValueError("per-stage dp with prefetch > 0 is not supported (docs/vdp.md)")
     lanes = Lanes(plan.stage_dp)
     ops, comm = op_table(plan, cost), comm_table(plan, cost)
     stage = [lanes.of(lane)[0] for lane in range(len(lanes))]
-    sim = simulate(vdp_schedule(plan.stage_dp, plan.num_microbatches, plan.u_shape),
+    sim = simulate(vdp_schedule(plan.stage_dp, plan.num_microbatches, plan.u_shape,
+                                prefetch=plan.prefetch if plan.u_shape else 0),
                    duration=lambda a: ops[stage[a.stage]][a.op],
                    comm_time=lambda a: comm[(stage[a.stage], stage[a.peer])])
     busy = {i: max(sim.busy[ln] for ln in range(len(lanes)) if stage[ln] == i)

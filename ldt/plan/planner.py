@@ -138,10 +138,10 @@ def _try_vdp(best: Evaluation, cost: CostModel, inventory: Inventory, workload: 
             used[st.kind] = used.get(st.kind, 0) + st.tp * d
         if any(n > inventory.kind(kind).count for kind, n in used.items()):
             continue
-        cand = replace(plan, stages=stages, dp=dp, num_microbatches=m, stage_dp=stage_dp,
-                       prefetch=0)
+        cand = replace(plan, stages=stages, dp=dp, num_microbatches=m, stage_dp=stage_dp)
         ev = simulate_plan(cand, cost)
         ev, n = refine(ev, cost, opts.refine_sims, opts.refine_seconds / 2, edge_min)
+        ev = choose_prefetch(ev, cost)  # the depth for this plan's links and lanes
         sims += 1 + n
         if ev.fits and ev.iteration_time < best.iteration_time:
             note = (f"per-stage dp {list(stage_dp)}, TP {[st.tp for st in stages]} (the edge "

@@ -34,11 +34,12 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
 
 @functools.lru_cache(maxsize=64)
 def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
-                   forward_only: bool = False):
+                   forward_only: bool = False, prefetch: int = 0):
     """Per-stage DP: the checked lane lists (:mod:`ldt.schedule.vdp`)."""
     from ldt.schedule.vdp import vdp_schedule
 
-    return vdp_schedule(stage_dp, num_microbatches, u_shape, forward_only)
+    return vdp_schedule(stage_dp, num_microbatches, u_shape, forward_only,
+                        prefetch=prefetch if u_shape else 0)
 
 
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -55,7 +56,7 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
         from ldt.vdp_transport import LaneCommunicator, lane_of
 
         schedule = lane_schedules(tuple(topo.dp_sizes), num_microbatches, topo.u_shape,
-                                  forward_only)
+                                  forward_only, prefetch)
         lane = lane_of(state)
         actions, comm = schedule[lane], LaneCommunicator(comm, tuple(topo.dp_sizes))
         num_microbatches = len(schedule.microbatches[lane])

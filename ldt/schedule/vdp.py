@@ -56,21 +56,26 @@ def vdp_one_f_one_b(stage_dp: tuple[int, ...], m: int) -> LaneSchedule:
     return LaneSchedule(out, mbs)
 
 
-def vdp_u_shape(stage_dp: tuple[int, ...], m: int, backward_ratio: float = 2) -> LaneSchedule:
-    """U-shape, compute only: edge lanes (stage 0) run FS/FE/BS/BE, cloud lanes F/B."""
+def vdp_u_shape(stage_dp: tuple[int, ...], m: int, backward_ratio: float = 2,
+                prefetch: int = 0) -> LaneSchedule:
+    """U-shape, compute only: edge lanes (stage 0) run FS/FE/BS/BE, cloud lanes F/B.
+    ``prefetch``: as :func:`ldt.schedule.generate.u_shape`'s (d more warmup forwards per slow
+    edge link downstream, per uniform replica stood in for; merged with a latency of d)."""
     _check_args(stage_dp, m)
-    p = len(stage_dp)
+    p, d = len(stage_dp), prefetch
     _require(p >= 2, f"the U-shape needs P >= 2 stages (edge + cloud), got P={p}")
+    _require(isinstance(d, int) and d >= 0, f"prefetch must be an integer >= 0, got {d!r}")
     logical_dp = tuple(stage_dp) + (stage_dp[0],)  # logical stage P: the edge's end chunk
     dp_max = max(stage_dp)
     lanes, logical = Lanes(tuple(stage_dp)), Lanes(logical_dp)
     mbs = lane_microbatches(logical_dp, m)
     # warmups of the (P+1)-stage 1F1B (as generate.u_shape), per uniform replica stood in for
+    warmups = [p + 2 * d] + [p - s + d for s in range(1, p)] + [0]
     plan = {}
     for lane in range(len(logical)):
         s, _ = logical.of(lane)
-        plan[lane] = _lane_1f1b(lane, mbs[lane], (p - s) * (dp_max // logical_dp[s]))
-    played = _play(LaneSchedule(plan, mbs), logical, p + 1, Fraction(backward_ratio))
+        plan[lane] = _lane_1f1b(lane, mbs[lane], warmups[s] * (dp_max // logical_dp[s]))
+    played = _play(LaneSchedule(plan, mbs), logical, p + 1, Fraction(backward_ratio), d)
     out = {}
     for lane in range(len(lanes)):
         s, r = lanes.of(lane)
@@ -92,21 +97,32 @@ def vdp_u_shape(stage_dp: tuple[int, ...], m: int, backward_ratio: float = 2) ->
     return LaneSchedule(out, {lane: mbs[lane] for lane in range(len(lanes))})
 
 
-def _play(plan: LaneSchedule, logical: Lanes, num_stages: int, backward_ratio: Fraction) -> dict:
+def _play(plan: LaneSchedule, logical: Lanes, num_stages: int, backward_ratio: Fraction,
+          latency: int = 0) -> dict:
     from ldt.schedule.simulate import simulate
 
     backward = backward_ratio.numerator if backward_ratio.denominator == 1 else backward_ratio
+    p = num_stages - 1
+    slow = {(0, 1), (1, 0), (p - 1, p), (p, p - 1)}
+
+    def comm(send: Action) -> int:
+        pair = (logical.of(send.stage)[0], logical.of(send.peer)[0])
+        return latency if pair in slow else 0
+
     result = simulate(lower_lanes(plan, logical.stage_dp, "1f1b"),
-                      duration=lambda a: 1 if a.op is Op.F else backward)
+                      duration=lambda a: 1 if a.op is Op.F else backward, comm_time=comm)
     return {(e.stage, e.action.op, e.action.mb): e.start for e in result.events
             if e.action.is_compute}
 
 
-def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str) -> LaneSchedule:
+def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str,
+                prefetch: int = 0) -> LaneSchedule:
     """Add communication to a compute-only lane schedule (the rules of
-    :func:`ldt.schedule.generate.lower`, one receive outstanding per channel; a channel is a
-    pair of lanes and a direction)."""
+    :func:`ldt.schedule.generate.lower`; a channel is a pair of lanes and a direction): one
+    receive outstanding per channel, ``1 + 2 * prefetch`` on a U-shape's channels that touch
+    the edge (stage 0)."""
     lanes, p = Lanes(tuple(stage_dp)), len(stage_dp)
+    edge_ahead = 1 + 2 * prefetch if kind == "ushape" else 1
 
     def channel(lane: int, a: Action, which) -> tuple | None:
         stage = lanes.of(lane)[0]
@@ -125,7 +141,10 @@ def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str) ->
             if ch is not None:
                 incoming.setdefault(ch, []).append(a.mb)
         recv = {"F": Op.RECV_F, "B": Op.RECV_B}
-        lowered = [Action(lane, recv[ch[2]], mbs[0], ch[0]) for ch, mbs in incoming.items()]
+        ahead = {ch: edge_ahead if 0 in (lanes.of(ch[0])[0], lanes.of(ch[1])[0]) else 1
+                 for ch in incoming}
+        lowered = [Action(lane, recv[ch[2]], mb, ch[0])
+                   for ch, mbs in incoming.items() for mb in mbs[:ahead[ch]]]
         position = {ch: 0 for ch in incoming}
         for a in actions:
             ch = channel(lane, a, _input_channel)
@@ -133,8 +152,9 @@ def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str) ->
                 lowered.append(Action(lane, Op.WAIT_F if ch[2] == "F" else Op.WAIT_B, a.mb,
                                       ch[0]))
                 position[ch] += 1
-                if position[ch] < len(incoming[ch]):
-                    lowered.append(Action(lane, recv[ch[2]], incoming[ch][position[ch]], ch[0]))
+                later = position[ch] + ahead[ch] - 1
+                if later < len(incoming[ch]):
+                    lowered.append(Action(lane, recv[ch[2]], incoming[ch][later], ch[0]))
             lowered.append(a)
             ch = channel(lane, a, _output_channel)
             if ch is not None:
@@ -145,13 +165,17 @@ def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str) ->
 
 
 def vdp_schedule(stage_dp: tuple[int, ...], m: int, u_shape: bool,
-                 forward_only: bool = False, backward_ratio: float = 2) -> LaneSchedule:
-    """Generated, lowered and deadlock-checked lane lists (``m``: per uniform replica)."""
+                 forward_only: bool = False, backward_ratio: float = 2,
+                 prefetch: int = 0) -> LaneSchedule:
+    """Generated, lowered and deadlock-checked lane lists (``m``: per uniform replica;
+    ``prefetch``: the U-shape's depth)."""
     stage_dp = tuple(stage_dp)
-    compute = vdp_u_shape(stage_dp, m, backward_ratio) if u_shape else vdp_one_f_one_b(stage_dp, m)
+    _require(u_shape or not prefetch, f"prefetch={prefetch} is for the U-shape only")
+    compute = (vdp_u_shape(stage_dp, m, backward_ratio, prefetch) if u_shape
+               else vdp_one_f_one_b(stage_dp, m))
     if forward_only:
         compute = LaneSchedule(forwards_of(compute), compute.microbatches)
-    schedule = lower_lanes(compute, stage_dp, "ushape" if u_shape else "1f1b")
+    schedule = lower_lanes(compute, stage_dp, "ushape" if u_shape else "1f1b", prefetch)
     check_schedule(schedule)
     return schedule
 
