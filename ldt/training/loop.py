@@ -283,7 +283,8 @@ def reference_config(cfg: dict) -> dict:
     """The single-process reference of ``train.verify``: one stage, TP 1, the same global batch."""
     ref = json.loads(json.dumps(cfg))
     dp = int(cfg["cluster"].get("dp", 1))  # per-stage dp: the largest (docs/vdp.md)
-    dp = max([dp] + [int(st["dp"]) for st in cfg["cluster"]["stages"] if st.get("dp") is not None])
+    dp = max([dp] + [int(st["dp"]) for st in cfg["cluster"]["stages"]
+                     if st.get("dp") is not None])
     ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
                       "u_shape": False, "layout": None, "dp": 1}
     ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])

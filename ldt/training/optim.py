@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ldt.vdp_transport import counts_in_norm
+
 
 def allreduce_dp_grads(params: list[torch.nn.Parameter], state) -> None:
     """Average gradients over data-parallel replicas (one flat all-reduce); with per-stage DP
@@ -68,8 +70,6 @@ def global_grad_norm(params: list[torch.nn.Parameter], state) -> float:
     if tp > 1:
         dist.all_reduce(sharded, group=state.tp_group)
     stage_sq = (sharded + replicated).reshape(1)
-    from ldt.vdp_transport import counts_in_norm
-
     if not counts_in_norm(state):  # per-stage DP: one group of every replica's leaders
         stage_sq.zero_()
     if state.topology.num_stages > 1:
