@@ -46,6 +46,10 @@ class StageConfig:
     """Device type of every rank of this stage: ``cuda``, ``npu`` or ``cpu``."""
     tp: int = 1
     """Tensor-parallel size of this stage (VTP: each stage has its own)."""
+    dp: Optional[int] = None
+    """Data-parallel replicas of this stage (VDP: each stage its own); None: ``cluster.dp``.
+    At every boundary one side's dp must divide the other's; the global batch is that of
+    uniform DP with dp = the largest stage dp (docs/vdp.md)."""
 
 
 @dataclass
@@ -57,7 +61,7 @@ class ClusterConfig:
     layout: Optional[str] = None
     """Megatron layout string (``E``, ``t``, ``L``, ``|``, ``*n``); None splits layers evenly."""
     dp: int = 1
-    """Data-parallel replicas of the whole pipeline."""
+    """Data-parallel replicas of the whole pipeline (the default of every stage's ``dp``)."""
     host_staging: str = "auto"
     """Boundary transport: ``auto`` (host-staged gloo only where device types differ) or
     ``always`` (force copy-to-host + gloo on every boundary; used to test that path on CPU)."""

@@ -180,8 +180,8 @@ class VtpCommunicator(P2PCommunicator):
         self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
         self.next_stage = topo.next_stage(state.stage)
         self.prev_stage = topo.prev_stage(state.stage)
-        self.next_rank = topo.leader(self.next_stage, state.info.dp_rank)
-        self.prev_rank = topo.leader(self.prev_stage, state.info.dp_rank)
+        leaders = topo.leaders(state.info.dp_rank)  # per-stage DP: replica d of the uniform run
+        self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
         self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
         self.observers = list(observers or [])
         # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
@@ -213,15 +213,19 @@ class VtpCommunicator(P2PCommunicator):
         return recv_prev_tensor, recv_next_tensor, handles
 
     # ---- leader transport --------------------------------------------------------------------
-    def send(self, tensor: torch.Tensor, peer_stage: int, direction: str) -> Optional[_SendWork]:
+    def send(self, tensor: torch.Tensor, peer_stage: int, direction: str,
+             peer_replica: Optional[int] = None) -> Optional[_SendWork]:
         """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader.
-        Every rank of the stage calls it: a sequence-parallel stage gathers on the leader."""
+        Every rank of the stage calls it: a sequence-parallel stage gathers on the leader.
+        ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
         whole = self.layout.gather(tensor, self.state.tp_group, self.state.stage_ranks[0],
                                    self.state.is_leader)
         if not self.state.is_leader:
             return None
         src, dst = self.state.stage, peer_stage
-        plan, group = self._boundary(src, dst, direction)
+        mine = self.state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        plan, group = self._boundary(src, dst, direction, (mine, peer))
         payload = whole.detach()
         for transform in self.send_transforms:
             payload = transform(payload, src, dst, direction)
@@ -230,7 +234,7 @@ class VtpCommunicator(P2PCommunicator):
         payload = payload.contiguous()
         for obs in self.observers:
             obs.on_send(src, dst, direction, payload)
-        dst_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
+        dst_rank = self.state.topology.leader(peer_stage, peer)
         what = self._describe("send", src, dst, direction, dst_rank)
         works, keep = [], [payload]
         try:
@@ -243,20 +247,25 @@ class VtpCommunicator(P2PCommunicator):
             raise _boundary_error(what, time.monotonic(), exc) from exc
         return _SendWork(works, keep, what)
 
-    def recv(self, shape, peer_stage: int, direction: str) -> tuple[torch.Tensor, _VTPRecvWork]:
+    def recv(self, shape, peer_stage: int, direction: str,
+             peer_replica: Optional[int] = None) -> tuple[torch.Tensor, _VTPRecvWork]:
         """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``.
         ``shape``: this rank's, as megatron's schedules give it (the sequence slice on a
-        sequence-parallel stage); with variable_seq_lengths the peer's message says it."""
+        sequence-parallel stage); with variable_seq_lengths the peer's message says it.
+        ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
         if shape is None:
             raise RuntimeError("tensor_shape must be given to receive at a VTP boundary")
         dtype = self.config.pipeline_dtype
         if dtype is None:
             raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
         works, staged, delay_s, full = [], None, 0.0, None
-        src_rank = self.state.topology.leader(peer_stage, self.state.info.dp_rank)
+        mine = self.state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        src_rank = self.state.topology.leader(peer_stage, peer)
         what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
         leader, layout = self.state.is_leader, self.layout
-        plan, group = self._boundary(peer_stage, self.state.stage, direction) if leader else (None, None)
+        plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
+                       if leader else (None, None))
         whole_shape = layout.full_shape(shape)
         if layout.variable_seq_lengths:
             try:
@@ -292,9 +301,13 @@ class VtpCommunicator(P2PCommunicator):
             on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
             layout=layout, full=full)
 
-    def _boundary(self, src: int, dst: int, direction: str):
-        """Activations travel along a boundary's arrow (src -> dst), gradients against it."""
+    def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
+        """Activations travel along a boundary's arrow (src -> dst), gradients against it.
+        ``replicas``: the message's (source, destination) replicas; with per-stage DP every
+        routed replica pair of a boundary has its own group (ldt.vdp_transport)."""
         key = (src, dst) if direction == FORWARD else (dst, src)
+        if self.state.topology.is_vdp:
+            key += replicas if direction == FORWARD else replicas[::-1]
         return self.state.boundary_groups[key]
 
     def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int) -> str:

@@ -139,9 +139,10 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
     world, rank = dist.get_world_size(), dist.get_rank()
     if world != topology.world_size:
         raise ConfigError(
-            f"world size is {world} but cluster needs dp * sum(tp) = {topology.dp} * "
-            f"{topology.replica_size} = {topology.world_size} (tp per stage {topology.tp_sizes}); "
-            "launch that many processes or change cluster.stages[*].tp / cluster.dp"
+            f"world size is {world} but cluster needs sum over stages of tp * dp = "
+            f"{topology.world_size} (tp per stage {topology.tp_sizes}, dp per stage "
+            f"{topology.dp_sizes}); launch that many processes or change "
+            "cluster.stages[*].tp / cluster.stages[*].dp / cluster.dp"
         )
     emb_stages = _check_stages(topology, embedding_stages, default_embedding_stages(topology),
                                "embedding")
@@ -169,6 +170,8 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
     owned.append(mine["cp"])
     for d in range(topology.dp):  # TP groups
         for s in topology.stages:
+            if d >= topology.dp_of(s.index):  # per-stage DP: this stage has fewer replicas
+                continue
             g = new_group(topology.stage_ranks(s.index, d), backend_for(s.device))
             if g is not None:
                 mine["tp"] = g
@@ -180,12 +183,18 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
             g_gloo = g if backend == "gloo" else new_group(ranks, "gloo")
             if g is not None:
                 mine["dp"], mine["dp_gloo"] = g, g_gloo
-        tp_dp = [r for d in range(topology.dp) for r in topology.stage_ranks(s.index, d)]
-        g = new_group(tp_dp, backend) if topology.dp > 1 else None
+        stage_dp = topology.dp_of(s.index)
+        tp_dp = [r for d in range(stage_dp) for r in topology.stage_ranks(s.index, d)]
+        g = new_group(tp_dp, backend) if stage_dp > 1 else None
         if g is not None:
             mine["tp_dp"] = g
     boundary_groups: dict = {}
-    for d in range(topology.dp):  # leaders: all-leader gloo group, one group per boundary
+    if topology.is_vdp:  # per-stage DP: its own leader and boundary groups
+        from ldt.vdp_transport import vdp_leader_groups
+
+        vdp_leader_groups(topology, new_group, mine, boundary_groups)
+    for d in range(0 if topology.is_vdp else topology.dp):  # leaders: all-leader gloo group,
+        # one group per boundary
         g = new_group(topology.leaders(d), "gloo")
         if g is not None:
             mine["leaders"] = g
@@ -239,9 +248,12 @@ def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_gr
         out["python_groups"].append(group)
         return group
 
+    # Per-stage DP: megatron's cross-stage groups see replica d of the uniform run (leaders(d))
+    # and have no leaders' leg: ldt's loop does its cross-stage reductions itself (docs/vdp.md)
+    leader_group = None if topology.is_vdp else mine.get("leaders")
     out["pp_group"] = pp = StagePipelineGroup(
         info.stage, topology.num_stages, leaders, me=rank, tp_group=mine["tp"],
-        leader_group=mine.get("leaders"), name=f"ldt_pp_{d}")
+        leader_group=leader_group, name=f"ldt_pp_{d}")
     keep(pp, pp.members(), pp.group_name_)
 
     def view(stages):  # one member per stage: this rank for its own stage, else the leader
@@ -260,11 +272,12 @@ def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_gr
                                          f"ldt_pos_embd_{d}")
     out["position_embedding_ranks"] = view(pos_stages)
 
-    replica = [r for s in range(topology.num_stages) for r in topology.stage_ranks(s, d)]
-    roots = {r: topology.leader(topology.rank_info(r).stage, d) for r in replica}
+    replica = [r for s in range(topology.num_stages)
+               for r in topology.stage_ranks(s, d % topology.dp_of(s))]
+    roots = {r: leaders[topology.rank_info(r).stage] for r in replica}
     out["replica_group"] = keep(StageHierarchyGroup(
         f"ldt_mp_{d}", replica, rank, stage_group=mine["tp"], stage_root=leaders[info.stage],
-        leader_group=mine.get("leaders"), stage_roots=roots), replica, f"ldt_mp_{d}")
+        leader_group=leader_group, stage_roots=roots), replica, f"ldt_mp_{d}")
     if topology.dp == 1:
         out["dist_opt_group"] = out["replica_group"]
     else:  # every replica: reduce over the stage's TP x DP ranks, replica 0's leaders cross
@@ -272,7 +285,7 @@ def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_gr
         roots = {r: topology.leader(topology.rank_info(r).stage, 0) for r in world}
         out["dist_opt_group"] = keep(StageHierarchyGroup(
             "ldt_dist_opt", world, rank, stage_group=tp_dp_group, stage_root=roots[rank],
-            leader_group=mine.get("leaders") if d == 0 else None, stage_roots=roots),
+            leader_group=leader_group if d == 0 else None, stage_roots=roots),
             world, "ldt_dist_opt")
     return out
 

@@ -4,7 +4,10 @@ Ranks are contiguous per stage and the data-parallel replica is outermost::
 
     rank = dp_rank * replica_size + stage_offset[stage] + tp_rank
 
-where ``replica_size = sum(stage tp)``. The first rank of a stage (TP rank 0) is its *leader*:
+where ``replica_size = sum(stage tp)``. With per-stage DP (VDP: stage ``s`` has ``dp_s``
+replicas, ``dp = max dp_s``) the same order holds with the missing replicas left out: replica
+``d`` of every stage with ``dp_s > d``, in stage order, for ``d = 0 .. dp-1`` (so a uniform
+cluster keeps the formula above). World size = sum over stages of tp * dp_s. The first rank of a stage (TP rank 0) is its *leader*:
 the only rank that talks to neighbouring stages. Everything else (parallel state, p2p, the
 trainer) asks this object instead of recomputing the layout.
 
@@ -50,6 +53,9 @@ class Topology:
     force_host_staging: bool = False
     link_delay_ms: tuple[float, ...] = ()
     """Emulated delay per boundary, in :meth:`boundaries` order (empty: none)."""
+    stage_dp: tuple[int, ...] = ()
+    """Per-stage DP sizes when they differ (VDP); empty: every stage has ``dp`` replicas.
+    ``dp`` is then the largest of them (the uniform-DP run with the same global batch)."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -69,10 +75,49 @@ class Topology:
                 "cluster.u_shape=true needs at least 2 stages (an edge and a cloud stage), "
                 f"got {len(self.stages)}; add a stage or set cluster.u_shape=false"
             )
+        if self.stage_dp:
+            self._check_stage_dp()
         if self.split is not None and self.split.num_stages != len(self.stages):
             raise ConfigError(
                 f"layer split is for {self.split.num_stages} stages, cluster has {len(self.stages)}"
             )
+
+    def _check_stage_dp(self) -> None:
+        """Per-stage DP: every size >= 1, dp = the largest, and at every boundary that carries
+        activations one side's size divides the other's (a replica then talks to one replica,
+        or to a fixed set of them, on the other side: ldt.schedule.routing)."""
+        if len(self.stage_dp) != len(self.stages):
+            raise ConfigError(f"{len(self.stage_dp)} stage dp sizes for {len(self.stages)} stages")
+        for s, d in zip(self.stages, self.stage_dp):
+            if d < 1:
+                raise ConfigError(f"cluster.stages[{s.index}].dp={d} ({s.name}) must be >= 1")
+        if self.dp != max(self.stage_dp):
+            raise ConfigError(f"dp={self.dp} must be the largest stage dp, {max(self.stage_dp)}")
+        for a, b in self.activation_boundaries():
+            da, db = self.stage_dp[a], self.stage_dp[b]
+            if da % db and db % da:
+                sa, sb = self.stages[a], self.stages[b]
+                fix_b = sorted({d for d in (1, da, 2 * da) if da % d == 0 or d % da == 0}
+                               | {x for x in range(1, da + 1) if da % x == 0})
+                raise ConfigError(
+                    f"cluster.stages[{a}].dp={da} ({sa.name}) and cluster.stages[{b}].dp={db} "
+                    f"({sb.name}) share the boundary {a}->{b}, where one side's dp must divide "
+                    f"the other's (each replica then serves a fixed set of replicas across it); "
+                    f"set cluster.stages[{b}].dp to one of {fix_b[:6]}, or change "
+                    f"cluster.stages[{a}].dp")
+        for s, d in zip(self.stages, self.stage_dp):
+            if self.dp % d:
+                ok = [x for x in range(1, self.dp + 1) if self.dp % x == 0]
+                raise ConfigError(
+                    f"cluster.stages[{s.index}].dp={d} ({s.name}) does not divide the largest "
+                    f"stage dp, {self.dp}: a step runs {self.dp} x train.num_microbatches "
+                    f"micro-batches, shared evenly by each stage's replicas; use one of {ok}")
+
+    def activation_boundaries(self) -> list[tuple[int, int]]:
+        """The stage pairs ``(s, s+1)`` activations cross; with a U-shape also ``(P-1, 0)``."""
+        n = self.num_stages
+        pairs = [(i, i + 1) for i in range(n - 1)]
+        return pairs + [(n - 1, 0)] if self.u_shape and n > 1 else pairs
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -86,10 +131,16 @@ class Topology:
         stages = tuple(
             Stage(i, s.name, s.device, int(s.tp)) for i, s in enumerate(cluster.stages)
         )
-        topo = cls(stages, dp=int(cluster.dp), u_shape=bool(cluster.u_shape),
+        if int(cluster.dp) < 1:
+            raise ConfigError(f"cluster.dp={cluster.dp} must be >= 1; set cluster.dp=1 for one "
+                              "replica")
+        dps = tuple(int(cluster.dp if s.dp is None else s.dp) for s in cluster.stages)
+        stage_dp = dps if len(set(dps)) > 1 else ()
+        topo = cls(stages, dp=max(dps, default=int(cluster.dp)), u_shape=bool(cluster.u_shape),
                    force_host_staging=cluster.host_staging == "always",
                    link_delay_ms=_link_delays(cluster.link_delay_ms, len(stages),
-                                              bool(cluster.u_shape)))
+                                              bool(cluster.u_shape)),
+                   stage_dp=stage_dp)
         if model is None:
             return topo
         from ldt.layout import split_layers
@@ -97,7 +148,7 @@ class Topology:
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
                              layout=cluster.layout, min_chunk_layers=1)
         return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging,
-                   topo.link_delay_ms)
+                   topo.link_delay_ms, stage_dp)
 
     # ---- sizes ----------------------------------------------------------------------------
     @property
@@ -115,42 +166,62 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.replica_size
+        return sum(s.tp * self.dp_of(s.index) for s in self.stages)
+
+    @property
+    def is_vdp(self) -> bool:
+        """Stages have different numbers of replicas (VDP)."""
+        return bool(self.stage_dp)
+
+    def dp_of(self, stage: int) -> int:
+        """Data-parallel replicas of one stage."""
+        return self.stage_dp[stage] if self.stage_dp else self.dp
+
+    @property
+    def dp_sizes(self) -> list[int]:
+        return [self.dp_of(s) for s in range(self.num_stages)]
 
     @cached_property
-    def _offsets(self) -> tuple[int, ...]:
-        out, acc = [], 0
-        for s in self.stages:
-            out.append(acc)
-            acc += s.tp
-        return tuple(out)
+    def _first_ranks(self) -> dict[tuple[int, int], int]:
+        """(stage, dp rank) -> the first global rank of that stage replica (module docstring)."""
+        out, acc = {}, 0
+        for d in range(self.dp):
+            for s in self.stages:
+                if d < self.dp_of(s.index):
+                    out[(s.index, d)] = acc
+                    acc += s.tp
+        return out
+
+    @cached_property
+    def _rank_infos(self) -> tuple[RankInfo, ...]:
+        infos = []
+        for (stage, d), first in sorted(self._first_ranks.items(), key=lambda kv: kv[1]):
+            st = self.stages[stage]
+            infos += [RankInfo(first + t, stage, t, d, t == 0, st.device) for t in range(st.tp)]
+        return tuple(infos)
 
     # ---- questions by rank / stage --------------------------------------------------------
     def stage_ranks(self, stage: int, dp_rank: int = 0) -> tuple[int, ...]:
         """Global ranks of one stage in one replica, TP rank order (the stage's TP group)."""
-        start = dp_rank * self.replica_size + self._offsets[stage]
+        start = self._first_ranks[(stage, dp_rank)]
         return tuple(range(start, start + self.stages[stage].tp))
 
     def leader(self, stage: int, dp_rank: int = 0) -> int:
         return self.stage_ranks(stage, dp_rank)[0]
 
     def leaders(self, dp_rank: int = 0) -> tuple[int, ...]:
-        """Leaders of every stage of one replica, in pipeline order."""
-        return tuple(self.leader(s, dp_rank) for s in range(self.num_stages))
+        """Leaders of every stage of one replica, in pipeline order. With per-stage DP,
+        replica ``dp_rank`` of the uniform-DP run: stage ``s``'s replica ``dp_rank % dp_s``."""
+        return tuple(self.leader(s, dp_rank % self.dp_of(s)) for s in range(self.num_stages))
 
     def dp_ranks(self, stage: int, tp_rank: int) -> tuple[int, ...]:
         """The same (stage, TP rank) position in every replica: one data-parallel group."""
-        return tuple(self.stage_ranks(stage, d)[tp_rank] for d in range(self.dp))
+        return tuple(self.stage_ranks(stage, d)[tp_rank] for d in range(self.dp_of(stage)))
 
     def rank_info(self, rank: int) -> RankInfo:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        dp_rank, local = divmod(rank, self.replica_size)
-        for s in reversed(self.stages):
-            if local >= self._offsets[s.index]:
-                tp_rank = local - self._offsets[s.index]
-                return RankInfo(rank, s.index, tp_rank, dp_rank, tp_rank == 0, s.device)
-        raise AssertionError("unreachable")
+        return self._rank_infos[rank]
 
     def next_stage(self, stage: int) -> int:
         """The stage activations go to (wraps last -> first: the U-shape's return path)."""
@@ -199,13 +270,14 @@ class Topology:
             st = self.stages[info.stage]
             layers = self.split.describe(info.stage) if self.split is not None else "?"
             rows.append((str(r), f"{st.index}:{st.name}", st.device,
-                         f"{info.tp_rank}/{st.tp}", f"{info.dp_rank}/{self.dp}",
+                         f"{info.tp_rank}/{st.tp}", f"{info.dp_rank}/{self.dp_of(st.index)}",
                          "*" if info.is_leader else "", layers))
         widths = [max(len(row[c]) for row in rows) for c in range(len(head))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         kind = "U-shape (stage 0 = edge: first and last layers, loss)" if self.u_shape else "pipeline"
-        title = (f"ldt topology: {self.num_stages} stages, TP {self.tp_sizes}, dp {self.dp}, "
+        dp = f"dp per stage {self.dp_sizes} (VDP)" if self.is_vdp else f"dp {self.dp}"
+        title = (f"ldt topology: {self.num_stages} stages, TP {self.tp_sizes}, {dp}, "
                  f"world {self.world_size}, {kind}")
         links = ", ".join(f"{b.src_stage}->{b.dst_stage}:{b.transport.value}"
                           + (f"+{b.delay_ms:g}ms delay" if b.delay_ms else "")

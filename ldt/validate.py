@@ -23,9 +23,9 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
     topo = Topology.from_config(cluster, model)  # structure + layout vs model
     if world_size is not None and world_size != topo.world_size:
         raise ConfigError(
-            f"world size is {world_size} but cluster needs dp * sum(tp) = {topo.dp} * "
-            f"{topo.replica_size} = {topo.world_size} (tp per stage {topo.tp_sizes}); "
-            f"launch {topo.world_size} processes or change cluster.stages[*].tp / cluster.dp"
+            f"world size is {world_size} but cluster needs {_world_formula(topo)}; "
+            f"launch {topo.world_size} processes or change cluster.stages[*].tp / "
+            "cluster.stages[*].dp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
     if check_devices:
@@ -34,10 +34,20 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
 
     for s in topo.stages:
         transformer_impl(model, s.device)
+    if topo.is_vdp:
+        _check_vdp(topo, model, to_train(train) if train is not None else None)
     if train is not None:
         _check_train(topo, to_train(train))
         _check_checkpoint(to_train(train), model)
     return topo
+
+
+def _world_formula(topo: Topology) -> str:
+    if topo.is_vdp:
+        terms = " + ".join(f"{s.tp}*{d}" for s, d in zip(topo.stages, topo.dp_sizes))
+        return f"sum(tp * dp) over stages = {terms} = {topo.world_size}"
+    return (f"dp * sum(tp) = {topo.dp} * {topo.replica_size} = {topo.world_size} (tp per "
+            f"stage {topo.tp_sizes})")
 
 
 def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) -> list[str]:
@@ -160,6 +170,27 @@ def _interleaved_example(topo: Topology) -> str:
     text = "E" + text + "L"
     split_layers(n, topo.num_stages, layout=text)  # the example must itself be valid
     return text
+
+
+def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig]) -> None:
+    """Per-stage DP runs on ldt's runtime over lane schedules (ldt.schedule.vdp)."""
+    sizes = f"cluster.stages[*].dp = {topo.dp_sizes}"
+    if model.tie_embeddings and not topo.u_shape and topo.num_stages > 1:
+        raise ConfigError(
+            f"model.tie_embeddings=true on a plain pipeline with per-stage dp ({sizes}): the "
+            "embedding and the head sit on stages with their own replicas and ldt does not "
+            "sum the tied gradient across them yet; set model.tie_embeddings=false, use "
+            "cluster.u_shape=true (embedding and head both on the edge), or one dp for all")
+    if train is None:
+        return
+    if train.runtime == "megatron":
+        raise ConfigError(
+            f"train.runtime=megatron with per-stage dp ({sizes}): megatron's schedules pair "
+            "each stage with one neighbour; set train.runtime=auto or ldt (ldt's runtime runs "
+            "the fan-in / fan-out), or give every stage the same dp")
+    if train.schedule == "interleaved":
+        raise ConfigError(f"train.schedule=interleaved with per-stage dp ({sizes}); use "
+                          "train.schedule=auto or 1f1b, or give every stage the same dp")
 
 
 def _check_train(topo: Topology, train: TrainConfig) -> None:

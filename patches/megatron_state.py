@@ -31,7 +31,8 @@ def install(state) -> None:
     topo, info = state.topology, state.info
     tp_ranks = list(state.stage_ranks)
     dp_ranks = list(topo.dp_ranks(info.stage, info.tp_rank))
-    replica = [r for s in range(topo.num_stages) for r in topo.stage_ranks(s, info.dp_rank)]
+    replica = [r for s in range(topo.num_stages)  # per-stage DP: replica d of the uniform run
+               for r in topo.stage_ranks(s, info.dp_rank % topo.dp_of(s))]
 
     _set("_TENSOR_MODEL_PARALLEL_GROUP", state.tp_group)
     _set("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", tp_ranks)

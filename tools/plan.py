@@ -79,13 +79,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         out = summary(result.best, inventory)
         out.update(plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
-                   plans_split=result.plans_split, simulations=result.simulations)
+                   plans_split=result.plans_split, simulations=result.simulations,
+                   notes=result.notes)
         print(json.dumps(out, indent=2))
     else:
         print(table(result.best))
         print(f"planned in {result.seconds:.2f} s ({result.stage_sets_scored} stage sets scored, "
               f"{result.plans_split} splits, {result.simulations} simulations)"
               + (f"; wrote {', '.join(written)}" if written else ""))
+        for note in result.notes:
+            print(note)
         if written:
             print(_how_to_train(written, model.name, result.best.plan, args.mbs))
     return 0

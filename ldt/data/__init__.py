@@ -16,11 +16,24 @@ def build_training_data(c, topo, state):
     if c.data.blend is not None:
         from ldt.data.indexed import build_indexed
 
-        return build_indexed(c.data, c.model, c.train, topo, state)
+        return _per_lane(build_indexed(c.data, c.model, c.train, topo, state), c, topo, state)
     if not owns:
         return None
     from ldt.data.bytes import TextData
 
-    return TextData(c.data.path, c.model.seq_length, c.train.micro_batch_size,
-                    c.train.num_microbatches, dp_rank=state.info.dp_rank, dp=topo.dp,
-                    seed=c.train.seed, max_bytes=c.data.max_bytes, vocab_size=c.model.vocab_size)
+    return _per_lane(TextData(c.data.path, c.model.seq_length, c.train.micro_batch_size,
+                              c.train.num_microbatches, dp_rank=state.info.dp_rank, dp=topo.dp,
+                              seed=c.train.seed, max_bytes=c.data.max_bytes,
+                              vocab_size=c.model.vocab_size), c, topo, state)
+
+
+def _per_lane(data, c, topo, state):
+    """Per-stage DP: this replica's micro-batches as routing gives them (ldt.vdp_transport)."""
+    if data is None or not topo.is_vdp:
+        return data
+    from ldt.schedule.routing import microbatches_of
+    from ldt.vdp_transport import LaneData
+
+    mbs = microbatches_of(state.info.dp_rank, topo.dp_of(state.stage),
+                          c.train.num_microbatches, topo.dp)
+    return LaneData(data, mbs, topo.dp)

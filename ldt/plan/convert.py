@@ -62,7 +62,9 @@ def cluster_to_plan(cluster, model: ModelConfig, inventory: Inventory, num_micro
     layers = tuple(c.num_layers for c in split.model_order)
     names = stage_kinds(cluster, inventory, kinds)
     stages = tuple(StageSpec(k, int(s.tp)) for k, s in zip(names, cluster.stages))
-    return Plan(stages, layers, bool(cluster.u_shape), int(cluster.dp), num_microbatches)
+    dps = tuple(int(cluster.dp if s.dp is None else s.dp) for s in cluster.stages)
+    return Plan(stages, layers, bool(cluster.u_shape), max(dps), num_microbatches,
+                stage_dp=dps if len(set(dps)) > 1 else ())
 
 
 def export_timeline(ev: Evaluation, trace: Optional[str] = None, png: Optional[str] = None,

@@ -35,10 +35,16 @@ class Plan:
     num_microbatches: int
     prefetch: int = 0
     """U-shape only: the schedule's prefetch depth (``train.prefetch``)."""
+    stage_dp: tuple[int, ...] = ()
+    """Per-stage DP (VDP, docs/vdp.md): replicas of each stage, ``dp`` = the largest; empty:
+    every stage has ``dp``. ``num_microbatches`` stays per uniform replica."""
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    def dp_of(self, stage: int) -> int:
+        return self.stage_dp[stage] if self.stage_dp else self.dp
 
     def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None) -> list[ChunkLoad]:
         """The chunks a stage holds; ``inflight`` overrides the closed-form in-flight counts
@@ -75,7 +81,8 @@ class Plan:
     def describe(self) -> str:
         st = " ".join(f"{s.kind}/tp{s.tp}" for s in self.stages)
         extra = f" prefetch={self.prefetch}" if self.prefetch else ""
-        return f"dp={self.dp} m={self.num_microbatches}{extra} [{st}] layout={self.layout()}"
+        dp = f"dp={list(self.stage_dp)}" if self.stage_dp else f"dp={self.dp}"
+        return f"{dp} m={self.num_microbatches}{extra} [{st}] layout={self.layout()}"
 
 @dataclass
 class StageReport:
@@ -159,9 +166,9 @@ def dp_allreduce(plan: Plan, cost: CostModel) -> float:
     if plan.dp <= 1:
         return 0.0
     shares = cost.model.tie_embeddings
-    return max(cost.dp_allreduce_time(st.kind, sum(cost.chunk_params(st.tp, c, shares and i == 0)
-                                                   for c in plan.stage_chunks(i)), plan.dp)
-               for i, st in enumerate(plan.stages))
+    return max((cost.dp_allreduce_time(st.kind, sum(cost.chunk_params(st.tp, c, shares and i == 0)
+                                                    for c in plan.stage_chunks(i)), plan.dp_of(i))
+                for i, st in enumerate(plan.stages) if plan.dp_of(i) > 1), default=0.0)
 
 def closed_form(plan: Plan, cost: CostModel) -> float:
     """1F1B estimate: fill + drain through every (logical) stage, then (m-1) bottleneck cycles."""
@@ -174,11 +181,40 @@ def closed_form(plan: Plan, cost: CostModel) -> float:
 
 def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     """Simulate one iteration; memory uses the simulator's peak in-flight micro-batches."""
+    if plan.stage_dp:
+        return _simulate_vdp(plan, cost)
     sim = simulate_times(op_table(plan, cost), comm_table(plan, cost), plan.num_microbatches,
                          plan.u_shape, plan.prefetch if plan.u_shape else 0)
     inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
                 else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
     return _evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
+
+def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
+    """Per-stage DP: the lane schedule the runtime runs (ldt.schedule.vdp), every lane priced
+    as its stage; a stage's busy time and in-flight peak are its busiest lane's."""
+    from ldt.schedule.routing import Lanes
+    from ldt.schedule.vdp import vdp_schedule
+
+    lanes = Lanes(plan.stage_dp)
+    ops, comm = op_table(plan, cost), comm_table(plan, cost)
+    stage = [lanes.of(lane)[0] for lane in range(len(lanes))]
+    sim = simulate(vdp_schedule(plan.stage_dp, plan.num_microbatches, plan.u_shape,
+                                prefetch=plan.prefetch if plan.u_shape else 0),
+                   duration=lambda a: ops[stage[a.stage]][a.op],
+                   comm_time=lambda a: comm[(stage[a.stage], stage[a.peer])])
+    busy = {i: max(sim.busy[ln] for ln in range(len(lanes)) if stage[ln] == i)
+            for i in range(plan.num_stages)}
+    inflight = {}
+    for i in range(plan.num_stages):
+        mine = [ln for ln in range(len(lanes)) if stage[ln] == i]
+        peak = max(sim.peak_inflight[ln] for ln in mine)
+        inflight[i] = ((peak, max(sim.peak_inflight_end[ln] for ln in mine))
+                       if plan.u_shape and i == 0 else (peak,))
+    devices = sum(plan.dp_of(i) for i in range(plan.num_stages))
+    work = sum(sim.busy.values())
+    bubble = 1 - work / (devices * sim.iteration_time) if sim.iteration_time else 0
+    return _evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
+
 
 def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     """Closed-form evaluation (no simulation); busy = m * (fwd + bwd)."""

@@ -104,7 +104,52 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
         if ev.fits and ev.iteration_time < best.iteration_time:
             best = ev
     best = choose_prefetch(best, cost)  # U-shape: hide the edge links' latency if it pays
-    return PlanResult(best, ranked, len(sets), used, sims, time.perf_counter() - t0)
+    notes = []
+    if ushape:  # per-stage DP: more cloud replicas behind the same edge, if devices allow
+        best, n, note = _try_vdp(best, cost, inventory, workload, opts, edge_min)
+        sims += n
+        notes += [note] if note else []
+    return PlanResult(best, ranked, len(sets), used, sims, time.perf_counter() - t0,
+                      notes=notes)
+
+
+def _try_vdp(best: Evaluation, cost: CostModel, inventory: Inventory, workload: Workload,
+             opts: PlannerOptions, edge_min: int) -> tuple[Evaluation, int, str]:
+    """Step 6 (U-shape): keep the edge's replicas, give the cloud stages k = 2, 4 times as many
+    (docs/vdp.md), with the same TP (more devices) or TP / k (the same devices), same global
+    batch; take it when it fits the inventory and the memory and the simulator (the lane
+    schedule, refined) finds it faster."""
+    plan, sims, note = best.plan, 0, ""
+    edge_dp = plan.dp_of(0)
+    heads = cost.model.num_query_groups or cost.model.num_attention_heads
+    for k, shrink in ((2, False), (2, True), (4, False), (4, True)):
+        dp = edge_dp * k
+        if workload.global_batch_size % (dp * workload.micro_batch_size):
+            continue
+        m = workload.global_batch_size // (dp * workload.micro_batch_size)
+        stage_dp = (edge_dp,) + (dp,) * (plan.num_stages - 1)
+        stages = plan.stages
+        if shrink:
+            if any(st.tp % k or heads % (st.tp // k) for st in stages[1:]):
+                continue
+            stages = stages[:1] + tuple(replace(st, tp=st.tp // k) for st in stages[1:])
+        used: dict[str, int] = {}
+        for st, d in zip(stages, stage_dp):
+            used[st.kind] = used.get(st.kind, 0) + st.tp * d
+        if any(n > inventory.kind(kind).count for kind, n in used.items()):
+            continue
+        cand = replace(plan, stages=stages, dp=dp, num_microbatches=m, stage_dp=stage_dp)
+        ev = simulate_plan(cand, cost)
+        ev, n = refine(ev, cost, opts.refine_sims, opts.refine_seconds / 2, edge_min)
+        ev = choose_prefetch(ev, cost)  # the depth for this plan's links and lanes
+        sims += 1 + n
+        if ev.fits and ev.iteration_time < best.iteration_time:
+            note = (f"per-stage dp {list(stage_dp)}, TP {[st.tp for st in stages]} (the edge "
+                    f"serves {k} cloud replicas) beats "
+                    f"uniform dp {plan.dp}: {ev.iteration_time * 1e3:.2f} ms vs "
+                    f"{best.iteration_time * 1e3:.2f} ms")
+            best = ev
+    return best, sims, note
 
 
 def _split_best_sets(sets, cost: CostModel, ushape: bool, num_layers: int, wanted: int,

@@ -20,8 +20,9 @@ def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
     """The ClusterConfig fields of a plan (stages, u_shape, layout, dp)."""
     names = plan.stage_names()
     return {
-        "stages": [{"name": n, "device": inventory.kind(s.kind).device, "tp": s.tp}
-                   for n, s in zip(names, plan.stages)],
+        "stages": [{"name": n, "device": inventory.kind(s.kind).device, "tp": s.tp,
+                    **({"dp": plan.dp_of(i)} if plan.stage_dp else {})}
+                   for i, (n, s) in enumerate(zip(names, plan.stages))],
         "u_shape": plan.u_shape,
         "layout": plan.layout(),
         "dp": plan.dp,
@@ -105,7 +106,8 @@ def table(ev: Evaluation) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     p = ev.plan
     lines.append(
-        f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, dp={p.dp}, "
+        f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, "
+        + (f"dp per stage {list(p.stage_dp)} (VDP), " if p.stage_dp else f"dp={p.dp}, ") +
         f"m={p.num_microbatches}, " + (f"prefetch {p.prefetch}, " if p.prefetch else "")
         + f"layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
         f"(pipeline {ev.pipeline_time * 1e3:.2f} + dp all-reduce {ev.dp_allreduce_time * 1e3:.2f}), "

@@ -90,11 +90,19 @@ def _check_compute(schedule: Schedule, stage: int, training: bool) -> None:
                          f"stage {stage} runs {action} at #{index} before {before}; "
                          f"per micro-batch the order must be {'<'.join(o.value for o in required)}")
         seen[key] = index
-    for mb in range(num_microbatches(schedule)):
+    expected = getattr(schedule, "microbatches", None)  # a LaneSchedule: the lane's own
+    extra = {mb for mb, _ in seen} - set(expected[stage]) if expected is not None else set()
+    if extra:
+        raise _error(schedule, None, f"lane {stage} runs micro-batches {sorted(extra)} that "
+                     f"routing gives to other lanes (its own: {expected[stage]})")
+    for mb in expected[stage] if expected is not None else range(num_microbatches(schedule)):
         for op in required:
             if (mb, op) not in seen:
                 raise _error(schedule, None, f"stage {stage} never runs {Action(stage, op, mb)}; "
-                             f"every micro-batch 0..{num_microbatches(schedule) - 1} needs it")
+                             f"every micro-batch 0..{num_microbatches(schedule) - 1} needs it"
+                             if expected is None else f"lane {stage} never runs "
+                             f"{Action(stage, op, mb)}; its micro-batches {expected[stage]} "
+                             "need it")
 
 
 def _check_recv_wait_pairs(schedule: Schedule, stage: int) -> None:

@@ -32,6 +32,16 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
     return schedule
 
 
+@functools.lru_cache(maxsize=64)
+def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
+                   forward_only: bool = False, prefetch: int = 0):
+    """Per-stage DP: the checked lane lists (:mod:`ldt.schedule.vdp`)."""
+    from ldt.schedule.vdp import vdp_schedule
+
+    return vdp_schedule(stage_dp, num_microbatches, u_shape, forward_only,
+                        prefetch=prefetch if u_shape else 0)
+
+
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
              seq_length: int, micro_batch_size: int, comm, state, config,
              record_timings: bool = False, forward_only: bool = False,
@@ -40,11 +50,22 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
     this rank's stage (the U-shape when the topology says so, with ``prefetch``)."""
     topo = state.topology
     kind = "ushape" if topo.u_shape else "1f1b"
-    schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only, prefetch)
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
+    if topo.is_vdp:  # per-stage DP: this replica's lane; peers are lanes; m of its own
+        from ldt.vdp_transport import LaneCommunicator, lane_of
+
+        schedule = lane_schedules(tuple(topo.dp_sizes), num_microbatches, topo.u_shape,
+                                  forward_only, prefetch)
+        lane = lane_of(state)
+        actions, comm = schedule[lane], LaneCommunicator(comm, tuple(topo.dp_sizes))
+        num_microbatches = len(schedule.microbatches[lane])
+    else:
+        schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only,
+                                   prefetch)
+        actions = schedule[state.stage]
     return run_actions(
-        schedule[state.stage], roles=roles, comm=comm, forward_step_func=forward_step_func,
+        actions, roles=roles, comm=comm, forward_step_func=forward_step_func,
         data_iterator=data_iterator if roles.reads_data else None,
         num_microbatches=num_microbatches,
         # this rank's boundary shape, as megatron's get_tensor_shapes (sequence parallel: a slice)

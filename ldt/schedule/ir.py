@@ -94,6 +94,16 @@ Schedule = dict[int, list[Action]]
 """Stage index -> the ordered actions every rank of that stage runs."""
 
 
+class LaneSchedule(dict):
+    """A schedule keyed by *lane* (a stage replica, per-stage DP: :mod:`ldt.schedule.routing`)
+    instead of stage: ``Action.stage`` and ``Action.peer`` hold lane ids. Each lane runs only
+    its own micro-batches, listed in ``microbatches`` (lane -> ids) for the checker."""
+
+    def __init__(self, actions: dict, microbatches: dict[int, list[int]]):
+        super().__init__(actions)
+        self.microbatches = {lane: list(mbs) for lane, mbs in microbatches.items()}
+
+
 def _peer(action: Action) -> int:
     if action.peer is None:
         raise ValueError(f"communication action {action!r} has no peer stage; set Action.peer")

@@ -271,21 +271,25 @@ def _mean_loss(losses, state) -> float:
     import torch.distributed as dist
 
     value = torch.stack([x["lm loss"].float() for x in losses]).mean().reshape(1).cpu()
-    if state.topology.dp > 1:  # every replica's loss stage, same (stage, TP rank) group
+    dp = state.topology.dp_of(state.stage)  # per-stage DP: the loss stage's replicas
+    if dp > 1:  # every replica's loss stage, same (stage, TP rank) group
         dist.all_reduce(value, group=state.dp_group_gloo)
-        value /= state.topology.dp
+        value /= dp
     return float(value.item())
 
 
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
-    """The U-shape always runs on ldt's runtime; a plain pipeline when train.runtime=ldt."""
-    return topo.u_shape or train.runtime == "ldt"
+    """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
+    train.runtime=ldt."""
+    return topo.u_shape or topo.is_vdp or train.runtime == "ldt"
 
 
 def reference_config(cfg: dict) -> dict:
     """The single-process reference of ``train.verify``: one stage, TP 1, the same global batch."""
     ref = json.loads(json.dumps(cfg))
-    dp = int(cfg["cluster"].get("dp", 1))
+    dp = int(cfg["cluster"].get("dp", 1))  # per-stage dp: the largest (docs/vdp.md)
+    dp = max([dp] + [int(st["dp"]) for st in cfg["cluster"]["stages"]
+                     if st.get("dp") is not None])
     ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
                       "u_shape": False, "layout": None, "dp": 1}
     ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])

@@ -15,15 +15,27 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ldt.vdp_transport import counts_in_norm
+
 
 def allreduce_dp_grads(params: list[torch.nn.Parameter], state) -> None:
-    """Average gradients over data-parallel replicas (one flat all-reduce)."""
-    if state.topology.dp == 1:
+    """Average gradients over data-parallel replicas (one flat all-reduce); with per-stage DP
+    then scaled by :func:`ldt.schedule.routing.grad_factor` (the uniform-DP gradient)."""
+    from ldt.schedule.routing import grad_factor
+
+    topo = state.topology
+    dp = topo.dp_of(state.stage)
+    factor = grad_factor(dp, topo.dp_of(topo.loss_stage()))
+    if dp == 1 and factor == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=state.dp_group)
-    flat /= state.topology.dp
+    if dp > 1:
+        dist.all_reduce(flat, group=state.dp_group)
+    if factor == 1:
+        flat /= dp
+    else:
+        flat *= factor / dp
     for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         g.copy_(reduced)
 
@@ -58,6 +70,8 @@ def global_grad_norm(params: list[torch.nn.Parameter], state) -> float:
     if tp > 1:
         dist.all_reduce(sharded, group=state.tp_group)
     stage_sq = (sharded + replicated).reshape(1)
+    if not counts_in_norm(state):  # per-stage DP: one group of every replica's leaders
+        stage_sq.zero_()
     if state.topology.num_stages > 1:
         total = stage_sq.cpu()
         if state.is_leader:

@@ -164,8 +164,8 @@ def peak_flops(topo, peak_tflops: dict) -> Optional[float]:
     for s in topo.stages:
         if s.device not in peak_tflops or not peak_tflops[s.device]:
             return None
-        total += s.tp * float(peak_tflops[s.device]) * 1e12
-    return total * topo.dp
+        total += s.tp * topo.dp_of(s.index) * float(peak_tflops[s.device]) * 1e12
+    return total
 
 
 def summary_json(summary: dict) -> str:
@@ -189,8 +189,8 @@ def gather_timings(timings, state):
     (Linux CLOCK_MONOTONIC), so stages on one host can be lined up against each other."""
     import torch.distributed as dist
 
-    if not state.is_leader or state.leader_group is None:
-        return None
+    if not state.is_leader or state.leader_group is None or state.topology.is_vdp:
+        return None  # per-stage DP: no measured timeline yet (one row per lane would be needed)
     gathered: list[Any] = [None] * state.topology.num_stages
     dist.all_gather_object(gathered, (socket.gethostname(), timings), group=state.leader_group)
     return gathered  # [stage] -> (host, [step] -> (step_start, [(action, start_s, end_s)]))

@@ -1,0 +1,363 @@
+"""Per-stage data parallelism (VDP): config, routing, lane schedules, and parity worlds.
+
+The parity worlds run real gloo processes: every stage replica runs its lane of the schedule
+(ldt's runtime, fan-in / fan-out through the leaders), then the DP all-reduce with the VDP
+gradient factor. Every replica's gradient must equal the single-process reference's over the
+same global batch (uniform DP with dp = the largest stage dp), within 1e-5; every micro-batch's
+loss within 1e-6 relative. Shapes: plain 2-stage DP 1->2, plain 3-stage DP 2->1->2 with TP
+1/2/1, U-shape edge DP 1 / cloud DP 2 (also with prefetch depth 1) and edge DP 2 / cloud DP 1.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from ldt.config import ConfigError
+from ldt.schedule import simulate
+from ldt.schedule.ir import Op
+from ldt.schedule.routing import Lanes, boundary_pairs, grad_factor, microbatches_of
+from ldt.schedule.vdp import lane_cost, vdp_schedule
+from ldt.topology import Topology
+
+M = 2  # micro-batches per uniform replica
+LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
+
+
+def _cluster(dps, tps=None, u_shape=False, **extra):
+    tps = tps or [1] * len(dps)
+    return {"stages": [{"name": f"s{i}", "tp": t, "dp": d}
+                       for i, (t, d) in enumerate(zip(tps, dps))], "u_shape": u_shape, **extra}
+
+
+# ---- config, rank map, validation --------------------------------------------------------
+def test_rank_map_shows_every_replica_and_world_is_sum_tp_dp():
+    topo = Topology.from_config(_cluster([2, 1, 2], [1, 2, 1]))
+    assert topo.is_vdp and topo.dp == 2 and topo.world_size == 2 + 2 + 2
+    text = topo.rank_map()
+    assert "dp per stage [2, 1, 2] (VDP)" in text
+    rows = [line.split() for line in text.splitlines()[3:-1]]
+    assert {(r[1], r[4]) for r in rows} == {("0:s0", "0/2"), ("0:s0", "1/2"), ("1:s1", "0/1"),
+                                            ("2:s2", "0/2"), ("2:s2", "1/2")}
+    seen = [(i.stage, i.tp_rank, i.dp_rank) for i in map(topo.rank_info, range(topo.world_size))]
+    assert len(set(seen)) == topo.world_size  # every (stage, tp rank, dp rank) exactly once
+    # a uniform cluster keeps the old layout: rank = dp_rank * replica_size + offset + tp_rank
+    uni = Topology.from_config(_cluster([2, 2], [1, 2]))
+    assert not uni.is_vdp and [uni.rank_info(r).dp_rank for r in range(6)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_refuses_boundary_where_neither_dp_divides_the_other():
+    with pytest.raises(ConfigError, match=r"stages\[1\].dp=2 \(s1\) and cluster.stages\[2\]"
+                                          r".dp=3 \(s2\) share the boundary 1->2"):
+        Topology.from_config(_cluster([1, 2, 3]))
+    with pytest.raises(ConfigError, match=r"does not divide the largest stage dp"):
+        Topology.from_config(_cluster([2, 1, 3], u_shape=False))
+    # U-shape: the return boundary P-1 -> 0 counts too
+    with pytest.raises(ConfigError, match="boundary 2->0"):
+        Topology.from_config(_cluster([4, 2, 6], u_shape=True))
+
+
+def test_validate_names_world_formula_and_unsupported_combinations():
+    from ldt.validate import validate
+
+    model = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4}
+    with pytest.raises(ConfigError, match=r"1\*1 \+ 2\*2 = 5"):
+        validate(_cluster([1, 2], [1, 2]), model, world_size=4, check_devices=False)
+    for train, what in (({"runtime": "megatron"}, "train.runtime=megatron"),
+                        ({"schedule": "interleaved"}, "train.schedule=interleaved")):
+        with pytest.raises(ConfigError, match=what):
+            validate(_cluster([1, 2]), model, train=train, check_devices=False)
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        validate(_cluster([1, 2]), {**model, "tie_embeddings": True}, check_devices=False)
+    validate(_cluster([1, 2], u_shape=True), {**model, "tie_embeddings": True},
+             train={}, check_devices=False)  # embedding and head both on the edge: fine
+
+
+# ---- routing and schedules -----------------------------------------------------------------
+def test_routing_covers_every_microbatch_once_per_stage():
+    for dps in ([1, 2], [2, 1, 2], [4, 1, 2]):
+        d = max(dps)
+        for dp in dps:
+            got = sorted(g for r in range(dp) for g in microbatches_of(r, dp, 3, d))
+            assert got == list(range(3 * d))
+    assert boundary_pairs(1, 2, 2) == [(0, 0), (0, 1)]  # fan-out
+    assert boundary_pairs(4, 2, 4) == [(0, 0), (1, 1), (2, 0), (3, 1)]  # fan-in
+    assert grad_factor(1, 2) == 0.5 and grad_factor(2, 1) == 2 and grad_factor(2, 2) == 1
+
+
+@pytest.mark.timeout(120)
+def test_deadlock_checker_grid_per_stage_dp():
+    """P <= 4, every stage dp in {1, 2, 4} (ratios 1, 2, 4), m <= 3P, plain and U-shape."""
+    count = 0
+    for p in range(1, 5):
+        for dps in itertools.product((1, 2, 4), repeat=p):
+            for u_shape in ((False, True) if p >= 2 else (False,)):
+                for m in range(1, 3 * p + 1):
+                    vdp_schedule(dps, m, u_shape)  # raises ScheduleError on any defect
+                    count += 1
+    assert count == 3 * 1 * 3 + 9 * 2 * 6 + 27 * 2 * 9 + 81 * 2 * 12
+    for p in range(2, 5):  # the U-shape with prefetch depth 1
+        for dps in itertools.product((1, 2, 4), repeat=p):
+            for m in range(1, 3 * p + 1):
+                vdp_schedule(dps, m, True, prefetch=1)
+
+
+def test_one_replica_everywhere_gives_the_uniform_schedules():
+    """The lane generator reduces to the stage generator: dp 1 on every stage gives exactly
+    ldt.schedule's 1F1B and U-shape lists (with every prefetch depth)."""
+    from ldt.schedule import lower, one_f_one_b, u_shape
+
+    def text(schedule):
+        return {k: [str(a) for a in v] for k, v in schedule.items()}
+
+    for p in (2, 3, 4):
+        for m in (1, 3, 7):
+            assert text(vdp_schedule((1,) * p, m, False)) == text(lower(one_f_one_b(p, m), "1f1b"))
+            for d in (0, 1, 2):
+                want = lower(u_shape(p, m, prefetch=d), "ushape", prefetch=d)
+                assert text(vdp_schedule((1,) * p, m, True, prefetch=d)) == text(want), (p, m, d)
+
+
+def test_schedule_fans_out_and_in_along_the_routing():
+    sched = vdp_schedule((1, 2), 2, u_shape=True)
+    lanes = Lanes((1, 2))
+    edge = sched[lanes.lane(0, 0)]
+    sends = [(a.mb, a.peer) for a in edge if a.op is Op.SEND_F]
+    assert sends == [(g, lanes.lane(1, g % 2)) for g in range(4)]  # each to its replica
+    waits = [(a.mb, a.peer) for a in edge if a.op is Op.WAIT_F]
+    assert sorted(waits) == [(g, lanes.lane(1, g % 2)) for g in range(4)]  # and back (FE)
+
+
+def test_simulator_prices_the_edge_serving_two_cloud_replicas():
+    """Edge dp 1 / cloud dp 2 against uniform dp 2, same global batch: the edge runs twice
+    the micro-batches, so with an edge as fast as a cloud stage the step is longer."""
+    edge = {Op.FS: 1, Op.FE: 1, Op.BS: 2, Op.BE: 2}
+    cloud = {Op.F: 4, Op.B: 8}
+    vdp = vdp_schedule((1, 2), 4, u_shape=True)
+    uni = vdp_schedule((2, 2), 4, u_shape=True)  # uniform dp 2, as lanes: two independent rings
+    t_vdp = simulate(vdp, lane_cost(Lanes((1, 2)), {0: edge, 1: cloud})).iteration_time
+    t_uni = simulate(uni, lane_cost(Lanes((2, 2)), {0: edge, 1: cloud})).iteration_time
+    assert t_uni < t_vdp < 2 * t_uni
+
+
+# ---- parity worlds -------------------------------------------------------------------------
+class _RefData:
+    """The reference's micro-batch ``v * M + j`` is the uniform run's replica v's j-th."""
+
+    def __init__(self, batches, dp_rank=0):
+        self.batches, self.dp_rank = batches, dp_rank
+
+    def batch(self, step, j):
+        return self.batches[self.dp_rank * M + j]
+
+
+def vdp_worker(rank, world, topo, full_state, prefetch=0):
+    import ldt
+    from gpt_worlds import MBS, MODEL, AuditLog, Tripwire, _setup, forward_step, make_batches
+    from ldt import patches
+    from ldt.models.build import build_chunk, global_param_name
+    from ldt.models.sharding import load_full_state
+    from ldt.p2p import VtpCommunicator
+    from ldt.schedule.forward_backward import run_step
+    from ldt.schedule.routing import virtual_of
+    from ldt.training.loop import _mean_loss
+    from ldt.training.optim import allreduce_dp_grads, global_grad_norm
+    from ldt.vdp_transport import LaneData
+
+    audit = AuditLog()
+    state = _setup(topo, observers=[audit])
+    chunks = topo.split.stage_chunks(state.stage)
+    tp = topo.stages[state.stage].tp
+    models = []
+    for chunk in chunks:
+        gpt = build_chunk(MODEL, chunk, tp, num_stages=topo.num_stages)
+        load_full_state(gpt, full_state, tp, state.info.tp_rank,
+                        rename=lambda n, c=chunk: global_param_name(c, n))
+        models.append(gpt)
+    mbs = microbatches_of(state.info.dp_rank, topo.dp_of(state.stage), M, topo.dp)
+    if state.stage in topo.data_stages():
+        data = LaneData(_RefData(make_batches(topo.dp * M)), mbs, topo.dp).step_iterator(0)
+    else:
+        data = Tripwire()
+    comm = VtpCommunicator(models[0].config, state, [audit])
+    res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
+                   num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
+                   comm=comm, state=state, config=models[0].config, prefetch=prefetch)
+    params = list({id(p): p for g in models for p in g.parameters()}.values())
+    allreduce_dp_grads(params, state)
+    norm = global_grad_norm(params, state)
+    grads = {global_param_name(c, n): p.grad.detach().clone()
+             for c, g in zip(chunks, models) for n, p in g.named_parameters() if p.grad is not None}
+    out = {"stage": state.stage, "tp_rank": state.info.tp_rank, "dp_rank": state.info.dp_rank,
+           "grads": grads, "norm": norm, "sent": audit.sent, "touched_data": Tripwire.touched}
+    if state.stage == topo.loss_stage():
+        # losses come in the lane's order (ascending g): the reference's index v * M + j
+        refs = [virtual_of(g, topo.dp)[0] * M + virtual_of(g, topo.dp)[1] for g in mbs]
+        out["losses"] = dict(zip(refs, (float(x["lm loss"]) for x in res.losses)))
+        out["mean_loss"] = _mean_loss(res.losses, state)
+    patches.revert()
+    ldt.destroy_vtp()
+    return out
+
+
+CASES = {  # name: (dp per stage, tp per stage, u_shape)
+    "plain_dp1_2": ([1, 2], [1, 1], False),
+    "plain_dp2_1_2_tp121": ([2, 1, 2], [1, 2, 1], False),
+    "ushape_edge1_cloud2": ([1, 2], [1, 1], True),
+    "ushape_edge2_cloud1": ([2, 1], [1, 1], True),
+    "ushape_edge1_cloud2_prefetch1": ([1, 2], [1, 1], True),
+}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    from gpt_worlds import reference
+    from ldt.launch import run_local_world
+
+    return run_local_world(1, reference, ([2 * M],), timeout_s=120)[0]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, ref):
+    from gpt_worlds import MODEL, even_layout
+    from ldt.launch import run_local_world
+    from ldt.validate import validate
+
+    dps, tps, u_shape = CASES[request.param]
+    cluster = _cluster(dps, tps, u_shape,
+                       layout=None if u_shape else even_layout(MODEL.num_layers, len(dps)))
+    topo = validate(cluster, MODEL, train={}, check_devices=False)
+    prefetch = 1 if request.param.endswith("prefetch1") else 0
+    out = run_local_world(topo.world_size, vdp_worker, (topo, ref["full"], prefetch),
+                          timeout_s=240)
+    return request.param, topo, out
+
+
+@pytest.mark.timeout(400)
+def test_vdp_matches_uniform_dp_reference(case, ref):
+    from ldt.models.sharding import unshard
+
+    name, topo, out = case
+    want = ref[2 * M]
+    losses = {k: v for r in out if r["stage"] == topo.loss_stage() and r["tp_rank"] == 0
+              for k, v in r["losses"].items()}
+    assert sorted(losses) == list(range(2 * M)), name  # every micro-batch's loss, once
+    for k, got in losses.items():
+        assert abs(got - want["losses"][k]) <= LOSS_RTOL * abs(want["losses"][k]), (name, k)
+    mean = sum(want["losses"]) / len(want["losses"])
+    for r in out:
+        if "mean_loss" in r:
+            assert abs(r["mean_loss"] - mean) <= LOSS_RTOL * abs(mean), name
+    shards = {}
+    for r in out:  # every replica of every stage must hold the reference's gradient
+        for pname, g in r["grads"].items():
+            shards.setdefault((r["stage"], r["dp_rank"], pname), {})[r["tp_rank"]] = g
+    covered = set()
+    for (stage, dp_rank, pname), by_tp in shards.items():
+        full = unshard(pname, [by_tp[i] for i in sorted(by_tp)])
+        diff = (full - want["grads"][pname]).abs().max().item()
+        assert diff <= GRAD_ATOL, (name, stage, dp_rank, pname, diff)
+        covered.add(pname)
+    assert covered == set(want["grads"]), name
+    ref_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in want["grads"].values())).item()
+    for r in out:
+        assert abs(r["norm"] - ref_norm) <= 1e-6 * ref_norm, (name, r["norm"], ref_norm)
+
+
+@pytest.mark.timeout(400)
+def test_data_stays_on_the_replicas_that_own_it(case):
+    """Only activations / gradients cross (the audit); the U-shape's cloud reads no data."""
+    from gpt_worlds import MBS, MODEL
+
+    name, topo, out = case
+    sent = [c for r in out for c in r["sent"]]
+    assert sent
+    for src, dst, direction, dtype, shape in sent:
+        assert dtype == "torch.float32" and shape == (MODEL.seq_length, MBS, MODEL.hidden_size)
+    if topo.u_shape:
+        assert not any(r["touched_data"] for r in out if r["stage"] != 0), name
+    # each of the D*M micro-batches crosses every activation boundary once each way
+    assert len(sent) == 2 * len(topo.activation_boundaries()) * topo.dp * M, name
+
+
+# ---- ldt-train end to end ---------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
+    """conf/cluster/cpu_vdp.yaml (edge dp 1, cloud dp 2) trains with checkpoints; its step-2
+    checkpoint resumes into uniform dp 2 (another world size and rank map) and continues with
+    the VDP run's losses: the same state, the same semantics."""
+    import csv
+    import subprocess
+    import sys
+
+    def train(run_dir, *overrides):
+        proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={run_dir}",
+                               "train.steps=4", *overrides], capture_output=True, text=True,
+                              timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(run_dir / "metrics.csv") as f:
+            return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+    vdp = train(tmp_path / "vdp", "cluster=cpu_vdp", "train.save_every=2")
+    assert sorted(vdp) == [0, 1, 2, 3] and vdp[3] < vdp[0]
+    uniform = train(tmp_path / "uniform", "cluster=cpu_vdp", "cluster.stages.0.dp=null",
+                    "cluster.stages.1.dp=null", "cluster.dp=2",
+                    f"train.resume={tmp_path / 'vdp' / 'checkpoints' / 'step_0000001'}")
+    assert sorted(uniform) == [2, 3]
+    for step, loss in uniform.items():
+        assert abs(loss - vdp[step]) <= 1e-6 * abs(vdp[step]), (step, loss, vdp[step])
+
+
+def test_ldt_sim_prices_per_stage_dp():
+    """The planner's simulator runs the lane schedule: an edge serving two cloud replicas
+    takes longer than two edges (same global batch); its all-reduce spans only the cloud."""
+    from ldt.plan.convert import cluster_to_plan
+    from ldt.plan.evaluate import simulate_plan
+    from ldt.plan.inventory import Workload, load_inventory
+    from ldt.plan.planner import make_cost
+    from ldt.config import to_model
+    from ldt.plan.inventory import _load_plain, _resolve
+
+    inv = load_inventory("edge_cloud")
+    model = to_model(_load_plain(_resolve("llama_7b", "model")))
+    cost = make_cost(inv, model, Workload())
+    stages = [{"name": "edge", "device": "cuda", "tp": 1}, {"name": "cloud", "device": "npu",
+                                                            "tp": 8}]
+    uni = simulate_plan(cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model,
+                                        inv, 8), cost)
+    stages[0]["dp"] = 1
+    vdp_plan = cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model, inv, 8)
+    assert vdp_plan.stage_dp == (1, 2)
+    vdp = simulate_plan(vdp_plan, cost)
+    assert uni.pipeline_time < vdp.pipeline_time < 2.2 * uni.pipeline_time
+    assert vdp.dp_allreduce_time < uni.dp_allreduce_time  # the edge has no DP peer
+
+
+def test_planner_step_gives_the_cloud_more_replicas_when_it_pays(tmp_path):
+    """ldt.plan.planner._try_vdp on a cloud-bound U-shape (one fast edge card, eight V100s of
+    which the uniform plan uses four): the cloud gets dp 2 behind the edge's one replica, the
+    step is priced on the lane schedule, and the inventory is respected."""
+    from ldt.config import to_model
+    from ldt.plan.evaluate import Plan, StageSpec, simulate_plan
+    from ldt.plan.inventory import Workload, _load_plain, _resolve, load_inventory
+    from ldt.plan.planner import PlannerOptions, _try_vdp, make_cost
+
+    path = tmp_path / "inv.yaml"
+    path.write_text(
+        "name: h100_8v100\nedge: h100\nkinds:\n"
+        "  - {name: h100, device: cuda, count: 1, tflops: 989, memory_gib: 80, intra_bw_gbps: 450,"
+        " node_size: 1, mfu: 0.45, tp_efficiency: 0.9, host_bw_gbps: 50, reserved_gib: 2}\n"
+        "  - {name: v100, device: cuda, count: 8, tflops: 125, memory_gib: 32, intra_bw_gbps: 150,"
+        " node_size: 4, mfu: 0.4, tp_efficiency: 0.9, host_bw_gbps: 16, reserved_gib: 2}\n"
+        "links:\n  - {a: h100, b: v100, bandwidth_gbps: 12.5, latency_us: 100}\n"
+        "  - {a: v100, b: v100, bandwidth_gbps: 150, latency_us: 5}\n")
+    inv, work = load_inventory(str(path)), Workload()
+    cost = make_cost(inv, to_model(_load_plain(_resolve("llama_7b", "model"))), work)
+    base = simulate_plan(Plan((StageSpec("h100", 1), StageSpec("v100", 2), StageSpec("v100", 2)),
+                              (4, 12, 12, 4), True, 1, 64), cost)
+    best, sims, note = _try_vdp(base, cost, inv, work, PlannerOptions(), 1)
+    assert best.plan.stage_dp == (1, 2, 2) and best.plan.num_microbatches == 32, note
+    assert sum(s.tp * d for s, d in zip(best.plan.stages[1:], best.plan.stage_dp[1:])) <= 8
+    assert best.fits and best.iteration_time < base.iteration_time and sims > 1
+    again = simulate_plan(best.plan, cost)
+    assert again.iteration_time == pytest.approx(best.iteration_time)
