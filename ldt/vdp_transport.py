@@ -54,6 +54,7 @@ class LaneCommunicator:
 
     def __init__(self, comm, stage_dp: tuple[int, ...]):
         self.comm, self.lanes = comm, Lanes(tuple(stage_dp))
+        self.layout = comm.layout  # the stage's boundary layout (sequence-parallel shards)
 
     def send(self, tensor, peer_lane: int, direction: str):
         stage, replica = self.lanes.of(peer_lane)
