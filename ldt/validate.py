@@ -36,6 +36,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
         transformer_impl(model, s.device)
     if train is not None:
         _check_train(topo, to_train(train))
+        _check_precision(topo, model, to_train(train))
         _check_checkpoint(to_train(train), model)
     return topo
 
@@ -123,6 +124,29 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     from ldt.training.checkpoint import check_compatible
 
     check_compatible(found, model)
+
+
+def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> None:
+    """Mixed precision and optimizer settings megatron-core's optimizer stack refuses (or
+    would silently ignore), with its reason."""
+    dtype, main = model.params_dtype, train.fp32_main_params
+    if dtype == "float16" and main is False:
+        raise ConfigError(
+            "model.params_dtype=float16 with train.fp32_main_params=false: megatron-core scales "
+            "the fp16 loss and unscales the gradients only in its mixed-precision optimizer, "
+            "which steps fp32 main params; set train.fp32_main_params=true (or null), or use "
+            "model.params_dtype=bfloat16")
+    if dtype != "float32" and main is False and train.distributed_optimizer:
+        raise ConfigError(
+            f"train.distributed_optimizer=true with model.params_dtype={dtype} and "
+            "train.fp32_main_params=false: megatron-core's distributed optimizer always shards "
+            "fp32 main params for 16-bit weights; set train.fp32_main_params=true (or null), or "
+            "train.distributed_optimizer=false")
+    if train.loss_scale is not None and dtype != "float16":
+        raise ConfigError(
+            f"train.loss_scale={train.loss_scale} with model.params_dtype={dtype}: megatron-core "
+            "scales the loss only for float16 (bf16 and fp32 have the range without it); "
+            "remove train.loss_scale or use model.params_dtype=float16")
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
