@@ -142,6 +142,22 @@ def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> 
             "train.fp32_main_params=false: megatron-core's distributed optimizer always shards "
             "fp32 main params for 16-bit weights; set train.fp32_main_params=true (or null), or "
             "train.distributed_optimizer=false")
+    if dtype == "bfloat16" and main is False and train.clip_grad > 0:
+        raise ConfigError(
+            f"train.fp32_main_params=false with train.clip_grad={train.clip_grad}: megatron-core "
+            "clips only fp32 gradients (clip_grad_by_total_norm_fp32 asserts it), and without "
+            "main params the gradients are bf16; set train.clip_grad=0 or "
+            "train.fp32_main_params=true (or null)")
+    first, last = topo.stages[0].tp, topo.stages[-1].tp
+    if train.distributed_optimizer and model.tie_embeddings and topo.dp > 1 \
+            and not topo.u_shape and topo.num_stages > 1 and first != last:
+        raise ConfigError(
+            f"train.distributed_optimizer=true with model.tie_embeddings=true, cluster.dp="
+            f"{topo.dp} and TP {first} on the first stage but {last} on the last: megatron-core "
+            "sums the tied embedding's gradients between the two stages after the distributed "
+            "optimizer's reduce-scatter, which is right only when both copies are sharded alike "
+            "over the data-parallel ranks (the same TP size); give the first and last stage the "
+            "same TP size, or set train.distributed_optimizer=false or model.tie_embeddings=false")
     if train.loss_scale is not None and dtype != "float16":
         raise ConfigError(
             f"train.loss_scale={train.loss_scale} with model.params_dtype={dtype}: megatron-core "

@@ -155,6 +155,8 @@ def _locate(opt, param):
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if isinstance(opt, DistributedOptimizer):
+        if param not in opt.model_param_gbuf_map:  # no element of it is this rank's
+            return None, {}, (0, 0)
         rng = opt._get_model_param_range_map(param)["param"]
         if param not in opt.model_param_group_index_map:
             return None, {}, (rng.start, rng.end)
