@@ -19,7 +19,6 @@ import csv
 import os
 
 import pytest
-import torch
 
 from ldt.launch import run_local_world
 from ldt.training.loop import reference_config, train_worker
@@ -150,6 +149,19 @@ def test_bf16_main_params_follow_the_single_process_bf16_curve(tmp_path):
     assert diff < BF16_TOL, (vtp, ref)
     assert dist_main < dist_no_main, (fp32, vtp, no_main)
     assert vtp[-1] < vtp[0] - 0.3  # it learns
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_ushape_follows_the_reference(dtype, tmp_path):
+    """The U-shape's last pipeline stage is a cloud stage: it must send 16-bit activations
+    on to the edge, not megatron's fp32 last-stage output (fp16 crashed on it)."""
+    small = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 16,
+             "params_dtype": dtype}
+    cfg = _cfg([1, 2, 1], u_shape=True, model=small, save_every=0)
+    rows = _train(cfg, tmp_path / "run")
+    ref = _train(reference_config(cfg), tmp_path / "ref")
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref, strict=True)) < BF16_TOL
 
 
 @pytest.mark.parametrize("model,train,words", [

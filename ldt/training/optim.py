@@ -22,6 +22,7 @@ megatron's optimizer, clipping included, runs untouched.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,6 +67,23 @@ class StageOptimizer:
         return lr, float(norm) if norm is not None else float("nan"), bool(applied)
 
 
+@functools.cache
+def _float16_module():
+    from megatron.core.transformer.module import Float16Module
+
+    class StageFloat16Module(Float16Module):
+        """megatron's Float16Module, upcasting the output to fp32 only on a chunk with the
+        head. Megatron upcasts on the last pipeline stage, which in a U-shape is a cloud
+        stage that sends its 16-bit activations on to the edge (fp32 there would not match
+        the edge's 16-bit receive buffer: gloo's "32768 vs 16384" size mismatch)."""
+
+        def forward(self, *inputs, fp32_output=True, **kwargs):
+            head = getattr(self.module, "post_process", True)
+            return super().forward(*inputs, fp32_output=fp32_output and head, **kwargs)
+
+    return StageFloat16Module
+
+
 def main_params_in_fp32(model, train) -> bool:
     """``train.fp32_main_params`` with its default: true for bf16/fp16 (fp32 has no copy)."""
     if model.params_dtype == "float32":
@@ -79,14 +97,12 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.transformer.module import Float16Module
-
     from ldt.models.build import DTYPES
 
     t, dtype = c.train, DTYPES[c.model.params_dtype]
     fp32_main = main_params_in_fp32(c.model, t)
     pgs = state.pg_collection()
-    chunks = [Float16Module(m.config, m) if dtype != torch.float32 else m for m in models]
+    chunks = [_float16_module()(m.config, m) if dtype != torch.float32 else m for m in models]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=fp32_main or dtype == torch.float32,
         overlap_grad_reduce=t.overlap_grad_reduce,
