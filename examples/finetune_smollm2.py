@@ -18,8 +18,9 @@ What it does, in one 4-process CPU world (stage TP sizes 1 and 3: 9 heads / 3 KV
    U-shape (edge TP 1, cloud TP 3, tied head) against transformers' on the same tokens;
 3. the start loss on Python source (the standard library, tokenized with SmolLM2's tokenizer)
    against a randomly initialised model of the same architecture;
-4. ``--steps`` AdamW steps on each layout from the imported weights (``train.load``'s path:
-   ``checkpoint.load`` without optimizer state), and the held-out loss before and after.
+4. ``--steps`` steps of megatron-core's Adam (``ldt.training.optim.build_stage_optimizer``)
+   on each layout from the imported weights (``train.load``'s path: ``checkpoint.load``
+   without optimizer state), and the held-out loss before and after.
 
 It prints a table and one JSON line. fp32 on 2 cores: ~20 s per 512 tokens, several minutes
 in all; too slow for the test suite, so this is an example and a benchmark figure.

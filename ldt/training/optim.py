@@ -97,6 +97,7 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
     from ldt.models.build import DTYPES
 
     t, dtype = c.train, DTYPES[c.model.params_dtype]
@@ -116,7 +117,6 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
 
     if shared_chunks:  # one buffer, each shared parameter once
         ddp = [wrap(torch.nn.ModuleList(chunks), models[0].config)]
-        ddp[0].ddp_config = ddp_config
         run = chunks
         no_sync = ddp[0].no_sync
     else:
