@@ -104,7 +104,8 @@ def test_nothing_but_activations_reaches_the_cloud(ushape, blend):
         key = (r["op"], r["site"].split(":")[0])
         assert key in ALLOWED_TO_CLOUD, r
         assert all(t["dtype"].startswith("float") for t in r["tensors"]), r  # no ids, labels
-        assert r.get("objects") in (None, ["tuple"], ["list"]), r  # list: param-group keys
+        # tuples: the timings, one per rank; megatron's param-group keys, one per group
+        assert r.get("objects") is None or set(r["objects"]) == {"tuple"}, r
 
 
 @pytest.mark.timeout(400)
