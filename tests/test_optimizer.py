@@ -102,7 +102,7 @@ def test_fp32_equals_single_process_reference(name, reference, tmp_path):
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-12)
     assert max(r["grad_norm"] for r in rows) > CLIP  # clipping changed the update
     weights = _weights(tmp_path / "run")
-    if model and not u_shape:  # the last stage's copy of the tied embedding is saved too
+    if model:  # the tied head (the last stage's copy, or the edge's same tensor) is saved too
         head = weights.pop("output_layer.weight")
         assert (head - ref_weights["embedding.word_embeddings.weight"]).abs().max() < PARITY
     assert set(weights) == set(ref_weights)
@@ -122,6 +122,20 @@ def test_resume_from_a_sharded_optimizer_into_another_layout_and_dp(reference, t
     assert len(rows) == 1
     assert abs(rows[0]["loss"] - ref_rows[2]["loss"]) < PARITY, (rows, ref_rows)
     assert rows[0]["grad_norm"] == pytest.approx(ref_rows[2]["grad_norm"], rel=NORM_RTOL)
+
+
+@pytest.mark.timeout(600)
+def test_tied_ushape_resumes_exactly(tmp_path):
+    """The edge's head is the embedding's parameter (one DDP buffer for the stage): saved
+    under both names, its optimizer state once; a resume continues the run exactly."""
+    cfg = _cfg([1, 1], u_shape=True, model={"tie_embeddings": True}, save_every=2,
+               distributed_optimizer=True)
+    first = _train(cfg, tmp_path / "first")
+    resumed = _train({**cfg, "train": {**cfg["train"], "resume": str(tmp_path / "first" /
+                                                                      "checkpoints" /
+                                                                      "step_0000001")}},
+                     tmp_path / "second")
+    assert [r["loss"] for r in resumed] == pytest.approx([first[2]["loss"]], abs=1e-6)
 
 
 @pytest.mark.timeout(900)

@@ -74,13 +74,12 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
 
     model_sd, optim_sd = {}, {}
     gated = is_gated(models[0])
-    seen = set()
+    states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
     for name, p in _named_params(models, chunks):
-        if id(p) in seen:  # a tied head on the embedding's stage: the same tensor, once
-            continue
-        seen.add(id(p))
         full = _gather_full(name, p, state, gated)
-        st = param_state(optimizer, p, state.dp_group) if optimizer is not None else None
+        if optimizer is not None and id(p) not in states:
+            states[id(p)] = param_state(optimizer, p, state.dp_group)
+        st = states.get(id(p))
         tensors = {k: _gather_full(name, v, state, gated) for k, v in (st or {}).items()
                    if k != "step"}
         if state.is_leader:
