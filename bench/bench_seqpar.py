@@ -78,7 +78,7 @@ def _worker(rank, world, model_dict, reps):
     import ldt
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
-    from ldt.training.sequence_parallel import allreduce_sequence_parallel_grads
+    from ldt.testing.grads import allreduce_sequence_parallel_grads
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate
 

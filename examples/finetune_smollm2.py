@@ -18,8 +18,9 @@ What it does, in one 4-process CPU world (stage TP sizes 1 and 3: 9 heads / 3 KV
    U-shape (edge TP 1, cloud TP 3, tied head) against transformers' on the same tokens;
 3. the start loss on Python source (the standard library, tokenized with SmolLM2's tokenizer)
    against a randomly initialised model of the same architecture;
-4. ``--steps`` AdamW steps on each layout from the imported weights (``train.load``'s path:
-   ``checkpoint.load`` without optimizer state), and the held-out loss before and after.
+4. ``--steps`` steps of megatron-core's Adam (``ldt.training.optim.build_stage_optimizer``)
+   on each layout from the imported weights (``train.load``'s path: ``checkpoint.load``
+   without optimizer state), and the held-out loss before and after.
 
 It prints a table and one JSON line. fp32 on 2 cores: ~20 s per 512 tokens, several minutes
 in all; too slow for the test suite, so this is an example and a benchmark figure.
@@ -113,7 +114,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
     from ldt.models.arch import read_model_json
     from ldt.training import checkpoint
     from ldt.training.logits import forward_logits
-    from ldt.training.optim import clip_grads, global_grad_norm
+    from ldt.training.optim import build_stage_optimizer
     from ldt.training.stage import build_stage_models, make_forward_step
     from ldt.validate import validate
 
@@ -125,7 +126,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
                           "tie_embeddings": base["tie_embeddings"] and cluster["u_shape"]})
         topo = validate(cluster, model, world_size=world)
         state = ldt.initialize_vtp(topo, timeout_s=600)
-        patches.apply(["cpu_shims", "rope_cpu", "schedules"])
+        patches.apply(["cpu_shims", "optimizer_cpu", "rope_cpu", "schedules"])
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         try:
@@ -140,12 +141,17 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
             models = build_stage_models(c, topo, state)
             checkpoint.load(ckpt, models, chunks, None, state)  # what train.load does
             run["logits"] = forward_logits(models, eval_batches, **kw)
-            params = list({id(p): p for g in models for p in g.parameters()}.values())
-            opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+            shared = len({id(p) for g in models for p in g.parameters()}) < \
+                sum(1 for g in models for _ in g.parameters())
+            train = TrainConfig(seed=7, lr=lr, min_lr=lr, warmup_steps=0, weight_decay=0.0,
+                                steps=steps, clip_grad=1.0)
+            opt = build_stage_optimizer(SimpleNamespace(model=model, train=train), topo, state,
+                                        models, shared_chunks=shared)
+            models = opt.chunks  # megatron's DDP (and Float16Module) around each chunk
             run["losses"], run["step_s"] = [], []
             for step in range(steps):
                 t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad()
                 data = windows(tokens, M * MBS * (1 + step), M)
                 reads = state.stage in topo.data_stages()
                 it = iter(data) if reads else None
@@ -154,8 +160,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
                     data_iterator=[it] * len(models) if len(models) > 1 and not topo.u_shape
                     else it, model=models if len(models) > 1 else models[0],
                     num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS)
-                clip_grads(params, 1.0, global_grad_norm(params, state))
-                opt.step()
+                opt.step()  # DP + tied grads reduced, global norm, clip, Adam
                 run["losses"].append(sum(float(x["lm loss"]) for x in store) / M if store
                                      else None)
                 run["step_s"].append(time.perf_counter() - t0)

@@ -180,6 +180,29 @@ class ModelConfig:
 
 
 @dataclass
+class OptimizerSettings:
+    """``train.optimizer`` (conf/train/optimizer/{adam,sgd}.yaml): which megatron-core optimizer
+    steps the fp32 main parameters, and its own settings (megatron's OptimizerConfig names)."""
+
+    name: str = "adam"
+    """``adam`` (decoupled weight decay, megatron-core's default) or ``sgd`` (with momentum)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if _given(self.name) and self.name not in ("adam", "sgd"):
+            raise ConfigError(f"train.optimizer.name={self.name!r} is not supported; use "
+                              "train/optimizer=adam or train/optimizer=sgd")
+        for key in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+            value = getattr(self, key)
+            if _given(value) and not 0.0 <= value < 1.0:
+                raise ConfigError(f"train.optimizer.{key}={value} must be in [0, 1)")
+        _at_least("train.optimizer", self, "adam_eps", 0, "a typical value is 1e-8")
+
+
+@dataclass
 class TrainConfig:
     steps: int = 20
     """Optimizer steps to run."""
@@ -203,6 +226,25 @@ class TrainConfig:
     warmup_steps: int = 2
     weight_decay: float = 0.01
     clip_grad: float = 1.0
+    """Clip the global gradient norm (over every stage, each parameter counted once) to this
+    (0: no clipping); megatron-core's optimizer does it."""
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    """megatron-core optimizer and its settings (group ``train/optimizer``: adam, sgd)."""
+    fp32_main_params: Optional[bool] = None
+    """With ``model.params_dtype`` bfloat16/float16: the optimizer steps fp32 copies of the
+    weights (and gradients are accumulated and reduced in fp32); None: true for bf16/fp16.
+    false (bf16 only): the optimizer updates the 16-bit weights in place."""
+    distributed_optimizer: bool = False
+    """megatron-core's distributed optimizer: main params and optimizer state sharded over the
+    stage's data-parallel ranks (gradients reduce-scattered, params all-gathered)."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's data-parallel reduce during the backward pass, as soon as
+    the bucket's last micro-batch gradients are in."""
+    ddp_bucket_size: Optional[int] = None
+    """Elements per gradient bucket of megatron's DDP (None: its default, at least 40M, or
+    one bucket when not overlapping)."""
+    loss_scale: Optional[float] = None
+    """float16 only: a constant loss scale; None: dynamic loss scaling (megatron's)."""
     seed: int = 1234
     verify: bool = False
     """Also run the same steps in a single-process reference and report the loss difference."""
@@ -246,6 +288,8 @@ class TrainConfig:
     signal. ``ldt-audit`` measures what it buys and costs (docs/privacy.md)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.optimizer, dict):  # TrainConfig(**plain_dict), as tests build it
+            self.optimizer = OptimizerSettings(**self.optimizer)
         _at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
         _at_least("train", self, "lr", 0, "a typical value is 1e-4 to 1e-3")
         _at_least("train", self, "min_lr", 0, "the cosine decay ends at min_lr (0 is allowed)")
@@ -256,6 +300,11 @@ class TrainConfig:
         _at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
         _at_least("train", self, "log_interval", 1, "1 reports every step")
         _at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
+        _at_least("train", self, "ddp_bucket_size", 1, "None leaves it to megatron's DDP")
+        if _given(self.loss_scale) and self.loss_scale is not None and not (
+                math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "
+                              "or null for dynamic loss scaling")
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
                                                  and self.comm_timeout_s > 0):
             raise ConfigError(
@@ -318,6 +367,7 @@ def register_configs() -> None:
     cs.store(group="cluster", name="base_cluster", node=ClusterConfig)
     cs.store(group="model", name="base_model", node=ModelConfig)
     cs.store(group="train", name="base_train", node=TrainConfig)
+    cs.store(group="train/optimizer", name="base_optimizer", node=OptimizerSettings)
 
 
 def to_cluster(obj: Any) -> ClusterConfig:

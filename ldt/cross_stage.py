@@ -298,6 +298,26 @@ class StageHierarchyGroup(CrossStageGroup):
         return _Done(tensors)
 
 
+class OneReplicaPerStageGroup(StageHierarchyGroup):
+    """A :class:`StageHierarchyGroup` over every rank in which only replica 0 of each stage
+    contributes to a reduction: megatron's gradient statistics (squared norm, found-inf,
+    zero count) with per-stage DP and no distributed optimizer. After the DP reduce every
+    replica of a stage holds the same gradient, and stages have different numbers of
+    replicas, so summing them all would weight a stage by its dp; zeroing the other replicas'
+    values counts each stage once (sums and maxima of non-negative statistics alike)."""
+
+    def __init__(self, *args, counts: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.counts = counts
+
+    def allreduce(self, tensors, opts=None):
+        if _op(opts) not in (ReduceOp.SUM, ReduceOp.MAX):
+            self._unsupported(f"all_reduce with {_op(opts)}")
+        if not self.counts:
+            tensors[0].zero_()
+        return super().allreduce(tensors, opts)
+
+
 def register(group: dist.ProcessGroup, members: Sequence[int], name: str) -> None:
     """Make ``group`` known to torch.distributed as a group over ``members`` (this rank's view).
 

@@ -34,8 +34,8 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ldt.config import ConfigError
-from ldt.cross_stage import (EmbeddingGroup, StageHierarchyGroup, StagePipelineGroup,
-                             register, unregister)
+from ldt.cross_stage import (EmbeddingGroup, OneReplicaPerStageGroup, StageHierarchyGroup,
+                             StagePipelineGroup, register, unregister)
 from ldt.device import BoundaryPlan, backend_for
 from ldt.topology import RankInfo, Topology
 
@@ -73,6 +73,9 @@ class VtpState:
     pos_embd_group: Optional[dist.ProcessGroup] = None
     position_embedding_ranks: list[int] = field(default_factory=list)
     dist_opt_group: Optional[dist.ProcessGroup] = None  # every rank of every replica
+    # per-stage DP only: megatron's gradient-statistics group without the distributed
+    # optimizer (every stage counted once; see ldt.cross_stage.OneReplicaPerStageGroup)
+    grad_stats_group: Optional[dist.ProcessGroup] = None
     owned_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     python_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
 
@@ -249,7 +252,8 @@ def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_gr
         return group
 
     # Per-stage DP: megatron's cross-stage groups see replica d of the uniform run (leaders(d))
-    # and have no leaders' leg: ldt's loop does its cross-stage reductions itself (docs/vdp.md)
+    # and have no leaders' leg; the optimizer's statistics use dist_opt_group / grad_stats_group
+    # (below), which span every rank and cross over replica 0's leaders (docs/vdp.md)
     leader_group = None if topology.is_vdp else mine.get("leaders")
     out["pp_group"] = pp = StagePipelineGroup(
         info.stage, topology.num_stages, leaders, me=rank, tp_group=mine["tp"],
@@ -280,13 +284,20 @@ def _cross_stage_groups(topology: Topology, info: RankInfo, mine: dict, tp_dp_gr
         leader_group=leader_group, stage_roots=roots), replica, f"ldt_mp_{d}")
     if topology.dp == 1:
         out["dist_opt_group"] = out["replica_group"]
-    else:  # every replica: reduce over the stage's TP x DP ranks, replica 0's leaders cross
-        world = list(range(topology.world_size))
-        roots = {r: topology.leader(topology.rank_info(r).stage, 0) for r in world}
-        out["dist_opt_group"] = keep(StageHierarchyGroup(
-            "ldt_dist_opt", world, rank, stage_group=tp_dp_group, stage_root=roots[rank],
-            leader_group=leader_group if d == 0 else None, stage_roots=roots),
-            world, "ldt_dist_opt")
+        return out
+    # every replica: reduce over the stage's TP x DP ranks, replica 0's leaders cross
+    world = list(range(topology.world_size))
+    roots = {r: topology.leader(topology.rank_info(r).stage, 0) for r in world}
+    cross0 = mine.get("replica0_leaders") if topology.is_vdp else (
+        leader_group if d == 0 else None)
+    out["dist_opt_group"] = keep(StageHierarchyGroup(
+        "ldt_dist_opt", world, rank, stage_group=tp_dp_group, stage_root=roots[rank],
+        leader_group=cross0, stage_roots=roots), world, "ldt_dist_opt")
+    if topology.is_vdp:  # the replicas of a stage hold equal gradients: replica 0 counts
+        out["grad_stats_group"] = keep(OneReplicaPerStageGroup(
+            "ldt_vdp_grad_stats", world, rank, stage_group=tp_dp_group, stage_root=roots[rank],
+            leader_group=cross0, stage_roots=roots, counts=d == 0),
+            world, "ldt_vdp_grad_stats")
     return out
 
 

@@ -63,10 +63,17 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     if u_shape is not None:
         cfg = replace(cfg, u_shape=u_shape)
     topo = Topology.from_config(cfg)
+    if topo.is_vdp:
+        raise ConfigError(
+            f"cluster.stages[*].dp = {topo.dp_sizes}: per-stage data parallelism runs on "
+            "ldt's runtime and optimizer (ldt-train), not under a Megatron script, whose "
+            "schedules pair each stage with one neighbour and whose model-parallel group is "
+            "one replica of the pipeline; give every stage the same dp (cluster.dp) or train "
+            "with ldt-train")
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     on_cpu = topo.rank_info(rank).device == "cpu" if rank < topo.world_size else False
     names = (["init_model_parallel", "schedules", "dist_checkpointing", "sequence_parallel_norms"]
-             + (["cpu_shims", "rope_cpu", "cuda_to_cpu"] if on_cpu else []))
+             + (["cpu_shims", "optimizer_cpu", "rope_cpu", "cuda_to_cpu"] if on_cpu else []))
     act = Activation(topo, timeout_s, names)
     patches.apply(names, ctx=act)
     return act

@@ -38,6 +38,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
         _check_vdp(topo, model, to_train(train) if train is not None else None)
     if train is not None:
         _check_train(topo, to_train(train))
+        _check_precision(topo, model, to_train(train))
         _check_checkpoint(to_train(train), model)
     return topo
 
@@ -133,6 +134,45 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     from ldt.training.checkpoint import check_compatible
 
     check_compatible(found, model)
+
+
+def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> None:
+    """Mixed precision and optimizer settings megatron-core's optimizer stack refuses (or
+    would silently ignore), with its reason."""
+    dtype, main = model.params_dtype, train.fp32_main_params
+    if dtype == "float16" and main is False:
+        raise ConfigError(
+            "model.params_dtype=float16 with train.fp32_main_params=false: megatron-core scales "
+            "the fp16 loss and unscales the gradients only in its mixed-precision optimizer, "
+            "which steps fp32 main params; set train.fp32_main_params=true (or null), or use "
+            "model.params_dtype=bfloat16")
+    if dtype != "float32" and main is False and train.distributed_optimizer:
+        raise ConfigError(
+            f"train.distributed_optimizer=true with model.params_dtype={dtype} and "
+            "train.fp32_main_params=false: megatron-core's distributed optimizer always shards "
+            "fp32 main params for 16-bit weights; set train.fp32_main_params=true (or null), or "
+            "train.distributed_optimizer=false")
+    if dtype == "bfloat16" and main is False and train.clip_grad > 0:
+        raise ConfigError(
+            f"train.fp32_main_params=false with train.clip_grad={train.clip_grad}: megatron-core "
+            "clips only fp32 gradients (clip_grad_by_total_norm_fp32 asserts it), and without "
+            "main params the gradients are bf16; set train.clip_grad=0 or "
+            "train.fp32_main_params=true (or null)")
+    first, last = topo.stages[0].tp, topo.stages[-1].tp
+    if train.distributed_optimizer and model.tie_embeddings and topo.dp > 1 \
+            and not topo.u_shape and topo.num_stages > 1 and first != last:
+        raise ConfigError(
+            f"train.distributed_optimizer=true with model.tie_embeddings=true, cluster.dp="
+            f"{topo.dp} and TP {first} on the first stage but {last} on the last: megatron-core "
+            "sums the tied embedding's gradients between the two stages after the distributed "
+            "optimizer's reduce-scatter, which is right only when both copies are sharded alike "
+            "over the data-parallel ranks (the same TP size); give the first and last stage the "
+            "same TP size, or set train.distributed_optimizer=false or model.tie_embeddings=false")
+    if train.loss_scale is not None and dtype != "float16":
+        raise ConfigError(
+            f"train.loss_scale={train.loss_scale} with model.params_dtype={dtype}: megatron-core "
+            "scales the loss only for float16 (bf16 and fp32 have the range without it); "
+            "remove train.loss_scale or use model.params_dtype=float16")
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:

@@ -33,6 +33,11 @@ def vdp_leader_groups(topology, new_group, mine: dict, boundary_groups: dict) ->
     g = new_group(sorted(every_leader), "gloo")
     if g is not None:
         mine["leaders"] = g
+    # replica 0's leaders: the host leg of megatron's gradient statistics (norm, found-inf),
+    # where each stage is counted once (ldt.parallel_state: grad_stats_group, dist_opt_group)
+    g = new_group([topology.leader(s, 0) for s in range(topology.num_stages)], "gloo")
+    if g is not None:
+        mine["replica0_leaders"] = g
     for plan in topology.boundaries():
         a, b = plan.src_stage, plan.dst_stage
         for ra, rb in boundary_pairs(topology.dp_of(a), topology.dp_of(b), topology.dp):

@@ -65,6 +65,7 @@ REGISTRY: dict[str, Patch] = {}
 _PATCH_MODULES = (
     "ldt.patches.init_model_parallel",
     "ldt.patches.cpu_shims",
+    "ldt.patches.optimizer_cpu",
     "ldt.patches.schedules",
     "ldt.patches.cuda_to_cpu",
     "ldt.patches.rope_cpu",

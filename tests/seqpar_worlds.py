@@ -51,7 +51,7 @@ def _run(state, topo, full_state, m, *, sp: bool, overlap=False, lengths=None):
 
     from ldt.models.build import build_chunk, global_param_name
     from ldt.models.sharding import load_full_state
-    from ldt.training.sequence_parallel import allreduce_sequence_parallel_grads
+    from ldt.testing.grads import allreduce_sequence_parallel_grads
 
     chunks = topo.split.stage_chunks(state.stage)
     vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None

@@ -70,3 +70,16 @@ def _activate_too_late(rank, world):
 def test_activate_after_initialize_model_parallel_says_where_it_goes():
     with pytest.raises(WorldError, match=r"activate\(\) before initialize_model_parallel"):
         run_local_world(1, _activate_too_late, (), timeout_s=90)
+
+
+def test_activate_refuses_per_stage_dp_before_any_collective():
+    """A Megatron script runs megatron's schedules and one-replica model-parallel group:
+    per-stage dp is ldt-train's, and activate() says so (no process group is needed)."""
+    import ldt.run
+    from ldt.config import ConfigError
+
+    cluster = {"stages": [{"name": "edge", "device": "cpu", "tp": 1, "dp": 1},
+                          {"name": "cloud", "device": "cpu", "tp": 1, "dp": 2}],
+               "u_shape": True}
+    with pytest.raises(ConfigError, match=r"stages\[\*\]\.dp = \[1, 2\].*ldt-train"):
+        ldt.run.activate(cluster, rank=0)

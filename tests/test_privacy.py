@@ -46,8 +46,8 @@ def test_audit_reports_every_attack_and_what_crossed(audit):
     assert edge_sent == {(1, "activation"), (2, "gradient")}
     assert all(c["shape"] == [64, 2, 64] and c["messages_per_step"] == 4
                for c in report["crossed"])
-    norm = [m for m in report["other_messages"] if m["site"].endswith("global_grad_norm")]
-    assert norm and norm[0]["payload"] == ["float64 [1]"] and norm[0]["steps"] == 3, norm
+    norm = [m for m in report["other_messages"] if m["site"].endswith("get_grad_norm_fp32")]
+    assert norm and norm[0]["payload"] == ["float32 [1]"] and norm[0]["steps"] == 3, norm
     assert report["capture_equals_sent"] == {
         run: {"0->1 activation": True, "0->2 gradient": True}
         for run in ("victim", f"victim_noise_{NOISE:g}")}

@@ -11,7 +11,6 @@ loss within 1e-6 relative. Shapes: plain 2-stage DP 1->2, plain 3-stage DP 2->1-
 import itertools
 
 import pytest
-import torch
 
 from ldt.config import ConfigError
 from ldt.schedule import simulate
@@ -161,7 +160,7 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0):
     from ldt.schedule.forward_backward import run_step
     from ldt.schedule.routing import virtual_of
     from ldt.training.loop import _mean_loss
-    from ldt.training.optim import allreduce_dp_grads, global_grad_norm
+    from ldt.testing.grads import average_dp_grads
     from ldt.vdp_transport import LaneData
 
     audit = AuditLog()
@@ -184,12 +183,11 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0):
                    num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
                    comm=comm, state=state, config=models[0].config, prefetch=prefetch)
     params = list({id(p): p for g in models for p in g.parameters()}.values())
-    allreduce_dp_grads(params, state)
-    norm = global_grad_norm(params, state)
+    average_dp_grads(params, state)  # what DDP + the step's gradient factor do
     grads = {global_param_name(c, n): p.grad.detach().clone()
              for c, g in zip(chunks, models) for n, p in g.named_parameters() if p.grad is not None}
     out = {"stage": state.stage, "tp_rank": state.info.tp_rank, "dp_rank": state.info.dp_rank,
-           "grads": grads, "norm": norm, "sent": audit.sent, "touched_data": Tripwire.touched}
+           "grads": grads, "sent": audit.sent, "touched_data": Tripwire.touched}
     if state.stage == topo.loss_stage():
         # losses come in the lane's order (ascending g): the reference's index v * M + j
         refs = [virtual_of(g, topo.dp)[0] * M + virtual_of(g, topo.dp)[1] for g in mbs]
@@ -259,9 +257,7 @@ def test_vdp_matches_uniform_dp_reference(case, ref):
         assert diff <= GRAD_ATOL, (name, stage, dp_rank, pname, diff)
         covered.add(pname)
     assert covered == set(want["grads"]), name
-    ref_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in want["grads"].values())).item()
-    for r in out:
-        assert abs(r["norm"] - ref_norm) <= 1e-6 * ref_norm, (name, r["norm"], ref_norm)
+    # the logged grad norm with megatron's optimizer: tests/test_optimizer.py's vdp_* runs
 
 
 @pytest.mark.timeout(400)

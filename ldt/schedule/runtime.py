@@ -37,18 +37,19 @@ class StageRoles:
     chunks: dict[Op, Any]  # op -> model chunk (FS/BE: start, FE/BS: end, F/B: the chunk)
     reads_data: frozenset  # forward ops that call the data iterator
     computes_loss: frozenset  # forward ops whose output is the loss
+    models: tuple = ()  # the stage's chunks in order (config.no_sync_func lists follow it)
 
     @classmethod
     def for_stage(cls, stage: int, num_stages: int, u_shape: bool, models: list) -> "StageRoles":
         if u_shape and stage == 0:
             start, end = models
             return cls({Op.FS: start, Op.BE: start, Op.FE: end, Op.BS: end},
-                       frozenset({Op.FS, Op.FE}), frozenset({Op.FE}))
+                       frozenset({Op.FS, Op.FE}), frozenset({Op.FE}), (start, end))
         (chunk,) = models
         first, last = stage == 0, (stage == num_stages - 1 and not u_shape)
         return cls({Op.F: chunk, Op.B: chunk},
                    frozenset({Op.F}) if first or last else frozenset(),
-                   frozenset({Op.F}) if last else frozenset())
+                   frozenset({Op.F}) if last else frozenset(), (chunk,))
 
 
 @dataclass
@@ -105,7 +106,10 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         inp, out = saved.pop((_BACKWARD_OF[a.op], a.mb))
         grad = None if a.op is Op.BS or (a.op is Op.B and Op.F in roles.computes_loss) \
             else ready.pop((BACKWARD, a.mb))
-        in_grad = backward_step(inp, out, grad, ModelType.encoder_or_decoder, config)
+        # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
+        # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
+        with _no_sync(config, roles, a, num_microbatches):
+            in_grad = backward_step(inp, out, grad, ModelType.encoder_or_decoder, config)
         if in_grad is not None:
             to_send[(BACKWARD, a.mb)] = in_grad
 
@@ -144,6 +148,15 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         raise ActionError(f"step ended with unconsumed receives {sorted(posted)} or "
                           f"activations {sorted(saved)}: the action list is inconsistent")
     return result
+
+
+def _no_sync(config, roles: StageRoles, a: Action, num_microbatches: int):
+    no_sync = getattr(config, "no_sync_func", None)
+    if no_sync is None or a.mb == num_microbatches - 1:
+        return contextlib.nullcontext()
+    if isinstance(no_sync, list):  # one per chunk, in the order of the stage's models
+        no_sync = no_sync[roles.models.index(roles.chunks[a.op])]
+    return no_sync()
 
 
 def _label(a: Action):

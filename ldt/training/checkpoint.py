@@ -1,7 +1,8 @@
 """Checkpoints: what a run saves, gathered collectively; the files are :mod:`checkpoint_files`'s.
 
-Each stage leader gathers its stage's TP shards (model and AdamW state) into full tensors under
-global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
+Each stage leader gathers its stage's TP shards (model, the optimizer's fp32 main params and
+moments, first gathered over the DP ranks when the distributed optimizer shards them) into full
+tensors under global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
 checksums: :func:`ldt.training.checkpoint_files.write_part`). When every part is in place, rank
 0 writes ``model.json`` (the ModelConfig, which :func:`check_compatible` compares) and seals
 the folder (``checkpoint.json`` with the step and the checksums of its top-level files, then
@@ -69,17 +70,22 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
     target = step_dir(root, step)
     from ldt.models.sharding import is_gated
 
+    from ldt.training.optim import param_state
+
     model_sd, optim_sd = {}, {}
     gated = is_gated(models[0])
+    states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
     for name, p in _named_params(models, chunks):
         full = _gather_full(name, p, state, gated)
-        st = optimizer.state.get(p, {})
-        moments = {k: _gather_full(name, st[k], state, gated)
-                   for k in ("exp_avg", "exp_avg_sq") if k in st}
+        if optimizer is not None and id(p) not in states:
+            states[id(p)] = param_state(optimizer, p, state.dp_group)
+        st = states.get(id(p))
+        tensors = {k: _gather_full(name, v, state, gated) for k, v in (st or {}).items()
+                   if k != "step"}
         if state.is_leader:
             model_sd[name] = full
-            if moments:
-                optim_sd[name] = {**moments, "step": torch.as_tensor(st["step"]).clone()}
+            if st is not None:
+                optim_sd[name] = {**tensors, "step": st["step"]}
     error = None
     if state.is_leader and state.info.dp_rank == 0:
         try:
@@ -124,7 +130,7 @@ def _all_errors(error: Optional[str], group) -> list[str]:
 
 def write_tensors(target: str, part: int, tensors: dict, step: int,
                   optim: Optional[dict] = None) -> str:
-    """Write ``target/stage_<part>``: full tensors under global names (and their AdamW state),
+    """Write ``target/stage_<part>``: full tensors under global names (and their optimizer state),
     atomically and with checksums (:func:`ldt.training.checkpoint_files.write_part`; raises
     its DiskFullError). Loads read every ``stage_*`` folder, so a writer may split a model
     into any number of parts."""
@@ -138,9 +144,13 @@ def mark_complete(target: str, step: int) -> None:
     files.seal(target, {"step": step})
 
 
-def load(path: str, models, chunks, optimizer, state, *, verified: bool = False) -> int:
-    """Fill this rank's chunks and AdamW state from a checkpoint; returns the next step.
-    ``optimizer=None`` (``train.load``): weights only, whatever optimizer state it holds.
+def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
+         weights_only: bool = False) -> int:
+    """Fill this rank's chunks and optimizer state (a :class:`~ldt.training.optim.StageOptimizer`:
+    fp32 main params and moments, sliced to this rank's TP shard and, with the distributed
+    optimizer, to its DP shard) from a checkpoint; returns the next step. ``weights_only``
+    (``train.load``): the weights (the main params start from them), whatever optimizer state
+    it holds; ``optimizer=None``: weights alone.
     Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`).
     The files this rank reads are checked against their checksums unless ``verified`` (the
     launcher checked the whole checkpoint already)."""
@@ -157,8 +167,13 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False)
         raise CheckpointError(
             f"train.resume={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
+    from ldt.training.optim import load_param_state, reload_main_params, state_keys
+
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
     wanted = dict(_named_params(models, chunks))
+    with_state = optimizer is not None and not weights_only
+    kinds = state_keys(optimizer) if with_state else ()
+    states = {}
     step = None
     for stage_dir in files.parts(found):
         reader = FileSystemReader(os.path.join(found, stage_dir))
@@ -175,9 +190,10 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False)
         sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
                                        dtype=keys[f"model.{n}"].properties.dtype)
                         for n in names},
-              "optim": {n: {k: torch.empty(keys[f"model.{n}"].size)
-                            for k in ("exp_avg", "exp_avg_sq")} | {"step": torch.zeros(())}
-                        for n in names if optimizer is not None and f"optim.{n}.exp_avg" in keys},
+              "optim": {n: {k: torch.empty(keys[f"optim.{n}.{k}"].size)
+                            for k in (*kinds, "main_param") if f"optim.{n}.{k}" in keys}
+                        | {"step": torch.zeros(())}
+                        for n in names if with_state and f"optim.{n}.{kinds[0]}" in keys},
               "step": 0}
         dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
                  no_dist=True)
@@ -187,17 +203,16 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False)
                 p = wanted.pop(n)
                 p.copy_(shard_into(n, sd["model"][n], p.shape, tp, tp_rank, gated=gated))
                 if n in sd["optim"]:
-                    o = sd["optim"][n]
-                    optimizer.state[p] = {
-                        "step": o["step"].clone(),
-                        "exp_avg": shard_into(n, o["exp_avg"], p.shape, tp, tp_rank,
-                                              gated=gated).clone(),
-                        "exp_avg_sq": shard_into(n, o["exp_avg_sq"], p.shape, tp, tp_rank,
-                                                 gated=gated).clone()}
+                    states[p] = {k: shard_into(n, v, p.shape, tp, tp_rank, gated=gated)
+                                 if k != "step" else v for k, v in sd["optim"][n].items()}
     if wanted:
         raise CheckpointError(
             f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is for another "
             "model (check model.* against the run that saved it)")
+    if optimizer is not None:
+        reload_main_params(optimizer)  # main params from the weights, then the saved ones
+        for p, tensors in states.items():
+            load_param_state(optimizer, p, tensors)
     return int(step) + 1
 
 

@@ -3,8 +3,9 @@
 Flow (one owner per piece): config -> :func:`ldt.validate.validate` (topology) ->
 :func:`ldt.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.models.build` + :mod:`ldt.models.init`
 (this stage's chunks) -> schedule (megatron's 1F1B / interleaved through the patched
-``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.training.optim` (DP all-reduce,
-global norm, clip) -> AdamW step. Only data stages build a :class:`~ldt.data.bytes.TextData`.
+``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.training.optim`
+(megatron-core's DDP gradient reduce, ``finalize_model_grads``, optimizer with the global norm
+and clipping, lr schedule). Only data stages build a :class:`~ldt.data.bytes.TextData`.
 After every step all ranks agree (:mod:`ldt.training.guard`) whether to stop (a signal, a
 non-finite loss, a failed save), so they stop together; the reporting rank writes the step's
 row (:mod:`ldt.training.outputs`) as it ends. Every phase is marked in this rank's progress
@@ -22,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from ldt import progress
-from ldt.config import DataConfig, TrainConfig, to_cluster, to_model
+from ldt.config import DataConfig, TrainConfig, to_cluster, to_model, to_train
 from ldt.training.guard import (StepGuard, StopSignals, nonfinite_stop, peak_memory_gib,
                                 save_failed_stop, signal_stop)
 from ldt.training.outputs import gather_timings, write_outputs
@@ -31,7 +32,7 @@ from ldt.training.stage import build_stage_models, make_forward_step
 
 def parse(cfg: dict) -> SimpleNamespace:
     return SimpleNamespace(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
-                           train=TrainConfig(**cfg["train"]),
+                           train=to_train(cfg["train"]),
                            data=DataConfig(**cfg.get("data", {})),
                            reference=bool(cfg.get("reference", False)))
 
@@ -58,8 +59,8 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         observers = _observers(c.train, run_dir, rank)
         if observe is not None:
             observers += observe(rank, topo, run_dir)
-        names = ((["cpu_shims", "rope_cpu"] if stage.device == "cpu" else [])
-                 + ["schedules", "sequence_parallel_norms"])
+        cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
+        names = cpu + ["schedules", "sequence_parallel_norms"]
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
@@ -94,10 +95,8 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
 
     from ldt.data import build_training_data
     from ldt.privacy.defence import send_transforms
-    from ldt.training.optim import (allreduce_dp_grads, allreduce_tied_grads, clip_grads,
-                                    global_grad_norm, lr_lambda)
+    from ldt.training.optim import build_stage_optimizer, skip_to
     from ldt.schedule.forward_backward import run_step
-    from ldt.training.sequence_parallel import allreduce_sequence_parallel_grads
 
     from ldt.training import checkpoint
 
@@ -105,19 +104,20 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     record = progress.current()
     models = build_stage_models(c, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
-    params = list({id(p): p for g in models for p in g.parameters()}.values())  # tied: once
-    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.lr, t.min_lr))
+    shared = len({id(p) for g in models for p in g.parameters()}) < \
+        sum(1 for g in models for _ in g.parameters())  # U-shape edge: tied embedding + head
+    opt = build_stage_optimizer(c, topo, state, models, shared_chunks=shared)
     first_step = 0
     if t.resume:
         record.begin("loading the checkpoint")
         first_step = checkpoint.load(t.resume, models, chunks, opt, state,
                                      verified=resume_verified)
-        sched.last_epoch = first_step - 1
-        sched.step()  # learning rate of first_step
+        skip_to(opt, first_step)  # learning rate of first_step
     elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
         record.begin("loading the checkpoint")
-        checkpoint.load(t.load, models, chunks, None, state, verified=resume_verified)
+        checkpoint.load(t.load, models, chunks, opt, state, verified=resume_verified,
+                        weights_only=True)
+    models = opt.chunks  # what the schedule runs: DDP (and Float16Module) wrapped
     data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
     forward_step = make_forward_step(c.model.seq_length)
@@ -153,26 +153,15 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         record.step(step)
         for obs in observers:
             obs.new_step(step)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         t0 = time.perf_counter()
         record.begin("forward-backward" + ("" if ldt_runtime else " (megatron's schedule)"))
         losses, timed = pipeline_pass(lambda: data.step_iterator(step))
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
-        # sequence parallelism's partial norm / bias grads (megatron's finalize_model_grads
-        # does this once its DDP is in, #14)
-        allreduce_sequence_parallel_grads(models, state.tp_group)
-        record.begin("data-parallel grad all-reduce", waiting=True)
-        allreduce_dp_grads(params, state)
-        record.begin("tied embedding grad all-reduce", waiting=True)
-        allreduce_tied_grads(models, state)
-        record.begin("global grad norm", waiting=True)
-        norm = global_grad_norm(params, state)
-        record.begin("optimizer step")
-        clip_grads(params, t.clip_grad, norm)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
+        record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
+                     waiting=True)
+        lr, norm, _ = opt.step()
         loss = None
         if state.stage == topo.loss_stage():
             record.begin("loss all-reduce", waiting=True)
@@ -198,7 +187,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         saved = None
         if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
             record.begin("saving a checkpoint", waiting=True)
-            result = checkpoint.save(run_dir, step, models, chunks, opt, state, info=info,
+            result = checkpoint.save(run_dir, step, opt.models, chunks, opt, state, info=info,
                                      model=c.model, keep_last=t.keep_last, group=guard.group)
             if result.error:
                 stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)

@@ -1,104 +1,269 @@
-"""Optimizer step pieces that must know the VTP layout: DP gradient all-reduce and the
-global gradient norm across stages whose TP sizes differ.
+"""The optimizer of one stage: megatron-core's DDP, optimizer and lr schedule over VTP stages.
 
-Norm rule: a parameter megatron marks ``tensor_model_parallel`` is sharded, so its squares
-are summed over the stage's TP group; a replicated one (norms, row-parallel biases, position
-embeddings) is counted once, not TP-size times. Stage totals are then summed over the stage
-leaders (gloo, since stages may sit on different device types) and broadcast in each stage.
+Each stage's chunks are wrapped as a Megatron training script wraps them: ``Float16Module``
+(bf16/fp16), then megatron-core's ``DistributedDataParallel`` with the stage's own
+data-parallel group (VTP: the DP group of (stage, TP rank) across replicas); the optimizer is
+``get_megatron_optimizer`` (Adam or SGD, fp32 main params, fp16 loss scaling, the distributed
+optimizer) and the learning rate megatron's ``OptimizerParamScheduler`` (linear warmup, cosine
+decay to ``min_lr``). Every group comes from ``state.pg_collection()``. After the backward pass
+megatron's ``finalize_model_grads`` reduces the DP gradients and sums a tied embedding's two
+copies over ldt's embedding group (which reshards between the two stages' TP sizes).
+
+The only piece megatron-core cannot do itself is the cross-stage part of the global gradient
+norm (and of fp16's found-inf flag). Megatron reduces the squared norm over one group:
+``pg.mp`` (``pg.intra_dist_opt`` with the distributed optimizer), filtering TP duplicates
+through the local ``pg.tp``, which is right for stages of different TP sizes. But with VTP that
+group spans stages that may run different device types and backends (an NCCL and an HCCL stage
+cannot share a native group). So that group is ldt's
+:class:`~ldt.cross_stage.StageHierarchyGroup`: a stage-local leg on the stage's own group plus
+one host-staged leg between the stage leaders over gloo. That group is the seam; the rest of
+megatron's optimizer, clipping included, runs untouched.
 """
 
 from __future__ import annotations
 
-import math
+import functools
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-from ldt.vdp_transport import counts_in_norm
 
 
-def allreduce_dp_grads(params: list[torch.nn.Parameter], state) -> None:
-    """Average gradients over data-parallel replicas (one flat all-reduce); with per-stage DP
-    then scaled by :func:`ldt.schedule.routing.grad_factor` (the uniform-DP gradient)."""
-    from ldt.schedule.routing import grad_factor
+@dataclass
+class StageOptimizer:
+    """What the training loop of one rank steps.
 
-    topo = state.topology
-    dp = topo.dp_of(state.stage)
-    factor = grad_factor(dp, topo.dp_of(topo.loss_stage()))
-    if dp == 1 and factor == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = _flatten_dense_tensors(grads)
-    if dp > 1:
-        dist.all_reduce(flat, group=state.dp_group)
-    if factor == 1:
-        flat /= dp
+    ``chunks``: what the schedule runs (one per model chunk, in order); ``ddp``: the DDP
+    modules holding the gradient buffers (one per chunk, or one for the whole stage when two
+    chunks share a parameter: the U-shape edge's tied embedding and head); ``models``: the
+    bare GPT chunks (names, checkpoints)."""
+
+    chunks: list
+    ddp: list
+    models: list
+    optimizer: object
+    scheduler: object
+    pg_collection: object
+    grad_factor: float = 1.0  # per-stage DP: ldt.schedule.routing.grad_factor (1 otherwise)
+
+    def zero_grad(self) -> None:
+        for d in self.ddp:
+            d.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step(self) -> tuple[float, float, bool]:
+        """Reduce the gradients (DP, tied embedding), clip, step; -> (lr used, global grad
+        norm, whether the update was applied: fp16 skips a step with inf/nan gradients)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(self.ddp, pg_collection=self.pg_collection)
+        if self.grad_factor != 1.0:  # per-stage DP: the uniform-DP gradient (routing.py)
+            for d in self.ddp:
+                d.scale_gradients(self.grad_factor)
+        lr = self.lr()
+        applied, norm, _ = self.optimizer.step()
+        if applied:
+            self.scheduler.step(increment=1)
+        return lr, float(norm) if norm is not None else float("nan"), bool(applied)
+
+
+@functools.cache
+def _float16_module():
+    from megatron.core.transformer.module import Float16Module
+
+    class StageFloat16Module(Float16Module):
+        """megatron's Float16Module, upcasting the output to fp32 only on a chunk with the
+        head. Megatron upcasts on the last pipeline stage, which in a U-shape is a cloud
+        stage that sends its 16-bit activations on to the edge (fp32 there would not match
+        the edge's 16-bit receive buffer: gloo's "32768 vs 16384" size mismatch)."""
+
+        def forward(self, *inputs, fp32_output=True, **kwargs):
+            head = getattr(self.module, "post_process", True)
+            return super().forward(*inputs, fp32_output=fp32_output and head, **kwargs)
+
+    return StageFloat16Module
+
+
+def main_params_in_fp32(model, train) -> bool:
+    """``train.fp32_main_params`` with its default: true for bf16/fp16 (fp32 has no copy)."""
+    if model.params_dtype == "float32":
+        return False
+    return True if train.fp32_main_params is None else bool(train.fp32_main_params)
+
+
+def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> StageOptimizer:
+    """Wrap this stage's ``models`` and build megatron-core's optimizer for them.
+    ``shared_chunks``: two chunks hold the same parameter (one DDP for the stage)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ldt.models.build import DTYPES
+
+    t, dtype = c.train, DTYPES[c.model.params_dtype]
+    fp32_main = main_params_in_fp32(c.model, t)
+    pgs = state.pg_collection()
+    chunks = [_float16_module()(m.config, m) if dtype != torch.float32 else m for m in models]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=fp32_main or dtype == torch.float32,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        use_distributed_optimizer=t.distributed_optimizer,
+        bucket_size=t.ddp_bucket_size,
+        average_in_collective=False)
+
+    def wrap(module, config):
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                       pg_collection=pgs)
+
+    if shared_chunks:  # one buffer, each shared parameter once
+        ddp = [wrap(torch.nn.ModuleList(chunks), models[0].config)]
+        run = chunks
+        no_sync = ddp[0].no_sync
     else:
-        flat *= factor / dp
-    for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+        ddp = run = [wrap(ch, m.config) for ch, m in zip(chunks, models)]
+        no_sync = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
+    opt_config = OptimizerConfig(
+        optimizer=t.optimizer.name, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.optimizer.adam_beta1, adam_beta2=t.optimizer.adam_beta2,
+        adam_eps=t.optimizer.adam_eps, sgd_momentum=t.optimizer.sgd_momentum,
+        clip_grad=t.clip_grad, params_dtype=dtype,
+        bf16=fp32_main and dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
+        use_distributed_optimizer=t.distributed_optimizer)
+    optimizer = get_megatron_optimizer(opt_config, ddp, use_gloo_process_groups=False,
+                                       pg_collection=pgs)
+    factor = 1.0
+    if topo.is_vdp:
+        from ldt.schedule.routing import grad_factor
+
+        factor = grad_factor(topo.dp_of(state.stage), topo.dp_of(topo.loss_stage()))
+        if not t.distributed_optimizer:
+            # pg.mp is one replica's ranks, but per-stage DP has no replica that spans the
+            # stages evenly: the statistics go over every rank, each stage counted once
+            # (the distributed optimizer's pg.intra_dist_opt already sums each shard once)
+            for opt in [optimizer, *getattr(optimizer, "chained_optimizers", [])]:
+                opt.grad_stats_parallel_group = state.grad_stats_group
+    for m in models:  # what megatron's training loop sets on the model config
+        m.config.grad_scale_func = optimizer.scale_loss
+        m.config.no_sync_func = no_sync if t.overlap_grad_reduce else None
+        m.config.finalize_model_grads_func = None  # the step calls it (every runtime alike)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps, lr_decay_steps=max(t.steps, t.warmup_steps + 1),
+        lr_decay_style="cosine", start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.steps, wd_incr_style="constant")
+    # Step k trains at the schedule's value after k + 1 increments: warmup ramps lr/warmup,
+    # 2 lr/warmup, ..., so the first step is not spent at lr 0.
+    scheduler.step(increment=1)
+    return StageOptimizer(chunks=run, ddp=ddp, models=models, optimizer=optimizer,
+                          scheduler=scheduler, pg_collection=pgs, grad_factor=factor)
 
 
-def allreduce_tied_grads(models, state) -> None:
-    """Sum the gradients of a tied embedding and head that sit on different stages, over
-    megatron's embedding group (ldt's: it reshards between the two stages' TP sizes)."""
-    if state.embd_group is None or state.embd_group.size() < 2:
-        return
-    for gpt in models:
-        if getattr(gpt, "share_embeddings_and_output_weights", False):
-            weight = gpt.shared_embedding_or_output_weight()
-            if weight is not None and weight.grad is not None:
-                dist.all_reduce(weight.grad, group=state.embd_group)
+def skip_to(stage_opt: StageOptimizer, step: int) -> None:
+    """Advance the lr schedule to ``step`` (a resume)."""
+    if step:
+        stage_opt.scheduler.step(increment=step)
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], state) -> float:
-    """The L2 norm of the whole model's gradient, each parameter counted once (a tied
-    head's copy of the embedding, marked ``shared``, is skipped)."""
-    device = params[0].device if params else torch.device("cpu")
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is None or getattr(p, "shared", False):
+# ---- optimizer state as full (TP-local) tensors per parameter: checkpoints ----------------
+def _inner(optimizer):
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return optimizer
+    if len(chained) != 1:
+        raise NotImplementedError(f"{len(chained)} chained optimizers (expert parameters?): "
+                                  "ldt's checkpoints handle one")
+    return chained[0]
+
+
+def _locate(opt, param):
+    """(main tensor or None, its optimizer state dict, (start, end) in the param's flat
+    elements or None for the whole param) of ``param`` on this rank."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if isinstance(opt, DistributedOptimizer):
+        if param not in opt.model_param_gbuf_map:  # no element of it is this rank's
+            return None, {}, (0, 0)
+        rng = opt._get_model_param_range_map(param)["param"]
+        if param not in opt.model_param_group_index_map:
+            return None, {}, (rng.start, rng.end)
+        gi, go = opt.model_param_group_index_map[param]
+        main = opt.optimizer.param_groups[gi]["params"][go]
+        return main, opt.optimizer.state.setdefault(main, {}), (rng.start, rng.end)
+    main = getattr(param, "main_param", None)
+    main = param if main is None else main
+    return main, opt.optimizer.state.setdefault(main, {}), None
+
+
+def state_keys(stage_opt: StageOptimizer) -> tuple[str, ...]:
+    """The per-parameter tensors of this optimizer kind (besides the main param)."""
+    return ("exp_avg", "exp_avg_sq") if _inner(stage_opt.optimizer).config.optimizer == "adam" \
+        else ("momentum_buffer",)
+
+
+def has_main_params(stage_opt: StageOptimizer) -> bool:
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    return not isinstance(_inner(stage_opt.optimizer), FP32Optimizer)
+
+
+def param_state(stage_opt: StageOptimizer, param, dp_group) -> Optional[dict]:
+    """This TP rank's full tensors (``main_param`` when the optimizer keeps one, and the
+    optimizer's moments, fp32) and ``step`` of ``param``, gathered over the data-parallel
+    ranks when the distributed optimizer shards them; None before the first step."""
+    opt = _inner(stage_opt.optimizer)
+    main, st, span = _locate(opt, param)
+    keys = state_keys(stage_opt)
+    names = (("main_param",) if has_main_params(stage_opt) else ()) + keys
+    present = torch.tensor([1.0 if keys[0] in st else 0.0, float(st.get("step", 0))],
+                           dtype=torch.float64)
+    if span is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=dp_group)
+    if not present[0]:
+        return None
+    out = {}
+    for name in names:
+        local = main if name == "main_param" else st.get(name)
+        if span is None:
+            out[name] = local.detach().float().view(param.shape).clone()
             continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if getattr(p, "tensor_model_parallel", False):
-            sharded += sq
-        else:
-            replicated += sq
-    tp = len(state.stage_ranks)
-    if tp > 1:
-        dist.all_reduce(sharded, group=state.tp_group)
-    stage_sq = (sharded + replicated).reshape(1)
-    if not counts_in_norm(state):  # per-stage DP: one group of every replica's leaders
-        stage_sq.zero_()
-    if state.topology.num_stages > 1:
-        total = stage_sq.cpu()
-        if state.is_leader:
-            dist.all_reduce(total, group=state.leader_group)
-        total = total.to(device)
-        if tp > 1:
-            dist.broadcast(total, src=state.stage_ranks[0], group=state.tp_group)
-        stage_sq = total
-    return math.sqrt(float(stage_sq.item()))
+        flat = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if local is not None:
+            flat[span[0]:span[1]] = local.detach().float().view(-1)
+        dist.all_reduce(flat, group=dp_group)  # each element is owned by one DP rank
+        out[name] = flat.view(param.shape)
+    out["step"] = torch.tensor(present[1].item())
+    return out
 
 
-def clip_grads(params: list[torch.nn.Parameter], max_norm: float, norm: float) -> None:
-    if max_norm > 0 and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+def load_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
+    """Set ``param``'s main copy and optimizer state from this TP rank's full tensors
+    (``main_param`` optional: absent, the main copy is the loaded weight)."""
+    opt = _inner(stage_opt.optimizer)
+    main, st, span = _locate(opt, param)
+    if main is None:
+        return  # the distributed optimizer keeps no shard of it on this rank
+
+    def local(t):
+        t = t.to(device=main.device, dtype=torch.float32)
+        return t.reshape(-1)[span[0]:span[1]].clone() if span is not None else \
+            t.reshape(main.shape).clone()
+
+    with torch.no_grad():
+        if "main_param" in tensors and main is not param:
+            main.copy_(local(tensors["main_param"]).view(main.shape))
+        for k in state_keys(stage_opt):
+            if k in tensors:
+                st[k] = local(tensors[k]).to(main.dtype).view(main.shape)
+        if "step" in tensors and "exp_avg" in st:
+            st["step"] = torch.as_tensor(float(tensors["step"]))
 
 
-def lr_lambda(warmup: int, total: int, lr: float, min_lr: float):
-    """Linear warmup, then cosine decay to min_lr (as a factor of lr, for LambdaLR)."""
-    floor = min_lr / lr if lr > 0 else 0.0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
+def reload_main_params(stage_opt: StageOptimizer) -> None:
+    """Copy the (just loaded) model weights into the fp32 main params."""
+    if has_main_params(stage_opt):
+        stage_opt.optimizer.reload_model_params()

@@ -66,7 +66,8 @@ def tie_embeddings(chunks, models, state) -> None:
     megatron's own scheme: the last stage keeps a copy, zeroed and then filled by an
     all-reduce over the embedding group (ldt's reshards between the two stages' TP sizes);
     the copy is marked ``shared`` (counted once in the gradient norm), and the gradients are
-    summed over the same group every step (:func:`ldt.training.optim.allreduce_tied_grads`).
+    summed over the same group every step (megatron's ``finalize_model_grads``, called by
+    :meth:`ldt.training.optim.StageOptimizer.step`).
     """
     import torch.distributed as dist
 
