@@ -36,8 +36,11 @@ pytestmark = pytest.mark.skipif(hosts.unavailable() is not None,
 RANKS = [1, 2, 1]  # cpu_demo: one stage per host
 STEPS, SAVE_EVERY = 6, 3
 PARITY = 1e-5
+# warmup spans the steps before the first checkpoint: the cut run (train.steps=1000) trains
+# them as the 6-step runs do (after warmup the cosine decay depends on train.steps)
 OVERRIDES = ["cluster=cpu_demo", "train.prefetch=1", "cluster.link_delay_ms=[2,0,2]",
-             "train.num_microbatches=4", f"train.save_every={SAVE_EVERY}"]
+             "train.num_microbatches=4", f"train.save_every={SAVE_EVERY}",
+             f"train.warmup_steps={SAVE_EVERY}"]
 
 
 def _train(net, run_dir, *extra, comm_timeout=10):

@@ -110,7 +110,9 @@ MESSAGE_CALLS = (
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
     "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
     "send_object_list", "recv_object_list")
-TRANSPORT = "ldt.p2p"  # the boundary transport: its tensors are CommAudit's activations/gradients
+# the boundary transport (the leader link; the TP broadcast / sequence gather and scatter of
+# the same tensors): its tensors are CommAudit's activations and gradients
+TRANSPORT = ("ldt.p2p", "ldt.boundary_layout")
 # a stage's own tensor-parallel math (inside one stage's TP group): activations and gradients
 # that never leave the stage, hundreds per step; not recorded
 STAGE_COMPUTE = "megatron.core.tensor_parallel."
@@ -124,7 +126,7 @@ class MessageTap:
 
     Wraps the ``torch.distributed`` functions in :data:`MESSAGE_CALLS` (callers look them up
     as ``torch.distributed.NAME`` / ``dist.NAME`` at call time, megatron-core included) until
-    :meth:`close`. A call from :data:`TRANSPORT` is the boundary transport and is left to
+    :meth:`close`. A call from a :data:`TRANSPORT` module is the boundary transport, left to
     :class:`CommAudit`'s boundary records. On a cloud rank, an audit hook records files opened
     outside the Python installation, the code on ``sys.path``, ``/proc``, ``/sys``, ``/dev``
     and ``ignore_files_under`` (the run folder), and every tokenizer ldt loads.
@@ -166,7 +168,7 @@ class MessageTap:
         def call(*args, **kwargs):
             caller = sys._getframe(1)
             module = caller.f_globals.get("__name__", "?")
-            if getattr(self._local, "inside", False) or module == TRANSPORT:
+            if getattr(self._local, "inside", False) or module in TRANSPORT:
                 return fn(*args, **kwargs)
             self._local.inside = True
             try:
