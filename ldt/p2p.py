@@ -4,8 +4,10 @@ Only a stage's leader (TP rank 0) talks to neighbouring stages, over that bounda
 (see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group
 (boundary activations and their gradients are replicated on every TP rank of a stage), or,
 with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
-its sequence slices on the leader (:mod:`ldt.boundary_layout`). A boundary the device layer marks host-staged
-(different device types) copies to CPU, sends over gloo, and copies back to the device.
+its sequence slices on the leader (:mod:`ldt.boundary_layout`). A boundary the device layer
+marks host-staged (different device types) copies to CPU, sends over gloo, and copies back to
+the device. The handles a transfer returns (wait semantics, link delay, the boundary's error)
+are :mod:`ldt.boundary_work`'s.
 
 :class:`VtpCommunicator` subclasses megatron-core's ``P2PCommunicator`` and overrides only
 ``_communicate``, the one hook every public send/recv method goes through, so megatron's
@@ -15,8 +17,6 @@ schedules run unmodified on top of it.
 from __future__ import annotations
 
 import os
-import sys
-import threading
 import time
 from typing import Optional, Protocol
 
@@ -25,9 +25,13 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ldt.boundary_layout import SequenceLayout, recv_shape, send_shape
+from ldt.boundary_work import BoundaryError, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
 from ldt.device import torch_device
 from ldt.parallel_state import VtpState, get_vtp_state
+
+__all__ = ["BoundaryError", "BoundaryObserver", "VtpCommunicator", "vtp_recv_backward",
+           "vtp_recv_forward", "vtp_send_backward", "vtp_send_forward"]
 
 FORWARD, BACKWARD = "F", "B"
 _TAGS = {FORWARD: 1, BACKWARD: 2}  # distinct per direction; groups are per boundary as well
@@ -39,129 +43,6 @@ class BoundaryObserver(Protocol):
     def on_send(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
 
     def on_recv(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
-
-
-class BoundaryError(RuntimeError):
-    """A send or receive across a stage boundary failed (peer gone, link down, timeout); the
-    message names the boundary's stages, the direction and the peer rank."""
-
-
-class _SendWork:
-    """The leader's isend(s); keeps the sent buffer alive until waited."""
-
-    def __init__(self, works: list, keep_alive: torch.Tensor, what: str = "send"):
-        self._works, self._keep_alive, self._what = works, keep_alive, what
-        self._posted = time.monotonic()
-
-    def wait(self) -> None:
-        try:
-            for w in self._works:
-                w.wait()
-        except Exception as exc:
-            raise _boundary_error(self._what, self._posted, exc) from exc
-        self._works, self._keep_alive = [], None
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-
-class _VTPRecvWork:
-    """A posted boundary receive. ``wait()``: the leader's irecv, then the stage broadcast.
-
-    On the leader, ``wait()`` first waits its irecv(s) (and copies host-staged data to the
-    device); then every rank of the stage joins the broadcast from the leader, skipped for a
-    one-rank stage. Ranks of a stage run the same schedule, so they wait in the same order.
-    """
-
-    def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
-                 stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
-                 what: str = "receive", delay_s: float = 0.0,
-                 layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None):
-        self.tensor = tensor
-        # a sequence-parallel stage: the leader receives ``full`` and scatters it
-        self._layout, self._full = layout, full
-        self._works, self._tp_group, self._leader = works, tp_group, leader
-        self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
-        self._done, self._what, self._posted = False, what, time.monotonic()
-        self._delay = _LinkDelay(works, delay_s) if delay_s > 0 and works else None
-
-    def wait(self) -> None:
-        if self._done:
-            return
-        try:
-            if self._delay is not None:
-                self._delay.wait()  # it waited the works (a gloo work must be waited once)
-            else:
-                for w in self._works:
-                    w.wait()
-            buf = self.tensor.detach()
-            whole = buf if self._full is None else self._full
-            if self._staged is not None:
-                whole.copy_(self._staged)
-            if self._layout is not None:  # broadcast, or the sequence scatter
-                self._layout.distribute(self._full, buf, self._tp_group, self._leader)
-            elif self._stage_size > 1:  # a non-leader's receive is this broadcast
-                dist.broadcast(buf, src=self._leader, group=self._tp_group)
-        except Exception as exc:
-            raise _boundary_error(self._what, self._posted, exc) from exc
-        self._done = True
-        if self._on_ready is not None:
-            self._on_ready(self.tensor if self._full is None else self._full)
-
-    def is_completed(self) -> bool:
-        return self._done
-
-
-class _LinkDelay:
-    """``cluster.link_delay_ms``: deliver a received message ``delay_s`` late (measurement tool).
-
-    Only the receiver's clock is used (hosts' clocks differ): a helper thread waits the leader's
-    irecv and notes when the message arrived; :meth:`wait` returns no earlier than
-    ``max(arrival + delay, posted + 2 * delay)``. The first term is the link's one-way delay on
-    the data. The second is gloo's rendezvous (its TCP transport sends a message only once the
-    receiver's "ready" notice reached the sender): a receive posted after the sender was ready
-    costs a round trip from the post on a real link, whatever the local arrival says. The
-    sender and the receiver's other work are never blocked; only the WAIT that consumes the
-    message is. Measured lateness with the receiver busy in Python: ~1.3 ms (5 ms before the
-    switch interval was shortened).
-    """
-
-    SWITCH_INTERVAL_S = 2e-4
-
-    def __init__(self, works: list, delay_s: float):
-        # The helper needs the GIL to note the arrival; with Python's default switch interval
-        # (5 ms) a main thread in pure-Python code held it long enough to make the delay ~5 ms
-        # late (measured). A short interval costs nothing while no other thread wants the GIL.
-        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
-            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
-        self.delay_s, self.posted = delay_s, time.monotonic()
-        self.arrived: Optional[float] = None
-        self.error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._watch, args=(works,), daemon=True,
-                                        name="ldt-link-delay")
-        self._thread.start()
-
-    def _watch(self, works: list) -> None:
-        try:
-            for w in works:
-                w.wait()
-            self.arrived = time.monotonic()
-        except BaseException as exc:  # re-raised by wait() on the main thread
-            self.error = exc
-
-    def wait(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-        due = max(self.arrived + self.delay_s, self.posted + 2 * self.delay_s)
-        pause = due - time.monotonic()
-        if pause > 0:
-            time.sleep(pause)
-
-
-def _boundary_error(what: str, posted: float, exc: Exception) -> BoundaryError:
-    return BoundaryError(f"{what} failed {time.monotonic() - posted:.1f} s after it was posted "
-                         f"({type(exc).__name__}: {exc})")
 
 
 class VtpCommunicator(P2PCommunicator):
@@ -214,7 +95,7 @@ class VtpCommunicator(P2PCommunicator):
 
     # ---- leader transport --------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, peer_stage: int, direction: str,
-             peer_replica: Optional[int] = None) -> Optional[_SendWork]:
+             peer_replica: Optional[int] = None) -> Optional[SendWork]:
         """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader.
         Every rank of the stage calls it: a sequence-parallel stage gathers on the leader.
         ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
@@ -244,11 +125,11 @@ class VtpCommunicator(P2PCommunicator):
                 keep.append(buf)
             works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
         except Exception as exc:
-            raise _boundary_error(what, time.monotonic(), exc) from exc
-        return _SendWork(works, keep, what)
+            raise boundary_error(what, time.monotonic(), exc) from exc
+        return SendWork(works, keep, what)
 
     def recv(self, shape, peer_stage: int, direction: str,
-             peer_replica: Optional[int] = None) -> tuple[torch.Tensor, _VTPRecvWork]:
+             peer_replica: Optional[int] = None) -> tuple[torch.Tensor, RecvWork]:
         """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``.
         ``shape``: this rank's, as megatron's schedules give it (the sequence slice on a
         sequence-parallel stage); with variable_seq_lengths the peer's message says it.
@@ -274,7 +155,7 @@ class VtpCommunicator(P2PCommunicator):
                 whole_shape = layout.share_shape(got, self.state.tp_group,
                                                  self.state.stage_ranks[0], self.device)
             except Exception as exc:
-                raise _boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
+                raise boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
             shape = layout.local_shape(whole_shape)
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
         if leader:
@@ -287,7 +168,7 @@ class VtpCommunicator(P2PCommunicator):
             try:
                 works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
             except Exception as exc:
-                raise _boundary_error(what, time.monotonic(), exc) from exc
+                raise boundary_error(what, time.monotonic(), exc) from exc
             delay_s = plan.delay_ms / 1e3
         src, dst = peer_stage, self.state.stage
 
@@ -295,7 +176,7 @@ class VtpCommunicator(P2PCommunicator):
             for obs in self.observers:
                 obs.on_recv(src, dst, direction, t)
 
-        return tensor, _VTPRecvWork(
+        return tensor, RecvWork(
             tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
             stage_size=len(self.state.stage_ranks), staged=staged,
             on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
@@ -423,7 +304,7 @@ def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optiona
             if dist.get_backend(group) == "gloo" and payload.device.type != "cpu":
                 payload = payload.to("cpu")
             payload = payload.contiguous()
-            handles.append(_SendWork([dist.isend(payload, dst=rank, group=group,
+            handles.append(SendWork([dist.isend(payload, dst=rank, group=group,
                                                  tag=_TAGS[direction])], payload))
     return handles if comm.state.is_leader else None
 
@@ -460,7 +341,7 @@ def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
         if any(dist.get_backend(g) == "gloo" for g, _ in routes) and comm.device.type != "cpu":
             staged = target = torch.empty(tuple(shape), dtype=dtype, device="cpu")
         works = [dist.irecv(target, src=rank, group=g, tag=_TAGS[direction]) for g, rank in routes]
-    return tensor, _VTPRecvWork(tensor, works, tp_group=comm.state.tp_group,
+    return tensor, RecvWork(tensor, works, tp_group=comm.state.tp_group,
                                 leader=comm.state.stage_ranks[0],
                                 stage_size=len(comm.state.stage_ranks), staged=staged)
 
