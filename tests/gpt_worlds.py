@@ -161,21 +161,26 @@ def reference(rank, world, ms, seed=1234):
     return out
 
 
+def variant_topology(topo, v: dict):
+    """``topo`` with a variant's chunks per stage (``vpp``: an even layout of that many
+    chunks per stage; the U-shape keeps its own) and ``host_staging``."""
+    from ldt.layout import split_layers
+
+    layout = None if topo.u_shape else even_layout(MODEL.num_layers,
+                                                      v.get("vpp", 1) * topo.num_stages)
+    split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape, layout=layout)
+    return dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
+
+
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
     "forward_only": bool}) in one world."""
-    from ldt.layout import split_layers
-
     import ldt
     from ldt import patches
 
     results = []
     for v in variants:
-        layout = None if topo.u_shape else even_layout(MODEL.num_layers,
-                                                          v.get("vpp", 1) * topo.num_stages)
-        split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape,
-                             layout=layout)
-        t = dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
+        t = variant_topology(topo, v)
         audit = AuditLog()
         state = _setup(t, observers=[audit])
         Tripwire.touched = False

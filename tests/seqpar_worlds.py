@@ -14,7 +14,8 @@ import dataclasses
 
 import torch
 
-from gpt_worlds import MBS, MODEL, AuditLog, Tripwire, _collect, _setup, even_layout, make_batches
+from gpt_worlds import (MBS, MODEL, AuditLog, Tripwire, _collect, _setup, make_batches,
+                        variant_topology)
 
 SP_MODEL = dataclasses.replace(MODEL, sequence_parallel=True)
 
@@ -103,15 +104,10 @@ def vtp_run(rank, world, topo, full_state, m, variants):
     "host_staging": bool}) in one world."""
     import ldt
     from ldt import patches
-    from ldt.layout import split_layers
 
     results = []
     for v in variants:
-        layout = None if topo.u_shape else even_layout(MODEL.num_layers,
-                                                          v.get("vpp", 1) * topo.num_stages)
-        split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape,
-                             layout=layout)
-        t = dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
+        t = variant_topology(topo, v)
         audit = AuditLog()
         state = _setup(t, observers=[audit])
         patches.apply(["sequence_parallel_norms"])
