@@ -86,7 +86,8 @@ FP32_RUNS = {  # name: (TP per stage, dp, U-shape, train overrides)
                                                       "overlap_grad_reduce": True}),
     # per-stage DP (VDP): the gradient factor after megatron's reduce, one norm per stage
     "vdp_ushape_edge1_cloud2": ([1, 1], [1, 2], True, {}),
-    "vdp_ushape_edge1_cloud2_distopt": ([1, 1], [1, 2], True, {"distributed_optimizer": True}),
+    "vdp_ushape_edge1_cloud2_distopt_overlap": ([1, 1], [1, 2], True, {
+        "distributed_optimizer": True, "overlap_grad_reduce": True, "ddp_bucket_size": 20000}),
     "vdp_plain_dp2_1_tp1_2": ([1, 2], [2, 1], False, {}),
 }
 

@@ -81,6 +81,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
     to_send: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> tensor to send
     batches: dict[int, Any] = {}  # mb -> batch, read once, used by FS and FE
     sends = []
+    # each backward op's last micro-batch in this list (per-stage DP: a lane's micro-batches
+    # are global ids, not 0..m-1), where megatron's DDP may start its gradient reduce
+    last_backward = {a.op: a.mb for a in actions if a.op in _BACKWARD_OF}
 
     def data_for(op: Op, mb: int):
         if op not in roles.reads_data or data_iterator is None:
@@ -108,7 +111,7 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
             else ready.pop((BACKWARD, a.mb))
         # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
         # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
-        with _no_sync(config, roles, a, num_microbatches):
+        with _no_sync(config, roles, a, last_backward[a.op]):
             in_grad = backward_step(inp, out, grad, ModelType.encoder_or_decoder, config)
         if in_grad is not None:
             to_send[(BACKWARD, a.mb)] = in_grad
@@ -150,9 +153,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
     return result
 
 
-def _no_sync(config, roles: StageRoles, a: Action, num_microbatches: int):
+def _no_sync(config, roles: StageRoles, a: Action, last_mb: int):
     no_sync = getattr(config, "no_sync_func", None)
-    if no_sync is None or a.mb == num_microbatches - 1:
+    if no_sync is None or a.mb == last_mb:
         return contextlib.nullcontext()
     if isinstance(no_sync, list):  # one per chunk, in the order of the stage's models
         no_sync = no_sync[roles.models.index(roles.chunks[a.op])]
