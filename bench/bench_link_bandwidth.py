@@ -39,7 +39,7 @@ def _worker(out_path: str) -> None:
     from bench.common import timed_step
     from ldt import patches
     from ldt.config import ClusterConfig, StageConfig
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.topology import Topology
 
     dist.init_process_group("gloo")

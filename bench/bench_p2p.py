@@ -27,7 +27,7 @@ def _worker(rank, world, sizes, reps):
     import ldt
     from ldt import patches
     from ldt.config import ClusterConfig, StageConfig
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.topology import Topology
 
     cfg = type("Cfg", (), dict(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,

@@ -38,7 +38,7 @@ def _worker(rank, world, model_dict, m, reps):
     import ldt
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.patches import megatron_state
     from ldt.schedule.forward_backward import run_step
     from ldt.training.stage import make_forward_step

@@ -48,7 +48,7 @@ def _worker(out_path: str) -> None:
     from bench.common import build_chunks, make_batches, timed_step, zero_grads
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.schedule.forward_backward import run_step
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate

@@ -54,7 +54,7 @@ def _worker(rank, world, tps, model_dict, reps):
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.schedule.forward_backward import run_step
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate
 

@@ -128,10 +128,10 @@ class CrossStageGroup(dist.ProcessGroup):
         self._unsupported("reduce_scatter_tensor")
 
     def send(self, *args, **kwargs):
-        self._unsupported("send (stage boundaries go through ldt.p2p)")
+        self._unsupported("send (stage boundaries go through ldt.boundary.communicator)")
 
     def recv(self, *args, **kwargs):
-        self._unsupported("recv (stage boundaries go through ldt.p2p)")
+        self._unsupported("recv (stage boundaries go through ldt.boundary.communicator)")
 
 
 class StagePipelineGroup(CrossStageGroup):

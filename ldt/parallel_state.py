@@ -37,6 +37,7 @@ from ldt.config import ConfigError
 from ldt.cross_stage import (EmbeddingGroup, OneReplicaPerStageGroup, StageHierarchyGroup,
                              StagePipelineGroup, register, unregister)
 from ldt.device import BoundaryPlan, backend_for
+from ldt.schedule.routing import boundary_pairs
 from ldt.topology import RankInfo, Topology
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -193,9 +194,7 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
             mine["tp_dp"] = g
     boundary_groups: dict = {}
     if topology.is_vdp:  # per-stage DP: its own leader and boundary groups
-        from ldt.vdp_transport import vdp_leader_groups
-
-        vdp_leader_groups(topology, new_group, mine, boundary_groups)
+        _vdp_leader_groups(topology, new_group, mine, boundary_groups)
     for d in range(0 if topology.is_vdp else topology.dp):  # leaders: all-leader gloo group,
         # one group per boundary
         g = new_group(topology.leaders(d), "gloo")
@@ -228,6 +227,30 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
     megatron_state.install(state)
     _STATE = state
     return state
+
+
+def _vdp_leader_groups(topology, new_group, mine: dict, boundary_groups: dict) -> None:
+    """Create the per-stage-DP leader groups (ldt.boundary.lanes talks over them): one
+    two-leader group per routed replica pair of a boundary, so each pair keeps its own FIFO
+    channel as a uniform boundary does. Fill ``mine['leaders']`` (every replica's
+    leaders, gloo) and ``boundary_groups[(a, b, ra, rb)] = (plan, group)`` on the members."""
+    every_leader = [topology.leader(s, r) for s in range(topology.num_stages)
+                    for r in range(topology.dp_of(s))]
+    g = new_group(sorted(every_leader), "gloo")
+    if g is not None:
+        mine["leaders"] = g
+    # replica 0's leaders: the host leg of megatron's gradient statistics (norm, found-inf),
+    # where each stage is counted once (ldt.parallel_state: grad_stats_group, dist_opt_group)
+    g = new_group([topology.leader(s, 0) for s in range(topology.num_stages)], "gloo")
+    if g is not None:
+        mine["replica0_leaders"] = g
+    for plan in topology.boundaries():
+        a, b = plan.src_stage, plan.dst_stage
+        for ra, rb in boundary_pairs(topology.dp_of(a), topology.dp_of(b), topology.dp):
+            pair = sorted({topology.leader(a, ra), topology.leader(b, rb)})
+            g = new_group(pair, plan.backend)
+            if g is not None:
+                boundary_groups[(a, b, ra, rb)] = (plan, g)
 
 
 def _check_stages(topology: Topology, stages, default, what: str) -> list[int]:

@@ -7,11 +7,13 @@ Ranks are contiguous per stage and the data-parallel replica is outermost::
 where ``replica_size = sum(stage tp)``. With per-stage DP (VDP: stage ``s`` has ``dp_s``
 replicas, ``dp = max dp_s``) the same order holds with the missing replicas left out: replica
 ``d`` of every stage with ``dp_s > d``, in stage order, for ``d = 0 .. dp-1`` (so a uniform
-cluster keeps the formula above). World size = sum over stages of tp * dp_s. The first rank of a stage (TP rank 0) is its *leader*:
+cluster keeps the formula above). World size = sum over stages of tp * dp_s. The first rank of
+a stage (TP rank 0) is its *leader*:
 the only rank that talks to neighbouring stages. Everything else (parallel state, p2p, the
 trainer) asks this object instead of recomputing the layout.
 
-``python -m ldt.topology cluster=cpu_demo`` prints the rank map of a config.
+``python -m ldt.topology cluster=cpu_demo`` prints the rank map of a config
+(:mod:`ldt.tools.rankmap`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Optional
 
 from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
 from ldt.device import BoundaryPlan, plan_boundary
@@ -312,37 +314,8 @@ def _link_delays(value, num_stages: int, u_shape: bool) -> tuple[float, ...]:
     return tuple(values) if any(values) else ()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m ldt.topology [hydra flags] [overrides]``: print the rank map of a config.
+if __name__ == "__main__":  # the rank-map command lives with the tools: it validates, and
+    # validation sits above this module
+    from ldt.tools.rankmap import main
 
-    A Hydra app over the same ``conf/`` as ``ldt-train`` (so ``--help``, ``--cfg job`` and
-    ``--config-dir`` work alike); it validates the config (not the devices: a rank map of a
-    GPU/NPU cluster is printed on any machine) and starts nothing.
-    """
-    from ldt.hydra_app import run_app
-
-    return run_app(_print_rank_map, argv, run_folder=False)
-
-
-def _print_rank_map(cfg) -> int:
-    from hydra.core.hydra_config import HydraConfig
-
-    from ldt.hydra_app import EXIT_CONFIG
-    from ldt.validate import validate
-
-    try:
-        topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,
-                        check_devices=False)
-    except ValueError as exc:  # ConfigError, LayoutError
-        print(f"ldt: invalid config: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    choices = HydraConfig.get().runtime.choices
-    print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
-    print(topo.rank_map())
-    return 0
-
-
-if __name__ == "__main__":
-    from ldt.topology import main as _main  # this module's functions, not __main__'s copies
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -149,7 +149,7 @@ def _stopped_early(exc, run_dir: str) -> int:
     """A stop signal ended the world before the ranks reached a step boundary."""
     import signal
 
-    from ldt.training.checkpoint_files import latest
+    from ldt.storage.checkpoint_files import latest
 
     name = signal.Signals(exc.stopped_by).name
     last = latest(run_dir)

@@ -70,7 +70,7 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
     if rank is None and (train.resume or train.load):  # every rank is here: hash it once
-        from ldt.training.checkpoint_files import preflight
+        from ldt.storage.checkpoint_files import preflight
 
         preflight(train.resume or train.load, "train.resume" if train.resume else "train.load",
                   hashes=True)
@@ -127,11 +127,11 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
         return
     # exists, complete, every file of the size its manifest says, a resume has steps left
     # (sha256 too: check_files on a launcher, or each rank on load)
-    from ldt.training.checkpoint_files import preflight
+    from ldt.storage.checkpoint_files import preflight
 
     found = preflight(path, field, train.steps if train.resume else None, hashes=False)
     # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
-    from ldt.training.checkpoint import check_compatible
+    from ldt.storage.tensors import check_compatible
 
     check_compatible(found, model)
 

@@ -3,7 +3,8 @@
 The schedules themselves stay unmodified: they accept ``p2p_communicator=`` and
 ``pg_collection=`` (both or neither), and with both given they make every pipeline decision
 from those. This patch wraps the function ``get_forward_backward_func()`` returns and fills in
-a :class:`~ldt.p2p.VtpCommunicator` and the stage's process-group collection when the caller
+a :class:`~ldt.boundary.communicator.VtpCommunicator` and the stage's process-group
+collection when the caller
 passed neither. 1F1B, interleaved (incl. ``overlap_p2p_comm``) and no-pipelining all go
 through it. A U-shape topology gets ldt's own schedule (:func:`ldt.schedule.forward_backward.forward_backward_ldt`),
 since megatron has none with a wraparound loss stage. ctx: optional object with ``observers``
@@ -29,7 +30,7 @@ def with_vtp_communicator(fn, observers=()):
 
     @functools.wraps(fn)
     def forward_backward(**kwargs):
-        from ldt.p2p import VtpCommunicator
+        from ldt.boundary.communicator import VtpCommunicator
         from ldt.parallel_state import get_vtp_state, is_vtp_initialized
 
         if (is_vtp_initialized() and kwargs.get("p2p_communicator") is None

@@ -108,7 +108,7 @@ def _oracle(checkpoint_path: str, chunks, models) -> list[str]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     from ldt.models.spec import canonical_name
-    from ldt.training.checkpoint import read_tensors, tensor_index
+    from ldt.storage.tensors import read_tensors, tensor_index
 
     index = tensor_index(checkpoint_path)
     fulls = read_tensors(index, list(index))

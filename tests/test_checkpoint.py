@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from ldt.training import checkpoint_files as files
+from ldt.storage import checkpoint_files as files
 
 STEPS = 24
 
@@ -209,7 +209,7 @@ def test_a_bad_checkpoint_is_refused_before_training(tmp_path, full):
         shutil.copytree(source, step_dir)
         cases[how] = (step_dir, _damage(step_dir, how))
     from ldt.config import ConfigError, to_model
-    from ldt.training.checkpoint import check_compatible
+    from ldt.storage.tensors import check_compatible
 
     for how, (step_dir, damaged) in cases.items():
         with pytest.raises(files.CheckpointError, match=re.escape(damaged)):

@@ -1,4 +1,4 @@
-"""cluster.link_delay_ms and boundary errors in ldt.p2p, without processes.
+"""cluster.link_delay_ms and boundary errors in ldt.boundary, without processes.
 
 torch.distributed's isend/irecv/broadcast are replaced by fakes whose irecv "arrives" at a
 chosen time, so the delivery rule is checked on the clock: a message is delivered no earlier
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ldt import p2p
+from ldt.boundary import communicator as p2p
 from ldt.config import ConfigError
 from ldt.parallel_state import StagePipelineGroup
 from ldt.topology import Topology

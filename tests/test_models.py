@@ -182,7 +182,7 @@ def test_mismatched_checkpoint_is_refused_before_any_collective(tmp_path, import
 
 def test_shape_mismatch_names_the_parameter(imported):
     from ldt.models.arch import check_shapes, full_shapes
-    from ldt.training.checkpoint import check_compatible, tensor_index
+    from ldt.storage.tensors import check_compatible, tensor_index
 
     _, cfg, ckpt = imported
     check_compatible(str(ckpt), cfg)  # the import fits its own config

@@ -59,7 +59,7 @@ def _train(cfg, run_dir) -> list[dict]:
 
 
 def _weights(run_dir) -> dict:
-    from ldt.training.checkpoint import read_tensors, tensor_index
+    from ldt.storage.tensors import read_tensors, tensor_index
 
     index = tensor_index(str(run_dir))
     return read_tensors(index, list(index))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ldt import p2p
+from ldt.boundary import communicator as p2p
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.parallel_state import StagePipelineGroup
 from ldt.topology import Topology

@@ -161,7 +161,7 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0):
     from ldt.schedule.routing import virtual_of
     from ldt.training.loop import _mean_loss
     from ldt.testing.grads import average_dp_grads
-    from ldt.vdp_transport import LaneData
+    from ldt.data.lanes import LaneData
 
     audit = AuditLog()
     state = _setup(topo, observers=[audit])

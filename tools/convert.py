@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _dtype_of(checkpoint: str) -> str:
-    from ldt.training.checkpoint import tensor_index
+    from ldt.storage.tensors import tensor_index
 
     meta = tensor_index(checkpoint)["embedding.word_embeddings.weight"][1]
     return str(meta.properties.dtype).replace("torch.", "")

@@ -28,11 +28,11 @@ def build_training_data(c, topo, state):
 
 
 def _per_lane(data, c, topo, state):
-    """Per-stage DP: this replica's micro-batches as routing gives them (ldt.vdp_transport)."""
+    """Per-stage DP: this replica's micro-batches as routing gives them (ldt.data.lanes)."""
     if data is None or not topo.is_vdp:
         return data
     from ldt.schedule.routing import microbatches_of
-    from ldt.vdp_transport import LaneData
+    from ldt.data.lanes import LaneData
 
     mbs = microbatches_of(state.info.dp_rank, topo.dp_of(state.stage),
                           c.train.num_microbatches, topo.dp)

@@ -1,6 +1,7 @@
 """Record exactly what crossed the edge's boundaries in a real run, on both sides.
 
-:class:`BoundaryCapture` is a :class:`ldt.p2p.BoundaryObserver`. On the cloud's stage leaders
+:class:`BoundaryCapture` is a :class:`ldt.boundary.communicator.BoundaryObserver`. On the
+cloud's stage leaders
 it records every tensor they receive and send (what an honest-but-curious cloud holds); on the
 edge's leader it records what the edge sent, so the audit can check the two agree bit for bit.
 Each channel ``<side>_<src>-<dst>_<F|B>`` is a raw float32 file plus one JSON line per message

@@ -14,7 +14,8 @@ import torch
 
 
 class BoundaryNoise:
-    """A send transform of :class:`ldt.p2p.VtpCommunicator`: ``x + N(0, (scale * rms(x))^2)``."""
+    """A send transform of :class:`ldt.boundary.communicator.VtpCommunicator`:
+    ``x + N(0, (scale * rms(x))^2)``."""
 
     def __init__(self, scale: float, seed: int):
         self.scale, self.seed = float(scale), int(seed)

@@ -75,7 +75,7 @@ def plan_runs(cfg: dict, out: str, *, steps: int, noise_levels, cloud_text: str,
 def _first_step(checkpoint: Optional[str]) -> int:
     if checkpoint is None:
         return 0
-    from ldt.training.checkpoint import latest
+    from ldt.storage.checkpoint_files import latest
 
     found = latest(checkpoint)
     if found is None:

@@ -53,7 +53,7 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
     if topo.is_vdp:  # per-stage DP: this replica's lane; peers are lanes; m of its own
-        from ldt.vdp_transport import LaneCommunicator, lane_of
+        from ldt.boundary.lanes import LaneCommunicator, lane_of
 
         schedule = lane_schedules(tuple(topo.dp_sizes), num_microbatches, topo.u_shape,
                                   forward_only, prefetch)
@@ -84,7 +84,7 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     ``forward_data_store`` (empty elsewhere), like megatron's schedules."""
     from megatron.core.utils import get_model_config
 
-    from ldt.p2p import VtpCommunicator
+    from ldt.boundary.communicator import VtpCommunicator
     from ldt.parallel_state import get_vtp_state
 
     if collect_non_loss_data:

@@ -2,7 +2,8 @@
 
 The schedule is data (:mod:`ldt.schedule`): this module only executes it. Compute actions use
 megatron-core's own ``forward_step`` / ``backward_step`` (loss scaling, loss collection and
-``retain_grad`` stay Megatron's); communication uses :class:`~ldt.p2p.VtpCommunicator`. A RECV
+``retain_grad`` stay Megatron's); communication uses
+:class:`~ldt.boundary.communicator.VtpCommunicator`. A RECV
 posts the receive as early as the list says, the WAIT right before the compute that needs it
 waits it (and runs the stage broadcast), and sends are waited at the end of the step, so
 communication overlaps compute. On an error the stage's action grid is printed with the failing
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ldt import progress
-from ldt.p2p import BACKWARD, FORWARD, VtpCommunicator
+from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
 from ldt.schedule import Action, Op, format_grid
 
 _DIRECTION = {Op.RECV_F: FORWARD, Op.WAIT_F: FORWARD, Op.SEND_F: FORWARD,

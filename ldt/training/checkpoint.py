@@ -1,10 +1,12 @@
-"""Checkpoints: what a run saves, gathered collectively; the files are :mod:`checkpoint_files`'s.
+"""Checkpoints: what a run saves and loads, collectively (the folder format and the one-process
+readers and writers are :mod:`ldt.storage`'s).
 
 Each stage leader gathers its stage's TP shards (model, the optimizer's fp32 main params and
 moments, first gathered over the DP ranks when the distributed optimizer shards them) into full
 tensors under global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
-checksums: :func:`ldt.training.checkpoint_files.write_part`). When every part is in place, rank
-0 writes ``model.json`` (the ModelConfig, which :func:`check_compatible` compares) and seals
+checksums: :func:`ldt.storage.checkpoint_files.write_part`). When every part is in place, rank
+0 writes ``model.json`` (the ModelConfig, which :func:`ldt.storage.tensors.check_compatible`
+compares) and seals
 the folder (``checkpoint.json`` with the step and the checksums of its top-level files, then
 ``COMPLETE``) and applies ``train.keep_last``. A save that fails (a full disk) on any writer
 fails on every rank together: the partial folder is removed, the previous checkpoint is
@@ -12,9 +14,7 @@ untouched, and the caller learns why.
 
 Because tensors are full and named globally, a checkpoint does not depend on the layout: a
 run with other stages or TP sizes can resume from it (every rank reads the tensors its chunks
-need from whichever stage folder holds them, and slices its TP shard). :func:`write_tensors`
-and :func:`mark_complete` write such a checkpoint from full tensors alone (``ldt-convert``'s
-import), with the same checksums.
+need from whichever stage folder holds them, and slices its TP shard).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.training import checkpoint_files as files
-from ldt.training.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
+from ldt.storage import checkpoint_files as files
+from ldt.storage.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
                                            step_dir)
+from ldt.storage.tensors import write_tensors
 
 
 def _named_params(models, chunks):
@@ -128,22 +129,6 @@ def _all_errors(error: Optional[str], group) -> list[str]:
     return [e for e in gathered if e]
 
 
-def write_tensors(target: str, part: int, tensors: dict, step: int,
-                  optim: Optional[dict] = None) -> str:
-    """Write ``target/stage_<part>``: full tensors under global names (and their optimizer state),
-    atomically and with checksums (:func:`ldt.training.checkpoint_files.write_part`; raises
-    its DiskFullError). Loads read every ``stage_*`` folder, so a writer may split a model
-    into any number of parts."""
-    return files.write_part(target, f"stage_{part}",
-                            {"model": tensors, "optim": optim or {}, "step": step})
-
-
-def mark_complete(target: str, step: int) -> None:
-    """Seal ``target`` (checksums of its top-level files, then COMPLETE), written last: from
-    now on the checkpoint may be loaded."""
-    files.seal(target, {"step": step})
-
-
 def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
          weights_only: bool = False) -> int:
     """Fill this rank's chunks and optimizer state (a :class:`~ldt.training.optim.StageOptimizer`:
@@ -214,62 +199,3 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         for p, tensors in states.items():
             load_param_state(optimizer, p, tensors)
     return int(step) + 1
-
-
-def tensor_index(path: str) -> dict:
-    """Name -> (stage folder, storage metadata: size, dtype) of every model tensor of a
-    complete checkpoint, from the metadata files alone (no tensor is read)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    found = latest(path)
-    if found is None:
-        raise FileNotFoundError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker)")
-    out = {}
-    for stage_dir in files.parts(found):
-        folder = os.path.join(found, stage_dir)
-        try:
-            metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
-        except Exception:  # a damaged .metadata: name the file if its checksum says so
-            files.verify(found, which=[stage_dir])
-            raise
-        for key, meta in metadata.items():
-            if key.startswith("model."):
-                out.setdefault(key[len("model."):], (folder, meta))
-    return out
-
-
-def read_tensors(index: dict, names) -> dict:
-    """Full tensors ``names`` (stored dtype) from a :func:`tensor_index`, one folder at a time."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    by_folder: dict = {}
-    for n in names:
-        by_folder.setdefault(index[n][0], []).append(n)
-    out = {}
-    for folder, group in by_folder.items():
-        sd = {"model": {n: torch.empty(index[n][1].size, dtype=index[n][1].properties.dtype)
-                        for n in group}}
-        dcp.load(sd, storage_reader=FileSystemReader(folder),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        out.update(sd["model"])
-    return out
-
-
-def check_compatible(path: str, model) -> None:
-    """Refuse a checkpoint whose architecture or tensor shapes do not fit ``model`` (a
-    ConfigError naming the field or the parameter); reads metadata only, no collective."""
-    from ldt.config import ConfigError
-    from ldt.models.arch import check_arch, check_shapes, read_model_json
-
-    found = latest(path)
-    if found is None:
-        raise ConfigError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker); give "
-                          "a run folder with checkpoints/, a checkpoints/step_N folder or an "
-                          "ldt-convert output folder")
-    saved = read_model_json(found)
-    if saved is not None:
-        check_arch(saved, model, found)
-    check_shapes({n: tuple(meta.size) for n, (_, meta) in tensor_index(found).items()}, model,
-                 found)

@@ -134,7 +134,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
         iters = [None] * len(models) if data is None else [make_iterator() for _ in models]
         if ldt_runtime:
-            from ldt.p2p import VtpCommunicator
+            from ldt.boundary.communicator import VtpCommunicator
 
             comm = VtpCommunicator(models[0].config, state, observers, transforms)
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],

@@ -1,12 +1,14 @@
 """Boundary observers: the communication audit and the non-finite check.
 
-Both see every tensor that crosses a stage boundary (:class:`ldt.p2p.BoundaryObserver`):
+Both see every tensor that crosses a stage boundary
+(:class:`ldt.boundary.communicator.BoundaryObserver`):
 the audit records what left each stage (``comm_audit.jsonl``: what a data owner checks), the
 finite check stops training on a NaN/Inf activation or gradient and says where it came from.
 
 The audit also records what is *not* an activation or a gradient (:class:`MessageTap`, in
 ``comm_audit_messages.jsonl``): every ``torch.distributed`` call made outside the boundary
-transport (``ldt.p2p``) whose group spans more than one stage or holds a rank of a stage that
+transport (:mod:`ldt.boundary`) whose group spans more than one stage or holds a rank of a
+stage that
 owns no data (the cloud), with its caller, group, stages and payload (dtypes and shapes, or the
 types of the objects), and, on cloud ranks, every file opened outside the Python installation
 and the run folder, and every tokenizer it loads (a cloud rank that read a data file or built
@@ -112,7 +114,7 @@ MESSAGE_CALLS = (
     "send_object_list", "recv_object_list")
 # the boundary transport (the leader link; the TP broadcast / sequence gather and scatter of
 # the same tensors): its tensors are CommAudit's activations and gradients
-TRANSPORT = ("ldt.p2p", "ldt.boundary_layout")
+TRANSPORT = ("ldt.boundary.communicator", "ldt.boundary.layout")
 # a stage's own tensor-parallel math (inside one stage's TP group): activations and gradients
 # that never leave the stage, hundreds per step; not recorded
 STAGE_COMPUTE = "megatron.core.tensor_parallel."

@@ -4,7 +4,7 @@ Import (:func:`import_hf`): ``config.json`` gives the family and the ModelConfig
 safetensors files (one, or sharded with ``model.safetensors.index.json``) are opened lazily
 with the ``safetensors`` package and read one tensor at a time, one part of the model at a
 time (the embedding, each decoder layer, the final norm and head), each part written as one
-``stage_<k>`` folder through :func:`ldt.training.checkpoint.write_tensors`. So the peak memory
+``stage_<k>`` folder through :func:`ldt.storage.tensors.write_tensors`. So the peak memory
 is about one decoder layer, not the model. ``model.json`` records the architecture, the
 source's ``config.json`` and tokenizer files are copied next to it (``data.tokenizer=<out>``
 finds them), and COMPLETE is written last. The step recorded is -1: both ``train.load`` and
@@ -103,7 +103,7 @@ def import_hf(hf_dir: str, out_dir: str, *, log=print) -> ModelConfig:
     """Convert a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` folder into an ldt
     checkpoint folder ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig."""
     from ldt.models.arch import full_shapes, write_model_json
-    from ldt.training.checkpoint import mark_complete, write_tensors
+    from ldt.storage.tensors import mark_complete, write_tensors
 
     family, model = model_config_of(hf_dir)
     source = SafetensorsFolder(hf_dir)
@@ -154,7 +154,8 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     from safetensors.torch import save_file
 
     from ldt.models.arch import read_model_json
-    from ldt.training.checkpoint import latest, read_tensors, tensor_index
+    from ldt.storage.checkpoint_files import latest
+    from ldt.storage.tensors import read_tensors, tensor_index
 
     found = latest(ldt_path)
     if found is None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ldt.config import ConfigError
 
-# tags of the shape messages (the tensors use 1 / 2, see ldt.p2p)
+# tags of the shape messages (the tensors use 1 / 2, see ldt.boundary.communicator)
 SHAPE_TAGS = {"F": 3, "B": 4}
 
 

@@ -12,7 +12,7 @@ What goes *into* a checkpoint is :mod:`ldt.training.checkpoint`'s business (the 
 state, gathered collectively) or a converter's (a model imported from elsewhere); both write
 through :func:`write_part` and :func:`seal`. Before a run starts, :func:`preflight` checks a
 ``train.resume`` / ``train.load`` folder (``ldt.validate`` calls it; the model against the
-run's is ``ldt.training.checkpoint.check_compatible``): every file against its size or
+run's is ``ldt.storage.tensors.check_compatible``): every file against its size or
 checksum, and that there is something left to train; each problem is one line naming the
 file or the parameter and the fix.
 """

@@ -3,7 +3,7 @@
 A send is the leader's isend(s) (:class:`SendWork`); a receive is the leader's irecv(s), then
 the stage's broadcast or sequence scatter (:class:`RecvWork`), optionally delivered late by
 ``cluster.link_delay_ms`` (:class:`LinkDelay`). A failure becomes a :class:`BoundaryError` that
-names the boundary. :mod:`ldt.p2p` posts the transfers and builds these handles.
+names the boundary. :mod:`ldt.boundary.communicator` posts the transfers and builds these handles.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.boundary_layout import SequenceLayout
+from ldt.boundary.layout import SequenceLayout
 
 
 class BoundaryError(RuntimeError):

@@ -1,0 +1,355 @@
+"""VTP boundary transport: leader send/recv + intra-stage broadcast, with async handles.
+
+Only a stage's leader (TP rank 0) talks to neighbouring stages, over that boundary's own group
+(see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group
+(boundary activations and their gradients are replicated on every TP rank of a stage), or,
+with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
+its sequence slices on the leader (:mod:`ldt.boundary.layout`). A boundary the device layer
+marks host-staged (different device types) copies to CPU, sends over gloo, and copies back to
+the device. The handles a transfer returns (wait semantics, link delay, the boundary's error)
+are :mod:`ldt.boundary.work`'s.
+
+:class:`VtpCommunicator` subclasses megatron-core's ``P2PCommunicator`` and overrides only
+``_communicate``, the one hook every public send/recv method goes through, so megatron's
+schedules run unmodified on top of it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
+from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
+from ldt.config import ConfigError
+from ldt.device import torch_device
+from ldt.parallel_state import VtpState, get_vtp_state
+
+__all__ = ["BoundaryError", "BoundaryObserver", "VtpCommunicator", "vtp_recv_backward",
+           "vtp_recv_forward", "vtp_send_backward", "vtp_send_forward"]
+
+FORWARD, BACKWARD = "F", "B"
+_TAGS = {FORWARD: 1, BACKWARD: 2}  # distinct per direction; groups are per boundary as well
+
+
+class BoundaryObserver(Protocol):
+    """Sees every tensor crossing a boundary on the leader (audit, NaN checks)."""
+
+    def on_send(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
+
+    def on_recv(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
+
+
+class VtpCommunicator(P2PCommunicator):
+    """Megatron's P2PCommunicator with VTP stage boundaries underneath."""
+
+    def __init__(self, config, state: Optional[VtpState] = None,
+                 observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
+        # Not calling super().__init__: it derives next/prev ranks from pp_group's members,
+        # and a VTP pipeline "group" has none; the attributes the schedules read are set here.
+        state = state or get_vtp_state()
+        check_boundary_config(config)
+        topo = state.topology
+        self.layout = SequenceLayout.of(config, topo.stages[state.stage].tp)
+        self.state, self.config = state, config
+        self.pp_group = state.pp_group
+        self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
+        self.next_stage = topo.next_stage(state.stage)
+        self.prev_stage = topo.prev_stage(state.stage)
+        leaders = topo.leaders(state.info.dp_rank)  # per-stage DP: replica d of the uniform run
+        self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
+        self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
+        self.observers = list(observers or [])
+        # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
+        # observers and the peer see what actually crossed (e.g. ldt.privacy.defence's noise)
+        self.send_transforms = list(send_transforms or [])
+
+    # ---- the one hook megatron's public methods call ---------------------------------------
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        handles = {}
+        if tensor_send_next is not None:
+            work = self.send(tensor_send_next, self.next_stage, FORWARD)
+            if work is not None:
+                handles["send_next"] = work
+        if tensor_send_prev is not None:
+            work = self.send(tensor_send_prev, self.prev_stage, BACKWARD)
+            if work is not None:
+                handles["send_prev"] = work
+        recv_prev_tensor = recv_next_tensor = None
+        if recv_prev:
+            recv_prev_tensor, handles["recv_prev"] = self.recv(tensor_shape, self.prev_stage, FORWARD)
+        if recv_next:
+            recv_next_tensor, handles["recv_next"] = self.recv(tensor_shape, self.next_stage, BACKWARD)
+        if wait_on_reqs:
+            for key in ("recv_prev", "recv_next", "send_next", "send_prev"):
+                if key in handles:
+                    handles[key].wait()
+            return recv_prev_tensor, recv_next_tensor, None
+        return recv_prev_tensor, recv_next_tensor, handles
+
+    # ---- leader transport --------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, peer_stage: int, direction: str,
+             peer_replica: Optional[int] = None) -> Optional[SendWork]:
+        """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader.
+        Every rank of the stage calls it: a sequence-parallel stage gathers on the leader.
+        ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
+        whole = self.layout.gather(tensor, self.state.tp_group, self.state.stage_ranks[0],
+                                   self.state.is_leader)
+        if not self.state.is_leader:
+            return None
+        src, dst = self.state.stage, peer_stage
+        mine = self.state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        plan, group = self._boundary(src, dst, direction, (mine, peer))
+        payload = whole.detach()
+        for transform in self.send_transforms:
+            payload = transform(payload, src, dst, direction)
+        if plan.host_staged:
+            payload = payload.to("cpu", copy=True)
+        payload = payload.contiguous()
+        for obs in self.observers:
+            obs.on_send(src, dst, direction, payload)
+        dst_rank = self.state.topology.leader(peer_stage, peer)
+        what = self._describe("send", src, dst, direction, dst_rank)
+        works, keep = [], [payload]
+        try:
+            if self.layout.variable_seq_lengths:  # the shape first, as megatron does
+                work, buf = send_shape(payload.shape, dst_rank, group, direction, payload.device)
+                works.append(work)
+                keep.append(buf)
+            works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
+        except Exception as exc:
+            raise boundary_error(what, time.monotonic(), exc) from exc
+        return SendWork(works, keep, what)
+
+    def recv(self, shape, peer_stage: int, direction: str,
+             peer_replica: Optional[int] = None) -> tuple[torch.Tensor, RecvWork]:
+        """Post a receive from ``peer_stage``; the returned tensor is valid after ``wait()``.
+        ``shape``: this rank's, as megatron's schedules give it (the sequence slice on a
+        sequence-parallel stage); with variable_seq_lengths the peer's message says it.
+        ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
+        if shape is None:
+            raise RuntimeError("tensor_shape must be given to receive at a VTP boundary")
+        dtype = self.config.pipeline_dtype
+        if dtype is None:
+            raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
+        works, staged, delay_s, full = [], None, 0.0, None
+        mine = self.state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        src_rank = self.state.topology.leader(peer_stage, peer)
+        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
+        leader, layout = self.state.is_leader, self.layout
+        plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
+                       if leader else (None, None))
+        whole_shape = layout.full_shape(shape)
+        if layout.variable_seq_lengths:
+            try:
+                got = recv_shape(src_rank, group, direction,
+                                 "cpu" if plan.host_staged else self.device) if leader else None
+                whole_shape = layout.share_shape(got, self.state.tp_group,
+                                                 self.state.stage_ranks[0], self.device)
+            except Exception as exc:
+                raise boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
+            shape = layout.local_shape(whole_shape)
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
+        if leader:
+            target = tensor.detach()
+            if layout.sharded:
+                full = target = torch.empty(whole_shape, dtype=dtype, device=self.device)
+            if plan.host_staged:
+                staged = torch.empty(whole_shape, dtype=dtype, device="cpu")
+                target = staged
+            try:
+                works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
+            except Exception as exc:
+                raise boundary_error(what, time.monotonic(), exc) from exc
+            delay_s = plan.delay_ms / 1e3
+        src, dst = peer_stage, self.state.stage
+
+        def on_ready(t: torch.Tensor) -> None:
+            for obs in self.observers:
+                obs.on_recv(src, dst, direction, t)
+
+        return tensor, RecvWork(
+            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
+            stage_size=len(self.state.stage_ranks), staged=staged,
+            on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
+            layout=layout, full=full)
+
+    def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
+        """Activations travel along a boundary's arrow (src -> dst), gradients against it.
+        ``replicas``: the message's (source, destination) replicas; with per-stage DP every
+        routed replica pair of a boundary has its own group (ldt.boundary.lanes)."""
+        key = (src, dst) if direction == FORWARD else (dst, src)
+        if self.state.topology.is_vdp:
+            key += replicas if direction == FORWARD else replicas[::-1]
+        return self.state.boundary_groups[key]
+
+    def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int) -> str:
+        """E.g. "boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2
+        'cloud1' (rank 3)"; ``src``/``dst``: the stages the message leaves and reaches."""
+        stages = self.state.topology.stages
+        key = (src, dst) if direction == FORWARD else (dst, src)
+        what = "an activation" if direction == FORWARD else "a gradient"
+        peer, prep = (dst, "to") if verb == "send" else (src, "from")
+        me = self.state.stage
+        if not self.state.is_leader:
+            verb += f" (through its stage leader, rank {self.state.stage_ranks[0]})"
+        return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
+                f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "
+                f"'{stages[peer].name}' (rank {peer_rank})")
+
+
+def check_boundary_config(config) -> None:
+    """Refuse what the boundary transport cannot carry (before any communication)."""
+    if getattr(config, "sequence_parallel", False) and getattr(config, "context_parallel_size",
+                                                               1) > 1:
+        raise ConfigError("sequence_parallel=True with context_parallel_size > 1: ldt's "
+                          "boundaries reshard the sequence over TP only; set "
+                          "context_parallel_size=1")
+
+
+def _local_index(state: VtpState) -> int:
+    """Accelerator index on this node: torchrun's LOCAL_RANK (0 on CPU)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# ---- the reference implementation's functional API -----------------------------------------
+# As in MindSpeed LDT: receives take (tensor_shape, config, async_op) and return the tensor, or
+# (tensor, {"recv_prev" | "recv_next": handle}) with async_op; sends take the tensor and return
+# a list of work handles on a stage's rank 0 (None elsewhere), so callers ``handles.extend()``.
+# Keywords pick the channel: ``group`` (a group or a list of groups) with ``next_rank`` /
+# ``prev_rank`` (a global rank or a list, one per group). Without them, or with megatron's
+# pipeline group (ldt's StagePipelineGroup), the stage boundary to the neighbouring stage's
+# leader is used. ``state=`` / ``observers=`` go to the VtpCommunicator. With sequence
+# parallelism or variable sequence lengths, sends need the stage's ``config`` too (every rank of
+# the stage calls them: the leader gathers the sequence; the shape goes first).
+def vtp_recv_forward(tensor_shape, config, async_op: bool = False, **kwargs):
+    """Receive this stage's input activation from the previous stage."""
+    return _recv(tensor_shape, config, async_op, FORWARD, kwargs)
+
+
+def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kwargs):
+    """Receive the gradient of this stage's output from the next stage."""
+    return _recv(tensor_shape, config, async_op, BACKWARD, kwargs)
+
+
+def vtp_send_forward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
+    """Send this stage's output activation to the next stage: the leader's work handles."""
+    return _send(tensor, config, FORWARD, kwargs)
+
+
+def vtp_send_backward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
+    """Send the gradient of this stage's input to the previous stage: the leader's handles."""
+    return _send(tensor, config, BACKWARD, kwargs)
+
+
+def _communicator(config, kwargs: dict) -> tuple[VtpCommunicator, list]:
+    """The communicator and the (group, peer rank) routes of one functional call."""
+    groups = kwargs.pop("group", None)
+    next_rank, prev_rank = kwargs.pop("next_rank", None), kwargs.pop("prev_rank", None)
+    comm = VtpCommunicator(config or _SendOnlyConfig(), **kwargs)
+    return comm, (groups, next_rank, prev_rank)
+
+
+def _routes(comm: VtpCommunicator, routing, direction: str, sending: bool) -> list:
+    """[(group or None, peer leader rank)]: None means the stage boundary of ``comm``."""
+    groups, next_rank, prev_rank = routing
+    toward_next = (direction == FORWARD) == sending  # send forward / receive a gradient
+    peers = next_rank if toward_next else prev_rank
+    default_peer = comm.next_rank if toward_next else comm.prev_rank
+    groups = groups if isinstance(groups, (list, tuple)) else [groups]
+    if peers is None:
+        peers = [default_peer] * len(groups)
+    peers = peers if isinstance(peers, (list, tuple)) else [peers]
+    if len(groups) == 1 and len(peers) > 1:
+        groups = groups * len(peers)
+    if len(groups) != len(peers):
+        raise ConfigError(f"group= has {len(groups)} groups but the peer ranks are {peers}; "
+                          "give one rank per group")
+    from ldt.cross_stage import StagePipelineGroup
+
+    return [(None if g is None or isinstance(g, StagePipelineGroup) else g, int(r))
+            for g, r in zip(groups, peers)]
+
+
+def _peer_stage(comm: VtpCommunicator, rank: int) -> int:
+    info = comm.state.topology.rank_info(rank)
+    if not info.is_leader:
+        raise ConfigError(f"rank {rank} is not a stage leader; stage boundaries run between "
+                          f"leaders (get_vtp_stage_ranks()[stage][0])")
+    return info.stage
+
+
+def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optional[list]:
+    comm, routing = _communicator(config, kwargs)
+    sharded = comm.layout.sharded  # sequence parallel (config= given): every rank gathers
+    if not comm.state.is_leader and not sharded:
+        return None
+    handles = []
+    for group, rank in _routes(comm, routing, direction, sending=True):
+        if group is None:
+            handles.append(comm.send(tensor, _peer_stage(comm, rank), direction))
+        elif sharded:
+            raise ConfigError("sequence_parallel=True with group=: ldt gathers the sequence "
+                              "only on its own stage boundaries; leave group= out")
+        else:  # a group the caller built: send as given, through the host where it is gloo
+            payload = tensor.detach()
+            if dist.get_backend(group) == "gloo" and payload.device.type != "cpu":
+                payload = payload.to("cpu")
+            payload = payload.contiguous()
+            handles.append(SendWork([dist.isend(payload, dst=rank, group=group,
+                                                 tag=_TAGS[direction])], payload))
+    return handles if comm.state.is_leader else None
+
+
+def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):
+    comm, routing = _communicator(config, kwargs)
+    routes = _routes(comm, routing, direction, sending=False)
+    key = "recv_prev" if direction == FORWARD else "recv_next"
+    if all(g is None for g, _ in routes) and len(routes) == 1:
+        tensor, work = comm.recv(tensor_shape, _peer_stage(comm, routes[0][1]), direction)
+    else:
+        if any(g is None for g, _ in routes):
+            raise ConfigError("mix of ldt's pipeline group and other groups in group=; give "
+                              "only groups you built, or none")
+        tensor, work = _recv_over_groups(comm, tensor_shape, routes, direction)
+    if async_op:
+        return tensor, {key: work}
+    work.wait()
+    return tensor
+
+
+def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
+    """Receive over groups the caller built (one irecv per group into one buffer), then the
+    stage broadcast, as the reference does."""
+    if comm.layout.sharded or comm.layout.variable_seq_lengths:
+        raise ConfigError("sequence_parallel / variable_seq_lengths with group=: ldt reshards "
+                          "and exchanges shapes only on its own stage boundaries; leave "
+                          "group= out")
+    dtype = comm.config.pipeline_dtype
+    tensor = torch.empty(tuple(shape), dtype=dtype, device=comm.device, requires_grad=True)
+    works, staged = [], None
+    if comm.state.is_leader:
+        target = tensor.detach()
+        if any(dist.get_backend(g) == "gloo" for g, _ in routes) and comm.device.type != "cpu":
+            staged = target = torch.empty(tuple(shape), dtype=dtype, device="cpu")
+        works = [dist.irecv(target, src=rank, group=g, tag=_TAGS[direction]) for g, rank in routes]
+    return tensor, RecvWork(tensor, works, tp_group=comm.state.tp_group,
+                                leader=comm.state.stage_ranks[0],
+                                stage_size=len(comm.state.stage_ranks), staged=staged)
+
+
+class _SendOnlyConfig:
+    """Sends need no dtype or shape; the functional send API takes no config."""
+
+    pipeline_dtype = None
+    virtual_pipeline_model_parallel_size = None
+    sequence_parallel = False
+    variable_seq_lengths = False

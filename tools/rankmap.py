@@ -1,0 +1,37 @@
+"""``python -m ldt.topology [hydra flags] [overrides]``: print the rank map of a config.
+
+A Hydra app over the same ``conf/`` as ``ldt-train`` (so ``--help``, ``--cfg job`` and
+``--config-dir`` work alike); it validates the config (not the devices: a rank map of a GPU/NPU
+cluster is printed on any machine) and starts nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from ldt.hydra_app import EXIT_CONFIG, run_app
+from ldt.validate import validate
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_app(_print_rank_map, argv, run_folder=False)
+
+
+def _print_rank_map(cfg) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,
+                        check_devices=False)
+    except ValueError as exc:  # ConfigError, LayoutError
+        print(f"ldt: invalid config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    choices = HydraConfig.get().runtime.choices
+    print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
+    print(topo.rank_map())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
