@@ -28,6 +28,7 @@ LAYERS = [
     # 2 pure data and readers (no process groups): schedules as data, routing, the cost model
     #   and planner, model shapes, data files, checkpoint folders
     ["ldt.schedule", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
+     "ldt.models.recompute",
      "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
      "ldt.storage"],
     # 3 validation: every check before the first collective
