@@ -370,6 +370,11 @@ class TrainConfig:
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
+    estimate_memory: Optional[bool] = None
+    """Estimate every rank's memory before anything starts (``ldt.memory``: the model's real
+    chunks on fake tensors, seconds at any size) and print it with the rank map; a stage whose
+    estimate exceeds its ``memory_gib`` is refused. None: when some stage states
+    ``memory_gib``."""
     boundary_noise: float = 0.0
     """Privacy defence, off by default (0). Data-owning stages (the U-shape's edge) add Gaussian
     noise to every tensor they send across a stage boundary (activations to the cloud, gradients

@@ -43,6 +43,10 @@ def _job(cfg) -> int:
         return EXIT_CONFIG
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
+    memory = _memory_check(plain, topo, rank)
+    if memory is None:
+        _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        return EXIT_CONFIG
     choices = hydra_cfg.runtime.choices
     what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: {topo.num_stages} "
             f"stages, TP {topo.tp_sizes}, dp {topo.dp}"
@@ -51,10 +55,33 @@ def _job(cfg) -> int:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
                   flush=True)
-        return _join_torchrun(plain, topo)
+        return _join_torchrun(plain, topo, memory)
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
-          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
+          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}", flush=True)
     return _launch_local(plain, topo)
+
+
+def _memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
+    """With ``train.estimate_memory`` (by default: when a stage states ``memory_gib``), the
+    per-stage estimate to print under the rank map; None (after saying why) when a stage does
+    not fit. Every rank of a torchrun world estimates alike, so all refuse together."""
+    from ldt.memory import needs_estimate
+
+    if not needs_estimate(plain):
+        return ""
+    from ldt.memory.report import check
+
+    try:
+        text, refused = check(plain, topo)
+    except Exception as exc:  # the estimate is a forecast: a failure of it stops nothing
+        print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
+              "starting without it", file=sys.stderr)
+        return ""
+    if refused is not None:
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"ldt: does not fit{where}: {refused}", file=sys.stderr)
+        return None
+    return "\n" + text
 
 
 def _discard_run_folder(path: str, cwd: str) -> None:
@@ -164,7 +191,7 @@ def _summary_line(summary: dict) -> str:
     return summary_json(_public(summary))
 
 
-def _join_torchrun(cfg: dict, topo) -> int:
+def _join_torchrun(cfg: dict, topo, memory: str = "") -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary."""
     import ldt.quiet  # noqa: F401  (before megatron-core is imported)
     import torch.distributed as dist
@@ -177,7 +204,7 @@ def _join_torchrun(cfg: dict, topo) -> int:
     dist.broadcast_object_list(holder, src=0)  # rank 0's run folder (only it kept Hydra's)
     cfg["run_dir"] = holder[0]
     if dist.get_rank() == 0:
-        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}", flush=True)
+        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
         _save_config(cfg, holder[0])
     summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
     code = 0

@@ -72,6 +72,7 @@ _PATCH_MODULES = (
     "ldt.patches.dist_checkpointing",
     "ldt.patches.sequence_parallel",
     "ldt.patches.recompute",
+    "ldt.patches.fake_tensors",
 )
 
 

@@ -43,7 +43,7 @@ LAYERS = [
     ["ldt.schedule.runtime", "ldt.schedule.forward_backward", "ldt.patches.schedules"],
     # 8 one rank's job: optimizer, loop, checkpoints, observation; what runs on top of it
     ["ldt.training", "ldt.models.hf", "ldt.privacy.defence", "ldt.privacy.capture",
-     "ldt.testing"],
+     "ldt.testing", "ldt.memory"],
     # 9 entry points
     ["ldt.train", "ldt.run", "ldt.privacy", "ldt.tools"],
 ]

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="plan without activation recomputation (by default a stage that does "
+                        "not fit otherwise recomputes, priced as the extra forward)")
     p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
     p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
                    "also DIR/train/NAME.yaml with the micro-batch settings)")
@@ -62,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.sequence_parallel:
             model = dataclasses.replace(model, sequence_parallel=True)
         workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
-                            args.u_shape, args.edge_min_layers)
+                            args.u_shape, args.edge_min_layers, args.recompute)
         result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
         written = []
         if args.out:
