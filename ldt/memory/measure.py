@@ -58,33 +58,47 @@ class StageMeasure:
     """``flash`` or ``local`` (see the module docstring)."""
 
 
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module hooks, never "in backward"."""
+
+    is_bw = False
+    parents: set = set()
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 class LivePeak(MemTracker):
     """torch's MemTracker reduced to what the estimate needs: the bytes of every tensor
     storage alive in the process (fake or real), and their peak since :meth:`reset_peak`.
 
-    MemTracker's per-module bookkeeping is left out. It costs modules x ops (measured: a
-    16-layer qwen2.5_32b chunk's backward 13.6 s with it, 2.4 s without), it refuses a module
-    called twice from the top level (every chunk of a pipeline runs once per micro-batch), and
-    it calls ``module.buffers()``, which megatron's DistributedDataParallel replaces with a
-    list. Storages are still tracked by MemTracker itself (creation through the dispatcher,
-    release through weak references, ``track_external`` for what existed before)."""
+    Its module tracker is left out (measured here): its per-module peaks cost modules x ops (a
+    16-layer qwen2.5_32b chunk's backward: 13.6 s with them, 2.4 s without); its backward
+    hooks keep the gradients of every module's inputs alive until the step ends (a real
+    pipeline rank then "holds" 128 KiB more per micro-batch of gpt_tiny, growing with the
+    micro-batch count); it refuses a module called twice from the top level (a pipeline chunk
+    runs once per micro-batch) and calls ``module.buffers()``, which megatron's
+    DistributedDataParallel replaces with a list. Storages are still tracked by MemTracker
+    itself (creation through the dispatcher, release through weak references,
+    ``track_external`` for what existed before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModules()
 
     def _update_peak_stats(self, peak_state) -> None:
         total = self.current()
         if total > self._peak_mem.get("all", 0):
             self._peak_mem["all"] = total
-
-    def _pre_fw_hook(self, module, inputs) -> None:
-        pass
-
-    def _post_fw_hook(self, module, inputs, outputs) -> None:
-        pass
-
-    def _pre_bw_hook(self, module, args) -> None:
-        pass
-
-    def _post_bw_hook(self, module, args) -> None:
-        pass
 
     def current(self) -> int:
         """Bytes alive now."""
