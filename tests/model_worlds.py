@@ -65,7 +65,8 @@ def run_case(case: dict) -> dict:
 
     model, topo = case["model"], validate(case["cluster"], case["model"])
     state = ldt.initialize_vtp(topo, timeout_s=60)
-    patches.apply(["cpu_shims", "rope_cpu", "schedules"])
+    patches.apply(["cpu_shims", "rope_cpu", "schedules", "sequence_parallel_norms",
+                   "moe_without_te"])
     from megatron.core.pipeline_parallel import get_forward_backward_func  # the patched one
 
     try:
