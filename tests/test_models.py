@@ -1,9 +1,13 @@
 """Model families end to end: ``ldt-train model=llama_tiny / qwen2_tiny`` on a U-shape and a
-VTP pipeline with ``train.verify`` parity, a fine-tune from an imported Hugging Face model
-(first loss = transformers' loss on the same batches), checkpoints refused before any
-collective, and the small rules (vocabulary padding, layer-spec choice, canonical names).
+VTP pipeline with ``train.verify`` parity, and so Llama 3.1's RoPE scaling (``llama_tiny`` with
+``rope_scaling``), Qwen3 (``qwen3_tiny``) and Qwen3-MoE (``qwen3_moe_tiny``, whose experts a
+cloud stage also spreads over its TP ranks: the same losses, load-balancing loss and
+checkpoint as without); a fine-tune from an imported Hugging Face model (first loss =
+transformers' loss on the same batches), checkpoints refused before any collective, and the
+small rules (vocabulary padding, layer-spec choice, canonical names, MoE layers).
 """
 
+import csv
 import json
 import subprocess
 import sys
@@ -129,14 +133,58 @@ def imported(tmp_path_factory):
     return model, cfg, root / "ldt"
 
 
+# Llama 3.1's RoPE scaling on llama_tiny (head size 8): pre-trained on 32 positions, so of the
+# wavelengths 6, 63, 628 and 6283 the first is interpolated (between 32/8 and 32/1), the
+# others divided by the factor
+LLAMA31 = ("model=llama_tiny", "model.rope_scaling=true", "model.rope_scaling_factor=4",
+           "model.rope_high_freq_factor=8", "model.rope_original_max_position_embeddings=32")
+MOE = ("model=qwen3_moe_tiny", "model.sequence_parallel=true")  # TP 2 stages hold MoE layers
+FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
+    "llama-ushape": ("cpu_demo", ("model=llama_tiny",), 4),
+    "llama-vtp": ("cpu_vtp", ("model=llama_tiny",), 4),
+    "qwen2-ushape": ("cpu_demo", ("model=qwen2_tiny",), 4),
+    "llama3.1-ushape": ("cpu_demo", LLAMA31, 3),
+    "llama3.1-vtp": ("cpu_vtp", LLAMA31, 3),
+    "qwen3-ushape": ("cpu_demo", ("model=qwen3_tiny",), 3),
+    "qwen3-vtp": ("cpu_vtp", ("model=qwen3_tiny",), 3),
+    "qwen3_moe-vtp": ("cpu_vtp", MOE, 3),  # the U-shape: test_moe_expert_parallel_...
+}
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model,cluster", [("llama_tiny", "cpu_demo"), ("llama_tiny", "cpu_vtp"),
-                                           ("qwen2_tiny", "cpu_demo")])
-def test_families_train_with_verify_parity(tmp_path, model, cluster):
-    summary = ldt_train(tmp_path, f"model={model}", f"cluster={cluster}", "train.steps=4",
+@pytest.mark.parametrize("run", list(FAMILY_RUNS))
+def test_families_train_with_verify_parity(tmp_path, run):
+    cluster, overrides, steps = FAMILY_RUNS[run]
+    summary = ldt_train(tmp_path, *overrides, f"cluster={cluster}", f"train.steps={steps}",
                         "train.verify=true")
     assert summary["parity_max_abs_diff"] < PARITY, summary
     assert summary["final_loss"] < summary["first_loss"]
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
+    """qwen3_moe_tiny on the U-shape cpu_demo (its TP 2 cloud stage holds two MoE layers),
+    the experts split over the stage's TP ranks (ep 1) and spread over them (ep 2: four whole
+    experts of eight on each rank): verify parity, the same losses and load-balancing losses
+    (1e-6 relative), and the same checkpoint, every expert under its global number."""
+    from ldt.storage.tensors import read_tensors, tensor_index
+
+    runs = {}
+    for ep in (1, 2):
+        runs[ep] = ldt_train(tmp_path / f"ep{ep}", *MOE, "cluster=cpu_demo",
+                             f"cluster.stages.1.ep={ep}", "train.steps=3", "train.verify=true",
+                             "train.save_every=3")
+        assert runs[ep]["parity_max_abs_diff"] < PARITY, (ep, runs[ep])
+    with open(tmp_path / "ep2" / "metrics.csv") as f:
+        aux = [float(r["moe_aux_loss"]) for r in csv.DictReader(f)]
+    assert len(aux) == 3 and all(0.9 < a < 2.0 for a in aux)  # 1: a perfectly even routing
+    assert runs[2]["moe_aux_loss"] == pytest.approx(aux[-1])
+    for key in ("first_loss", "final_loss", "moe_aux_loss"):
+        assert runs[2][key] == pytest.approx(runs[1][key], rel=1e-6), key
+    one, two = (tensor_index(str(tmp_path / f"ep{ep}")) for ep in (1, 2))
+    assert set(one) == set(two) and sum(".local_experts." in n for n in one) == 8 * 2 * 4
+    a, b = read_tensors(one, list(one)), read_tensors(two, list(two))
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-5
 
 
 @pytest.mark.timeout(400)
