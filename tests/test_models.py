@@ -138,7 +138,7 @@ def imported(tmp_path_factory):
 # others divided by the factor
 LLAMA31 = ("model=llama_tiny", "model.rope_scaling=true", "model.rope_scaling_factor=4",
            "model.rope_high_freq_factor=8", "model.rope_original_max_position_embeddings=32")
-MOE = ("model=qwen3_moe_tiny", "model.sequence_parallel=true")  # TP 2 stages hold MoE layers
+MOE = ("model=qwen3_moe_tiny",)  # sequence parallel: its TP 2 stages hold MoE layers
 FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
     "llama-ushape": ("cpu_demo", ("model=llama_tiny",), 4),
     "llama-vtp": ("cpu_vtp", ("model=llama_tiny",), 4),
