@@ -100,8 +100,9 @@ def parts(model: ModelConfig) -> Iterator[list[str]]:
 
 
 def import_hf(hf_dir: str, out_dir: str, *, log=print) -> ModelConfig:
-    """Convert a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` folder into an ldt
-    checkpoint folder ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig."""
+    """Convert a Hugging Face folder of a known family (Llama incl. 3.1+, Qwen2, Qwen3,
+    Qwen3-MoE: :data:`~ldt.models.hf.families.FAMILIES`) into an ldt checkpoint folder
+    ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig."""
     from ldt.models.arch import full_shapes, write_model_json
     from ldt.storage.tensors import mark_complete, write_tensors
 

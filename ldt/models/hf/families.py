@@ -251,7 +251,10 @@ def _qwen3_moe_extra(hf) -> dict:
     if not any(pattern):
         raise ConfigError(f"{arch}: mlp_only_layers={sorted(dense)} and decoder_sparse_step="
                           f"{step} leave no MoE layer; import it as a dense model instead")
-    return dict(out, num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
+    # sequence parallelism is a training choice, but megatron's MoE layer needs it on any
+    # stage of TP > 1: the imported config has it on (TP 1 stages run without)
+    return dict(out, sequence_parallel=True,
+                num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
                 moe_ffn_hidden_size=hf.moe_intermediate_size,
                 moe_layer_freq=1 if all(pattern) else pattern,
                 moe_router_pre_softmax=not hf.norm_topk_prob,
