@@ -201,6 +201,23 @@ def test_tp_1_2_4_same_loss_and_grads(ran, start):
 
 
 @pytest.mark.timeout(600)
+def test_megatron_expert_groups_answer_per_stage(ran):
+    """The MoE cases' stage 1 (TP 2): with ep 2 megatron's getters see 2 expert-parallel ranks
+    of whole experts (expert TP 1), each holding its half of the 4 experts; with ep 1 one
+    expert-parallel rank and the experts split over the stage's 2 TP ranks; stages 0 and 2
+    (TP 1) see size 1 everywhere."""
+    for name, ep in (("qwen3_moe_ep2", 2), ("qwen3_moe_vtp121", 1)):
+        for r in ran[name]:
+            t = r["tp_rank"]
+            if r["stage"] == 1:
+                want = (2, t, 1, 0, 1) if ep == 2 else (1, 0, 2, t, 1)
+                layers = [[2 * t, 2 * t + 1]] * 2 if ep == 2 else [[0, 1, 2, 3]] * 2
+            else:
+                want, layers = (1, 0, 1, 0, 1), [[0, 1, 2, 3]] * (r["stage"] == 2)
+            assert r["experts"] == want and r["local_experts"] == layers, (name, r["stage"], t)
+
+
+@pytest.mark.timeout(600)
 def test_shards_are_where_megatron_puts_them(ran):
     checked = 0
     for name, (_, _, _, _, oracle) in CASES.items():  # None: no checkpoint
