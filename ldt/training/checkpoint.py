@@ -147,10 +147,11 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
 
     gated = is_gated(models[0])
 
+    field = "train.load" if weights_only else "train.resume"  # what the user gave
     found = latest(path)
     if found is None:
         raise CheckpointError(
-            f"train.resume={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
+            f"{field}={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
     from ldt.training.optim import load_param_state, reload_main_params, state_keys
 
@@ -165,13 +166,13 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         try:
             keys = reader.read_metadata().state_dict_metadata
         except Exception:  # a damaged .metadata: name the file if its checksum says so
-            files.verify(found, which=[stage_dir])
+            files.verify(found, which=[stage_dir], field=field)
             raise
         names = [n for n in wanted if f"model.{n}" in keys]
         if not names:
             continue
         if not verified:
-            files.verify(found, which=[stage_dir])
+            files.verify(found, which=[stage_dir], field=field)
         sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
                                        dtype=keys[f"model.{n}"].properties.dtype)
                         for n in names},
