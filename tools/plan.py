@@ -96,17 +96,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _write_train(cluster_path: str, best, model_name: str, mbs: int) -> list[str]:
     """``DIR/train/NAME.yaml`` next to ``DIR/cluster/NAME.yaml`` (nothing for other paths)."""
-    from ldt.plan import train_yaml
+    from ldt.plan import planned_train_path, train_yaml
 
-    folder, name = os.path.split(os.path.abspath(cluster_path))
-    if os.path.basename(folder) != "cluster":
+    path = planned_train_path(cluster_path)
+    if path is None:
         return []
-    stem = os.path.splitext(name)[0]
-    path = os.path.join(os.path.dirname(folder), "train", stem + ".yaml")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    stem = os.path.splitext(os.path.basename(cluster_path))[0]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(train_yaml(best, model_name, mbs, stem))
-    return [os.path.relpath(path) if not os.path.isabs(cluster_path) else path]
+    return [path]
 
 
 def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:

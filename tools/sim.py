@@ -27,17 +27,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="conf/model name or path to a YAML")
     p.add_argument("--inventory", help="conf/inventory name or path to a YAML")
     p.add_argument("-m", "--num-microbatches", type=int,
-                   help="micro-batches per iteration per replica")
+                   help="micro-batches per iteration per replica (default: ldt-plan's "
+                        "DIR/train/NAME.yaml next to a --cluster DIR/cluster/NAME.yaml)")
     p.add_argument("--measured", metavar="RUN_DIR",
                    help="replay an ldt-train run's action_times.csv instead of the cost model")
     p.add_argument("--skip", type=int, default=3,
                    help="with --measured: warm-up steps to leave out (default 3)")
-    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
+    p.add_argument("--mbs", type=int, default=None,
+                   help="micro-batch size (default: the planned one, as -m; else 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-flash", action="store_true", help="price materialised attention scores")
     p.add_argument("--kinds", help="inventory kind per stage, comma-separated")
-    p.add_argument("--prefetch", type=int, default=0,
-                   help="U-shape prefetch depth (train.prefetch; default 0)")
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="U-shape prefetch depth (train.prefetch; default: the planned one, "
+                        "as -m; else 0)")
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--png", help="write a PNG timeline")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -49,10 +52,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.measured:
         return _replay(args)
+    _take_planned(args)
     missing = [f"--{n.replace('_', '-')}" for n in ("cluster", "model", "inventory",
                                                     "num_microbatches") if getattr(args, n) is None]
     if missing:
-        p.error(f"{', '.join(missing)} required (or --measured RUN_DIR to replay a run)")
+        p.error(f"{', '.join(missing)} required (-m can come from ldt-plan's DIR/train/NAME.yaml "
+                "next to --cluster DIR/cluster/NAME.yaml; or --measured RUN_DIR to replay a run)")
     from dataclasses import replace
 
     from ldt.config import ConfigError
@@ -82,6 +87,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         print(table(ev))
     return 0
+
+
+def _take_planned(args) -> None:
+    """Settings not given on the command line from the train file ldt-plan wrote next to the
+    cluster file (``DIR/train/NAME.yaml``): the simulator prices the plan as it was planned."""
+    from ldt.plan import read_planned_train
+
+    path, planned = read_planned_train(args.cluster) if args.cluster else (None, {})
+    taken = []
+    for arg, key, default in (("num_microbatches", "num_microbatches", None),
+                              ("mbs", "micro_batch_size", 1), ("prefetch", "prefetch", 0)):
+        if getattr(args, arg) is None and key in planned:
+            setattr(args, arg, planned[key])
+            taken.append(f"{key}={planned[key]}")
+        elif getattr(args, arg) is None:
+            setattr(args, arg, default)
+    if taken:
+        print(f"ldt-sim: {', '.join(taken)} from {path}", file=sys.stderr)
 
 
 def _stage_names(run_dir: str):
