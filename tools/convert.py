@@ -67,6 +67,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, FileNotFoundError) as exc:
         print(f"ldt-convert: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("transformers", "safetensors", "accelerate"):
+            raise
+        print(f"ldt-convert: {exc.name} is not installed; Hugging Face checkpoints need the hf "
+              "extra: pip install 'ldt[hf]' (pip install -e '.[hf]' in a clone)", file=sys.stderr)
+        return 2
     return 0
 
 

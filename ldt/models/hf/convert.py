@@ -12,7 +12,10 @@ finds them), and COMPLETE is written last. The step recorded is -1: both ``train
 
 Export (:func:`export_hf`) reads an ldt checkpoint (an import, or any training checkpoint,
 whatever its layout) part by part and writes sharded safetensors plus their index, a
-``config.json`` built with ``transformers``' config class, and the tokenizer files.
+``config.json`` built with ``transformers``' config class, and the tokenizer files. Every
+tensor is checked against transformers' own model of that config, built as a skeleton without
+weights (``accelerate.init_empty_weights``), before its file is written: a name or shape
+transformers would not load is refused at export, not found later by the user.
 """
 
 from __future__ import annotations
@@ -165,9 +168,16 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
         raise ConfigError(f"{found} has no model.json; pass the model config (--model NAME)")
     family = family_of_model(model)
     index = tensor_index(found)
+    dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
+    base = None
+    if os.path.exists(os.path.join(found, HF_CONFIG)):
+        with open(os.path.join(found, HF_CONFIG)) as f:
+            base = json.load(f)
+    hf_config = family.hf_config(model, dtype, base)
+    expected = hf_shapes(hf_config)
     os.makedirs(out_dir, exist_ok=True)
     groups = list(parts(model))
-    weight_map, total, dtype = {}, 0, None
+    weight_map, total = {}, 0
     for k, names in enumerate(groups):
         if model.tie_embeddings:
             names = [n for n in names if n != "output_layer.weight"]
@@ -177,24 +187,39 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
             tensor = full.pop(name)
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 tensor = tensor[:model.vocab_size]  # drop the vocabulary padding
-            dtype = dtype or tensor.dtype
             hf_names, kind = family.sources(name)
             for hf_name, value in zip(hf_names, family.split(kind, tensor, model)):
+                if expected.pop(hf_name, None) != tuple(value.shape):
+                    raise ConfigError(f"export of {found}: {name} gives {hf_name} of shape "
+                                      f"{tuple(value.shape)}, but transformers' "
+                                      f"{family.architecture} has "
+                                      f"{hf_shapes(hf_config).get(hf_name, 'no such tensor')}")
                 out[hf_name] = value.contiguous()
         file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
         weight_map.update({n: file for n in out})
         total += sum(t.numel() * t.element_size() for t in out.values())
+    if expected:
+        raise ConfigError(f"export of {found}: nothing gives transformers' "
+                          f"{family.architecture} its {sorted(expected)[0]}")
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    base = None
-    if os.path.exists(os.path.join(found, HF_CONFIG)):
-        with open(os.path.join(found, HF_CONFIG)) as f:
-            base = json.load(f)
-    family.hf_config(model, dtype, base).to_json_file(os.path.join(out_dir, "config.json"))
+    hf_config.to_json_file(os.path.join(out_dir, "config.json"))
     _copy_tokenizer(found, out_dir)
     log(f"ldt-convert: {found} -> {out_dir} ({family.architecture}, {len(groups)} files)")
     return out_dir
+
+
+def hf_shapes(hf_config) -> dict[str, tuple]:
+    """Name -> shape of every tensor transformers saves for ``hf_config``'s model (a tied head
+    once, under the embedding's name), from a skeleton whose weights are never allocated."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    skeleton.tie_weights()  # under init_empty_weights the head is not tied at construction
+    return {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
 
 
 def _copy_tokenizer(src: str, dst: str) -> list[str]:
