@@ -102,6 +102,22 @@ def disk_full_at(folder: str) -> Iterator[None]:
         raise
 
 
+def carry_companions(origin: Optional[str], target: str, own: tuple = ()) -> list[str]:
+    """Copy the top-level files of checkpoint ``origin`` that describe where its weights came
+    from (an import's ``hf_config.json`` and tokenizer files) into step folder ``target``
+    before it is sealed, so a run started from an import saves checkpoints that export with
+    them. ``own``: the files the writer makes itself (``model.json``); never the seal's."""
+    found = latest(origin) if origin else None
+    if found is None:
+        return []
+    names = [n for n in sorted(os.listdir(found)) if n not in (INFO, COMPLETE, *own)
+             and not n.endswith(".tmp") and os.path.isfile(os.path.join(found, n))]
+    with disk_full_at(target):
+        for name in names:
+            shutil.copyfile(os.path.join(found, name), os.path.join(target, name))
+    return names
+
+
 def discard(folder: str) -> None:
     """Remove an unsealed step folder (a save that failed part-way)."""
     if not os.path.exists(os.path.join(folder, COMPLETE)):

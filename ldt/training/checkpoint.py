@@ -62,11 +62,13 @@ class Saved:
 
 
 def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, model=None,
-         keep_last: int = 0, group=None) -> Saved:
+         keep_last: int = 0, group=None, origin: Optional[str] = None) -> Saved:
     """Write this stage's part of checkpoint ``step`` (collective over the whole world;
     ``group``: a gloo group of all ranks, None for the default group). ``info`` goes into
     ``checkpoint.json``; ``model``: the ModelConfig, recorded in ``model.json`` for the checks
-    of later loads. A full disk on any writer is a :class:`Saved` with an error on every
+    of later loads; ``origin``: the checkpoint the run started from (``train.load`` /
+    ``train.resume``), whose companion files (an import's tokenizer, ``hf_config.json``) every
+    save carries on. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
     target = step_dir(root, step)
     from ldt.models.sharding import is_gated
@@ -106,6 +108,9 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
 
                 with files.disk_full_at(target):
                     write_model_json(target, model)
+            from ldt.models.arch import MODEL_JSON
+
+            files.carry_companions(origin, target, own=(MODEL_JSON,))
             files.seal(target, {**info, "step": step})
             files.prune(root, keep_last)
             ok[0] = 1

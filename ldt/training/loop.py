@@ -188,7 +188,8 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
             record.begin("saving a checkpoint", waiting=True)
             result = checkpoint.save(run_dir, step, opt.models, chunks, opt, state, info=info,
-                                     model=c.model, keep_last=t.keep_last, group=guard.group)
+                                     model=c.model, keep_last=t.keep_last, group=guard.group,
+                                     origin=t.resume or t.load)
             if result.error:
                 stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
                 break
