@@ -16,11 +16,9 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+
 DEVICE_TYPES = ("cuda", "npu", "cpu")
-
-
-class ConfigError(ValueError):
-    """A config that cannot work. The message names the field, the value and the fix."""
 
 
 def _given(*values: Any) -> bool:
@@ -397,7 +395,9 @@ def to_data(obj: Any) -> DataConfig:
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
-    return to_cluster(OmegaConf.load(path))
+    from ldt.userfiles import load_yaml
+
+    return to_cluster(load_yaml(path, "cluster file"))
 
 
 def _plain(obj: Any) -> Any:
