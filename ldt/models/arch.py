@@ -52,11 +52,12 @@ def read_model_json(folder: str) -> Optional[ModelConfig]:
     """The ModelConfig a checkpoint was written for (None for a checkpoint without one)."""
     from ldt.config import to_model
 
+    from ldt.userfiles import load_json_object
+
     path = os.path.join(folder, MODEL_JSON)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return to_model(json.load(f))
+    return to_model(load_json_object(path, "checkpoint model file"))
 
 
 def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[str, tuple]:

@@ -141,6 +141,26 @@ def latest(path: str) -> Optional[str]:
     return done[-1] if done else None
 
 
+def skipped(path: str) -> Optional[str]:
+    """One line naming the step folders under a run folder that are newer than the one
+    :func:`latest` picks but incomplete (no marker: a save that did not finish), which a
+    reader passes over; None when it passes over nothing."""
+    found = latest(path)
+    folder = os.path.join(path, "checkpoints")
+    if found is None or os.path.abspath(found) == os.path.abspath(path) \
+            or not os.path.isdir(folder):
+        return None
+    newer = [d for d in sorted(os.listdir(folder)) if d.startswith("step_")
+             and d > os.path.basename(found) and os.path.isdir(os.path.join(folder, d))
+             and not os.path.exists(os.path.join(folder, d, COMPLETE))]
+    if not newer:
+        return None
+    return (f"{os.path.join(folder, newer[-1])}"
+            + (f" and {len(newer) - 1} more" if len(newer) > 1 else "")
+            + f" {'are' if len(newer) > 1 else 'is'} incomplete (no {COMPLETE} marker: the save "
+            f"did not finish), so the newest complete checkpoint, {found}, is used")
+
+
 def parts(folder: str) -> list[str]:
     return sorted(d for d in os.listdir(folder)
                   if os.path.isdir(os.path.join(folder, d)) and not d.endswith(".tmp"))
