@@ -69,6 +69,12 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     check_data(data, model, train, topo, rank)
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
+    if (train.resume or train.load) and rank in (None, 0):  # a skipped save is said once
+        from ldt.storage.checkpoint_files import skipped
+
+        note = skipped(train.resume or train.load)
+        if note:
+            warnings.append(f"{'train.resume' if train.resume else 'train.load'}: {note}")
     if rank is None and (train.resume or train.load):  # every rank is here: hash it once
         from ldt.storage.checkpoint_files import preflight
 
@@ -233,6 +239,24 @@ def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig])
                           "train.schedule=auto or 1f1b, or give every stage the same dp")
 
 
+def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
+    """ldt's runtime materialises each step's action lists (in every process of this host)
+    and keeps every action's measured times: bounded by the host's memory before it starts."""
+    from ldt.schedule.size import check_fits, check_schedule_size, runs_on_ldt_runtime
+
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    m = train.num_microbatches
+    if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
+        lanes = sum(topo.dp_sizes) if topo.is_vdp else topo.num_stages
+        check_schedule_size("train.num_microbatches", m, lanes, processes=processes,
+                            steps=train.steps)
+    # byte-token data draws one step's sample order (dp * m * mbs int64) for each micro-batch
+    per_mb = 8 * max(topo.dp_sizes) * train.micro_batch_size * processes
+    check_fits("train.num_microbatches", m, m * per_mb, "each micro-batch's draw of the step's "
+               f"sample order (dp x m x micro_batch_size indices, in {processes} processes)",
+               unit_bytes=per_mb)
+
+
 def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.micro_batch_size < 1:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must be >= 1")
@@ -276,6 +300,7 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "
             "train.schedule=interleaved (or auto), or one segment per stage")
+    _check_schedule_size(topo, train)
     if vpp > 1:
         p, m = topo.num_stages, train.num_microbatches
         if m % p:
