@@ -35,9 +35,15 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
 
 
-def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = None, *,
+def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
             run_folder: bool = True) -> int:
     """Run ``task`` as a Hydra app over ``conf/`` and return the process exit status.
+
+    With ``run_folder`` (``ldt-train``) Hydra makes the run folder but writes nothing into it:
+    the task is called as ``task(cfg, save_hydra_files)`` and calls ``save_hydra_files()``
+    once it has checked the folder is its own (a run never writes into another run's folder,
+    even its ``.hydra/``), which writes Hydra's ``config.yaml``, ``hydra.yaml`` and
+    ``overrides.yaml`` into ``hydra.output_subdir`` (``.hydra``) as Hydra would have.
 
     ``run_folder=False`` is for apps that write nothing (``python -m ldt.topology``): Hydra's
     folders then go to a temporary directory that is removed afterwards.
@@ -61,6 +67,11 @@ def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = N
                   file=sys.stderr)
             return EXIT_CONFIG
         args += ["hydra.output_subdir=null", "hydra.run.dir=."]
+    hydra_subdir = None
+    if run_folder and os.environ.get("RANK", "0") == "0":
+        # Hydra writes .hydra/ into the run folder before the job can look at it; the job
+        # writes it itself (``save_hydra_files``) once it knows the folder is its own
+        hydra_subdir, args = _take_output_subdir(args)
     scratch = None
     if not run_folder:
         import tempfile
@@ -73,7 +84,11 @@ def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = N
     @functools.wraps(task)  # Hydra names the job after the task's module
     def job(cfg: DictConfig) -> int:
         codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
-        codes[-1] = int(task(cfg) or 0)
+        if hydra_subdir is None:
+            codes[-1] = int(task(cfg) or 0)
+        else:
+            codes[-1] = int(task(cfg, functools.partial(save_hydra_files, cfg, hydra_subdir))
+                            or 0)
         return codes[-1]
 
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
@@ -91,3 +106,57 @@ def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = N
 
             shutil.rmtree(scratch, ignore_errors=True)
     return next((c for c in codes if c), 0)
+
+
+def _take_output_subdir(args: list[str]) -> tuple[Optional[str], list[str]]:
+    """The ``hydra.output_subdir`` the user asked for ('.hydra' unless given; '' for none),
+    and the arguments with Hydra's own writing of it turned off."""
+    subdir = ".hydra"
+    rest = []
+    for a in args:
+        key, _, value = a.partition("=")
+        if key.lstrip("+~") == "hydra.output_subdir":
+            subdir = "" if value in ("null", "None", "") else value
+        else:
+            rest.append(a)
+    return subdir, _with_override(rest, "hydra.output_subdir=null")
+
+
+def _with_override(args: list[str], override: str) -> list[str]:
+    """``args`` plus one override, placed where Hydra's parser takes it: its overrides are
+    one run of positional arguments (``--cfg job a=1`` or ``a=1 --cfg job``, not both)."""
+    import argparse
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            given = get_args_parser().parse_args(args).overrides
+    except (SystemExit, argparse.ArgumentError):  # Hydra will refuse the line itself
+        return [*args, override]
+    for i in range(len(args) - len(given) + 1):
+        if given and args[i:i + len(given)] == given:
+            return [*args[:i + len(given)], override, *args[i + len(given):]]
+    return [override, *args]
+
+
+def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
+    """Hydra's record of a job (the task config, Hydra's config, the overrides), written the
+    way Hydra writes it, each file whole (:func:`ldt.storage.atomic.replace_file`)."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from ldt.storage.atomic import replace_file
+
+    if not subdir:
+        return
+    hydra_cfg = HydraConfig.get()
+    folder = os.path.join(hydra_cfg.runtime.output_dir, subdir)
+    os.makedirs(folder, exist_ok=True)
+    whole = OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg)})
+    with_output_subdir = OmegaConf.merge(whole, {"hydra": {"output_subdir": subdir}})
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", with_output_subdir),
+                       ("overrides.yaml", hydra_cfg.overrides.task)):
+        replace_file(os.path.join(folder, name), OmegaConf.to_yaml(node))
