@@ -81,9 +81,12 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
                  "hydra.output_subdir=null"]
     codes: list[int] = []
 
+    held = _HeldStderr(sys.stderr)  # Hydra's refusals, one line; the job's output streams
+
     @functools.wraps(task)  # Hydra names the job after the task's module
     def job(cfg: DictConfig) -> int:
         codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
+        held.release()
         if hydra_subdir is None:
             codes[-1] = int(task(cfg) or 0)
         else:
@@ -94,12 +97,18 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
                      version_base="1.3")(job)
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
+    sys.stderr = held
     try:
         app()
     except SystemExit as exc:  # --help, --version, or Hydra refusing the command line
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        return EXIT_CONFIG if code == 1 and not codes else code
+        if code == 1 and not codes:
+            held.refused()
+            return EXIT_CONFIG
+        return code
     finally:
+        held.release()
+        sys.stderr = held.real
         sys.argv = saved
         if scratch is not None:
             import shutil
@@ -160,3 +169,69 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
     for name, node in (("config.yaml", cfg), ("hydra.yaml", with_output_subdir),
                        ("overrides.yaml", hydra_cfg.overrides.task)):
         replace_file(os.path.join(folder, name), OmegaConf.to_yaml(node))
+
+
+class _HeldStderr:
+    """stderr while Hydra composes: what it prints is held until a job starts (then it all
+    goes out, and the job's output streams as usual); when Hydra refuses the configuration
+    instead (a YAML syntax error in a config file, a key a file's schema lacks, a missing
+    option), :meth:`refused` prints it as one line, without Hydra's traceback."""
+
+    def __init__(self, real):
+        self.real, self._held, self._passing = real, [], False
+
+    def write(self, text: str) -> int:
+        if self._passing:
+            return self.real.write(text)
+        self._held.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._passing:
+            self.real.flush()
+
+    def release(self) -> None:
+        if not self._passing:
+            self._passing = True
+            self.real.write("".join(self._held))
+            self._held = []
+
+    def refused(self) -> None:
+        self._passing = True
+        text, self._held = "".join(self._held), []
+        if text.strip():
+            print(f"ldt: invalid config: {refusal_line(text)}", file=self.real)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding...: the real stream's
+        return getattr(self.real, name)
+
+
+def refusal_line(text: str) -> str:
+    """Hydra's refusal (possibly a traceback, several lines) as one line naming the file,
+    the line and the column where it can."""
+    import re
+
+    lines = [ln.rstrip() for ln in text.splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback") for ln in lines):  # keep the exception, not the frames
+        last = max(i for i, ln in enumerate(lines) if ln.lstrip().startswith("File ")
+                   or ln.startswith("Traceback"))
+        lines = [ln for ln in lines[last + 1:] if not ln.startswith(" " * 4)]
+    marks = [m for ln in lines for m in [re.search(r'in "(.+)", line (\d+), column (\d+)', ln)]
+             if m]
+    if marks and any("yaml" in ln.lower() for ln in lines):
+        path, line, column = marks[-1].groups()
+        problem = [ln for ln in lines if not ln.strip().startswith("in \"")][-1]
+        problem = problem.split(": ", 1)[-1] if problem.startswith("yaml.") else problem
+        return (f"{path}:{line}:{column}: invalid YAML ({problem.strip()}); fix the syntax "
+                "there (a missing ',' or ':', unclosed brackets or quotes, tabs)")
+    keep = []
+    for ln in lines:
+        if ln.startswith(("Config search path", "Set the environment variable HYDRA_FULL_ERROR",
+                          "    full_key", "    reference_type", "    object_type")):
+            if ln.startswith("Config search path"):
+                break
+            continue
+        keep.append(ln.strip().rstrip(":") if ln.strip().endswith(":") else ln.strip())
+    if any("not in '" in ln and "Key '" in ln for ln in keep):
+        keep.append("remove the key or fix its spelling (every key: ldt/config.py)")
+    return "; ".join(keep)
