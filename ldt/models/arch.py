@@ -41,11 +41,11 @@ def arch_of(model: ModelConfig) -> dict:
 
 def write_model_json(folder: str, model: ModelConfig) -> None:
     """``folder/model.json``: the whole ModelConfig (its architecture is what loads check)."""
+    from ldt.storage.atomic import replace_file
+
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, MODEL_JSON + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(model), f, indent=1)
-    os.replace(tmp, os.path.join(folder, MODEL_JSON))
+    replace_file(os.path.join(folder, MODEL_JSON), json.dumps(dataclasses.asdict(model),
+                                                              indent=1))
 
 
 def read_model_json(folder: str) -> Optional[ModelConfig]:

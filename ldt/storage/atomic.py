@@ -131,7 +131,7 @@ def new_folder(path: str, *, flag: str, overwrite: bool = False,
     _probe(tmp, target, flag, created, folder=True)
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _put_in_place(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,18 +185,32 @@ def write_text(path: str, text: str, *, flag: str, overwrite: bool = False,
     return os.path.abspath(path)
 
 
-def replace_file(path: str, text: str) -> None:
-    """Rewrite a file inside a folder ldt owns (a run folder, a checkpoint being built):
-    written beside it, flushed, renamed over it; a failure leaves the old file."""
+@contextmanager
+def replacing(path: str) -> Iterator[str]:
+    """Rewrite a file inside a folder ldt owns (a run folder, a checkpoint being built): yield
+    a temporary beside it to write; when the block ends it is flushed and renamed over
+    ``path``; on an exception it is removed and the old file (if any) stays."""
     tmp = _sibling(os.path.abspath(path), TMP_MARK)
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        yield tmp
         _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
         raise
+
+
+def replace_file(path: str, text: str) -> None:
+    """:func:`replacing` with a text."""
+    with replacing(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+
+def move_into_place(tmp: str, target: str) -> None:
+    """Put a complete temporary (a file or a folder) at ``target``, swapping out whatever is
+    there whole (for writers that name their own temporaries, e.g. a checkpoint part)."""
+    _put_in_place(tmp, target)
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -311,7 +325,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_tree(root: str) -> None:
+def fsync_tree(root: str) -> None:
+    """Flush every file and folder under ``root`` to disk (before it is renamed into place)."""
     for folder, _, names in os.walk(root):
         for name in names:
             path = os.path.join(folder, name)

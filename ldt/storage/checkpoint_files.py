@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from ldt.config import ConfigError
+from ldt.storage.atomic import fsync_tree, move_into_place, replace_file
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
@@ -70,8 +71,8 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
             dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
         _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
                                                   "files": _manifest(tmp, skip=(MANIFEST,))})
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        fsync_tree(tmp)
+        move_into_place(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _out_of_space(exc, folder, _nbytes(state_dict)):
@@ -279,17 +280,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    replace_file(path, text)
 
 
 def _nbytes(obj: Any) -> int:
