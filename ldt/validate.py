@@ -251,10 +251,11 @@ def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
         check_schedule_size("train.num_microbatches", m, lanes, processes=processes,
                             steps=train.steps)
     # byte-token data draws one step's sample order (dp * m * mbs int64) for each micro-batch
-    per_mb = 8 * max(topo.dp_sizes) * train.micro_batch_size * processes
-    check_fits("train.num_microbatches", m, m * per_mb, "each micro-batch's draw of the step's "
-               f"sample order (dp x m x micro_batch_size indices, in {processes} processes)",
-               unit_bytes=per_mb)
+    per_sample = 8 * max(topo.dp_sizes) * processes
+    samples = m * train.micro_batch_size
+    check_fits("train.num_microbatches x train.micro_batch_size", samples, samples * per_sample,
+               "each micro-batch's draw of the step's sample order (dp x that many indices, in "
+               f"{processes} processes)", unit_bytes=per_sample)
 
 
 def _check_train(topo: Topology, train: TrainConfig) -> None:

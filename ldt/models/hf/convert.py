@@ -245,7 +245,8 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     files.verify(found, which=stages, hashes=True)
     model = read_model_json(found) or model
     if model is None:
-        raise ConfigError(f"{found} has no model.json; pass the model config (--model NAME)")
+        raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "
+                          "checkpoint written by ldt-train or ldt-convert import")
     family = family_of_model(model)
     index = tensor_index(found)
     groups = list(parts(model))
