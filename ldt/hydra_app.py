@@ -216,6 +216,11 @@ def refusal_line(text: str) -> str:
         last = max(i for i, ln in enumerate(lines) if ln.lstrip().startswith("File ")
                    or ln.startswith("Traceback"))
         lines = [ln for ln in lines[last + 1:] if not ln.startswith(" " * 4)]
+    exists = [m for ln in lines for m in [re.search(r"FileExistsError: .*File exists: '(.+)'",
+                                                     ln)] if m]
+    if exists:  # Hydra could not make the run folder
+        return (f"hydra.run.dir={exists[0].group(1)} exists and is not a folder; give a new "
+                "run_dir")
     marks = [m for ln in lines for m in [re.search(r'in "(.+)", line (\d+), column (\d+)', ln)]
              if m]
     if marks and any("yaml" in ln.lower() for ln in lines):

@@ -44,7 +44,7 @@ def _job(cfg, save_hydra_files=None) -> int:
             save_hydra_files()
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {exc}", file=sys.stderr)
+        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
         _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:
@@ -61,6 +61,11 @@ def _job(cfg, save_hydra_files=None) -> int:
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
           f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
     return _launch_local(plain, topo)
+
+
+def one_line(exc: BaseException) -> str:
+    """A refusal's message on one line (a layout error's caret picture left out)."""
+    return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())
 
 
 def _discard_run_folder(path: str, cwd: str) -> None:

@@ -109,4 +109,6 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
 
 
 def _one_line(exc: BaseException) -> str:
+    if hasattr(exc, "one_line"):  # a LayoutError: its caret picture left out
+        return exc.one_line()
     return " ".join(str(exc).split())
