@@ -44,19 +44,20 @@ def load_yaml(path: str, what: str = "YAML file") -> Any:
 
     text = read_text(path, what)
     try:
-        node = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+        data = yaml.safe_load(text)  # the syntax, and what kind of document it is
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         at = _where(path, mark.line + 1, mark.column + 1) if mark is not None else path
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{what} {at}: invalid YAML ({problem}); fix the syntax there "
                           "(a missing ',' or ':', unclosed brackets or quotes, tabs)") from None
-    except OmegaConfBaseException as exc:
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} holds a {type(data).__name__}, not a mapping of keys "
+                          "to values; write it as 'key: value' lines")
+    try:
+        return OmegaConf.create(text) if data else OmegaConf.create({})
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise ConfigError(f"{what} {path}: {str(exc).splitlines()[0]}") from None
-    if not OmegaConf.is_dict(node):
-        raise ConfigError(f"{what} {path} holds a {type(OmegaConf.to_object(node)).__name__}, "
-                          "not a mapping of keys to values; write it as 'key: value' lines")
-    return node
 
 
 def load_json(path: str, what: str = "JSON file") -> Any:
