@@ -247,9 +247,9 @@ def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
     m = train.num_microbatches
     if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
-        lanes = sum(topo.dp_sizes) if topo.is_vdp else topo.num_stages
-        check_schedule_size("train.num_microbatches", m, lanes, processes=processes,
-                            steps=train.steps)
+        check_schedule_size("train.num_microbatches", m, topo.num_stages,
+                            replicas=max(topo.dp_sizes) if topo.is_vdp else 1,
+                            processes=processes, steps=train.steps)
     # byte-token data draws one step's sample order (dp * m * mbs int64) for each micro-batch
     per_sample = 8 * max(topo.dp_sizes) * processes
     samples = m * train.micro_batch_size

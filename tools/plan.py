@@ -114,12 +114,12 @@ TRAIN_FLAG = "--out (its train/ file)"
 
 
 def _check_size(args, inventory, model) -> None:
-    """The planner simulates schedules of up to global-batch / mbs micro-batches over up to
-    every device (with per-stage DP, lanes of up to 4x a stage's replicas): bounded first."""
+    """The planner simulates schedules of up to global-batch / mbs micro-batches (over the
+    replicas of per-stage DP too) over up to every device: bounded first."""
     from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
 
     stages = min(args.max_stages or inventory.total_devices, model.num_layers + 2)
-    per_mb = actions_per_step(4 * stages, 1) * BYTES_PER_ACTION
+    per_mb = actions_per_step(stages, 1) * BYTES_PER_ACTION
     m = args.global_batch // args.mbs
     check_fits("--global-batch", args.global_batch, m * per_mb,
                f"the planner's simulated schedules ({m} micro-batches over up to {stages} "

@@ -89,8 +89,8 @@ def _simulate(args) -> int:
     inventory, model = load_inventory(args.inventory), load_model(args.model)
     cluster = load_cluster(args.cluster)
     topo = validate(cluster, model, check_devices=False)
-    lanes = sum(topo.dp_sizes) if topo.is_vdp else topo.num_stages
-    check_schedule_size("-m", args.num_microbatches, lanes)  # before a schedule is built
+    check_schedule_size("-m", args.num_microbatches, topo.num_stages,  # before it is built
+                        replicas=max(topo.dp_sizes) if topo.is_vdp else 1)
     kinds = args.kinds.split(",") if args.kinds else None
     if args.prefetch and not cluster.u_shape:
         raise ConfigError(f"--prefetch {args.prefetch}: the depth of a U-shape's schedule; the "

@@ -3,9 +3,9 @@
 ldt's runtime, the simulator and the planner hold a step's action lists in memory (and the
 runtime keeps every action's measured times for the run's timeline), so a micro-batch count
 sizes a structure: a million micro-batches is hundreds of millions of Python objects. The
-counts below are exact upper bounds of what :mod:`ldt.schedule.generate` and
-:mod:`ldt.schedule.vdp` produce (``tests/test_bounds.py`` checks them against the
-generators); the bytes per action were measured with ``tracemalloc`` (CPython 3.11: a lowered,
+counts below are upper bounds of what :mod:`ldt.schedule.generate` and
+:mod:`ldt.schedule.vdp` produce, exact for the U-shape (``tests/test_bounds.py`` checks them
+against the generators); the bytes per action were measured with ``tracemalloc`` (CPython 3.11: a lowered,
 checked U-shape or 1F1B peaks at 210-315 B per action, the simulator at ~310 B; one measured
 timing row, an action name and two floats, ~200 B). Callers compare the estimate with the
 host's available memory (:func:`available_bytes`) before building anything, and refuse a
@@ -25,11 +25,13 @@ SHARE_OF_MEMORY = 0.5
 """The share of the host's available memory a schedule may take (the model needs the rest)."""
 
 
-def actions_per_step(lanes: int, num_microbatches: int) -> int:
-    """An upper bound of the actions of one step over every stage (every lane with per-stage
-    DP): per micro-batch a cloud / middle stage runs F, B and six communication actions, the
-    U-shape's edge ten, a 1F1B end stage five."""
-    return num_microbatches * (8 * max(lanes, 1) + 2)
+def actions_per_step(num_stages: int, num_microbatches: int, replicas: int = 1) -> int:
+    """An upper bound of the actions of one step over every stage: per micro-batch a middle
+    stage runs F, B and six communication actions, the U-shape's edge ten, a 1F1B end stage
+    five, so ``8 P + 2`` (exact for the U-shape). With per-stage DP every stage runs the
+    ``replicas`` (the largest stage dp) times ``num_microbatches`` micro-batches over its
+    lanes, so the count is that times as large (exact too)."""
+    return num_microbatches * replicas * (8 * max(num_stages, 1) + 2)
 
 
 def runs_on_ldt_runtime(u_shape: bool, per_stage_dp: bool, runtime: str) -> bool:
@@ -49,7 +51,8 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB" if n >= 2**27 else f"{n / 2**20:.3g} MiB"
 
 
-def check_schedule_size(flag: str, num_microbatches: int, lanes: int, *, processes: int = 1,
+def check_schedule_size(flag: str, num_microbatches: int, num_stages: int, *,
+                        replicas: int = 1, processes: int = 1,
                         steps: Optional[int] = None, steps_flag: str = "train.steps",
                         available: Optional[int] = None) -> None:
     """Refuse a micro-batch count whose action lists (built once in each of ``processes``)
@@ -58,7 +61,7 @@ def check_schedule_size(flag: str, num_microbatches: int, lanes: int, *, process
     memory. The message names the flag, what it would take and the largest value that fits."""
     from ldt.config import ConfigError
 
-    per_mb = actions_per_step(lanes, 1)
+    per_mb = actions_per_step(num_stages, 1, replicas)
     actions = per_mb * num_microbatches
     build = actions * BYTES_PER_ACTION * processes
     kept = actions * BYTES_PER_TIMING * (steps or 0)
