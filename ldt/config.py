@@ -307,9 +307,9 @@ class TrainConfig:
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
                                                  and 0 < self.comm_timeout_s <= MAX_TIMEOUT_S):
             raise ConfigError(
-                f"train.comm_timeout_s={self.comm_timeout_s} must be a number of seconds > 0 and "
-                f"at most {MAX_TIMEOUT_S:g} (a year): a dead rank stops the others after this "
-                "long; e.g. 60")
+                f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
+                f"> 0, at most {MAX_TIMEOUT_S:g} (a year): a dead rank stops the others after "
+                "this long; e.g. 60")
         if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
             raise ConfigError(
                 f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
