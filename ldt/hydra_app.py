@@ -67,6 +67,11 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
                   file=sys.stderr)
             return EXIT_CONFIG
         args += ["hydra.output_subdir=null", "hydra.run.dir=."]
+    if run_folder and any(a in ("-m", "--multirun") for a in args):
+        refused = _sweep_folder_in_use(args)
+        if refused:
+            print(f"ldt: invalid config: {refused}", file=sys.stderr)
+            return EXIT_CONFIG
     hydra_subdir = None
     if run_folder and os.environ.get("RANK", "0") == "0":
         # Hydra writes .hydra/ into the run folder before the job can look at it; the job
@@ -229,6 +234,7 @@ def refusal_line(text: str) -> str:
         problem = problem.split(": ", 1)[-1] if problem.startswith("yaml.") else problem
         return (f"{path}:{line}:{column}: invalid YAML ({problem.strip()}); fix the syntax "
                 "there (a missing ',' or ':', unclosed brackets or quotes, tabs)")
+    lines = [re.sub(r"^(ldt\.[\w.]+\.)?\w*(Error|Exception): ", "", ln) for ln in lines]
     keep = []
     for ln in lines:
         if ln.startswith(("Config search path", "Set the environment variable HYDRA_FULL_ERROR",
@@ -240,3 +246,32 @@ def refusal_line(text: str) -> str:
     if any("not in '" in ln and "Key '" in ln for ln in keep):
         keep.append("remove the key or fix its spelling (every key: ldt/config.py)")
     return "; ".join(keep)
+
+
+
+def _sweep_folder_in_use(args: Sequence[str]) -> Optional[str]:
+    """With ``-m``, Hydra writes ``multirun.yaml`` into the sweep folder before any job can
+    look at it: a sweep folder given on the command line (``hydra.sweep.dir=`` or
+    ``run_dir=``) that already holds anything is refused here, in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from ldt.storage.atomic import holds_anything
+
+    given = {}
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = OverridesParser.create().parse_overrides([arg])[0]
+        except HydraException:
+            continue  # Hydra refuses it itself
+        if override.key_or_group in ("hydra.sweep.dir", "run_dir") \
+                and not override.is_sweep_override():
+            given[override.key_or_group] = override.value()
+    folder = given.get("hydra.sweep.dir", given.get("run_dir"))
+    if not isinstance(folder, str) or "${" in folder or not holds_anything(folder):
+        return None
+    key = "hydra.sweep.dir" if "hydra.sweep.dir" in given else "run_dir"
+    return (f"{key}={folder} already holds files; a sweep (-m) never writes into another run's "
+            f"folder: give a new {key}")

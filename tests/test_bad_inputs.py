@@ -373,6 +373,8 @@ ROWS = [
                                     r"train.resume="),
     (T, "hydra.run.dir=run_old train.steps=0", 2, r"train.steps=0 must be >= 1"),
     (T, "run_dir=userdir", 2, r"userdir already holds files"),
+    (T, "-m run_dir=run_old train.steps=1,2", 2, r"run_dir=run_old already holds files; a sweep"),
+    (T, "-m hydra.sweep.dir=userdir train.steps=1,2", 2, r"hydra.sweep.dir=userdir already"),
     (T, "run_dir=corpus.txt", 2, r"hydra.run.dir=corpus.txt exists and is not a folder"),
     (T, "cluster=cpu_uniform cluster.layout=null model.num_layers=2 train.load=ckpt_trunc", 2,
      r"ckpt_trunc/stage_1/__0_0.distcp is truncated \(100 of"),
