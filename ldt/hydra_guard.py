@@ -64,9 +64,13 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
     hydra_cfg = HydraConfig.get()
     folder = os.path.join(hydra_cfg.runtime.output_dir, subdir)
     os.makedirs(folder, exist_ok=True)
-    whole = OmegaConf.create({"hydra": OmegaConf.to_container(hydra_cfg)})
-    with_output_subdir = OmegaConf.merge(whole, {"hydra": {"output_subdir": subdir}})
-    for name, node in (("config.yaml", cfg), ("hydra.yaml", with_output_subdir),
+    record = OmegaConf.to_container(hydra_cfg)
+    record["output_subdir"] = subdir  # as the user set it (ldt turned Hydra's writing off)
+    record["overrides"]["hydra"] = [o for o in record["overrides"]["hydra"]
+                                    if o != "hydra.output_subdir=null"]
+    if subdir != ".hydra":
+        record["overrides"]["hydra"].append(f"hydra.output_subdir={subdir}")
+    for name, node in (("config.yaml", cfg), ("hydra.yaml", OmegaConf.create({"hydra": record})),
                        ("overrides.yaml", hydra_cfg.overrides.task)):
         replace_file(os.path.join(folder, name), OmegaConf.to_yaml(node))
 
