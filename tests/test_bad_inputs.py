@@ -308,6 +308,9 @@ ROWS = [
     (PL, PLAN + ["--out", "/proc/ldt/c.yaml"], 2, r"--out .*: cannot"),
     (PL, PLAN + ["--png", "t.png"], 2, r"--png t.png already exists"),
     (PL, PLAN + ["--trace", "corpus.txt"], 2, r"--trace corpus.txt already exists"),
+    (PL, PLAN + ["--out", "data", "--overwrite"], 2, r"--out data is a folder; give the path"),
+    (S, SIM + ["-m", "4", "--trace", "data/"], 2, r"--trace data/ is a folder"),
+    (A, "--json data", 2, r"--json data is a folder"),
     (PL, "--model gpt_tiny", 2, r"required: --inventory"),
     # -- ldt-sim
     (S, SIM + ["-m", "0"], 2, r"-m/--num-microbatches: 0 must be >= 1"),

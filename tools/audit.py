@@ -80,7 +80,7 @@ def _run(args) -> int:
     inside = os.path.commonpath([os.path.abspath(path), out]) == out
     check_output(args.out, flag="--out", overwrite=args.overwrite)  # before any run
     if not inside:
-        check_output(path, flag="--json", overwrite=args.overwrite)
+        check_output(path, flag="--json", overwrite=args.overwrite, file=True)
     opts = AuditOptions(overrides=args.overrides, out=args.out, steps=args.steps,
                         noise_levels=noise, checkpoint=args.checkpoint,
                         cloud_text=args.cloud_text, shadow_tokens=args.shadow_tokens,

@@ -73,7 +73,7 @@ def _run(args) -> int:
     inputs = [(f, v) for f, v in (("--inventory", args.inventory), ("--model", args.model))
               if os.path.exists(v)]
     for path, flag in outputs:
-        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs)
+        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
     inventory, model = load_inventory(args.inventory), load_model(args.model)
     if args.sequence_parallel:
         model = dataclasses.replace(model, sequence_parallel=True)

@@ -68,7 +68,7 @@ def _outputs(args, inputs) -> list[tuple[str, str]]:
 
     out = [(getattr(args, k), f"--{k}") for k in ("trace", "png") if getattr(args, k)]
     for path, flag in out:
-        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs)
+        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
     return out
 
 

@@ -213,7 +213,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     outputs = [prefix + ext for ext in OUTPUTS]
     for path in outputs:  # before seconds of imports: a refusal is immediate
         check_output(path, flag="--output-prefix", overwrite=overwrite,
-                     inputs=[("--input", p) for p in paths])
+                     inputs=[("--input", p) for p in paths], file=True)
     tok = load(tokenizer, "--tokenizer", eod_token)
     if tok.eod is None:
         raise ConfigError(f"--tokenizer {tok.name} names no end-of-document token (no "

@@ -57,13 +57,16 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def check_output(path: str, *, flag: str, overwrite: bool = False,
-                 inputs: Sequence[tuple[str, str]] = (), overwrite_flag: str = "--overwrite"
-                 ) -> str:
+                 inputs: Sequence[tuple[str, str]] = (), overwrite_flag: str = "--overwrite",
+                 file: bool = False) -> str:
     """Refuse an output that would damage what the user has (see the module's docstring);
-    return its absolute path. ``inputs``: (flag, path) of each of the command's inputs."""
+    return its absolute path. ``inputs``: (flag, path) of each of the command's inputs;
+    ``file``: the output is a file, so a folder there (even an empty one) is refused."""
     if not path or not str(path).strip():
         raise OutputError(f"{flag} is empty; give a path to write")
     target = os.path.abspath(os.path.expanduser(str(path)))
+    if file and (str(path).endswith(os.sep) or os.path.isdir(target)):
+        raise OutputError(f"{flag} {path} is a folder; give the path of the file to write")
     real = os.path.realpath(target)
     for in_flag, in_path in inputs:
         if in_path is None:
@@ -150,7 +153,7 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
     nothing at ``paths`` changes."""
     if len(set(map(os.path.abspath, paths))) != len(paths):
         raise OutputError(f"{', '.join(flags)} name the same file twice; give distinct paths")
-    targets = [check_output(p, flag=f, overwrite=overwrite, inputs=inputs)
+    targets = [check_output(p, flag=f, overwrite=overwrite, inputs=inputs, file=True)
                for p, f in zip(paths, flags)]
     created = []
     for t, f in zip(targets, flags):
