@@ -300,6 +300,10 @@ ROWS = [
     (PL, PLAN + ["--max-stages", "0"], 2, r"--max-stages: 0 must be >= 1"),
     (PL, PLAN + ["--edge-min-layers", "-1"], 2, r"--edge-min-layers: -1 must be >= 0"),
     (PL, PLAN + ["--dtype", "fp8"], 2, r"--dtype: invalid choice"),
+    (PL, "--inventory edge_cloud --model gpt_tiny --edge-min-layers 100", 2,
+     r"--edge-min-layers 100: the edge would keep 200 of gpt_tiny's 6 layers.*at most 2"),
+    (PL, "--inventory edge_cloud --model gpt_tiny --max-stages 1", 2,
+     r"--max-stages 1 with a U-shape.*--no-u-shape"),
     (PL, PLAN + ["--out", "plans/cluster/mine.yaml"], 2, r"--out plans/cluster/mine.yaml "
                                                          r"already exists"),
     (PL, PLAN + ["--out", "a.yaml", "--png", "a.yaml"], 2, r"name the same file twice"),
@@ -321,6 +325,7 @@ ROWS = [
     (S, ["--cluster", "cpu_uniform", *SIM[2:], "-m", "4", "--prefetch", "1"], 2,
      r"--prefetch 1: .*plain pipeline: drop --prefetch"),
     (S, SIM + ["-m", "4", "--mbs", "0"], 2, r"--mbs: 0 must be >= 1"),
+    (S, SIM + ["-m", "4", "--prefetch", "1000000000"], 2, r"--prefetch 1000000000 exceeds -m 4"),
     (S, SIM + ["-m", "4", "--kinds", "cpu"], 2, r"--kinds lists 1 kinds for 3 stages"),
     (S, SIM + ["-m", "4", "--png", "t.png"], 2, r"--png t.png already exists"),
     (S, ["--cluster", "cluster_syntax.yaml", *SIM[2:], "-m", "4"], 2,

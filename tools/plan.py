@@ -80,6 +80,7 @@ def _run(args) -> int:
     workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
                         args.u_shape, args.edge_min_layers)
     _check_size(args, inventory, model)
+    _check_shape(args, inventory, model)
     result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
     with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
                    overwrite=args.overwrite, inputs=inputs) as tmps:
@@ -111,6 +112,23 @@ def _run(args) -> int:
 
 
 TRAIN_FLAG = "--out (its train/ file)"
+
+
+def _check_shape(args, inventory, model) -> None:
+    """Flags that leave the planner nothing to search, said as such (not as 'no plan fits')."""
+    from ldt.config import ConfigError
+
+    u_shape = args.u_shape if args.u_shape is not None else inventory.edge is not None
+    if not u_shape:
+        return
+    if args.max_stages == 1:
+        raise ConfigError("--max-stages 1 with a U-shape: it needs an edge and at least one "
+                          "cloud stage; give --max-stages >= 2, or --no-u-shape")
+    most = (model.num_layers - 1) // 2  # the edge's two chunks, and a layer for the cloud
+    if args.edge_min_layers > most:
+        raise ConfigError(f"--edge-min-layers {args.edge_min_layers}: the edge would keep "
+                          f"{2 * args.edge_min_layers} of {model.name}'s {model.num_layers} "
+                          f"layers, leaving the cloud none; give at most {most}")
 
 
 def _check_size(args, inventory, model) -> None:

@@ -92,6 +92,10 @@ def _simulate(args) -> int:
     check_schedule_size("-m", args.num_microbatches, topo.num_stages,  # before it is built
                         replicas=max(topo.dp_sizes) if topo.is_vdp else 1)
     kinds = args.kinds.split(",") if args.kinds else None
+    if args.prefetch > args.num_microbatches:
+        raise ConfigError(f"--prefetch {args.prefetch} exceeds -m {args.num_microbatches}: "
+                          "no more micro-batches than there are can be in flight; give at most "
+                          f"{args.num_microbatches}")
     if args.prefetch and not cluster.u_shape:
         raise ConfigError(f"--prefetch {args.prefetch}: the depth of a U-shape's schedule; the "
                           "cluster is a plain pipeline: drop --prefetch")
