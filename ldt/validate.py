@@ -280,6 +280,10 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
+    if train.prefetch > train.num_microbatches:
+        raise ConfigError(f"train.prefetch={train.prefetch} exceeds train.num_microbatches="
+                          f"{train.num_microbatches}: no more micro-batches than there are can "
+                          f"be in flight; give at most {train.num_microbatches}")
     if train.runtime not in ("auto", "megatron", "ldt"):
         raise ConfigError(f"train.runtime={train.runtime!r}; use 'auto', 'megatron' or 'ldt'")
     if train.runtime == "ldt" and train.schedule == "interleaved":

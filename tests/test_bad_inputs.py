@@ -313,6 +313,7 @@ ROWS = [
     (PL, PLAN + ["--png", "t.png"], 2, r"--png t.png already exists"),
     (PL, PLAN + ["--trace", "corpus.txt"], 2, r"--trace corpus.txt already exists"),
     (PL, PLAN + ["--out", "data", "--overwrite"], 2, r"--out data is a folder; give the path"),
+    (PL, PLAN + ["--png", "/dev/null", "--overwrite"], 2, r"--png /dev/null is not a regular"),
     (S, SIM + ["-m", "4", "--trace", "data/"], 2, r"--trace data/ is a folder"),
     (A, "--json data", 2, r"--json data is a folder"),
     (PL, "--model gpt_tiny", 2, r"required: --inventory"),
@@ -360,6 +361,8 @@ ROWS = [
     (A, "--checkpoint nowhere", 2, r"--checkpoint='nowhere' does not exist"),
     (A, "--checkpoint ckpt_flip", 2, r"__0_0.distcp is corrupted"),
     (A, "--checkpoint ckpt_incomplete", 2, r"holds no complete checkpoint"),
+    (A, "--checkpoint ckpt/good", 2, r"was written for model.num_layers=2 but this run has"),
+    (A, "--out /dev/null", 2, r"--out /dev/null is not a regular file or folder"),
     (A, "--out audit_old", 2, r"--out audit_old already exists .*--overwrite"),
     (A, "--out corpus.txt", 2, r"--out corpus.txt already exists \(a file\)"),
     (A, "--json report.json", 2, r"--json report.json already exists"),
@@ -395,6 +398,8 @@ ROWS = [
     (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt' is not a file"),
     (T, "data.path=empty.txt", 2, r"data.path=.*empty.txt"),
     (T, "train.lr=nan", 2, r"train.lr=nan must be a finite number"),
+    (T, "train.prefetch=100000", 2, r"train.prefetch=100000 exceeds train.num_microbatches=4"),
+    (T, "cluster.link_delay_ms=nan", 2, r"link_delay_ms entry 0 \(nan\) must be a finite"),
 ]
 
 

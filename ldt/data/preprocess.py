@@ -226,9 +226,9 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     t0 = time.perf_counter()
     chunks = (c for p in paths
               for c in _chunks(documents(p, fmt, json_key, text_documents, summary.bad_lines)))
-    bar = _bar(sum(os.path.getsize(p) for p in paths), progress)
     with new_files(outputs, flags=["--output-prefix"] * len(outputs), overwrite=overwrite,
                    inputs=[("--input", p) for p in paths]) as (tmp_bin, tmp_idx, tmp_bad):
+        bar = _bar(sum(os.path.getsize(p) for p in paths), progress)  # once writing can start
         _write(chunks, tok, (tokenizer, eod_token), tmp_bin, tmp_idx, summary, bar)
         if summary.documents == 0:
             raise ConfigError(f"no documents in {', '.join(inputs)}: every line was bad "

@@ -128,6 +128,10 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
         from ldt.storage.checkpoint_files import preflight
 
         preflight(opts.checkpoint, "--checkpoint", hashes=True)
+        from ldt.config import to_model
+        from ldt.storage.tensors import check_compatible
+
+        check_compatible(opts.checkpoint, to_model(model))  # the runs start from it
     # every captured token vector is float32 of the hidden size, loaded in full per channel
     # (victim, two shadows; the attacks copy it about three times) on the capturing host
     row = 4 * model["hidden_size"] * 3

@@ -46,10 +46,11 @@ class OutputError(ConfigError):
 
 # ---- checks, before anything is written ------------------------------------------------------
 def holds_anything(path: str) -> bool:
-    """A file (even an empty one), a link, or a folder with at least one entry."""
-    if os.path.islink(path) or os.path.isfile(path):
-        return True
-    return os.path.isdir(path) and bool(os.listdir(path))
+    """Anything but nothing or an empty folder: a file (even an empty one), a link, a folder
+    with at least one entry, a device or a pipe (``/dev/null`` is not a place to write to)."""
+    if not os.path.lexists(path):
+        return False
+    return not (os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path))
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -83,6 +84,9 @@ def check_output(path: str, *, flag: str, overwrite: bool = False,
                               f"would replace that input: give a {flag} that does not contain it")
     if _inside(os.getcwd(), real):
         raise OutputError(f"{flag} {path} holds the working directory; give a new folder")
+    if os.path.lexists(target) and not (os.path.isdir(target) or os.path.isfile(target)):
+        raise OutputError(f"{flag} {path} is not a regular file or folder (a device, a pipe, "
+                          "a broken link); give a path to write to")
     if holds_anything(target) and not overwrite:
         what = "a non-empty folder" if os.path.isdir(target) else "a file"
         raise OutputError(f"{flag} {path} already exists ({what}); ldt never writes over what "
