@@ -63,7 +63,14 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
         return
     hydra_cfg = HydraConfig.get()
     folder = os.path.join(hydra_cfg.runtime.output_dir, subdir)
-    os.makedirs(folder, exist_ok=True)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        from ldt.errors import ConfigError
+
+        raise ConfigError(f"hydra.output_subdir={subdir}: cannot make {folder} "
+                          f"({exc.strerror}); give a folder name inside the run folder "
+                          "(default .hydra) or null") from None
     record = OmegaConf.to_container(hydra_cfg)
     record["output_subdir"] = subdir  # as the user set it (ldt turned Hydra's writing off)
     record["overrides"]["hydra"] = [o for o in record["overrides"]["hydra"]

@@ -398,6 +398,7 @@ ROWS = [
     (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt' is not a file"),
     (T, "data.path=empty.txt", 2, r"data.path=.*empty.txt"),
     (T, "train.lr=nan", 2, r"train.lr=nan must be a finite number"),
+    (T, "hydra.output_subdir=/proc/ldt", 2, r"hydra.output_subdir=/proc/ldt: cannot make"),
     (T, "train.prefetch=100000", 2, r"train.prefetch=100000 exceeds train.num_microbatches=4"),
     (T, "cluster.link_delay_ms=nan", 2, r"link_delay_ms entry 0 \(nan\) must be a finite"),
 ]
