@@ -498,3 +498,36 @@ def test_overwrite_replaces_a_checkpoint_whole(guarded, capsys, tmp_path):
     assert not (out / "stage_0" / "keep.txt").exists()
     files.verify(str(out), which=[p for p in files.parts(str(out)) if p.startswith("stage_")])
     assert (out / "conf" / "model" / "userdir.yaml").exists()
+
+
+def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsys,
+                                                                  monkeypatch):
+    """ldt-train writes .hydra/ (as Hydra would: the task config, Hydra's config, the
+    overrides) and config.yaml into a new run folder once the config is accepted; the world
+    itself is not started here."""
+    import yaml
+
+    import ldt.train
+
+    started = []
+    monkeypatch.setattr(ldt.train, "_launch_local", lambda cfg, topo: started.append(cfg) or 0)
+    run = guarded / "run_new"
+    try:
+        code, _, err = _run(T, [f"hydra.run.dir={run}", "train.steps=3"], capsys)
+        assert code == 0 and len(started) == 1, err
+        assert sorted(os.listdir(run / ".hydra")) == ["config.yaml", "hydra.yaml",
+                                                      "overrides.yaml"]
+        hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
+        assert hydra["output_subdir"] == ".hydra"
+        assert "hydra.output_subdir=null" not in hydra["overrides"]["hydra"]
+        assert yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text()) == [
+            "train.steps=3"]  # Hydra keeps hydra.* overrides in hydra.yaml
+        assert f"hydra.run.dir={run}" in hydra["overrides"]["hydra"]
+        assert yaml.safe_load((run / ".hydra" / "config.yaml").read_text())["train"][
+            "steps"] == 3
+        # the same folder again: refused, nothing rewritten; resuming the run there: accepted
+        before = _tree(run)
+        code, _, err = _run(T, [f"hydra.run.dir={run}", "train.steps=4"], capsys)
+        assert code == 2 and "already holds files" in err and _tree(run) == before
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
