@@ -271,7 +271,9 @@ def _mean_loss(losses, state) -> float:
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
     train.runtime=ldt."""
-    return topo.u_shape or topo.is_vdp or train.runtime == "ldt"
+    from ldt.schedule.size import runs_on_ldt_runtime
+
+    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
 
 
 def reference_config(cfg: dict) -> dict:
