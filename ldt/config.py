@@ -213,7 +213,6 @@ class ModelConfig:
             raise ConfigError(f"model.make_vocab_size_divisible_by="
                               f"{self.make_vocab_size_divisible_by} must be >= 1")
 
-
     def moe_layers(self) -> list[bool]:
         """Whether each decoder layer is a MoE layer (megatron's ``moe_layer_freq`` rule)."""
         if not self.num_moe_experts:
