@@ -9,3 +9,13 @@ keeps working; it lives here so that modules below the schema (``ldt.userfiles``
 
 class ConfigError(ValueError):
     """A config that cannot work. The message names the field, the value and the fix."""
+
+    def one_line(self) -> str:
+        """The message as entry points print it: one line (a key or value the user wrote
+        may itself hold a newline)."""
+        return " ".join(str(self).split())
+
+
+def one_line(exc: BaseException) -> str:
+    """Any refusal's message on one line (a layout error's caret picture left out)."""
+    return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())

@@ -19,6 +19,7 @@ import sys
 from datetime import timedelta
 from typing import Optional, Sequence
 
+from ldt.errors import one_line
 from ldt.hydra_app import EXIT_CONFIG
 
 
@@ -61,11 +62,6 @@ def _job(cfg, save_hydra_files=None) -> int:
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
           f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
     return _launch_local(plain, topo)
-
-
-def one_line(exc: BaseException) -> str:
-    """A refusal's message on one line (a layout error's caret picture left out)."""
-    return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())
 
 
 def _discard_run_folder(path: str, cwd: str) -> None:

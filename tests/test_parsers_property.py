@@ -9,21 +9,27 @@ RecursionError, omegaconf's own errors...), which a user would see as a tracebac
 """
 
 import dataclasses
+import os
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ldt.config import ClusterConfig, ConfigError, DataConfig, ModelConfig, TrainConfig
 from ldt.layout import LayoutError
 
+# derandomize: the suite's run is reproducible (CI must not fail on a seed); explore more with
+# LDT_HYPOTHESIS_EXPLORE=1 (a fresh seed each run) when changing a parser.
 FAST = settings(max_examples=150, deadline=None,
+                derandomize=not os.environ.get("LDT_HYPOTHESIS_EXPLORE"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 def _one_line(exc) -> str:
-    text = exc.one_line() if hasattr(exc, "one_line") else str(exc)
+    # what ldt's entry points print: the refusal's own one-line form
+    assert hasattr(exc, "one_line"), f"{type(exc).__name__} has no one-line form"
+    text = exc.one_line()
     assert "\n" not in text, text
     return text
 
@@ -132,6 +138,7 @@ inventory = st.fixed_dictionaries({}, optional={
 
 @FAST
 @given(doc=st.one_of(inventory, values))
+@example(doc={"\n": None})  # found by CI: a key holding a newline broke the one-line refusal
 def test_any_inventory_loads_or_is_refused(tmp_path_factory, doc):
     from ldt.plan.inventory import load_inventory
 

@@ -78,7 +78,7 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
     built are removed: what existed before is as it was."""
     import signal
 
-    from ldt.config import ConfigError
+    from ldt.errors import ConfigError, one_line
     from ldt.layout import LayoutError
 
     previous = {}
@@ -97,7 +97,7 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
               "half-written", file=sys.stderr)
         return 128 + exc.signum
     except (ConfigError, LayoutError) as exc:
-        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
     except OSError as exc:
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"{prog}: cannot use{where}: {exc.strerror or exc}; check the path and its "
@@ -108,7 +108,3 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
     return EXIT_USAGE
 
 
-def _one_line(exc: BaseException) -> str:
-    if hasattr(exc, "one_line"):  # a LayoutError: its caret picture left out
-        return exc.one_line()
-    return " ".join(str(exc).split())
