@@ -73,6 +73,7 @@ _PATCH_MODULES = (
     "ldt.patches.sequence_parallel",
     "ldt.patches.recompute",
     "ldt.patches.fake_tensors",
+    "ldt.patches.moe",
 )
 
 

@@ -69,3 +69,68 @@ def test_stage_recompute_overrides_the_model_and_none_turns_it_off():
                    {"recompute_granularity": "selective", "recompute_method": None,
                     "recompute_num_layers": None},
                    {}]
+
+
+def test_a_moe_model_is_refused_by_the_estimate_without_a_process():
+    from ldt.memory import estimate
+
+    with pytest.raises(ConfigError, match=r"model.num_moe_experts=8: the memory estimate does "
+                                          r"not cover MoE models.*ldt-plan prices"):
+        estimate({"model": {"num_moe_experts": 8}, "cluster": {}, "train": {}})
+
+
+# gpt_tiny's edge on cpu_demo (h 64, f 256, V 256, s 64, learned positions, biases, untied
+# head), counted by hand: embedding V*h + positions s*h, two layers of 2 LayerNorms (2h each),
+# QKV h*3h + 3h, projection h*h + h, fc1 h*f + f, fc2 f*h + h, the final LayerNorm 2h, head V*h
+H, F, V, S = 64, 256, 256, 64
+LAYER = 2 * 2 * H + H * 3 * H + 3 * H + H * H + H + H * F + F + F * H + H
+EDGE_PARAMS = V * H + S * H + 2 * LAYER + 2 * H + V * H
+
+
+@pytest.mark.timeout(120)
+def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, capsys,
+                                                                     monkeypatch):
+    """ldt-memory on cpu_demo: fp32 weights, gradients and Adam's two moments of the edge's
+    parameters counted by hand, and the U-shape edge holding its start chunk for all 4
+    micro-batches and its end chunk for one; a stated limit above the estimate fits."""
+    import ldt.memory
+    from ldt.tools.memory import main
+
+    got = []
+    real = ldt.memory.estimate
+    monkeypatch.setattr(ldt.memory, "estimate", lambda cfg: got.append(real(cfg)) or got[-1])
+    assert main(["cluster=cpu_demo", "cluster.stages.0.memory_gib=0.5",
+                 f"hydra.run.dir={tmp_path}"]) == 0
+    edge = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("0:edge"))
+    assert edge.split()[-1] == "512.00" and "!" not in edge  # the limit, MiB; fits
+    st = got[0][0]
+    assert st.weights == 4 * EDGE_PARAMS
+    # Adam: two fp32 moments and torch's fp32 step counter per parameter tensor (embedding 2,
+    # 12 per layer, final norm 2, head 1)
+    assert st.grads == st.weights and st.optimizer == 2 * st.weights + 4 * (2 + 2 * 12 + 2 + 1)
+    assert st.main_params == 0  # fp32 training: the parameters are the main parameters
+    assert st.inflight == (4, 1)
+
+
+@pytest.mark.timeout(120)
+def test_ldt_train_refuses_a_stage_over_its_memory_before_anything_starts(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", "cluster=cpu_demo",
+                           "cluster.stages.0.memory_gib=0.005", f"run_dir={run}"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.match(r"ldt: does not fit: stage 0 \(edge, ranks 0\) needs [\d.]+ MiB per rank "
+                    r"\(estimate\) but cluster.stages\[0\].memory_gib=0.005; the largest part "
+                    r"is activations [\d.]+ MiB \(4 micro-batches x .* \+ 1 micro-batch x .* in "
+                    r"flight\); levers: recompute that stage \(cluster.stages\[0\].recompute"
+                    r".*more TP \(cluster.stages\[0\].tp=2\).*fewer micro-batches in flight",
+                    lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr and not run.exists()
+    assert "step" not in proc.stdout  # nothing trained

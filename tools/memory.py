@@ -27,6 +27,7 @@ def _estimate(cfg) -> int:
     from omegaconf import OmegaConf
 
     from ldt.config import to_train
+    from ldt.errors import one_line
     from ldt.memory import estimate
     from ldt.memory.report import refusal, table
     from ldt.validate import validate
@@ -36,13 +37,17 @@ def _estimate(cfg) -> int:
         topo = validate(plain["cluster"], plain["model"], train=plain["train"],
                         check_devices=False)
     except ValueError as exc:  # ConfigError, LayoutError
-        print(f"ldt: invalid config: {exc}", file=sys.stderr)
+        print(f"ldt: invalid config: {one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG
     choices = HydraConfig.get().runtime.choices
     print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
     print(topo.rank_map())
     t0 = time.perf_counter()
-    stages = estimate(plain)
+    try:
+        stages = estimate(plain)
+    except ValueError as exc:  # what the estimate cannot cover (a MoE model)
+        print(f"ldt: cannot estimate: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG
     print(table(stages))
     print(f"(estimated in {time.perf_counter() - t0:.1f} s)")
     over = [s for s in stages if not s.fits]

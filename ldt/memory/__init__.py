@@ -97,9 +97,16 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
              ) -> list[StageEstimate]:
     """Per-stage estimates of a validated config (a plain dict with ``cluster``, ``model``,
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
-    ``flash`` or ``local`` for every stage."""
+    ``flash`` or ``local`` for every stage. A MoE model is refused (ConfigError)."""
+    from ldt.errors import ConfigError
     from ldt.launch import run_local_world
 
+    experts = cfg["model"].get("num_moe_experts")
+    if experts:  # measured: aten.masked_select raises DynamicOutputShapeException
+        raise ConfigError(f"model.num_moe_experts={experts}: the memory estimate does not cover "
+                          "MoE models (megatron's token dispatch has data-dependent shapes, "
+                          "which fake tensors cannot run); ldt-plan prices their memory "
+                          "analytically")
     return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
                            init_dist=False)[0]
 

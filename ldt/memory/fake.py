@@ -31,7 +31,7 @@ import contextlib
 from typing import Iterator
 
 PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
-           "recompute_norms", "fake_tensors"]
+           "recompute_norms", "moe_without_te", "fake_tensors"]
 
 
 @contextlib.contextmanager
