@@ -2,7 +2,7 @@
 
 A Hydra app over the same ``conf/`` as ``ldt-train``: it validates the config (not the
 devices: a GPU/NPU cluster is estimated on any machine), prints the rank map and every stage's
-memory per rank (:mod:`ldt.memory`: the stages' real chunks on fake tensors, one micro-batch
+memory per rank (:mod:`ldt.memory`: the stages' real chunks on fake tensors, two micro-batches
 through megatron-core, times what the schedule keeps in flight), and starts nothing. Exit
 status 2 when a stage's estimate exceeds its ``cluster.stages[i].memory_gib`` (the line
 ``ldt-train`` would refuse with), else 0.

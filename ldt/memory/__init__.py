@@ -4,7 +4,7 @@
 on any machine, in seconds, without allocating the model: one helper process becomes, in
 turn, the first rank of every stage of the real world (:mod:`ldt.memory.fake`: torch's fake
 tensors and fake process group), builds that stage with the code that trains it, counts its
-resident memory and runs one micro-batch through megatron-core (:mod:`ldt.memory.measure`),
+resident memory and runs two micro-batches through megatron-core (:mod:`ldt.memory.measure`),
 and multiplies the activations by the micro-batches the run's schedule really keeps in flight
 (:mod:`ldt.memory.inflight`). Every rank of a stage holds the same (TP shards and replicas are
 alike), so one per stage is measured. Per rank::

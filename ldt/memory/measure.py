@@ -10,11 +10,12 @@ its DDP buffers and optimizer) and then:
   live in), gradients (DDP's grad buffers, buckets and padding included), fp32 main
   parameters (the optimizer's own copies, this rank's shard), optimizer states (created by one
   step of the optimizer megatron built, this rank's shard);
-- one micro-batch runs forward and backward through each chunk, as the schedule calls it,
-  under torch's MemTracker: what the forward leaves alive (everything saved for backward, the
-  chunk's input and output) is the chunk's activations per micro-batch, and the highest point
-  above that during forward and backward (recomputed activations, gradients of activations,
-  workspaces) its transient;
+- two micro-batches run forward, then backward, through each chunk, as the schedule calls it,
+  under torch's MemTracker: what the second forward leaves alive (everything saved for
+  backward, the chunk's input and output) is the chunk's activations per micro-batch, and the
+  highest point above the two during forward and backward (recomputed activations, gradients
+  of activations, workspaces, and what the first micro-batch made once per process) its
+  transient;
 - the optimizer step's transient above the resident part (e.g. foreach Adam's temporaries).
 
 Attention: what a stage runs there decides the largest activation at long sequences. A cuda
@@ -166,22 +167,30 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     measured = []
     with tracker:
         for chunk, run in zip(chunks, opt.chunks):
+            def forward():
+                inp = None
+                if not chunk.has_embedding:
+                    inp = torch.zeros(s // sp, b, h, dtype=dtype, requires_grad=True)
+                get_attr_wrapped_model(run, "set_input_tensor")(inp)
+                return inp, run(tokens if chunk.has_embedding else None,
+                                position_ids if chunk.has_embedding else None, mask,
+                                labels=tokens if chunk.has_head else None)
+
+            # Two micro-batches, the second run while the first is alive: the first also makes
+            # what a process makes once (megatron's global buffer for local attention's scores:
+            # b*a/tp*s*s*4 bytes, 64 KiB on a TP 2 gpt_tiny rank), so the second says what each
+            # micro-batch in flight keeps, and the once-made part goes to the transient.
             base = tracker.reset_peak()
-            data = chunk.has_embedding or chunk.has_head
-            inp = None
-            if not chunk.has_embedding:
-                inp = torch.zeros(s // sp, b, h, dtype=dtype, requires_grad=True)
-            get_attr_wrapped_model(run, "set_input_tensor")(inp)
-            out = run(tokens if chunk.has_embedding else None,
-                      position_ids if chunk.has_embedding else None, mask,
-                      labels=tokens if chunk.has_head else None)
-            held = tracker.current() - base
-            grad = torch.ones_like(out)
-            out.backward(grad)
+            first = forward()
+            mid = tracker.current()
+            second = forward()
+            held = tracker.current() - mid
+            for _, out in (second, first):  # as a pipeline does: the last forward first
+                out.backward(torch.ones_like(out))
             peak = tracker.peak() - base
-            del out, grad, inp, data
+            del first, second
             gc.collect()
-            measured.append(ChunkMemory(held, max(peak - held, 0)))
+            measured.append(ChunkMemory(held, max(peak - 2 * held, 0)))
         for o in inner:  # the gradients megatron hands its optimizer are views of DDP's buffer
             for g in o.param_groups:
                 g["foreach"] = device != "cpu"  # torch's default off CPU

@@ -44,7 +44,7 @@ def table(stages: list[StageEstimate]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     attention = sorted({s.attention for s in stages})
     lines.append(f"memory per rank, {unit} (estimate: the stages' real chunks on fake tensors, "
-                 f"one micro-batch through megatron-core; attention {'/'.join(attention)}); "
+                 f"two micro-batches through megatron-core; attention {'/'.join(attention)}); "
                  "'!' exceeds the stage's memory_gib")
     return "\n".join(lines)
 
