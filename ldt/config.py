@@ -409,6 +409,55 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
+def unknown_key(key: str, value: str = "") -> Optional[str]:
+    """Why the dotted config ``key`` (a command-line override's, e.g. ``train.stepz``, with its
+    ``value``) is not in the schema, naming the closest key that is, in one line; None when it
+    is (or lies below a field that takes any key: ``train.peak_tflops.*``, ``data.blend``,
+    ``cluster.link_delay_ms``)."""
+    import difflib
+    import typing
+
+    parts, owner, prefix = key.split("."), LdtConfig, ""
+    while parts:
+        name = parts.pop(0)
+        hints = typing.get_type_hints(owner)
+        if name not in hints:  # the closest name at this level, or anywhere from the top
+            rest = "".join("." + p for p in parts)
+            close = [prefix + c + rest for c in difflib.get_close_matches(name, list(hints), n=1)]
+            if not prefix:
+                close = difflib.get_close_matches(key, [*hints, *_schema_keys()], n=1)
+            given = f"{key}={value}: " if value else ""
+            fix = (f"did you mean {close[0]}{'=' + value if value else ''}?" if close
+                   else f"the keys of {prefix[:-1] or 'the config'}: {', '.join(hints)}")
+            return (f"{given}{key} is not a config key; {fix} (every key: ldt/config.py or "
+                    "`ldt-train --cfg job`)")
+        prefix += name + "."
+        kind = hints[name]
+        if typing.get_origin(kind) in (list, List) and parts and parts[0].isdigit():
+            prefix += parts.pop(0) + "."
+            kind = typing.get_args(kind)[0]
+        if not (isinstance(kind, type) and hasattr(kind, "__dataclass_fields__")):
+            return None  # a value (or a dict / Any): whatever lies below is its business
+        owner = kind
+    return None
+
+
+def _schema_keys(owner: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (a list of stages as ``cluster.stages.0.*``)."""
+    import typing
+
+    out = []
+    for name, kind in typing.get_type_hints(owner or LdtConfig).items():
+        path = prefix + name
+        if typing.get_origin(kind) in (list, List):
+            kind, path = typing.get_args(kind)[0], path + ".0"
+        if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__"):
+            out += _schema_keys(kind, path + ".")
+        else:
+            out.append(path)
+    return out
+
+
 def _typed(schema: type, obj: Any, group: str) -> Any:
     """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
     from omegaconf.errors import OmegaConfBaseException
