@@ -165,3 +165,23 @@ def test_planner_output_trains_in_ldt_train(tmp_path):
     used = OmegaConf.load(tmp_path / "run" / "config.yaml")
     assert used.train.num_microbatches == planned.num_microbatches
     assert used.train.micro_batch_size == planned.micro_batch_size == 1
+
+
+def test_verify_compares_the_same_steps_or_refuses():
+    """parity_max_abs_diff is over every step of both runs; a run with fewer losses (or held-out
+    losses) than the reference, or another first step, has no parity (not one over the zip)."""
+    from ldt.training.outputs import parity_max_abs_diff
+
+    ref = {"steps": 3, "first_step": 0, "losses": [5.0, 4.0, 3.0], "eval_losses": [4.5]}
+    run = {**ref, "losses": [5.0, 4.25, 3.0], "eval_losses": [4.0]}
+    assert parity_max_abs_diff(run, ref) == 0.5  # the held-out loss counts
+    assert parity_max_abs_diff({**run, "eval_losses": [4.5]}, ref) == 0.25
+    for short, words in (({"losses": [5.0, 4.0]}, "reported 2 losses, the reference 3"),
+                         ({"eval_losses": []}, "reported 0 eval_losses, the reference 1"),
+                         ({"first_step": 1}, "first_step is 1, the reference's 0"),
+                         ({"steps": 2}, "steps is 2, the reference's 3")):
+        with pytest.raises(ValueError, match=words):
+            parity_max_abs_diff({**run, **short}, ref)
+    with pytest.raises(ValueError, match="no losses"):
+        parity_max_abs_diff({"steps": 3, "first_step": 3, "losses": []},
+                            {"steps": 3, "first_step": 3, "losses": []})

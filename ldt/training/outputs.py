@@ -168,6 +168,28 @@ def peak_flops(topo, peak_tflops: dict) -> Optional[float]:
     return total
 
 
+def parity_max_abs_diff(run: dict, ref: dict) -> float:
+    """``train.verify``'s figure: the largest difference between the run's losses (and held-out
+    losses) and the single-process reference's, step by step. Two summaries that do not cover
+    the same steps (first step, count of losses, count of held-out losses) have no parity:
+    ValueError naming both counts, never a figure over the steps they happen to share."""
+    for key in ("first_step", "steps"):
+        if run.get(key) != ref.get(key):
+            raise ValueError(f"train.verify: the run's {key} is {run.get(key)}, the "
+                             f"reference's {ref.get(key)}; no parity between different steps")
+    for key in ("losses", "eval_losses"):
+        got, want = run.get(key, []), ref.get(key, [])
+        if len(got) != len(want):
+            raise ValueError(f"train.verify: the run reported {len(got)} {key}, the reference "
+                             f"{len(want)} (steps {run.get('first_step')}..{run.get('steps')}); "
+                             "no parity over a partial run")
+    if not run.get("losses"):
+        raise ValueError("train.verify: the run reported no losses; nothing to compare")
+    pairs = [*zip(run["losses"], ref["losses"]),
+             *zip(run.get("eval_losses", []), ref.get("eval_losses", []))]
+    return max(abs(a - b) for a, b in pairs)
+
+
 def summary_json(summary: dict) -> str:
     """The summary line: valid JSON always (a NaN or an infinity becomes null)."""
     return json.dumps(_finite(summary), allow_nan=False)
