@@ -117,6 +117,13 @@ class ModelConfig:
     """Megatron's layer implementation: ``local`` (megatron-core's own modules),
     ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
     installed, local elsewhere)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction (megatron-core's, as in DeepSeek-V3): this many MTP layers after
+    the decoder, the k-th predicting the token k+1 places ahead with its own loss; they sit
+    with the head (layout token ``m``, before ``L``), so on a U-shape's edge. 0: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses (their mean over the MTP layers) added to the training loss
+    (megatron-core's ``mtp_loss_scaling_factor``)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism on every stage of TP > 1 (TP 1 stages run without):
     activations outside attention and the MLP split along the sequence over the stage's TP
@@ -174,6 +181,8 @@ class ModelConfig:
                               "model.gated_linear_unit=true, or use model.activation=silu")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        _at_least("model", self, "mtp_num_layers", 0, "0 builds no MTP layer")
+        _at_least("model", self, "mtp_loss_scaling_factor", 0, "megatron's default is 0.1")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"model.make_vocab_size_divisible_by="
                               f"{self.make_vocab_size_divisible_by} must be >= 1")

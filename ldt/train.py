@@ -221,8 +221,8 @@ def _describe(exc, topo) -> str:
 
 
 def _public(summary: dict) -> dict:
-    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "tokens_per_s",
-            "step_time_s", "parity_max_abs_diff", "run_dir")
+    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "final_mtp_loss",
+            "tokens_per_s", "step_time_s", "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 
 

@@ -28,7 +28,8 @@ MODEL_JSON = "model.json"
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "vocab_size", "position_embedding_type", "rotary_base",
                "rotary_percent", "normalization", "norm_epsilon", "gated_linear_unit",
-               "activation", "add_bias_linear", "add_qkv_bias", "tie_embeddings")
+               "activation", "add_bias_linear", "add_qkv_bias", "tie_embeddings",
+               "mtp_num_layers")
 
 
 def arch_of(model: ModelConfig) -> dict:
@@ -72,8 +73,14 @@ def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[st
         out["embedding.position_embeddings.weight"] = (
             model.max_position_embeddings or model.seq_length, h)
     bias = model.add_bias_linear
-    for i in range(model.num_layers):
-        p = f"decoder.layers.{i}."
+    layers = [f"decoder.layers.{i}." for i in range(model.num_layers)]
+    for k in range(getattr(model, "mtp_num_layers", 0)):  # megatron-core's MTP layers
+        p = f"mtp.layers.{k}."
+        for part in ("enorm", "hnorm", "final_layernorm"):
+            out.update({f"{p}{part}.{w}": (h,) for w in norm})
+        out[p + "eh_proj.weight"] = (h, 2 * h)
+        layers.append(p + "transformer_layer.")
+    for p in layers:
         out.update({f"{p}input_layernorm.{w}": (h,) for w in norm})
         out[p + "self_attention.linear_qkv.weight"] = ((a + 2 * g) * d, h)
         if bias or model.add_qkv_bias:

@@ -36,6 +36,7 @@ _RULES: tuple[tuple[str, Optional[int]], ...] = (
     ("mlp.linear_fc2.weight", 1),
     ("mlp.linear_fc2.bias", None),
     ("output_layer.weight", 0),
+    ("eh_proj.weight", 0),  # an MTP layer's projection of [embedding; hidden] (ColumnParallel)
     ("layernorm.weight", None),
     ("layernorm.bias", None),
     ("norm.weight", None),

@@ -22,6 +22,11 @@ REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
 ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
 
 
+def mtp_keys(num_mtp: int) -> list[str]:
+    """metrics.csv's MTP-loss columns, one per MTP layer (megatron's ``mtp_<k> loss``)."""
+    return [f"mtp_{k + 1}_loss" for k in range(num_mtp)]
+
+
 def memory_keys(num_stages: int) -> list[str]:
     """metrics.csv's peak-memory columns, one per stage (the largest of its ranks)."""
     return [f"peak_mem_gib_stage{s}" for s in range(num_stages)]
@@ -135,6 +140,8 @@ def log_line(row: dict, steps: int) -> str:
              f"{_fmt(row['tokens_per_s'], '.0f')} tok/s", f"{_fmt(row['step_time_s'], '.3f')} s/step"]
     if row.get("eval_loss") is not None:
         parts.append(f"eval_loss {_fmt(row['eval_loss'], '.4f')}")
+    for key in (k for k in row if k.startswith("mtp_")):
+        parts.append(f"{key} {_fmt(row[key], '.4f')}")
     if row.get("tflops_per_device") is not None:
         parts.append(f"{_fmt(row['tflops_per_device'], '.3g')} TFLOP/s/device")
     if row.get("mfu") is not None:
@@ -185,8 +192,14 @@ def parity_max_abs_diff(run: dict, ref: dict) -> float:
                              "no parity over a partial run")
     if not run.get("losses"):
         raise ValueError("train.verify: the run reported no losses; nothing to compare")
+    if len(run.get("mtp_losses", [])) != len(ref.get("mtp_losses", [])):
+        raise ValueError(f"train.verify: the run reported MTP losses for "
+                         f"{len(run.get('mtp_losses', []))} steps, the reference for "
+                         f"{len(ref.get('mtp_losses', []))}; no parity")
+    mtp = [(a, b) for x, y in zip(run.get("mtp_losses", []), ref.get("mtp_losses", []))
+           for a, b in zip(x, y)]
     pairs = [*zip(run["losses"], ref["losses"]),
-             *zip(run.get("eval_losses", []), ref.get("eval_losses", []))]
+             *zip(run.get("eval_losses", []), ref.get("eval_losses", [])), *mtp]
     return max(abs(a - b) for a, b in pairs)
 
 

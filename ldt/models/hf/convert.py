@@ -163,6 +163,11 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     model = read_model_json(found) or model
     if model is None:
         raise ConfigError(f"{found} has no model.json; pass the model config (--model NAME)")
+    if model.mtp_num_layers:
+        raise ConfigError(
+            f"{found} has {model.mtp_num_layers} MTP layers (model.mtp_num_layers), which the "
+            "Hugging Face families ldt exports (Llama, Qwen2) do not have; export would drop "
+            "them: train without MTP, or read the checkpoint with ldt.storage")
     family = family_of_model(model)
     index = tensor_index(found)
     os.makedirs(out_dir, exist_ok=True)
