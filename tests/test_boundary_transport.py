@@ -31,31 +31,53 @@ class Wire:
     which sender and channel a tensor came from), a shape receive delivers ``shape_in``."""
 
     def __init__(self):
-        self.calls, self.shape_in, self.fail = [], None, None
+        self.calls, self.shape_in, self.fail, self.fail_wait = [], None, None, None
+        self.sent, self.targets = [], []  # the tensors isend / irecv were handed
 
     def _handle(self, label):
-        return SimpleNamespace(wait=lambda: self.calls.append(label), is_completed=lambda: True)
+        def wait():
+            if self.fail_wait:
+                raise self.fail_wait
+            self.calls.append(label)
+
+        return SimpleNamespace(wait=wait, is_completed=lambda: True)
 
     def isend(self, tensor, dst, group=None, tag=0):
         if self.fail:
             raise self.fail
         self.calls.append(("isend", dst, group, tag, tensor.detach().clone()))
+        self.sent.append(tensor)
         return self._handle(("isend.wait", dst, tag))
 
     def irecv(self, tensor, src, group=None, tag=0):
         if self.fail:
             raise self.fail
         self.calls.append(("irecv", src, group, tag, tuple(tensor.shape)))
+        self.targets.append(tensor)
 
         def wait():
+            if self.fail_wait:
+                raise self.fail_wait
             tensor.fill_(100.0 * src + tag)
             self.calls.append(("irecv.wait", src, tag))
 
         return SimpleNamespace(wait=wait, is_completed=lambda: True)
 
     def recv(self, tensor, src, group=None, tag=0):  # a shape message
-        tensor.copy_(torch.tensor(self.shape_in, dtype=tensor.dtype))
-        self.calls.append(("recv", src, group, tag))
+        if self.fail:
+            raise self.fail
+        tensor.copy_(torch.tensor(self.shape_in, dtype=tensor.dtype, device=tensor.device))
+        self.calls.append(("recv", src, group, tag, tensor.device.type))
+
+    def gather(self, tensor, gather_list=None, dst=0, group=None):
+        self.calls.append(("gather", dst, group, tuple(tensor.shape)))
+        for i, part in enumerate(gather_list or []):
+            part.fill_(float(i + 1))  # TP rank i's slice holds i + 1
+
+    def scatter(self, tensor, scatter_list=None, src=0, group=None):
+        self.calls.append(("scatter", src, group, [tuple(p.shape) for p in scatter_list or []]))
+        if scatter_list:
+            tensor.detach().copy_(scatter_list[0])
 
     def broadcast(self, tensor, src, group=None):
         self.calls.append(("broadcast", src, group, tuple(tensor.shape)))
@@ -71,7 +93,7 @@ class Wire:
 def wire(monkeypatch):
     w = Wire()
     for module in (comm_mod, layout_mod, work_mod):
-        for name in ("isend", "irecv", "recv", "broadcast", "get_backend"):
+        for name in ("isend", "irecv", "recv", "broadcast", "get_backend", "gather", "scatter"):
             if hasattr(module.dist, name):
                 monkeypatch.setattr(module.dist, name, getattr(w, name))
     return w
@@ -136,6 +158,7 @@ def test_a_leader_sends_to_the_peer_leader_on_the_boundary_group(wire):
     comm.send(t * 2, 2, BACKWARD)  # its input's gradient, back along the wraparound 2->0
     assert [c[:4] for c in wire.calls] == [("isend", 1, G(0, 1), 1), ("isend", 3, G(2, 0), 2)]
     assert torch.equal(wire.calls[0][4], t) and torch.equal(wire.calls[1][4], t * 2)
+    assert wire.sent[0].is_contiguous()
 
 
 def test_a_leader_receives_then_broadcasts_in_its_stage(wire):
@@ -238,7 +261,7 @@ def test_variable_sequence_lengths_send_the_shape_first(wire):
     wire.shape_in = [7, 1, 4]
     receiver = VtpCommunicator(cfg, state(1))  # stage 1, TP 2: the leader shares the shape
     tensor, work = receiver.recv((2, 1, 4), 0, FORWARD)
-    assert wire.calls[0] == ("recv", 0, G(0, 1), layout_mod.SHAPE_TAGS[FORWARD])
+    assert wire.calls[0] == ("recv", 0, G(0, 1), layout_mod.SHAPE_TAGS[FORWARD], "cpu")
     assert wire.calls[1] == ("broadcast", 1, TP_GROUP, (3,))
     assert wire.calls[2] == ("irecv", 0, G(0, 1), 1, (7, 1, 4)) and tensor.shape == (7, 1, 4)
 
@@ -306,17 +329,21 @@ def test_failures_name_the_boundary_the_ranks_and_the_direction(wire):
 
 def test_what_cannot_be_received_is_refused(wire):
     comm = VtpCommunicator(config(), state(0))
-    with pytest.raises(RuntimeError, match="tensor_shape must be given to receive at a VTP "
-                                           "boundary"):
+    with pytest.raises(RuntimeError, match="^tensor_shape must be given to receive at a VTP "
+                                           "boundary$"):
         comm.recv(None, 2, FORWARD)
     no_dtype = VtpCommunicator(config(pipeline_dtype=None), state(0))
-    with pytest.raises(ConfigError, match="config.pipeline_dtype is None; set it to the model's "
-                                          "params dtype"):
+    with pytest.raises(ConfigError, match="^config.pipeline_dtype is None; set it to the "
+                                          "model's params dtype$"):
         no_dtype.recv((2,), 2, FORWARD)
     with pytest.raises(ConfigError, match=r"^sequence_parallel=True with context_parallel_size "
                                           r"> 1: ldt's boundaries reshard the sequence over TP "
                                           r"only; set context_parallel_size=1$"):
         VtpCommunicator(config(sequence_parallel=True, context_parallel_size=2), state(1))
+    # a config without sequence_parallel (the functional API's sends) has none
+    bare = SimpleNamespace(pipeline_dtype=None, virtual_pipeline_model_parallel_size=None,
+                           context_parallel_size=2)
+    VtpCommunicator(bare, state(0))
     assert wire.calls == []
 
 
@@ -382,3 +409,157 @@ def test_functional_calls_that_cannot_work_are_refused(wire, monkeypatch):
         comm_mod.vtp_recv_forward((2,), config(variable_seq_lengths=True), group=[Group("a")],
                                   prev_rank=[0])
     assert wire.calls == []
+
+
+# ---- buffers: dtype, device, sequence slices, link delay ------------------------------------
+
+def test_receive_buffers_have_the_pipeline_dtype_and_the_stages_device(wire):
+    """Made under a meta default device, so a buffer that forgot its device would show it."""
+    cfg = config(pipeline_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        tensor, work = VtpCommunicator(cfg, state(1)).recv((2, 1, 4), 0, FORWARD)
+        staged, _ = VtpCommunicator(cfg, state(0, tps=(1, 1), u_shape=False)).recv(
+            (2, 1, 4), 1, BACKWARD)
+    assert (tensor.dtype, tensor.device.type, tensor.requires_grad) == (torch.bfloat16, "cpu",
+                                                                        True)
+    assert [(t.dtype, t.device.type) for t in wire.targets] == [(torch.bfloat16, "cpu")] * 2
+    work.wait()
+    assert torch.all(tensor == 1.0)
+
+
+def test_host_staged_receives_land_in_a_host_buffer_of_the_pipeline_dtype(wire):
+    staged_state = state(0)
+    cfg = config(pipeline_dtype=torch.bfloat16, variable_seq_lengths=True)
+    plan = staged_state.boundary_groups[(2, 0)][0]
+    staged_state.boundary_groups[(2, 0)] = (SimpleNamespace(host_staged=True, delay_ms=0.0,
+                                                            **{k: getattr(plan, k) for k in
+                                                               ("src_stage", "dst_stage")}),
+                                            G(2, 0))
+    wire.shape_in = [6, 1, 4]
+    with torch.device("meta"):
+        tensor, work = VtpCommunicator(cfg, staged_state).recv((2, 1, 4), 2, FORWARD)
+    assert wire.calls[0] == ("recv", 3, G(2, 0), layout_mod.SHAPE_TAGS[FORWARD], "cpu")
+    target = wire.targets[0]
+    assert (target.dtype, target.device.type, tuple(target.shape)) == (torch.bfloat16, "cpu",
+                                                                       (6, 1, 4))
+    assert target.data_ptr() != tensor.data_ptr()
+    work.wait()
+    assert torch.all(tensor == 301.0)  # copied from the host buffer
+
+
+def test_the_shape_message_and_its_buffer_follow_the_payload(wire):
+    with torch.device("meta"):
+        work = VtpCommunicator(config(variable_seq_lengths=True), state(0)).send(
+            torch.ones(5, 1, 4, device="cpu"), 1, FORWARD)
+    shape_buf, payload = wire.sent
+    assert shape_buf.device.type == "cpu" and shape_buf.tolist() == [5, 1, 4]
+    assert work._keep_alive[0] is payload and work._keep_alive[1] is shape_buf
+    work.wait()
+    assert wire.ops()[-2:] == ["isend.wait", "isend.wait"]  # the shape's and the tensor's
+    wire.calls.clear()
+    wire.shape_in = [7, 1, 4]
+    with torch.device("meta"):
+        tensor, _ = VtpCommunicator(config(variable_seq_lengths=True), state(2)).recv(
+            (2, 1, 4), 0, FORWARD)  # a non-leader: only the leader's shared shape
+    assert wire.calls == [("broadcast", 1, TP_GROUP, (3,))] and tensor.device.type == "cpu"
+
+
+def test_a_sequence_parallel_stage_gathers_before_sending_and_scatters_after_receiving(wire):
+    cfg = config(sequence_parallel=True, pipeline_dtype=torch.bfloat16)
+    sender = VtpCommunicator(cfg, state(1))  # stage 1's leader, TP 2: its slice is [2, 1, 4]
+    sender.send(torch.zeros(2, 1, 4), 2, FORWARD)
+    assert wire.calls[0] == ("gather", 1, TP_GROUP, (2, 1, 4))
+    assert wire.calls[1][:4] == ("isend", 3, G(1, 2), 1)
+    assert wire.calls[1][4].shape == (4, 1, 4)  # the whole sequence: rank 0's, then rank 1's
+    assert wire.calls[1][4][:, 0, 0].tolist() == [1.0, 1.0, 2.0, 2.0]
+    wire.calls.clear()
+    with torch.device("meta"):
+        tensor, work = VtpCommunicator(cfg, state(1)).recv((2, 1, 4), 0, FORWARD)
+    full = wire.targets[-1]
+    assert wire.calls == [("irecv", 0, G(0, 1), 1, (4, 1, 4))] and full.device.type == "cpu"
+    assert full.dtype == tensor.dtype == torch.bfloat16
+    assert tensor.shape == (2, 1, 4) and tensor.data_ptr() != full.data_ptr()
+    work.wait()
+    assert wire.calls[-1] == ("scatter", 1, TP_GROUP, [(2, 1, 4), (2, 1, 4)])
+    assert torch.all(tensor == 1.0)
+    wire.calls.clear()
+    assert VtpCommunicator(cfg, state(2)).send(torch.zeros(2, 1, 4), 2, FORWARD) is None
+    assert wire.calls == [("gather", 1, TP_GROUP, (2, 1, 4))]  # a non-leader gives its slice
+
+
+def test_a_delayed_link_delivers_late_on_the_leader_only(wire):
+    stages = [StageConfig("s0", "cpu", 1), StageConfig("s1", "cpu", 2)]
+    topo = Topology.from_config(ClusterConfig(stages=stages, link_delay_ms=[20.0, 0.0]))
+    leader, other = state(1, tps=(1, 2), u_shape=False), state(2, tps=(1, 2), u_shape=False)
+    for st in (leader, other):
+        st.boundary_groups = {(b.src_stage, b.dst_stage): (b, G(b.src_stage, b.dst_stage))
+                              for b in topo.boundaries()}
+    _, work = VtpCommunicator(config(), leader).recv((2,), 0, FORWARD)
+    assert work._delay.delay_s == pytest.approx(0.020)
+    _, work = VtpCommunicator(config(), other).recv((2,), 0, FORWARD)
+    assert work._delay is None
+
+
+def test_a_stage_on_a_gpu_uses_its_local_rank(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    stages = [StageConfig("gpu", "cuda", 1), StageConfig("cpu", "cpu", 1)]
+    topo = Topology.from_config(ClusterConfig(stages=stages))
+    st = state(0, tps=(1, 1), u_shape=False)
+    st.topology = topo
+    assert VtpCommunicator(config(), st).device == torch.device("cuda", 3)
+
+
+def test_waits_that_fail_name_the_transfer(wire):
+    comm = VtpCommunicator(config(), state(0))
+    send = comm.send(torch.ones(2), 1, FORWARD)
+    _, recv = comm.recv((2,), 2, FORWARD)
+    wire.fail_wait = ConnectionError("peer gone")
+    for work, what in ((send, "send of an activation to stage 1"),
+                       (recv, "receive of an activation from stage 2")):
+        with pytest.raises(comm_mod.BoundaryError) as err:
+            work.wait()
+        assert what in str(err.value) and "ConnectionError: peer gone" in str(err.value)
+
+
+def test_receives_that_fail_say_so_and_why(wire):
+    wire.fail = ConnectionError("refused")
+    with pytest.raises(comm_mod.BoundaryError) as err:
+        VtpCommunicator(config(), state(1)).recv((2,), 0, FORWARD)
+    assert str(err.value).startswith("boundary 0->1: rank 1 (stage 1 's1') receive of an "
+                                     "activation from stage 0 's0' (rank 0) failed")
+    assert "ConnectionError: refused" in str(err.value)
+    with pytest.raises(comm_mod.BoundaryError) as err:
+        VtpCommunicator(config(variable_seq_lengths=True), state(1)).recv((2,), 0, FORWARD)
+    assert str(err.value).startswith("boundary 0->1: rank 1 (stage 1 's1') receive of an "
+                                     "activation from stage 0 's0' (rank 0) (its shape) failed")
+    assert "ConnectionError: refused" in str(err.value)
+
+
+def test_functional_details(wire, monkeypatch):
+    """``state=`` reaches the communicator; a blocking receive returns the tensor alone; a
+    non-leader never sends, over any group; a sequence-parallel send needs the config."""
+    t = comm_mod.vtp_recv_backward((2,), config(), state=state(0))
+    assert isinstance(t, torch.Tensor) and torch.all(t == 102.0)
+    wire.calls.clear()
+    assert comm_mod.vtp_send_forward(torch.ones(2), state=state(2), group=[Group("u")],
+                                     next_rank=[3]) is None
+    assert wire.calls == []
+    assert comm_mod.vtp_send_backward(torch.ones(2, 1, 4), config(sequence_parallel=True),
+                                      state=state(2)) is None
+    assert wire.calls == [("gather", 1, TP_GROUP, (2, 1, 4))]  # its slice, to the leader
+    handles = comm_mod.vtp_send_forward(torch.ones(2), state=state(0), group=[Group("u")],
+                                        next_rank=[1])
+    assert handles[0]._keep_alive is wire.sent[-1]
+
+
+def test_functional_receive_over_groups_fills_the_stages_own_tensor(wire):
+    """Over groups the caller built, on a CPU stage: one buffer, the returned tensor itself, of
+    the pipeline dtype, ready for autograd (nothing staged: the host is the device)."""
+    cfg = config(pipeline_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        t, handles = comm_mod.vtp_recv_forward((2, 3), cfg, async_op=True, state=state(1),
+                                               group=[Group("u"), Group("v")], prev_rank=[0, 0])
+    assert (t.dtype, t.device.type, t.requires_grad) == (torch.bfloat16, "cpu", True)
+    assert all(target.data_ptr() == t.data_ptr() for target in wire.targets)
+    handles["recv_prev"].wait()
+    assert torch.all(t == 1.0) and wire.calls[-1] == ("broadcast", 1, TP_GROUP, (2, 3))
