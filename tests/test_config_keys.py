@@ -129,3 +129,20 @@ def test_loss_scale_and_main_params_follow_the_dtype():
     plain = optimizer_config(_cfg("model.params_dtype=bfloat16", "train.fp32_main_params=false",
                                   "train.clip_grad=0"))
     assert plain.bf16 is False  # the optimizer updates the bf16 weights in place
+
+
+def test_check_finite_and_audit_choose_the_boundary_observers(tmp_path):
+    """train.check_finite adds the NaN check at every boundary (null: with train.verify);
+    train.audit_comm the audit log (what they report: test_failures.py, test_train.py)."""
+    from ldt.config import TrainConfig
+    from ldt.training.loop import _observers
+    from ldt.training.observe import CommAudit, FiniteCheck
+
+    def kinds(**train):
+        return [type(o) for o in _observers(TrainConfig(**train), str(tmp_path), 0)]
+
+    assert kinds() == []
+    assert kinds(verify=True) == [FiniteCheck]
+    assert kinds(verify=True, check_finite=False) == []
+    assert kinds(check_finite=True) == [FiniteCheck]
+    assert kinds(audit_comm=True) == [CommAudit]
