@@ -160,7 +160,8 @@ class Topology:
         from ldt.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
-                             layout=cluster.layout, min_chunk_layers=1)
+                             layout=cluster.layout, min_chunk_layers=1,
+                             num_mtp=getattr(model, "mtp_num_layers", 0))
         return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging,
                    topo.link_delay_ms, stage_dp)
 

@@ -165,3 +165,66 @@ def test_planner_output_trains_in_ldt_train(tmp_path):
     used = OmegaConf.load(tmp_path / "run" / "config.yaml")
     assert used.train.num_microbatches == planned.num_microbatches
     assert used.train.micro_batch_size == planned.micro_batch_size == 1
+
+
+def test_verify_compares_the_same_steps_or_refuses():
+    """parity_max_abs_diff is over every step of both runs; a run with fewer losses (or held-out
+    losses) than the reference, or another first step, has no parity (not one over the zip)."""
+    from ldt.training.outputs import parity_max_abs_diff
+
+    ref = {"steps": 3, "first_step": 0, "losses": [5.0, 4.0, 3.0], "eval_losses": [4.5]}
+    run = {**ref, "losses": [5.0, 4.25, 3.0], "eval_losses": [4.0]}
+    assert parity_max_abs_diff(run, ref) == 0.5  # the held-out loss counts
+    assert parity_max_abs_diff({**run, "eval_losses": [4.5]}, ref) == 0.25
+    aux = {"moe_aux_losses": [0.125, 0.25, 0.5]}  # MoE load balancing counts too
+    assert parity_max_abs_diff({**run, "eval_losses": [4.5], **aux},
+                               {**ref, **aux, "moe_aux_losses": [0.125, 0.25, 1.5]}) == 1.0
+    for short, words in (({"losses": [5.0, 4.0]}, "reported 2 losses, the reference 3"),
+                         ({"eval_losses": []}, "reported 0 eval_losses, the reference 1"),
+                         ({"moe_aux_losses": [0.1]}, "reported 1 moe_aux_losses, the reference 0"),
+                         ({"first_step": 1}, "first_step is 1, the reference's 0"),
+                         ({"steps": 2}, "steps is 2, the reference's 3")):
+        with pytest.raises(ValueError, match=words):
+            parity_max_abs_diff({**run, **short}, ref)
+    with pytest.raises(ValueError, match="no losses"):
+        parity_max_abs_diff({"steps": 3, "first_step": 3, "losses": []},
+                            {"steps": 3, "first_step": 3, "losses": []})
+
+
+@pytest.mark.timeout(300)
+def test_mtp_on_the_edge_matches_the_reference_and_changes_training(tmp_path):
+    """model.mtp_num_layers=2 on a U-shape whose edge has TP 2: the MTP layers run with the
+    head on the edge and embed with its embedding. The main and MTP losses match the
+    single-process reference (megatron-core's one-stage MTP model) step by step; every MTP
+    layer's loss is reported; the first step's main loss equals the run without MTP (MTP adds
+    losses, not inputs) and the later ones differ from it (its gradients act); the checkpoint
+    holds the MTP weights, with the shapes ldt.models.arch.full_shapes gives."""
+    from ldt.storage.checkpoint_files import latest
+    from ldt.storage.tensors import check_compatible
+    from ldt.config import to_model
+
+    edge_tp2 = "cluster.stages=[{name:edge,tp:2},{name:cloud,tp:1}]"
+    summary, proc = ldt_train(tmp_path / "mtp", "train.steps=3", "train.verify=true",
+                              "train.save_every=3", "model.mtp_num_layers=2", edge_tp2,
+                              "cluster.layout=Ett|tt|ttmmL")
+    assert "E,0-1 | 4-5,m*2,L" in proc.stdout  # the rank map shows them on the edge
+    assert summary["parity_max_abs_diff"] < PARITY, summary
+    assert len(summary["final_mtp_loss"]) == 2
+    with open(tmp_path / "mtp" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["mtp_1_loss"]) > 0 and float(r["mtp_2_loss"]) > 0 for r in rows)
+    assert [float(rows[-1]["mtp_1_loss"]), float(rows[-1]["mtp_2_loss"])] == \
+        pytest.approx(summary["final_mtp_loss"])
+    plain, _ = ldt_train(tmp_path / "plain", "train.steps=3", edge_tp2,
+                         "cluster.layout=Ett|tt|ttL")
+    assert plain["first_loss"] == pytest.approx(summary["first_loss"], abs=1e-6)
+    with open(tmp_path / "plain" / "metrics.csv") as f:
+        plain_rows = list(csv.DictReader(f))
+    norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in zip(rows, plain_rows)]
+    assert abs(norms[0][0] / norms[0][1] - 1) > 1e-3, norms  # MTP adds to step 0's gradients
+    assert plain["final_loss"] != summary["final_loss"]
+    with open(tmp_path / "mtp" / "config.yaml") as f:
+        import yaml
+
+        model = to_model(yaml.safe_load(f)["model"])
+    check_compatible(latest(str(tmp_path / "mtp")), model)  # every MTP tensor, its full shape
