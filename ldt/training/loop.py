@@ -47,9 +47,11 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
+    from ldt.quiet import set_log_level
     from ldt.validate import validate
 
     c = parse(cfg)
+    set_log_level(c.train.log_level, rank)  # the same under torchrun as in a bare launch
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
