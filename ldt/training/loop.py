@@ -104,6 +104,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
 
     t, m = c.train, c.train.num_microbatches
     record = progress.current()
+    record.begin("building the model and optimizer")
     models = build_stage_models(c, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
     shared = len({id(p) for g in models for p in g.parameters()}) < \
