@@ -132,6 +132,43 @@ def _shape(stdout: str) -> list[str]:
     return out
 
 
+def test_log_level_is_one_setting_for_a_rank(capsys):
+    """ldt.quiet.set_log_level: an ldt-train rank's logging (the whole process) at one level,
+    one line per record on stderr with the rank; under ``python -m ldt.run`` megatron-core's
+    loggers only, whatever the script set up for its own."""
+    import logging
+    import sys as _sys
+
+    from ldt.quiet import set_log_level
+
+    root = logging.getLogger()
+    touched = [logging.getLogger(name) for name in ("", "megatron", "ldt")]
+    saved = [(x.handlers[:], x.level, x.propagate) for x in touched]
+    try:
+        set_log_level("WARNING", 3)  # train.log_level's default
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr().err == "[rank 3] WARNING megatron.core.distributed: " \
+                                          "bucket too small\n"
+        set_log_level("info", 3)  # train.log_level=INFO: megatron's setup notes come back
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        assert capsys.readouterr().err == "[rank 3] INFO megatron.core.optimizer: " \
+                                          "Setting up optimizer with config\n"
+        # a script under ldt.run that logs at INFO to stdout keeps its own lines
+        root.handlers[:] = [logging.StreamHandler(_sys.stdout)]
+        root.setLevel("INFO")
+        set_log_level("WARNING", 0, loggers=("megatron", "ldt"))
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("my_script").info("step 0 loss 4.87")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr() == ("step 0 loss 4.87\n", "[rank 0] WARNING "
+                                       "megatron.core.distributed: bucket too small\n")
+    finally:
+        for x, (handlers, level, propagate) in zip(touched, saved):
+            x.handlers[:], x.propagate = handlers, propagate
+            x.setLevel(level)
+
+
 @pytest.mark.timeout(300)
 def test_joins_a_torchrun_world(tmp_path):
     """Under torchrun ldt-train joins that world instead of starting its own: same losses,
