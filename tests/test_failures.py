@@ -309,10 +309,13 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
     assert reason(wrapped) == (cut, 1)
     gone = _raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:6315. This "
                                 "is typically caused by a remote worker crashing."))
-    assert reason(gone) == ("lost a peer (a rank died or stalled, or a link is down): "
-                            "RuntimeError: [pair.cc:553] Connection closed by peer "
-                            "[127.0.0.1]:6315. This is typically caused by a remote worker "
-                            "crashing.", 1)
+    lost = ("lost a peer (a rank died or stalled, or a link is down): RuntimeError: [pair.cc:"
+            "553] Connection closed by peer [127.0.0.1]:6315. This is typically caused by a "
+            "remote worker crashing.")
+    assert reason(gone) == (lost, 1)
+    # a TP collective inside a compute action: the runtime's wrapper adds nothing to say
+    assert reason(_raised(ActionError(f"stage 1 failed at action #12 1F2 ({gone!r})"),
+                          gone)) == (lost, 1)
     assert reason(_raised(ConfigError("cluster.dp=3: ...; set cluster.dp=1"))) == (
         "invalid config: cluster.dp=3: ...; set cluster.dp=1", 2)
     assert reason(_raised(KeyError("stage"))) is None  # a bug in ldt

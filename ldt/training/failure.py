@@ -59,7 +59,7 @@ def reason(exc: BaseException) -> Optional[tuple[str, int]]:
     for e in chain:
         if isinstance(e, (BoundaryError, NonFiniteError)):  # ldt named the boundary and peer
             return _first_line(e), EXIT_FAILED
-    for e in chain:
+    for e in reversed(chain):  # torch's own error, not the runtime's wrapper around it
         what = f"{type(e).__name__}: {_first_line(e)}"
         if isinstance(e, KeyboardInterrupt):
             return "interrupted (SIGINT)", EXIT_INTERRUPTED
