@@ -82,7 +82,7 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
     comm_timeout_s + 15 s, leave no process and print no traceback. Bare: one line naming the
     rank that failed first. Under torchrun no launcher of ldt's sees the whole world: each
     rank left says in one line who it is, where it was and why it stopped, and torchrun's own
-    summary names rank 1 (SIGKILL) as the root cause and shows the others' lines."""
+    summary shows rank 1's SIGKILL and the others' lines."""
     import socket
 
     with socket.socket() as s:
@@ -114,8 +114,10 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
         assert re.search(r"\): (boundary \d->\d: rank \d .*failed [\d.]+ s after|lost a peer)",
                          mine[0]), mine[0]
         assert f"traceback : {mine[0]}" in summary  # torchrun's summary shows it (error file)
-    summary = summary.split("Root Cause (first observed failure):")[1]
-    assert "rank      : 1 (local_rank: 1)" in summary and "(SIGKILL)" in summary, summary
+    # rank 1 said nothing: torchrun's summary has its SIGKILL (as its root cause, unless a
+    # rank left wrote its line in an earlier second: torchrun dates failures to the second)
+    assert re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -9 .*\(SIGKILL\)",
+                     summary), summary
 
 
 class CorruptSecondActivation:
