@@ -106,7 +106,7 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
     ranks_part, summary = re.split(r"\n[IWE]\d{4} [^\n]* failed \(exitcode", err, maxsplit=1)
     assert "Traceback" not in ranks_part, ranks_part[-3000:]
     lines = [x for x in ranks_part.splitlines() if x and not torchrun_log.match(x)]
-    assert len(lines) == 3, err[-4000:]  # one line per rank left (bare: one line in all)
+    assert len(lines) == 3, ranks_part  # one line per rank left (bare: one line in all)
     for label in ("rank 0 (stage 0 'edge', TP rank 0)", "rank 2 (stage 1 'cloud0', TP rank 1)",
                   "rank 3 (stage 2 'cloud1', TP rank 0)"):
         mine = [x for x in lines if x.startswith(f"ldt: {label} failed (step ")]
@@ -338,3 +338,14 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
     assert err[1] == "Traceback (most recent call last):" and err[-1] == "KeyError: 'stage'"
     assert sum(x.startswith("Traceback") for x in err) == 1
     assert err[0] in json.loads(error_file.read_text())["message"]["message"]
+
+    class Writes(list):  # a node's ranks share torchrun's stderr: one line, one write
+        def write(self, text):
+            self.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Writes())
+    report(wrapped, "rank 0 (stage 0 'edge', TP rank 0)")
+    assert sys.stderr == [line + "\n"]

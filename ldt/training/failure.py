@@ -92,10 +92,11 @@ def report(exc: BaseException, label: str, prog: str = "ldt",
     else:
         text, code = found
     line = f"{prog}: {label} failed{where}: {text}"
-    print(line, file=sys.stderr, flush=True)
-    if found is None:
-        traceback.print_exception(exc, file=sys.stderr)
-        sys.stderr.flush()
+    tb = "" if found is not None else "".join(traceback.format_exception(exc))
+    # one write: the ranks of a node share torchrun's stderr, and print()'s two writes (text,
+    # newline; unbuffered under PYTHONUNBUFFERED) let two ranks' lines run into one
+    sys.stderr.write(f"{line}\n{tb}")
+    sys.stderr.flush()
     write_torchrun_error(line)
     return code
 
