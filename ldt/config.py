@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 
 from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+from ldt.quiet import LOG_LEVELS
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
 MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
@@ -366,6 +367,11 @@ class TrainConfig:
     log_interval: int = 10
     """When stdout is not a terminal (a log file), print one progress line every N steps
     (on a terminal: a progress bar). TensorBoard events are flushed as often."""
+    log_level: str = "WARNING"
+    """Python logging of every rank (megatron-core's, torch's), bare or under torchrun: records
+    at this level and above, one line each on stderr prefixed with the rank. INFO adds
+    megatron-core's setup notes (DDP buckets and their parameters, the optimizer config),
+    DEBUG everything. ldt's own lines (rank map, progress, summary) are not logging."""
     stop_on_nonfinite: bool = True
     """A NaN/Inf loss or gradient norm stops the run (exit status 1, naming the step and the
     stage); false: record it and go on."""
@@ -420,6 +426,9 @@ class TrainConfig:
                                   ">= 0 (TFLOP/s of one device; 0: unknown, no mfu)")
         if _given(self.seed) and not 0 <= self.seed < 2**32:
             raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
+        if _given(self.log_level) and str(self.log_level).upper() not in LOG_LEVELS:
+            raise ConfigError(f"train.log_level={self.log_level!r} is not a logging level; use "
+                              f"one of {', '.join(LOG_LEVELS)} (INFO shows megatron-core's)")
 
 
 @dataclass

@@ -187,8 +187,21 @@ def _summary_line(summary: dict) -> str:
 
 
 def _join_torchrun(cfg: dict, topo) -> int:
-    """Under torchrun: join its world; the loss stage's leader prints the summary."""
+    """Under torchrun: join its world; the loss stage's leader prints the summary. A failure
+    is one line from each failing rank (and its exit status), not a traceback: no launcher of
+    ldt's sees the whole world to name the rank that failed first (ldt.training.failure)."""
     import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    from ldt.training import failure
+
+    rank = int(os.environ["RANK"])
+    doing = failure.track_progress()
+    try:
+        return _train_in_torchrun_world(cfg, topo)
+    except (Exception, KeyboardInterrupt) as exc:
+        return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
+
+
+def _train_in_torchrun_world(cfg: dict, topo) -> int:
     import torch.distributed as dist
 
     from ldt.training.loop import train_worker
@@ -228,10 +241,9 @@ def _job_timeout(cfg: dict) -> float:
 def _describe(exc, topo) -> str:
     if exc.rank is None:
         return str(exc)
-    info = topo.rank_info(exc.rank) if exc.rank < topo.world_size else None
-    where = f"rank {exc.rank}"
-    if info is not None:
-        where += f" (stage {info.stage} '{topo.stages[info.stage].name}', TP rank {info.tp_rank})"
+    from ldt.training.failure import rank_label
+
+    where = rank_label(topo, exc.rank)
     if exc.stalled:  # "rank N stopped making progress: ...": the others waited for it
         return str(exc).replace(f"rank {exc.rank} ", f"{where} ", 1)
     return f"{where} failed first: {exc}"

@@ -351,6 +351,16 @@ def check_audit(result, scratch: Scratch):
     assert {"crossed", "other_messages", "capture_equals_sent", "losses", "rows"} <= set(report)
 
 
+def check_torchrun(result, scratch: Scratch):
+    """docs/torchrun.md: the 12 lines ldt-train prints (a training like any other); on stderr
+    nothing but torchrun's own log lines."""
+    check_training(result, scratch)
+    assert len(result.stdout.splitlines()) == 12, result.stdout
+    torchrun_log = re.compile(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+    ranks = [x for x in result.stderr.splitlines() if x and not torchrun_log.match(x)]
+    assert not ranks, ranks
+
+
 def check_help(result, scratch: Scratch):
     assert "cluster: " in result.stdout and "model: " in result.stdout, result.stdout[:2000]
 
@@ -369,6 +379,7 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("docs/models.md", r"ldt-convert export", lambda r, s: check_export(r, s, "hf_exported")),
     ("docs/planner.md", r"ldt-sim --measured", check_replay),
     ("docs/privacy.md", r"ldt-audit", check_audit),
+    ("docs/torchrun.md", r"torchrun .*-m ldt\.train", check_torchrun),
     ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),
 ]
 

@@ -6,6 +6,7 @@ must be the last line printed.
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -115,9 +116,64 @@ def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
     assert sent_by_edge == {(1, "activation"), (2, "gradient")}
 
 
+# torchrun's own log lines: "W1125 10:37:12.131000 5875 torch/distributed/run.py:874] ..."
+TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+
+
+def _shape(stdout: str) -> list[str]:
+    """ldt-train's lines without what differs between two runs of the same config: numbers,
+    the run folder, how the world starts (bare: "starting 4 processes on this machine")."""
+    out = []
+    for line in stdout.splitlines():
+        line = re.sub(r"; (starting|joining torchrun's world of) \d+ processes.*", "; <world>",
+                      line)
+        line = re.sub(r"run folder \S+|\"run_dir\": \"[^\"]*\"", "<run folder>", line)
+        out.append(re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", line))
+    return out
+
+
+def test_log_level_is_one_setting_for_a_rank(capsys):
+    """ldt.quiet.set_log_level: an ldt-train rank's logging (the whole process) at one level,
+    one line per record on stderr with the rank; under ``python -m ldt.run`` megatron-core's
+    loggers only, whatever the script set up for its own."""
+    import logging
+    import sys as _sys
+
+    from ldt.quiet import set_log_level
+
+    root = logging.getLogger()
+    touched = [logging.getLogger(name) for name in ("", "megatron", "ldt")]
+    saved = [(x.handlers[:], x.level, x.propagate) for x in touched]
+    try:
+        set_log_level("WARNING", 3)  # train.log_level's default
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr().err == "[rank 3] WARNING megatron.core.distributed: " \
+                                          "bucket too small\n"
+        set_log_level("info", 3)  # train.log_level=INFO: megatron's setup notes come back
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        assert capsys.readouterr().err == "[rank 3] INFO megatron.core.optimizer: " \
+                                          "Setting up optimizer with config\n"
+        # a script under ldt.run that logs at INFO to stdout keeps its own lines
+        root.handlers[:] = [logging.StreamHandler(_sys.stdout)]
+        root.setLevel("INFO")
+        set_log_level("WARNING", 0, loggers=("megatron", "ldt"))
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("my_script").info("step 0 loss 4.87")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr() == ("step 0 loss 4.87\n", "[rank 0] WARNING "
+                                       "megatron.core.distributed: bucket too small\n")
+    finally:
+        for x, (handlers, level, propagate) in zip(touched, saved):
+            x.handlers[:], x.propagate = handlers, propagate
+            x.setLevel(level)
+
+
 @pytest.mark.timeout(300)
 def test_joins_a_torchrun_world(tmp_path):
-    """Under torchrun ldt-train joins that world instead of starting its own: same losses.
+    """Under torchrun ldt-train joins that world instead of starting its own: same losses,
+    and the same output as the bare launcher: ldt's lines from one rank, no megatron-core
+    INFO logging through Hydra's handler from every rank, only torchrun's own lines on stderr.
     Every rank runs the Hydra app; rank 0's run folder is the run's (here each rank's own
     run_dir would differ) and only rank 0 writes there, .hydra/ included."""
     import socket
@@ -138,7 +194,11 @@ def test_joins_a_torchrun_world(tmp_path):
     assert sorted(p.name for p in (cwd / "out").iterdir()) == ["rank0"]
     assert (cwd / "out" / "rank0" / ".hydra" / "config.yaml").exists()
     assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # the other ranks wrote nothing
-    ldt_train(tmp_path / "bare", "train.steps=3")
+    _, bare = ldt_train(tmp_path / "bare", "train.steps=3")
+    assert len(proc.stdout.splitlines()) == len(bare.stdout.splitlines()) == 12, proc.stdout
+    assert _shape(proc.stdout) == _shape(bare.stdout), proc.stdout
+    ranks_stderr = [x for x in proc.stderr.splitlines() if not TORCHRUN_LOG.match(x)]
+    assert ranks_stderr == bare.stderr.splitlines() == [], proc.stderr[-3000:]
 
     def losses(run_dir):
         with open(run_dir / "metrics.csv") as f:

@@ -47,9 +47,11 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
+    from ldt.quiet import set_log_level
     from ldt.validate import validate
 
     c = parse(cfg)
+    set_log_level(c.train.log_level, rank)  # the same under torchrun as in a bare launch
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
@@ -102,6 +104,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
 
     t, m = c.train, c.train.num_microbatches
     record = progress.current()
+    record.begin("building the model and optimizer")
     models = build_stage_models(c, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
     shared = len({id(p) for g in models for p in g.parameters()}) < \
