@@ -13,11 +13,14 @@ lost node dead (5 s x 3 by default). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: s
 
 from __future__ import annotations
 
+import csv
+import glob
+import json
 import os
 import subprocess
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ldt.testing.hosts import Hosts
 
@@ -35,8 +38,8 @@ class ElasticAgents:
 
     def __init__(self, net: Hosts, nodes: Sequence[tuple[str, int]], args: Sequence[str], *,
                  min_nodes: int, max_restarts: int = 3, run_id: str = "ldt",
-                 env: Optional[dict] = None, cwd: Optional[str] = None):
-        self.net, self.nodes, self.args = net, list(nodes), list(args)
+                 port: int = RDZV_PORT, env: Optional[dict] = None, cwd: Optional[str] = None):
+        self.net, self.nodes, self.args, self.port = net, list(nodes), list(args), port
         self.min_nodes, self.max_restarts, self.run_id = min_nodes, max_restarts, run_id
         self.env, self.cwd = dict(env or {}), cwd
         self.agents: dict[int, subprocess.Popen] = {}
@@ -49,7 +52,7 @@ class ElasticAgents:
         return [sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", f"{self.min_nodes}:{len(self.nodes)}", "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                f"{self.net.address(0)}:{RDZV_PORT}", "--rdzv-id", self.run_id,
+                f"{self.net.address(0)}:{self.port}", "--rdzv-id", self.run_id,
                 "--rdzv-conf", f"is_host={int(host == 0)},{RDZV_CONF}",
                 "--local-addr", self.net.address(host), "--max-restarts", str(self.max_restarts),
                 *self.args]
@@ -92,3 +95,59 @@ class ElasticAgents:
                 return f.read()
         except FileNotFoundError:
             return ""
+
+
+class RunFolder:
+    """What an elastic run has written so far (complete lines only: files grow while read)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def _lines(self, name: str) -> list[str]:
+        try:
+            with open(os.path.join(self.path, name)) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return []
+        return text.splitlines()[:None if text.endswith("\n") else -1]
+
+    def rows(self) -> dict[int, dict]:
+        """metrics.csv: step -> row."""
+        lines = self._lines("metrics.csv")
+        return {int(r["step"]): r for r in csv.DictReader(lines) if r.get("step", "").isdigit()}
+
+    def losses(self) -> dict[int, float]:
+        return {s: float(r["loss"]) for s, r in self.rows().items()}
+
+    def worlds(self) -> list[dict]:
+        """elastic.jsonl: one entry per world formed (ldt.elastic.world)."""
+        return [json.loads(line) for line in self._lines("elastic.jsonl")]
+
+    def checkpoints(self) -> list[int]:
+        """Steps of the complete checkpoints."""
+        done = glob.glob(os.path.join(self.path, "checkpoints", "step_*", "COMPLETE"))
+        return sorted(int(os.path.basename(os.path.dirname(p))[5:]) for p in done)
+
+    def last_step(self) -> int:
+        return max(self.rows(), default=-1)
+
+
+def resume_step(world: dict) -> Optional[int]:
+    """The checkpoint step a world resumed from (None: a fresh start)."""
+    path = world.get("resume")
+    return int(os.path.basename(path.rstrip("/"))[5:]) if path else None
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str,
+               agents: Optional[ElasticAgents] = None, hosts: Sequence[int] = ()) -> float:
+    """Poll ``condition`` until it holds; returns when (monotonic). On the deadline, or when
+    one of ``hosts``' agents exited first, AssertionError naming ``what``."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if agents is not None and any(agents.agents[h].poll() is not None for h in hosts):
+            raise AssertionError(f"waiting for {what}: the agents ended "
+                                 f"{agents.returncodes()}")
+        if time.monotonic() > end:
+            raise AssertionError(f"waiting for {what}: nothing after {timeout:.0f} s")
+        time.sleep(0.05)
+    return time.monotonic()
