@@ -17,12 +17,17 @@ lost at each failure is at most the checkpoint interval (and more than nothing: 
 recomputed, not skipped); every step's loss equals the single-process reference's within
 1e-5 (the tolerance of the cross-layout resume tests). Skipped (with hosts.unavailable()'s
 reason) where network namespaces cannot be made.
+
+And what cannot be recovered stops: one agent on this machine, a world without the data owner,
+fails each attempt with one line saying so, and torchrun gives up after --max-restarts.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -30,8 +35,8 @@ import pytest
 from ldt.testing import hosts
 from ldt.testing.elastic import ElasticAgents, RunFolder, resume_step, wait_until
 
-pytestmark = pytest.mark.skipif(hosts.unavailable() is not None,
-                                reason=f"no network namespaces: {hosts.unavailable()}")
+needs_hosts = pytest.mark.skipif(hosts.unavailable() is not None,
+                                 reason=f"no network namespaces: {hosts.unavailable()}")
 
 NODES = [("edge_cpu", 1), ("cloud_cpu", 1), ("cloud_cpu", 1)]
 STEPS, SAVE_EVERY, COMM_TIMEOUT = 40, 2, 5
@@ -57,6 +62,7 @@ def reference(tmp_path_factory):
     return run_local_world(1, train_worker, (ref, folder), timeout_s=240)[0]["losses"]
 
 
+@needs_hosts
 @pytest.mark.timeout(600)
 def test_a_lost_host_is_replanned_around_and_a_returning_one_joins(reference, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -122,3 +128,30 @@ def test_a_lost_host_is_replanned_around_and_a_returning_one_joins(reference, tm
     assert sorted(losses) == list(range(STEPS))
     worst = max(abs(losses[s] - reference[s]) for s in losses)
     assert worst < PARITY, (worst, losses, reference)
+
+
+@pytest.mark.timeout(180)
+def test_without_the_data_owner_torchrun_stops_after_its_restarts(tmp_path):
+    """A world of one cloud node: each of the 1 + --max-restarts attempts stops with the same
+    line (no traceback from ldt), then torchrun gives up with the worker's exit status."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "LDT_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1",
+               LDT_NODE_KIND="cloud_cpu")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+           "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+           "--rdzv-id", "lone", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1",
+           "--local-addr", "127.0.0.1", "-m", "ldt.train", "cluster=cpu_elastic",
+           f"run_dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=150)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if line.startswith("ldt: ")]
+    assert proc.returncode != 0, out[-3000:]
+    assert len(lines) == 2, out[-3000:]  # the first attempt and the one restart
+    assert all(line.startswith("ldt: the data owner is gone: no node of the edge kind "
+                               "'edge_cpu'") and "LDT_NODE_KIND=edge_cpu" in line
+               for line in lines), lines
+    ldt_files = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ldt")
+    assert f'File "{ldt_files}' not in out  # torchrun's own report has a traceback; ldt none
+    assert "exitcode  : 2" in out  # torchrun's report: the worker's status, config refused
