@@ -43,8 +43,9 @@ def _job(cfg) -> int:
         if cfg.train.get("resume") == AUTO:
             _check_run_dir_given(hydra_cfg)
         plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
-        if plain.get("run_complete") and rank is None:
-            print(f"ldt-train: {plain['run_complete']}", flush=True)
+        complete = plain.pop("run_complete", None)
+        if complete and rank is None:
+            print(f"ldt-train: {complete}", flush=True)
             return 0
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
@@ -61,7 +62,8 @@ def _job(cfg) -> int:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
                   flush=True)
-        return _join_torchrun(plain, topo)
+        return _join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
+                              complete=complete)
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
           f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
     return _launch_local(plain, topo)
@@ -106,7 +108,8 @@ def _elastic_job(cfg, hydra_cfg) -> int:
         if speak:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
             print(f"ldt: {what}{exc}", file=sys.stderr, flush=True)
-        _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        if env.get("RANK") == "0":  # the one rank with Hydra's run folder
+            _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
@@ -118,7 +121,7 @@ def _elastic_job(cfg, hydra_cfg) -> int:
     try:
         return _join_torchrun(plain, topo)
     finally:
-        world.finish()
+        world.finish()  # releases the idle processes
 
 
 def _check_run_dir_given(hydra_cfg) -> None:
@@ -287,8 +290,9 @@ def _summary_line(summary: dict) -> str:
     return summary_json(_public(summary))
 
 
-def _join_torchrun(cfg: dict, topo) -> int:
-    """Under torchrun: join its world; the loss stage's leader prints the summary."""
+def _join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None) -> int:
+    """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
+    rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more)."""
     import ldt.quiet  # noqa: F401  (before megatron-core is imported)
     import torch.distributed as dist
 
@@ -298,10 +302,11 @@ def _join_torchrun(cfg: dict, topo) -> int:
         dist.init_process_group(_world_backend(cfg),
                                 timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
     # rank 0's run folder (only it kept Hydra's) and what train.resume=auto found there
-    holder = [cfg["run_dir"], cfg["train"].get("resume"), cfg["train"].get("load"),
-              cfg.get("run_complete")]
+    holder = [cfg["run_dir"], (cfg["train"]["resume"], cfg["train"]["load"], complete)]
     dist.broadcast_object_list(holder, src=0)
-    cfg["run_dir"], cfg["train"]["resume"], cfg["train"]["load"], complete = holder
+    cfg["run_dir"] = holder[0]
+    if auto:
+        cfg["train"]["resume"], cfg["train"]["load"], complete = holder[1]
     if complete:
         if dist.get_rank() == 0:
             print(f"ldt-train: {complete}", flush=True)

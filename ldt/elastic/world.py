@@ -71,14 +71,22 @@ class ElasticWorld:
 
     def wait_idle(self) -> int:
         """An idle process: wait until ldt rank 0 says the run ended (torchrun stops or
-        restarts it before, when the world changes)."""
-        self.store.wait(["done"], timedelta(days=365))
+        restarts it before, when the world changes); 1 when the world ended without a word."""
+        try:
+            self.store.wait(["done"], timedelta(days=365))
+        except Exception as exc:  # the store's host is gone: so is this world
+            print(f"ldt: an idle process lost its world before the run ended ({exc})".split(
+                "\n")[0], flush=True)
+            return 1
         return 0
 
     def finish(self) -> None:
-        """ldt rank 0, once training ended: release the idle processes."""
+        """ldt rank 0, once training ended (or failed): release the idle processes."""
         if self.rank == 0:
-            self.store.set("done", "1")
+            try:
+                self.store.set("done", "1")
+            except Exception:  # the store's host is gone: the idle processes go with it
+                pass
 
     def record(self, env: Mapping[str, str]) -> None:
         """ldt rank 0 appends this world to ``<run_dir>/elastic.jsonl``."""
@@ -90,6 +98,7 @@ class ElasticWorld:
                  "plan": self.plan.describe(), "cluster": self.plan.cluster,
                  "num_microbatches": self.plan.num_microbatches, "prefetch": self.plan.prefetch,
                  "resume": self.run.get("resume")}
+        os.makedirs(self.run["run_dir"], exist_ok=True)
         with open(os.path.join(self.run["run_dir"], LOG), "a") as f:
             f.write(json.dumps(entry) + "\n")
 
