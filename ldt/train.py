@@ -108,7 +108,7 @@ def _elastic_job(cfg, hydra_cfg) -> int:
         if speak:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
             print(f"ldt: {what}{exc}", file=sys.stderr, flush=True)
-        if env.get("RANK") == "0":  # the one rank with Hydra's run folder
+        if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
             _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:
