@@ -32,7 +32,8 @@ CASES = [("kill", 2), ("kill", 8), ("cut", 2), ("cut", 8)]
 
 def _case(how: str, save_every: int, port: int) -> dict:
     from ldt.plan.calibrate import read_action_times
-    from ldt.testing.elastic import ElasticAgents, RunFolder, resume_step, wait_until
+    from ldt.testing.elastic import (ElasticAgents, RunFolder, resume_step, wait_first_step,
+                                     wait_until)
     from ldt.testing.hosts import Hosts
 
     fail_after = save_every - 1 + save_every // 2
@@ -67,11 +68,7 @@ def _case(how: str, save_every: int, port: int) -> dict:
             last_before = run.last_step()  # before the new world rewrites metrics.csv
             world = run.worlds()[1]
             resumed = resume_step(world)
-            if last_before > resumed:  # the new world drops the rows it trains again
-                wait_until(lambda: run.last_step() <= resumed, 180, "metrics.csv rewound",
-                           agents, (0, 1))
-            first_done = wait_until(lambda: run.last_step() > resumed, 180,
-                                    "the new world's first step", agents, (0, 1))
+            first_done = wait_first_step(run, world, last_before, 180, agents, (0, 1))
             codes = agents.wait((0, 1), 300)
         finally:
             net.kill_host(2)

@@ -28,12 +28,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from ldt.testing import hosts
-from ldt.testing.elastic import ElasticAgents, RunFolder, resume_step, wait_until
+from ldt.testing.elastic import (ElasticAgents, RunFolder, resume_step, wait_first_step,
+                                 wait_until)
 
 needs_hosts = pytest.mark.skipif(hosts.unavailable() is not None,
                                  reason=f"no network namespaces: {hosts.unavailable()}")
@@ -84,9 +84,7 @@ def test_a_lost_host_is_replanned_around_and_a_returning_one_joins(reference, tm
             formed = wait_until(lambda: len(run.worlds()) >= 2, 120, "the world without host 2",
                                 agents, both)
             killed_after = run.last_step()  # the new world has not touched metrics.csv yet
-            second = run.worlds()[1]
-            wait_until(trained_past(resume_step(second)), 120, "a step of the 2-host world",
-                       agents, both)
+            wait_first_step(run, run.worlds()[1], killed_after, 120, agents, both)
             agents.start(2)
             # 3. three hosts again; cut host 2's link after their next checkpoint and a step
             wait_until(lambda: len(run.worlds()) >= 3, 120, "host 2 joining", agents, both)

@@ -151,3 +151,17 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str,
             raise AssertionError(f"waiting for {what}: nothing after {timeout:.0f} s")
         time.sleep(0.05)
     return time.monotonic()
+
+
+def wait_first_step(run: RunFolder, world: dict, last_before: int, timeout: float,
+                    agents: Optional[ElasticAgents] = None, hosts: Sequence[int] = ()) -> float:
+    """Until ``world`` (an elastic.jsonl entry) has done its first step; returns when. Its
+    metrics.csv row is told from the previous world's by waiting, when the previous world got
+    further (``last_before``), for the new world to drop the rows it trains again."""
+    resumed = resume_step(world)
+    resumed = -1 if resumed is None else resumed
+    if last_before > resumed:
+        wait_until(lambda: run.last_step() <= resumed, timeout,
+                   "the new world rewinding metrics.csv", agents, hosts)
+    return wait_until(lambda: run.last_step() > resumed, timeout, "the new world's first step",
+                      agents, hosts)
