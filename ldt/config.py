@@ -16,11 +16,10 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+
 DEVICE_TYPES = ("cuda", "npu", "cpu")
-
-
-class ConfigError(ValueError):
-    """A config that cannot work. The message names the field, the value and the fix."""
+MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
 
 
 def _given(*values: Any) -> bool:
@@ -311,10 +310,11 @@ class TrainConfig:
             raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "
                               "or null for dynamic loss scaling")
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
-                                                 and self.comm_timeout_s > 0):
+                                                 and 0 < self.comm_timeout_s <= MAX_TIMEOUT_S):
             raise ConfigError(
                 f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
-                "> 0 (a dead rank stops the others after this long); e.g. 60")
+                f"> 0, at most {MAX_TIMEOUT_S:g} (a year): a dead rank stops the others after "
+                "this long; e.g. 60")
         if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
             raise ConfigError(
                 f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
@@ -402,7 +402,9 @@ def to_data(obj: Any) -> DataConfig:
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
-    return to_cluster(OmegaConf.load(path))
+    from ldt.userfiles import load_yaml
+
+    return to_cluster(load_yaml(path, "cluster file"))
 
 
 def _plain(obj: Any) -> Any:

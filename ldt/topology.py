@@ -312,9 +312,9 @@ def _link_delays(value, num_stages: int, u_shape: bool) -> tuple[float, ...]:
         raise ConfigError(f"cluster.link_delay_ms={value!r}; give a number of milliseconds or a "
                           f"list with one per boundary ({order})")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"cluster.link_delay_ms entry {i} ({v!r}) must be a number of "
-                              "milliseconds >= 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"cluster.link_delay_ms entry {i} ({v!r}) must be a finite number "
+                              "of milliseconds >= 0")
     values = [float(v) for v in values]
     return tuple(values) if any(values) else ()
 

@@ -31,14 +31,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_app(_job, argv)
 
 
-def _job(cfg) -> int:
-    """One run (one job of a multirun): validate, say what starts, then launch or join."""
+def _job(cfg, save_hydra_files=None) -> int:
+    """One run (one job of a multirun): validate, say what starts, then launch or join.
+    ``save_hydra_files``: writes Hydra's ``.hydra/`` (rank 0 only; see ``run_app``)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from ldt.storage.atomic import check_run_folder
 
     hydra_cfg = HydraConfig.get()
     rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
     if cfg.cluster.get("inventory"):  # elastic: the stages are planned from the nodes there
-        return _elastic_job(cfg, hydra_cfg)
+        return _elastic_job(cfg, hydra_cfg, save_hydra_files)
     try:
         if cfg.train.get("resume") == AUTO:
             _check_run_dir_given(hydra_cfg)
@@ -47,9 +50,12 @@ def _job(cfg) -> int:
         if complete and rank is None:
             print(f"ldt-train: {complete}", flush=True)
             return 0
+        if save_hydra_files is not None:  # the folder that keeps the run's files
+            check_run_folder(plain["run_dir"], _resuming(cfg, plain))
+            save_hydra_files()
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {exc}", file=sys.stderr)
+        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
         _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:
@@ -69,7 +75,12 @@ def _job(cfg) -> int:
     return _launch_local(plain, topo)
 
 
-def _elastic_job(cfg, hydra_cfg) -> int:
+def one_line(exc: BaseException) -> str:
+    """A refusal's message on one line (a layout error's caret picture left out)."""
+    return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())
+
+
+def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
     """Under torchrun's elastic agent (docs/elastic.md): plan the world that is there from the
     nodes' descriptions, then train in it, continuing from the run folder's newest checkpoint.
     Errors are one line per node (its local rank 0 prints it)."""
@@ -95,6 +106,8 @@ def _elastic_job(cfg, hydra_cfg) -> int:
             if speak:
                 print(f"ldt-train: {world.run['complete']}", flush=True)
             return 0
+        if save_hydra_files is not None:  # torchrun's rank 0, whose folder the run continues
+            save_hydra_files()
         if world.rank is None:  # the plan leaves this process out of this world
             print(f"ldt-train: node {env['GROUP_RANK']} local rank {env['LOCAL_RANK']} is idle "
                   f"in this world: {world.plan.describe()}", flush=True)
@@ -107,7 +120,7 @@ def _elastic_job(cfg, hydra_cfg) -> int:
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
         if speak:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
-            print(f"ldt: {what}{exc}", file=sys.stderr, flush=True)
+            print(f"ldt: {what}{one_line(exc)}", file=sys.stderr, flush=True)
         if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
             _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
@@ -122,6 +135,13 @@ def _elastic_job(cfg, hydra_cfg) -> int:
         return _join_torchrun(plain, topo)
     finally:
         world.finish()  # releases the idle processes
+
+
+def _resuming(cfg, plain: dict) -> Optional[str]:
+    """What the run continues, for the run-folder check: train.resume, or with auto (even
+    when it found no checkpoint yet) the run folder itself, which is then the run's own."""
+    return plain["train"]["resume"] or (plain["run_dir"] if cfg.train.get("resume") == AUTO
+                                        else None)
 
 
 def _check_run_dir_given(hydra_cfg) -> None:
@@ -140,18 +160,26 @@ def _check_run_dir_given(hydra_cfg) -> None:
 
 
 def _discard_run_folder(path: str, cwd: str) -> None:
-    """A refused config leaves no run folder behind: Hydra made it (and ``.hydra/`` in it)
-    before the job could validate. Removed only when that is all it holds, with the parents
-    it leaves empty below the working directory (``outputs/<date>``)."""
+    """A refused config leaves no run folder behind: Hydra made it before the job could
+    validate (empty: ``.hydra/`` is written only once the config is accepted). Removed only
+    when empty, with the parents it leaves empty below the working directory
+    (``outputs/<date>``)."""
     import shutil
 
-    if not os.path.isdir(path) or not set(os.listdir(path)) <= {".hydra"}:
+    if not os.path.isdir(path) or os.listdir(path) or not _made_by_this_process(path):
         return
     shutil.rmtree(path, ignore_errors=True)
     parent = os.path.dirname(path)
     while parent.startswith(cwd + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
         os.rmdir(parent)
         parent = os.path.dirname(parent)
+
+
+def _made_by_this_process(path: str) -> bool:
+    """Hydra made ``path`` in this process (an empty folder the user had is left alone)."""
+    import psutil
+
+    return os.stat(path).st_ctime >= psutil.Process().create_time()  # (rounded down)
 
 
 def prepare(cfg, run_dir: str, rank: Optional[int] = None):
@@ -233,8 +261,10 @@ def resolve_resume(plain: dict, elastic: bool) -> Optional[str]:
 def _save_config(cfg: dict, run_dir: str) -> None:
     from omegaconf import OmegaConf
 
+    from ldt.storage.atomic import replace_file
+
     os.makedirs(run_dir, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(cfg), os.path.join(run_dir, "config.yaml"))
+    replace_file(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
 def _launch_local(cfg: dict, topo) -> int:

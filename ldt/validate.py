@@ -69,6 +69,12 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     check_data(data, model, train, topo, rank)
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
+    if (train.resume or train.load) and rank in (None, 0):  # a skipped save is said once
+        from ldt.storage.checkpoint_files import skipped
+
+        note = skipped(train.resume or train.load)
+        if note:
+            warnings.append(f"{'train.resume' if train.resume else 'train.load'}: {note}")
     if rank is None and (train.resume or train.load):  # every rank is here: hash it once
         from ldt.storage.checkpoint_files import preflight
 
@@ -233,6 +239,25 @@ def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig])
                           "train.schedule=auto or 1f1b, or give every stage the same dp")
 
 
+def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
+    """ldt's runtime materialises each step's action lists (in every process of this host)
+    and keeps every action's measured times: bounded by the host's memory before it starts."""
+    from ldt.schedule.size import check_fits, check_schedule_size, runs_on_ldt_runtime
+
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    m = train.num_microbatches
+    if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
+        check_schedule_size("train.num_microbatches", m, topo.num_stages,
+                            replicas=max(topo.dp_sizes) if topo.is_vdp else 1,
+                            processes=processes, steps=train.steps)
+    # byte-token data draws one step's sample order (dp * m * mbs int64) for each micro-batch
+    per_sample = 8 * max(topo.dp_sizes) * processes
+    samples = m * train.micro_batch_size
+    check_fits("train.num_microbatches x train.micro_batch_size", samples, samples * per_sample,
+               "each micro-batch's draw of the step's sample order (dp x that many indices, in "
+               f"{processes} processes)", unit_bytes=per_sample)
+
+
 def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.micro_batch_size < 1:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must be >= 1")
@@ -255,6 +280,10 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
+    if train.prefetch > train.num_microbatches:
+        raise ConfigError(f"train.prefetch={train.prefetch} exceeds train.num_microbatches="
+                          f"{train.num_microbatches}: no more micro-batches than there are can "
+                          f"be in flight; give at most {train.num_microbatches}")
     if train.runtime not in ("auto", "megatron", "ldt"):
         raise ConfigError(f"train.runtime={train.runtime!r}; use 'auto', 'megatron' or 'ldt'")
     if train.runtime == "ldt" and train.schedule == "interleaved":
@@ -276,6 +305,7 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "
             "train.schedule=interleaved (or auto), or one segment per stage")
+    _check_schedule_size(topo, train)
     if vpp > 1:
         p, m = topo.num_stages, train.num_microbatches
         if m % p:

@@ -3,3 +3,18 @@ import os
 # Tests run on CPU/gloo; keep each process to one thread on this 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The documents test (tests/test_docs.py): how many shell blocks ran, which were skipped
+    and why (each skipped block's document says why in its first line)."""
+    def blocks(kind):
+        return [r for r in terminalreporter.stats.get(kind, [])
+                if "test_block_runs_as_documented" in r.nodeid and r.when in ("call", "setup")]
+    ran, failed, skipped = blocks("passed"), blocks("failed"), blocks("skipped")
+    if not (ran or failed or skipped):
+        return
+    terminalreporter.write_line(f"documents: {len(ran)} shell blocks ran as written, "
+                                f"{len(failed)} failed, {len(skipped)} skipped")
+    for r in skipped:
+        terminalreporter.write_line(f"  skipped {r.longrepr[2].removeprefix('Skipped: ')}")

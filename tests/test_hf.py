@@ -213,3 +213,51 @@ def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf, tmp_path, 
         assert torch.equal(ours, theirs)
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == (
         family == "qwen2")
+
+
+def test_the_command_lines_import_passes_the_load_checks(hf, tmp_path, capsys):
+    """``ldt-convert import`` writes ``OUT/conf/model/NAME.yaml`` next to the parts: the
+    checks of ``train.load=OUT`` take the parts (``stage_*``) and leave ``conf/`` alone, and a
+    damaged part is reported in terms of ``train.load``, the field the user gave."""
+    from ldt.storage import checkpoint_files as files
+    from ldt.storage.tensors import check_compatible
+    from ldt.tools.convert import main as convert
+
+    folder, _, cfg, _ = hf["llama"]
+    out = tmp_path / "mine"
+    assert convert(["import", str(folder), str(out)]) == 0
+    assert "train.load=" in capsys.readouterr().out
+    assert (out / "conf" / "model" / "mine.yaml").exists()
+    assert files.parts(str(out)) == [f"stage_{k}" for k in range(cfg.num_layers + 2)]
+    assert files.preflight(str(out), "train.load") == str(out)
+    check_compatible(str(out), cfg)
+    step = tmp_path / "run" / "checkpoints" / "step_0000009"  # what a save of a run from it gets
+    step.mkdir(parents=True)
+    assert files.carry_companions(str(out), str(step), own=("model.json",)) == [
+        "generation_config.json", "hf_config.json"]
+    (out / "stage_1" / files.MANIFEST).write_text("{")
+    with pytest.raises(files.CheckpointError, match="train.load") as refused:
+        files.preflight(str(out), "train.load")
+    assert "train.resume" not in str(refused.value)
+
+
+def test_export_refuses_what_transformers_would_not_load(hf, tmp_path, monkeypatch):
+    """The export checks every tensor against transformers' own model of the config it writes
+    (a skeleton without weights): a config.json that disagrees with the tensors is refused."""
+    from ldt.config import ConfigError
+    from ldt.models.hf import convert
+    from ldt.models.hf.families import Family
+
+    _, ckpt, _, _ = hf["llama"]
+    real = Family.hf_config
+
+    def wrong_ffn(self, model, dtype, base=None):
+        config = real(self, model, dtype, base)
+        config.intermediate_size += 2
+        return config
+    monkeypatch.setattr(Family, "hf_config", wrong_ffn)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight of shape "
+                                          r"\(128, 64\), but transformers' LlamaForCausalLM "
+                                          r"has \(130, 64\)"):
+        convert.export_hf(str(ckpt), str(tmp_path / "out"), log=lambda *_: None)
+    assert not (tmp_path / "out" / "config.json").exists()

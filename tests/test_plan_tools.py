@@ -56,6 +56,32 @@ def test_plan_out_creates_folders_and_a_train_file(tmp_path, capsys):
     assert cfg.cluster.dp == planned["cluster"]["dp"]
 
 
+def test_sim_of_a_plan_takes_the_planned_micro_batches(tmp_path, capsys):
+    """ldt-sim --cluster DIR/cluster/NAME.yaml reads -m, --mbs and --prefetch from the
+    DIR/train/NAME.yaml ldt-plan wrote, and so prices the plan as the planner did."""
+    out = tmp_path / "plans" / "cluster" / "mine.yaml"
+    planning = ["--inventory", "edge_cloud", "--model", "llama_7b", "--mbs", "2",
+                "--global-batch", "32"]
+    assert plan_tool.main([*planning, "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert plan_tool.main([*planning, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    args = ["--cluster", str(out), "--model", "llama_7b", "--inventory", "edge_cloud", "--json"]
+    assert sim_tool.main(args) == 0
+    captured = capsys.readouterr()
+    simulated = json.loads(captured.out)
+    assert f"num_microbatches={planned['num_microbatches']}, micro_batch_size=2" in captured.err
+    assert simulated["num_microbatches"] == planned["num_microbatches"]
+    assert simulated["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
+    assert sim_tool.main([*args, "-m", str(planned["num_microbatches"] + 1)]) == 0  # given wins
+    assert json.loads(capsys.readouterr().out)["num_microbatches"] == planned[
+        "num_microbatches"] + 1
+    (tmp_path / "plans" / "train" / "mine.yaml").unlink()  # no train file: -m is required
+    with pytest.raises(SystemExit):
+        sim_tool.main(args)
+    assert "--num-microbatches required" in capsys.readouterr().err
+
+
 def test_plan_json(capsys):
     rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--json"])
     assert rc == 0

@@ -41,22 +41,23 @@ def arch_of(model: ModelConfig) -> dict:
 
 def write_model_json(folder: str, model: ModelConfig) -> None:
     """``folder/model.json``: the whole ModelConfig (its architecture is what loads check)."""
+    from ldt.storage.atomic import replace_file
+
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, MODEL_JSON + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(model), f, indent=1)
-    os.replace(tmp, os.path.join(folder, MODEL_JSON))
+    replace_file(os.path.join(folder, MODEL_JSON), json.dumps(dataclasses.asdict(model),
+                                                              indent=1))
 
 
 def read_model_json(folder: str) -> Optional[ModelConfig]:
     """The ModelConfig a checkpoint was written for (None for a checkpoint without one)."""
     from ldt.config import to_model
 
+    from ldt.userfiles import load_json_object
+
     path = os.path.join(folder, MODEL_JSON)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return to_model(json.load(f))
+    return to_model(load_json_object(path, "checkpoint model file"))
 
 
 def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[str, tuple]:

@@ -17,13 +17,14 @@ from ldt.plan.exhaustive import ExhaustiveResult, exhaustive
 from ldt.plan.inventory import (DeviceKind, Inventory, Link, Workload, load_inventory, load_model,
                                 valid_tp_sizes)
 from ldt.plan.planner import PlannerOptions, PlanResult, make_cost, plan
-from ldt.plan.report import cluster_dict, cluster_yaml, summary, table, train_yaml
+from ldt.plan.report import (cluster_dict, cluster_yaml, planned_train_path, read_planned_train,
+                             summary, table, train_yaml)
 
 __all__ = [
     "ChunkLoad", "CostModel", "DeviceKind", "Evaluation", "ExhaustiveResult", "Inventory", "Link",
     "Memory", "Plan", "PlanResult", "PlannerOptions", "StageReport", "StageSpec", "Workload",
     "choose_prefetch", "closed_form", "cluster_dict", "cluster_to_plan", "cluster_yaml",
     "estimate_plan", "exhaustive", "export_timeline", "load_cluster", "load_inventory",
-    "load_model", "make_cost", "plan", "simulate_plan", "simulate_times", "summary", "table",
-    "train_yaml", "valid_tp_sizes",
+    "load_model", "make_cost", "plan", "planned_train_path", "read_planned_train",
+    "simulate_plan", "simulate_times", "summary", "table", "train_yaml", "valid_tp_sizes",
 ]

@@ -7,7 +7,8 @@ goes into comments at its top, where it is visible but cannot break loading.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -62,6 +63,34 @@ def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_n
             f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
             f"{p.num_microbatches} micro-batches x {micro_batch_size}"
             + (f", prefetch {p.prefetch}" if p.prefetch else "") + ".\n" + body)
+
+
+def planned_train_path(cluster_path: str) -> Optional[str]:
+    """Where :func:`train_yaml` goes for a cluster file: ``DIR/train/NAME.yaml`` next to
+    ``DIR/cluster/NAME.yaml`` (a Hydra config folder); None for a cluster file elsewhere."""
+    folder, name = os.path.split(os.path.abspath(cluster_path))
+    if os.path.basename(folder) != "cluster":
+        return None
+    path = os.path.join(os.path.dirname(folder), "train", os.path.splitext(name)[0] + ".yaml")
+    return path if os.path.isabs(cluster_path) else os.path.relpath(path)
+
+
+def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, int]]:
+    """The micro-batch settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
+    ``micro_batch_size``, ``prefetch`` when planned): (that file, settings), or (None, {})."""
+    path = planned_train_path(cluster_path)
+    if path is None or not os.path.isfile(path):
+        return None, {}
+    from ldt.config import ConfigError
+    from ldt.userfiles import load_yaml
+
+    planned = load_yaml(path, "ldt-plan's train file")
+    try:
+        return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size",
+                                                    "prefetch") if k in planned}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}; give whole numbers, or write it again with ldt-plan"
+                          ) from None
 
 
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:

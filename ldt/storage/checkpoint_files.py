@@ -29,10 +29,12 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from ldt.config import ConfigError
+from ldt.storage.atomic import fsync_tree, move_into_place, replace_file
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
 MANIFEST = "MANIFEST.json"
+PART_PREFIX = "stage_"
 
 
 class CheckpointError(ConfigError):
@@ -70,8 +72,8 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
             dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
         _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
                                                   "files": _manifest(tmp, skip=(MANIFEST,))})
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        fsync_tree(tmp)
+        move_into_place(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _out_of_space(exc, folder, _nbytes(state_dict)):
@@ -99,6 +101,23 @@ def disk_full_at(folder: str) -> Iterator[None]:
         if not isinstance(exc, DiskFullError) and _out_of_space(exc, folder, 0):
             raise DiskFullError(folder) from None
         raise
+
+
+def carry_companions(origin: Optional[str], target: str, own: tuple = ()) -> list[str]:
+    """Copy the top-level files of checkpoint ``origin`` that describe where its weights came
+    from (an import's ``hf_config.json`` and tokenizer files) into step folder ``target``
+    before it is sealed, so a run started from an import saves checkpoints that export with
+    them. ``own``: the files the writer makes itself (``model.json``); never the seal's."""
+    found = latest(origin) if origin else None
+    if found is None:
+        return []
+    names = [n for n in sorted(os.listdir(found)) if n not in (INFO, COMPLETE, *own)
+             and not n.endswith(".tmp") and not n.startswith(".")  # no writer's temporaries
+             and os.path.isfile(os.path.join(found, n))]
+    with disk_full_at(target):
+        for name in names:
+            shutil.copyfile(os.path.join(found, name), os.path.join(target, name))
+    return names
 
 
 def discard(folder: str) -> None:
@@ -141,12 +160,34 @@ def latest(path: str) -> Optional[str]:
     return done[-1] if done else None
 
 
+def skipped(path: str) -> Optional[str]:
+    """One line naming the step folders under a run folder that are newer than the one
+    :func:`latest` picks but incomplete (no marker: a save that did not finish), which a
+    reader passes over; None when it passes over nothing."""
+    found = latest(path)
+    folder = os.path.join(path, "checkpoints")
+    if found is None or os.path.abspath(found) == os.path.abspath(path) \
+            or not os.path.isdir(folder):
+        return None
+    newer = [d for d in sorted(os.listdir(folder)) if d.startswith("step_")
+             and d > os.path.basename(found) and os.path.isdir(os.path.join(folder, d))
+             and not os.path.exists(os.path.join(folder, d, COMPLETE))]
+    if not newer:
+        return None
+    return (f"{os.path.join(folder, newer[-1])}"
+            + (f" and {len(newer) - 1} more" if len(newer) > 1 else "")
+            + f" {'are' if len(newer) > 1 else 'is'} incomplete (no {COMPLETE} marker: the save "
+            f"did not finish), so the newest complete checkpoint, {found}, is used")
+
+
 def parts(folder: str) -> list[str]:
-    return sorted(d for d in os.listdir(folder)
-                  if os.path.isdir(os.path.join(folder, d)) and not d.endswith(".tmp"))
+    """The part folders (``stage_<S>``) of a step folder. Other sub-folders are not parts: an
+    import keeps its model config in ``conf/`` next to them (``ldt-convert import``)."""
+    return sorted(d for d in os.listdir(folder) if d.startswith(PART_PREFIX)
+                  and os.path.isdir(os.path.join(folder, d)) and not d.endswith(".tmp"))
 
 
-def read_info(folder: str) -> dict:
+def read_info(folder: str, field: str = "train.resume") -> dict:
     path = os.path.join(folder, INFO)
     try:
         with open(path) as f:
@@ -154,37 +195,41 @@ def read_info(folder: str) -> dict:
         int(info["step"])
         return info
     except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{path} is missing or damaged; {_fix(folder)}") from None
+        raise CheckpointError(f"{path} is missing or damaged; {_fix(folder, field)}") from None
 
 
-def verify(folder: str, *, which: Optional[list[str]] = None, hashes: bool = True) -> dict:
+def verify(folder: str, *, which: Optional[list[str]] = None, hashes: bool = True,
+           field: str = "train.resume") -> dict:
     """Check ``folder`` against its manifests (sizes always, sha256 when ``hashes``); return
-    its info. ``which``: only these parts. Raises :class:`CheckpointError` naming the file."""
+    its info. ``which``: only these parts. Raises :class:`CheckpointError` naming the file
+    and a fix in terms of ``field`` (``train.resume`` or ``train.load``: what the user gave)."""
     if not os.path.exists(os.path.join(folder, COMPLETE)):
         raise CheckpointError(f"{folder} is not a complete checkpoint (no {COMPLETE} marker: "
-                              f"its save did not finish); {_fix(folder)}")
-    info = read_info(folder)
+                              f"its save did not finish); {_fix(folder, field)}")
+    info = read_info(folder, field)
     names = parts(folder)
     if not names:
-        raise CheckpointError(f"{folder} holds no parts; {_fix(folder)}")
-    _verify_files(folder, info.get("files", {}), hashes, folder)
+        raise CheckpointError(f"{folder} holds no parts ({PART_PREFIX}* folders); "
+                              f"{_fix(folder, field)}")
+    _verify_files(folder, info.get("files", {}), hashes, folder, field)
     for part in which if which is not None else names:
-        _verify_part(os.path.join(folder, part), hashes)
+        _verify_part(os.path.join(folder, part), hashes, field)
     return info
 
 
-def _verify_part(part: str, hashes: bool) -> None:
+def _verify_part(part: str, hashes: bool, field: str) -> None:
     path = os.path.join(part, MANIFEST)
     try:
         with open(path) as f:
             files = json.load(f)["files"]
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path} is missing or damaged, so {part} cannot be checked; "
-                              f"{_fix(os.path.dirname(part))}") from None
-    _verify_files(part, files, hashes, os.path.dirname(part))
+                              f"{_fix(os.path.dirname(part), field)}") from None
+    _verify_files(part, files, hashes, os.path.dirname(part), field)
 
 
-def _verify_files(where: str, files: dict, hashes: bool, step_folder: str) -> None:
+def _verify_files(where: str, files: dict, hashes: bool, step_folder: str,
+                  field: str) -> None:
     """Each file of a manifest (name -> bytes, sha256) in ``where`` against it."""
     for name, want in files.items():
         file = os.path.join(where, name)
@@ -198,7 +243,7 @@ def _verify_files(where: str, files: dict, hashes: bool, step_folder: str) -> No
             problem = "is corrupted (its sha256 differs from the one written with it)"
         else:
             continue
-        raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder)}")
+        raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder, field)}")
 
 
 def preflight(path: str, field: str = "train.resume", steps: Optional[int] = None, *,
@@ -217,7 +262,7 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
             f"{field}={path!r} holds no complete checkpoint (no {COMPLETE} marker in it or "
             "in checkpoints/step_*/): the run saved none (train.save_every=0?) or was stopped "
             "mid-save; give a folder with a complete checkpoint, or drop " + field)
-    info = verify(found, hashes=hashes)
+    info = verify(found, hashes=hashes, field=field)
     next_step = int(info["step"]) + 1
     if steps is not None and next_step >= steps:
         raise CheckpointError(
@@ -226,14 +271,14 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
     return found
 
 
-def _fix(step_folder: str) -> str:
-    """The fix for a damaged checkpoint: an earlier complete one, if there is one."""
+def _fix(step_folder: str, field: str) -> str:
+    """The fix for a damaged checkpoint given as ``field``: an earlier complete one, if any."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(step_folder)))
     earlier = [d for d in complete_steps(root)
                if os.path.basename(d) < os.path.basename(os.path.normpath(step_folder))]
     if earlier:
-        return f"resume from an earlier one (train.resume={earlier[-1]}) or start without it"
-    return "start without train.resume, or restore the checkpoint from a copy"
+        return f"give an earlier one ({field}={earlier[-1]}) or start without {field}"
+    return f"start without {field}, or restore the checkpoint from a copy"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -259,17 +304,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    replace_file(path, text)
 
 
 def _nbytes(obj: Any) -> int:

@@ -62,11 +62,13 @@ class Saved:
 
 
 def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, model=None,
-         keep_last: int = 0, group=None) -> Saved:
+         keep_last: int = 0, group=None, origin: Optional[str] = None) -> Saved:
     """Write this stage's part of checkpoint ``step`` (collective over the whole world;
     ``group``: a gloo group of all ranks, None for the default group). ``info`` goes into
     ``checkpoint.json``; ``model``: the ModelConfig, recorded in ``model.json`` for the checks
-    of later loads. A full disk on any writer is a :class:`Saved` with an error on every
+    of later loads; ``origin``: the checkpoint the run started from (``train.load`` /
+    ``train.resume``), whose companion files (an import's tokenizer, ``hf_config.json``) every
+    save carries on. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
     target = step_dir(root, step)
     from ldt.models.sharding import is_gated
@@ -106,6 +108,9 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
 
                 with files.disk_full_at(target):
                     write_model_json(target, model)
+            from ldt.models.arch import MODEL_JSON
+
+            files.carry_companions(origin, target, own=(MODEL_JSON,))
             files.seal(target, {**info, "step": step})
             files.prune(root, keep_last)
             ok[0] = 1
@@ -147,10 +152,11 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
 
     gated = is_gated(models[0])
 
+    field = "train.load" if weights_only else "train.resume"  # what the user gave
     found = latest(path)
     if found is None:
         raise CheckpointError(
-            f"train.resume={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
+            f"{field}={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
     from ldt.training.optim import load_param_state, reload_main_params, state_keys
 
@@ -165,13 +171,13 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         try:
             keys = reader.read_metadata().state_dict_metadata
         except Exception:  # a damaged .metadata: name the file if its checksum says so
-            files.verify(found, which=[stage_dir])
+            files.verify(found, which=[stage_dir], field=field)
             raise
         names = [n for n in wanted if f"model.{n}" in keys]
         if not names:
             continue
         if not verified:
-            files.verify(found, which=[stage_dir])
+            files.verify(found, which=[stage_dir], field=field)
         sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
                                        dtype=keys[f"model.{n}"].properties.dtype)
                         for n in names},

@@ -188,7 +188,8 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
             record.begin("saving a checkpoint", waiting=True)
             result = checkpoint.save(run_dir, step, opt.models, chunks, opt, state, info=info,
-                                     model=c.model, keep_last=t.keep_last, group=guard.group)
+                                     model=c.model, keep_last=t.keep_last, group=guard.group,
+                                     origin=t.resume or t.load)
             if result.error:
                 stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
                 break
@@ -270,7 +271,9 @@ def _mean_loss(losses, state) -> float:
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
     train.runtime=ldt."""
-    return topo.u_shape or topo.is_vdp or train.runtime == "ldt"
+    from ldt.schedule.size import runs_on_ldt_runtime
+
+    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
 
 
 def reference_config(cfg: dict) -> dict:

