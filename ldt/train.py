@@ -94,9 +94,12 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
         plain = resolve(cfg, hydra_cfg.runtime.output_dir)
         run = None
         if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
-            complete = resolve_resume(plain, elastic=True)
-            run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
-                   "load": plain["train"]["load"], "complete": complete}
+            try:
+                complete = resolve_resume(plain, elastic=True)
+                run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
+                       "load": plain["train"]["load"], "complete": complete}
+            except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
+                run = {"error": one_line(exc)}
         import ldt.quiet  # noqa: F401  (before megatron-core is imported)
         from ldt.elastic.world import form_world
 
@@ -116,7 +119,11 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
         plain["train"].update(num_microbatches=world.plan.num_microbatches,
                               prefetch=world.plan.prefetch, resume=world.run["resume"],
                               load=world.run["load"])
-        topo, warnings = check(plain, world.rank, world.plan.world_size)
+        try:  # what only some ranks read (data, checkpoint files): all stop if one cannot
+            topo, warnings = check(plain, world.rank, world.plan.world_size)
+        except ValueError as exc:
+            world.settle(one_line(exc))
+        world.settle(None)
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
         if speak:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
@@ -131,10 +138,12 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
     if world.rank == 0:
         start = plain["train"]["resume"] or "a fresh start"
         print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)
+    code = 1
     try:
-        return _join_torchrun(plain, topo)
+        code = _join_torchrun(plain, topo)
+        return code
     finally:
-        world.finish()  # releases the idle processes
+        world.finish(code)  # a finished run releases the idle processes
 
 
 def _resuming(cfg, plain: dict) -> Optional[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 
 import pytest
 
@@ -166,3 +167,89 @@ def test_resume_auto_continues_the_newest_checkpoint(tmp_path):
     assert "is step 4, the last of train.steps=5: the run is complete" in done
     assert train["resume"] is None
     assert os.path.isdir(newest)
+
+
+def _torchrun_env(rank, node, local, nodes_n, local_n, world, kind):
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "GROUP_RANK": str(node),
+            "GROUP_WORLD_SIZE": str(nodes_n), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(local_n), "MASTER_ADDR": "-", "MASTER_PORT": "0",
+            **({"LDT_NODE_KIND": kind} if kind else {})}
+
+
+def _form_worlds(kinds, run):
+    """form_world on threads, one per torchrun process, over one in-process store."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ldt.elastic.world import form_world
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=20))
+    model = load_model("gpt_tiny")
+    plain = {"cluster": dict(CLUSTER), "train": dict(TRAIN)}
+    procs = [(node, local, len(kinds), kind, devices) for node, (kind, devices) in
+             enumerate(kinds) for local in range(devices)]
+    out: dict[int, object] = {}
+
+    def one(rank, node, local, nodes_n, kind, devices):
+        env = _torchrun_env(rank, node, local, nodes_n, devices, len(procs), kind)
+        try:
+            out[rank] = form_world(plain, model, run if rank == 0 else None, env, 20, store)
+        except Exception as exc:  # noqa: BLE001  (what each rank raised is the result)
+            out[rank] = exc
+    threads = [threading.Thread(target=one, args=(r, *p)) for r, p in enumerate(procs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return [out[r] for r in range(len(procs))]
+
+
+def test_the_ranks_exchange_nodes_and_agree_through_the_store(tmp_path):
+    """torchrun's order puts two cloud processes first; the edge's process is ldt rank 0."""
+    run = {"run_dir": str(tmp_path), "resume": None, "load": None, "complete": None}
+    worlds = _form_worlds([("cloud_cpu", 2), ("edge_cpu", 1)], run)
+    assert all(w.plan.digest() == worlds[0].plan.digest() and w.run == run for w in worlds)
+    assert worlds[2].rank == 0  # torchrun rank 2 (node 1, the edge) leads ldt's world
+    assert sorted(w.rank for w in worlds) == [0, 1, 2]
+
+
+def test_one_nodes_or_rank_zeros_error_stops_every_rank(tmp_path):
+    run = {"run_dir": str(tmp_path), "resume": None, "load": None, "complete": None}
+    worlds = _form_worlds([("edge_cpu", 1), ("", 2)], run)  # node 1 names no kind
+    assert all(isinstance(w, ElasticError) and "LDT_NODE_KIND is not set on node 1" in str(w)
+               for w in worlds), worlds
+    worlds = _form_worlds([("edge_cpu", 1), ("cloud_cpu", 1)], {"error": "damaged"})
+    assert all(isinstance(w, ElasticError) and str(w) == "damaged" for w in worlds), worlds
+
+
+def test_a_ranks_failed_check_stops_all_and_only_a_finished_run_frees_the_idle(tmp_path):
+    import threading
+
+    import torch.distributed as dist
+
+    from ldt.elastic.world import ElasticWorld
+
+    plan = plan_world(WORLDS["three hosts"], load_inventory("cpu_elastic"),
+                      load_model("gpt_tiny"), CLUSTER, TRAIN)
+    store = dist.HashStore()
+    got: dict[int, object] = {}
+
+    def check(rank):
+        world = ElasticWorld(rank, plan, {}, store, 20)
+        try:
+            world.settle("data.path='x' is not a file" if rank == 2 else None)
+            got[rank] = None
+        except ElasticError as exc:
+            got[rank] = str(exc)
+    threads = [threading.Thread(target=check, args=(r,)) for r in range(plan.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == {r: "rank 2: data.path='x' is not a file" for r in range(plan.world_size)}
+    ElasticWorld(0, plan, {}, store, 20).finish(1)  # a failed run: the idle ones wait on
+    assert not store.check(["done"])
+    ElasticWorld(0, plan, {}, store, 20).finish(0)
+    assert store.check(["done"])

@@ -80,9 +80,23 @@ class ElasticWorld:
             return 1
         return 0
 
-    def finish(self) -> None:
-        """ldt rank 0, once training ended (or failed): release the idle processes."""
+    def settle(self, error: Optional[str]) -> None:
+        """Every rank of ldt's world has checked its part of the config (its data, its
+        checkpoint files): the first rank's error, if any, stops them all, with its line."""
+        self.store.set(f"checked/{self.rank}", error or "")
         if self.rank == 0:
+            got = [e.decode() for e in self.store.multi_get(
+                [f"checked/{r}" for r in range(self.plan.world_size)])]
+            first = next(((r, e) for r, e in enumerate(got) if e), None)
+            self.store.set("checked", f"rank {first[0]}: {first[1]}" if first else "")
+        verdict = self.store.get("checked").decode()
+        if verdict:
+            raise ElasticError(verdict)
+
+    def finish(self, code: int) -> None:
+        """ldt rank 0, once training ended: a finished run releases the idle processes (after
+        a failure they wait for torchrun, which restarts them with the others)."""
+        if self.rank == 0 and code == 0:
             try:
                 self.store.set("done", "1")
             except Exception:  # the store's host is gone: the idle processes go with it
@@ -104,9 +118,10 @@ class ElasticWorld:
 
 
 def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] = os.environ,
-               timeout_s: float = 120.0) -> ElasticWorld:
+               timeout_s: float = 120.0, store: Any = None) -> ElasticWorld:
     """Steps 1-3 of the module docstring; ``run``: torchrun rank 0's run folder and resume
-    point (None on the other ranks). Raises :class:`ElasticError` on every rank alike."""
+    point, or ``{"error": line}`` (None on the other ranks). Raises :class:`ElasticError` on
+    every rank alike. ``store``: torchrun's (``env://``) unless given."""
     check_launcher(env)
     import torch.distributed as dist
 
@@ -115,7 +130,8 @@ def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] =
     rank, group, nodes_n = int(env["RANK"]), int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
     inventory = load_inventory(plain["cluster"]["inventory"])
     timeout = timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    if store is None:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     store = dist.PrefixStore("ldt/elastic/", store)
     if int(env["LOCAL_RANK"]) == 0:
         try:
@@ -127,11 +143,11 @@ def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] =
         store.set("run", json.dumps(run))
     texts = store.multi_get([f"node/{i}" for i in range(nodes_n)] + ["run"])
     described = [json.loads(t) for t in texts[:-1]]
-    errors = [d["error"] for d in described if "error" in d]
+    run = json.loads(texts[-1])
+    errors = [d["error"] for d in [*described, run] if "error" in d]
     if errors:
         raise ElasticError(errors[0])
     nodes = [Node(**d) for d in described]
-    run = json.loads(texts[-1])
     world = plan_world(nodes, inventory, model, plain["cluster"], plain["train"])
     _agree(store, rank, int(env["WORLD_SIZE"]), world.digest())
     return ElasticWorld(world.rank_of(group, int(env["LOCAL_RANK"])), world, run, store,
