@@ -237,7 +237,7 @@ def test_a_ranks_failed_check_stops_all_and_only_a_finished_run_frees_the_idle(t
     got: dict[int, object] = {}
 
     def check(rank):
-        world = ElasticWorld(rank, plan, {}, store, 20)
+        world = ElasticWorld(rank, plan, {}, store)
         try:
             world.settle("data.path='x' is not a file" if rank == 2 else None)
             got[rank] = None
@@ -249,7 +249,7 @@ def test_a_ranks_failed_check_stops_all_and_only_a_finished_run_frees_the_idle(t
     for t in threads:
         t.join(60)
     assert got == {r: "rank 2: data.path='x' is not a file" for r in range(plan.world_size)}
-    ElasticWorld(0, plan, {}, store, 20).finish(1)  # a failed run: the idle ones wait on
+    ElasticWorld(0, plan, {}, store).finish(1)  # a failed run: the idle ones wait on
     assert not store.check(["done"])
-    ElasticWorld(0, plan, {}, store, 20).finish(0)
+    ElasticWorld(0, plan, {}, store).finish(0)
     assert store.check(["done"])

@@ -59,7 +59,6 @@ class ElasticWorld:
     run: dict
     """From torchrun's rank 0: ``run_dir``, ``resume``, ``load``, ``complete``."""
     store: Any
-    timeout_s: float
 
     def init_process_group(self, backend: str, comm_timeout_s: float) -> None:
         """Join the world of the ranks the plan uses (ldt's ranks), over this round's store."""
@@ -150,8 +149,7 @@ def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] =
     nodes = [Node(**d) for d in described]
     world = plan_world(nodes, inventory, model, plain["cluster"], plain["train"])
     _agree(store, rank, int(env["WORLD_SIZE"]), world.digest())
-    return ElasticWorld(world.rank_of(group, int(env["LOCAL_RANK"])), world, run, store,
-                        timeout_s)
+    return ElasticWorld(world.rank_of(group, int(env["LOCAL_RANK"])), world, run, store)
 
 
 def _agree(store, rank: int, world_size: int, digest: str) -> None:
