@@ -20,9 +20,7 @@ from datetime import timedelta
 from typing import Optional, Sequence
 
 from ldt.hydra_app import EXIT_CONFIG
-
-AUTO = "auto"
-"""``train.resume=auto``: continue from the run folder's newest checkpoint, if it has one."""
+from ldt.storage.checkpoint_files import AUTO, resume_auto
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,7 +93,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
         run = None
         if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
             try:
-                complete = resolve_resume(plain, elastic=True)
+                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True)
                 run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
                        "load": plain["train"]["load"], "complete": complete}
             except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
@@ -199,7 +197,7 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     plain = resolve(cfg, run_dir)
     if plain["train"].get("resume") == AUTO:
         if rank in (None, 0):
-            plain["run_complete"] = resolve_resume(plain, elastic=False)
+            plain["run_complete"] = resume_auto(plain["train"], plain["run_dir"])
         else:  # torchrun's other ranks learn it from rank 0 (_join_torchrun)
             plain["train"]["resume"] = None
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
@@ -242,29 +240,6 @@ def check(plain: dict, rank: Optional[int], world: Optional[int]):
     topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
     warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
     return topo, warnings
-
-
-def resolve_resume(plain: dict, elastic: bool) -> Optional[str]:
-    """``train.resume=auto`` (an elastic run's default): the run folder's newest complete
-    checkpoint (over ``train.load``), or a fresh start when it has none. Returns a line saying
-    so when that checkpoint is the run's last step (nothing left to train), else None."""
-    from ldt.storage.checkpoint_files import latest, read_info
-
-    train, run_dir = plain["train"], plain["run_dir"]
-    if train.get("resume") == AUTO:
-        train["resume"] = None
-    elif not elastic:
-        return None
-    found = latest(run_dir) if os.path.isdir(run_dir) else None
-    if found is None:
-        return None
-    step = int(read_info(found)["step"])
-    if step + 1 >= train["steps"]:
-        train["resume"] = None
-        return (f"{found} is step {step}, the last of train.steps={train['steps']}: the run "
-                "is complete, nothing left to train")
-    train["resume"], train["load"] = found, None
-    return None
 
 
 def _save_config(cfg: dict, run_dir: str) -> None:

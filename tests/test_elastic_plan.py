@@ -147,12 +147,11 @@ def _checkpoint(run_dir, step):
 
 
 def test_resume_auto_continues_the_newest_checkpoint(tmp_path):
-    from ldt.train import resolve_resume
+    from ldt.storage.checkpoint_files import resume_auto
 
     def resolved(resume, elastic=False, steps=10, load=None):
-        plain = {"run_dir": str(tmp_path), "train": {"resume": resume, "load": load,
-                                                     "steps": steps}}
-        return resolve_resume(plain, elastic), plain["train"]
+        train = {"resume": resume, "load": load, "steps": steps}
+        return resume_auto(train, str(tmp_path), elastic), train
 
     assert resolved("auto") == (None, {"resume": None, "load": None, "steps": 10})
     assert resolved(None, elastic=True)[1]["resume"] is None  # elastic: auto by default
