@@ -279,7 +279,8 @@ def _launch_local(cfg: dict, topo) -> int:
         ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
         pairs = [*zip(summary["losses"], ref["losses"]),
-                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", []))]
+                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", [])),
+                 *zip(summary.get("moe_aux_losses", []), ref.get("moe_aux_losses", []))]
         summary["parity_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
     print(_summary_line(summary))
     return 0
@@ -366,8 +367,8 @@ def _describe(exc, topo) -> str:
 
 
 def _public(summary: dict) -> dict:
-    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "tokens_per_s",
-            "step_time_s", "parity_max_abs_diff", "run_dir")
+    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "moe_aux_loss",
+            "tokens_per_s", "step_time_s", "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 
 

@@ -28,6 +28,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "cluster.stages[*].dp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
+    _check_experts(topo, model)
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
     from ldt.models.spec import transformer_impl
@@ -204,6 +205,44 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
                     f"cluster.stages[{stage.index}].tp={stage.tp} ({stage.name}) does not divide "
                     f"{name}={value}; use a TP size that divides it, e.g. one of {ok[-6:]}"
                 )
+
+
+def _check_experts(topo: Topology, model: ModelConfig) -> None:
+    """MoE layers and per-stage expert parallelism (``cluster.stages[i].ep``)."""
+    moe = model.moe_layers()
+    for stage in topo.stages:
+        chunks = topo.split.stage_chunks(stage.index) if topo.split is not None else []
+        holds = any(moe[ch.first_layer + i] for ch in chunks for i in range(ch.num_layers))
+        where = f"cluster.stages[{stage.index}]"
+        if stage.ep > 1 and not holds:
+            what = "a dense model" if not model.num_moe_experts else "none of the MoE layers"
+            raise ConfigError(
+                f"{where}.ep={stage.ep} ({stage.name}) but the stage holds {what}; expert "
+                f"parallelism spreads MoE experts, set {where}.ep=1")
+        if not holds:
+            continue
+        if stage.tp > 1 and not model.sequence_parallel:
+            raise ConfigError(
+                f"{where}.tp={stage.tp} ({stage.name}) holds MoE layers, and megatron-core's "
+                "MoE layer trains with TP > 1 only under sequence parallelism; set "
+                "model.sequence_parallel=true, or tp=1 on the stages holding MoE layers")
+        experts, ffn = model.num_moe_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size \
+            or 4 * model.hidden_size
+        if experts % stage.ep:
+            raise ConfigError(
+                f"{where}.ep={stage.ep} ({stage.name}) does not divide model.num_moe_experts="
+                f"{experts}: every rank holds the same number of experts; use an ep that "
+                "divides both")
+        if ffn % stage.etp:
+            raise ConfigError(
+                f"{where}: each expert is split over tp / ep = {stage.etp} ranks, which does "
+                f"not divide model.moe_ffn_hidden_size={ffn}; raise {where}.ep to {stage.tp} "
+                "(whole experts per rank) or change tp")
+        if stage.ep > 1 and model.params_dtype == "float16":
+            raise ConfigError(
+                f"{where}.ep={stage.ep} with model.params_dtype=float16: megatron's fp16 loss "
+                "scaling checks the expert gradients in an optimizer only that stage has, a "
+                "collective the other stages would not join; use bfloat16 (or ep=1)")
 
 
 def _interleaved_example(topo: Topology) -> str:

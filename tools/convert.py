@@ -1,6 +1,6 @@
 """``ldt-convert``: Hugging Face checkpoints in and out of ldt.
 
-    ldt-convert import HF_FOLDER OUT            # LlamaForCausalLM / Qwen2ForCausalLM -> ldt
+    ldt-convert import HF_FOLDER OUT            # Llama (3.1+), Qwen2, Qwen3, Qwen3-MoE -> ldt
     ldt-convert export CHECKPOINT OUT           # an ldt checkpoint -> a Hugging Face folder
 
 ``import`` writes an ldt checkpoint folder (``train.load=OUT`` starts a run from it, in any

@@ -150,8 +150,9 @@ def parts(model: ModelConfig) -> Iterator[list[str]]:
 
 def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
               conf: Optional[dict] = None, log=print) -> ModelConfig:
-    """Convert a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` folder into an ldt
-    checkpoint folder ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig.
+    """Convert a Hugging Face folder of a known family (Llama incl. 3.1+, Qwen2, Qwen3,
+    Qwen3-MoE: :data:`~ldt.models.hf.families.FAMILIES`) into an ldt checkpoint folder
+    ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig.
 
     The folder is built beside ``out_dir`` and renamed into place once sealed and verified
     (:func:`ldt.storage.atomic.new_folder`): a refused or failed import leaves ``out_dir`` as
@@ -304,10 +305,15 @@ def hf_shapes(hf_config) -> dict[str, tuple]:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     skeleton.tie_weights()  # under init_empty_weights the head is not tied at construction
-    return {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+    # as save_pretrained writes them: transformers 5 keeps a MoE layer's experts fused in
+    # memory (mlp.experts.gate_up_proj [E, 2f, h]) and splits them back per expert on save
+    params = revert_weight_conversion(skeleton, dict(skeleton.named_parameters()))
+    return {n: tuple(p.shape) for n, p in params.items()}
 
 
 def _check_shards(folder: str, weight_map: dict) -> None:
