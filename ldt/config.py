@@ -74,6 +74,11 @@ class ClusterConfig:
     boundary, or a list with one number per boundary ``i -> i+1`` in pipeline order (the last,
     ``P-1 -> 0``, is the U-shape's return path). Every message crossing a boundary, either way,
     is delivered no earlier than that long after it could have been; see docs/network.md."""
+    inventory: Optional[str] = None
+    """Elastic mode (docs/elastic.md): an inventory (``conf/inventory`` name or path) whose kinds
+    and links the planner prices; under torchrun every start plans the stages, layout, dp and
+    micro-batches from the nodes that are there (each names its kind in ``LDT_NODE_KIND``),
+    keeping the global batch. ``stages`` is then left empty (``[]``)."""
 
 
 @dataclass

@@ -138,6 +138,11 @@ class Topology:
     def from_config(cls, cluster, model: Optional[ModelConfig] = None) -> "Topology":
         """Build from a cluster config; with a model, also split its layers (validated)."""
         cluster = to_cluster(cluster)
+        if not cluster.stages and cluster.inventory:
+            raise ConfigError(
+                f"cluster.inventory={cluster.inventory!r} (elastic): the stages are planned at "
+                "every torchrun start from the nodes there (docs/elastic.md); preview a plan "
+                f"with ldt-plan --inventory {cluster.inventory} --model NAME")
         if cluster.host_staging not in ("auto", "always"):
             raise ConfigError(
                 f"cluster.host_staging={cluster.host_staging!r}; use 'auto' or 'always'"

@@ -26,7 +26,7 @@ def run(cwd, *args, timeout=60, module=None):
 def test_help_lists_groups_and_switches(tmp_path, flag):
     proc = run(tmp_path, flag)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for text in ("ldt-train [FLAGS]", "cluster: base_cluster, cpu_demo, cpu_uniform, cpu_vdp, cpu_vtp",
+    for text in ("ldt-train [FLAGS]", "cluster: base_cluster, cpu_demo, cpu_elastic, cpu_uniform, cpu_vdp,",
                  "model: base_model, gpt_tiny, llama3.1_8b, llama3_8b, llama_7b, llama_tiny,",
                  "train.verify=true", "train.resume=",
                  "run_dir=DIR", "--multirun", "--config-dir", "--cfg"):

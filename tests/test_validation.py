@@ -96,6 +96,11 @@ CASES = {
     "comm_timeout_zero": (["train.comm_timeout_s=0"], {},
                           ["train.comm_timeout_s=0.0 must be a finite number of seconds > 0"]),
     "comm_timeout_negative": (["train.comm_timeout_s=-5"], {}, ["train.comm_timeout_s=-5.0"]),
+    # issue #26: resume=auto needs a run folder that is the same at every start; elastic torchrun
+    "resume_auto_no_run_dir": (["train.resume=auto"], {},
+                               ["train.resume=auto", "same at every start", "run_dir=DIR"]),
+    "elastic_bare": (["cluster=cpu_elastic", "run_dir=out"], {},
+                     ["cluster.inventory (elastic)", "RANK is not set", "torchrun --nnodes"]),
 }
 
 
