@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Optional
 
 from ldt.plan.cost import ChunkLoad, CostModel, Memory
-from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, simulate, u_shape
+from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -122,11 +122,12 @@ class Evaluation:
 
 @lru_cache(maxsize=64)
 def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool, prefetch: int = 0):
-    """The lowered action lists the runtime runs (cached: they depend on P, m, kind, depth)."""
+    """The lowered action lists the runtime runs, checked once for timing many plans (cached:
+    they depend on P, m, kind, depth)."""
     if ushape:
-        return lower(u_shape(num_stages, num_microbatches, prefetch=prefetch), "ushape",
-                     prefetch=prefetch)
-    return lower(one_f_one_b(num_stages, num_microbatches), "1f1b")
+        return prepare(lower(u_shape(num_stages, num_microbatches, prefetch=prefetch), "ushape",
+                             prefetch=prefetch))
+    return prepare(lower(one_f_one_b(num_stages, num_microbatches), "1f1b"))
 
 def chunk_times(plan: Plan, cost: CostModel) -> list[list[tuple[float, float]]]:
     """(fwd, bwd) per chunk per stage, one micro-batch."""
