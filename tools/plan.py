@@ -3,9 +3,11 @@
     ldt-plan --inventory a100_910b --model llama_7b --mbs 1 --global-batch 64 --out my.yaml
     python -m ldt.tools.plan --inventory edge_cloud --model llama_7b --json
 
-Prints a per-stage table (or ``--json``), writes the cluster YAML with ``--out`` (validated with
+Prints the picked plan's per-stage table, the time/cost front the search met and why it picked
+that plan (or ``--json``), writes the cluster YAML with ``--out`` (validated with
 ``ldt.validate`` first; missing folders are created) and the timeline with ``--trace`` /
-``--png``. Thin over :mod:`ldt.plan`.
+``--png``. ``--objective`` / ``--max-slowdown`` set what is picked (:mod:`ldt.plan.objective`).
+Thin over :mod:`ldt.plan`.
 
 When ``--out`` is ``DIR/cluster/NAME.yaml`` (a Hydra config folder), the planned micro-batch
 settings go to ``DIR/train/NAME.yaml``, so ``ldt-train --config-dir DIR cluster=NAME train=NAME``
@@ -43,6 +45,13 @@ def parser() -> argparse.ArgumentParser:
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
     p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
+    p.add_argument("--objective", choices=["time", "cost"], default="time",
+                   help="time (default): the fastest plan, a cheaper one within --max-slowdown "
+                        "of it preferred; cost: the cheapest per step (per trained token), ties "
+                        "within 1%% to the faster")
+    p.add_argument("--max-slowdown", type=float, default=None, metavar="FRACTION",
+                   help="with --objective time: how much slower than the fastest a cheaper plan "
+                        "may be (default 0.01; 0.05 = 5%%)")
     p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
                    "also DIR/train/NAME.yaml with the micro-batch settings)")
     p.add_argument("--trace", help="write a Chrome trace of the planned iteration")
@@ -54,8 +63,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     from ldt.config import ConfigError
-    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline,
-                          load_inventory, load_model, plan, summary, table)
+    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, front_rows,
+                          front_table, load_inventory, load_model, plan, summary, table)
 
     try:
         inventory, model = load_inventory(args.inventory), load_model(args.model)
@@ -63,11 +72,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             model = dataclasses.replace(model, sequence_parallel=True)
         workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
                             args.u_shape, args.edge_min_layers)
-        result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
+        result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages),
+                      _objective(args))
         written = []
         if args.out:
-            _write_validated(args.out, cluster_yaml(result.best, inventory, model.name, args.mbs),
-                             model)
+            _write_validated(args.out, cluster_yaml(result.best, inventory, model.name, args.mbs,
+                                                    result.reason), model)
             written = [args.out, *_write_train(args.out, result.best, model.name, args.mbs)]
         for path in (args.trace, args.png):
             if path:
@@ -78,12 +88,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     if args.json:
         out = summary(result.best, inventory)
-        out.update(plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
+        out.update(objective=dataclasses.asdict(result.objective), reason=result.reason,
+                   front=front_rows(result.front, inventory, result.best),
+                   plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
                    plans_split=result.plans_split, simulations=result.simulations,
                    notes=result.notes)
         print(json.dumps(out, indent=2))
     else:
         print(table(result.best))
+        print()
+        print(front_table(result.front, inventory, result.best))
+        print(result.reason)
         print(f"planned in {result.seconds:.2f} s ({result.stage_sets_scored} stage sets scored, "
               f"{result.plans_split} splits, {result.simulations} simulations)"
               + (f"; wrote {', '.join(written)}" if written else ""))
@@ -92,6 +107,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if written:
             print(_how_to_train(written, model.name, result.best.plan, args.mbs))
     return 0
+
+
+def _objective(args):
+    """The objective from --objective / --max-slowdown (one of them decides the tolerance)."""
+    from ldt.config import ConfigError
+    from ldt.plan import Objective
+
+    if args.max_slowdown is None:
+        return Objective(args.objective)
+    if args.objective == "cost":
+        raise ConfigError(f"--max-slowdown {args.max_slowdown} goes with --objective time (the "
+                          "cheapest plan at most that much slower than the fastest); drop one")
+    return Objective("time", args.max_slowdown)
 
 
 def _write_train(cluster_path: str, best, model_name: str, mbs: int) -> list[str]:
