@@ -202,9 +202,10 @@ def _edge_bound(cost: CostModel, edge: str, options: list[Group], pick: np.ndarr
     """The smallest bottleneck B of a U-shape (continuous): the edge runs its embedding and
     head (o seconds) and at least ``least`` layers at p s/layer, the cloud the rest at its
     speed; balanced, the edge takes (B - o) / p layers and the cloud B * cloud_speed."""
-    o = np.array([sum(sum(cost.chunk_time(edge, t, c)) for c in
-                      (ChunkLoad(0, embedding=True), ChunkLoad(0, head=True))) for (t, _), in options])
-    per = np.array([sum(cost.layer_time(edge, t)) for (t, _), in options])
+    tps = [group[0][0] for group in options]  # the edge's options: one stage each
+    fixed = (ChunkLoad(0, embedding=True), ChunkLoad(0, head=True))
+    o = np.array([sum(sum(cost.chunk_time(edge, t, c)) for c in fixed) for t in tps])
+    per = np.array([sum(cost.layer_time(edge, t)) for t in tps])
     o, per = o[pick], per[pick]
     vc = np.where(cloud_speed > 0, cloud_speed, np.inf)
     balanced = (num_layers + o / per) / (1 / per + vc)

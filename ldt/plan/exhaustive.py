@@ -2,8 +2,9 @@
 
 It enumerates everything the planner's model allows: every dp size, every multiset of stages per
 kind (any mix of TP sizes, any number of devices left idle), every order of those stages (kinds
-interleaved freely; the U-shape edge first), every contiguous layer split (and, for a U-shape,
-every prefetch depth), and simulates each memory-feasible plan on the real schedule; the
+interleaved freely; the U-shape edge first), every contiguous layer split (a U-shape at the
+prefetch depth the planner's rule gives it, :func:`ldt.plan.evaluate.choose_prefetch`, from
+every depth simulated), and simulates each memory-feasible plan on the real schedule; the
 objective (:mod:`ldt.plan.objective`) picks among them exactly as in the planner. The only
 shortcut is exact: a plan is not simulated when a lower bound on its time (a stage must run all
 its micro-batches after the stages before it have passed micro-batch 0 forward and back)
@@ -19,8 +20,8 @@ from typing import Iterator, Optional
 
 from ldt.config import ModelConfig
 from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, chunk_times,
-                               dp_allreduce, simulate_plan)
+from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, choose_prefetch,
+                               chunk_times, dp_allreduce, simulate_plan)
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
 from ldt.plan.planner import make_cost, wants_ushape
@@ -102,7 +103,6 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
     ushape = wants_ushape(inventory, workload)
     L, b, g = model.num_layers, workload.micro_batch_size, workload.global_batch_size
     emin = workload.edge_min_layers
-    depths = range(MAX_PREFETCH + 1) if ushape else (0,)  # the U-shape's prefetch, too
     kept: list[Evaluation] = []
     fastest: Optional[float] = None
     cheapest: Optional[float] = None
@@ -116,9 +116,9 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
             lows = [emin] + [1] * (p - 1) + [emin] if ushape else [1] * p
             if ushape and p < 2:
                 continue
-            for layers, depth in itertools.product(_compositions(L, lows), depths):
-                plan = Plan(stages, layers, ushape, dp, m, depth)
-                if not _fits(plan, cost):
+            for layers in _compositions(L, lows):
+                plan = Plan(stages, layers, ushape, dp, m)
+                if not _fits(plan, cost):  # a deeper prefetch holds more, so it fails too
                     continue
                 plans += 1
                 bound = _lower_bound(plan, cost) + dp_allreduce(plan, cost)
@@ -128,8 +128,9 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
                 if (objective.minimise == "cost" and cheapest is not None
                         and bound * hourly_price(plan, inventory) / 3600 > cheapest * slack):
                     continue
-                ev = simulate_plan(plan, cost)
-                sims += 1
+                # the U-shape's depth by the planner's own rule (every depth 0-3 simulated)
+                ev = choose_prefetch(simulate_plan(plan, cost), cost)
+                sims += MAX_PREFETCH + 1 if ushape else 1
                 if not ev.fits:
                     continue
                 kept.append(ev)

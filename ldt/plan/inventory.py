@@ -139,7 +139,8 @@ def _check_kind(i: int, k: DeviceKind) -> None:
     if not 0 <= k.reserved_gib < k.memory_gib:
         raise ConfigError(f"{where}.reserved_gib={k.reserved_gib} must be in [0, memory_gib)")
     if k.price_per_hour is not None and not k.price_per_hour >= 0:
-        raise ConfigError(f"{where}.price_per_hour={k.price_per_hour} must be >= 0 (per device-hour)")
+        raise ConfigError(f"{where}.price_per_hour={k.price_per_hour} must be >= 0 (per "
+                          "device-hour)")
 
 
 @dataclass

@@ -67,6 +67,12 @@ def step_cost(ev: Evaluation, inventory: Inventory) -> float:
     return hourly_price(ev.plan, inventory) * ev.iteration_time / 3600.0
 
 
+def ms(seconds: float) -> str:
+    """Milliseconds with 1 decimal, or 3 significant digits below 10 ms (tiny CPU models)."""
+    value = seconds * 1e3
+    return f"{value:.1f}" if value >= 10 else f"{value:.3g}"
+
+
 def _key(ev: Evaluation, inventory: Inventory) -> tuple:
     """A total order for ties: time, cost, devices, then the plan's text (deterministic)."""
     return (ev.iteration_time, step_cost(ev, inventory), devices(ev.plan), ev.plan.describe())
@@ -120,7 +126,7 @@ def _why(pick: Evaluation, fastest: Evaluation, fits: list[Evaluation], cost: di
          inventory: Inventory, objective: Objective) -> str:
     def plan_text(ev: Evaluation) -> str:
         return (f"{ev.plan.num_stages} stages on {devices(ev.plan)} devices, "
-                f"{ev.iteration_time * 1e3:.1f} ms")
+                f"{ms(ev.iteration_time)} ms")
 
     rule = f"objective: {objective.describe()}"
     if pick is fastest:

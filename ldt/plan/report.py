@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
 from ldt.plan.inventory import Inventory
-from ldt.plan.objective import devices, hourly_price, spread, step_cost
+from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
 
 FRONT_ROWS = 8
 """Plans of the time/cost front that ldt-plan prints (the fastest, the pick, the cheapest and
@@ -166,7 +166,7 @@ def front_table(front: list[Evaluation], inventory: Inventory, pick: Evaluation,
                 runs.append([stage, 1])
         tps = ", ".join(f"{k}/tp{t}" + (f" x{n}" if n > 1 else "") for (k, t), n in runs)
         lines.append(("*" if r["picked"] else "", str(r["stages"]), str(r["devices"]),
-                      f"{r['iteration_time_s'] * 1e3:.1f}", f"{r['slower_than_fastest']:+.1%}",
+                      ms(r["iteration_time_s"]), f"{r['slower_than_fastest']:+.1%}",
                       f"{r['cost_per_step']:.4g}", f"{r['bubble_fraction']:.1%}",
                       f"dp={r['dp']}: {tps}"))
     widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
