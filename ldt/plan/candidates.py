@@ -216,16 +216,15 @@ def _edge_bound(cost: CostModel, edge: str, options: list[Group], pick: np.ndarr
 def _keep(est: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
     """Positions of the k best by ``est``, the k best by ``cost`` and of the (est, cost) front
     (non-dominated, at most k of it, evenly spaced), in ascending ``est`` order."""
+    order = np.argsort(est, kind="stable")
     if len(est) <= 3 * k:
-        return np.argsort(est, kind="stable")
-    by_est = np.argsort(est, kind="stable")
-    by_cost = np.argsort(cost, kind="stable")
-    order = np.lexsort((cost, est))
+        return order
+    by_cost = np.argpartition(cost, k)[:k]
     running = np.minimum.accumulate(cost[order])
     on_front = order[np.concatenate(([True], cost[order][1:] < running[:-1]))]
     if len(on_front) > k:
         on_front = on_front[np.linspace(0, len(on_front) - 1, k).astype(int)]
-    picked = np.unique(np.concatenate((by_est[:k], by_cost[:k], on_front)))
+    picked = np.unique(np.concatenate((order[:k], by_cost, on_front)))
     return picked[np.argsort(est[picked], kind="stable")]
 
 
