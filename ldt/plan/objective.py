@@ -125,7 +125,8 @@ def choose(evaluations: Sequence[Evaluation], inventory: Inventory,
 def _why(pick: Evaluation, fastest: Evaluation, fits: list[Evaluation], cost: dict[int, float],
          inventory: Inventory, objective: Objective) -> str:
     def plan_text(ev: Evaluation) -> str:
-        return (f"{ev.plan.num_stages} stages on {devices(ev.plan)} devices, "
+        n, d = ev.plan.num_stages, devices(ev.plan)
+        return (f"{n} stage{'s' * (n != 1)} on {d} device{'s' * (d != 1)}, "
                 f"{ms(ev.iteration_time)} ms")
 
     rule = f"objective: {objective.describe()}"

@@ -138,10 +138,13 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
         start = choose_prefetch(start, cost, simulate=sim)  # U-shape: this plan's own depth
         share = max(0, end - sim.work) // (len(starts) - i)
         pool += [start, refine(start, sim, opts.refine_sims, share, edge_min)]
-    notes = []
+    notes: list[str] = []
     fits = [e for e in pool if e.fits]
-    if ushape and fits:  # per-stage DP: more cloud replicas behind the same edge, if devices allow
-        fastest = min(fits, key=lambda e: e.iteration_time)
+    fastest = min(fits, key=lambda e: e.iteration_time) if fits else None
+    # per-stage DP: more cloud replicas behind the same edge, if devices allow; the edge keeps
+    # its work, so no such plan beats the edge's busy time: skip when that is within tolerance
+    if ushape and fastest and (fastest.iteration_time
+                               > fastest.stages[0].busy * (1 + objective.tolerance)):
         vdp, _, note = _try_vdp(fastest, cost, inventory, workload, opts, edge_min, sim)
         pool.append(vdp)
         notes += [note] if note else []
