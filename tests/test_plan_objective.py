@@ -177,3 +177,20 @@ def test_per_stage_dp_is_priced_on_one_group_of_replicas():
     assert ev.pipeline_time == pytest.approx(every_lane.iteration_time, rel=1e-12)
     busiest = max(every_lane.busy.values())
     assert max(s.busy for s in ev.stages) == pytest.approx(busiest, rel=1e-12)
+
+
+def test_planning_does_not_depend_on_the_clock(monkeypatch):
+    """The search's effort is counted in simulated actions: a machine where every clock read
+    is 100 s later (a very loaded one) plans the same plan with the same simulations."""
+    import itertools
+    import time
+
+    inventory = synthetic_inventory({"edge_gpu": 2, "ascend910b": 6}, edge="edge_gpu",
+                                    node_size=4)
+    model, workload = small_model(6), Workload(1, 16)
+    calm = plan(inventory, model, workload)
+    ticks = itertools.count(0.0, 100.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks))
+    busy = plan(inventory, model, workload)
+    assert busy.best.plan == calm.best.plan and busy.simulations == calm.simulations
+    assert [e.plan for e in busy.front] == [e.plan for e in calm.front]

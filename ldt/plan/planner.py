@@ -23,7 +23,8 @@ cost list leads:
 5. a U-shape gets the prefetch depth that hides its edge links' latency
    (:func:`ldt.plan.evaluate.choose_prefetch`): once on the best closed form before step 3 (the
    search compares plans at that depth), then for each start of step 4 and for the pick;
-6. a U-shape's fastest plan may give its cloud stages more replicas than the edge (VDP);
+6. a U-shape's fastest plan may give its cloud stages more replicas than the edge (VDP; not
+   tried when the edge's busy time already bounds the step);
 7. every simulated plan joins the time/cost front, and the objective picks from them.
 
 Simulated iteration time (pipeline + data-parallel all-reduce) and cost per step (its devices'
@@ -48,6 +49,7 @@ from ldt.plan.simulator import Simulator
 from ldt.plan.split import best_split
 
 T = TypeVar("T")
+_END = object()
 
 REACH = {"estimate": 0.10, "closed_form": 0.05, "simulated": 0.03}
 """How much slower than the fastest a candidate may look, beyond the objective's tolerance, and
@@ -174,27 +176,17 @@ def _pick(pool: list[Evaluation], inventory: Inventory, objective: Objective, co
     return choose(pool, inventory, objective)
 
 
-def _round_robin(lists: list[Iterable[T]], weights: Optional[list[int]] = None) -> Iterator[T]:
-    """Items of the lists in turn (list i gives ``weights[i]`` per round), each item once."""
-    iters = [iter(x) for x in lists]
-    weights = weights or [1] * len(lists)
-    seen: set = set()
+def _round_robin(lists: list[Iterable[T]]) -> Iterator[T]:
+    """One item of each list in turn, each item (by identity) once."""
+    iters, seen = [iter(x) for x in lists], set()
     while iters:
-        alive = []
-        for it, w in zip(iters, weights):
-            done = False
-            for _ in range(w):
-                item = next(it, seen)  # ``seen`` doubles as the end marker
-                if item is seen:
-                    done = True
-                    break
-                key = id(item)
-                if key not in seen:
-                    seen.add(key)
-                    yield item
-            if not done:
-                alive.append((it, w))
-        iters, weights = [it for it, _ in alive], [w for _, w in alive]
+        for it in list(iters):
+            item = next(it, _END)
+            if item is _END:
+                iters.remove(it)
+            elif id(item) not in seen:
+                seen.add(id(item))
+                yield item
 
 
 def _lists(items: list[T], time_of: Callable[[T], float], cost_of: Callable[[T], float],
