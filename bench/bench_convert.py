@@ -75,9 +75,9 @@ import torch.distributed.checkpoint, safetensors, transformers
 from ldt.models.hf import export_hf, import_hf
 t0 = time.perf_counter()
 if sys.argv[1] == "import":
-    import_hf(sys.argv[2], sys.argv[3], log=lambda *a: None)
+    import_hf(sys.argv[2], sys.argv[3], log=lambda *a: None, overwrite=True)  # its own scratch
 elif sys.argv[1] == "export":
-    export_hf(sys.argv[2], sys.argv[3], log=lambda *a: None)
+    export_hf(sys.argv[2], sys.argv[3], log=lambda *a: None, overwrite=True)
 secs = time.perf_counter() - t0
 # VmHWM: this process's own peak (ru_maxrss would include the parent's RSS at fork time)
 hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:")).split()[1]

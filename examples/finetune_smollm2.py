@@ -78,7 +78,7 @@ def prepare(work: str):
     del gguf
     model.save_pretrained(hf_dir)
     tokenizer.save_pretrained(hf_dir)
-    import_hf(hf_dir, ldt_dir)
+    import_hf(hf_dir, ldt_dir, overwrite=True)  # --work may hold an earlier conversion
     return model.eval(), tokenizer, ldt_dir
 
 

@@ -16,11 +16,10 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+
 DEVICE_TYPES = ("cuda", "npu", "cpu")
-
-
-class ConfigError(ValueError):
-    """A config that cannot work. The message names the field, the value and the fix."""
+MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
 
 
 def _given(*values: Any) -> bool:
@@ -50,6 +49,10 @@ class StageConfig:
     """Data-parallel replicas of this stage (VDP: each stage its own); None: ``cluster.dp``.
     At every boundary one side's dp must divide the other's; the global batch is that of
     uniform DP with dp = the largest stage dp (docs/vdp.md)."""
+    ep: int = 1
+    """Expert parallelism of this stage (MoE models): its experts spread over ``ep`` of its TP
+    ranks, each expert split over the other ``tp / ep`` (megatron's expert-tensor-parallel
+    size); ``ep`` divides ``tp``. 1: experts split like the dense layers."""
 
 
 @dataclass
@@ -98,6 +101,37 @@ class ModelConfig:
     """RoPE base period (Hugging Face's ``rope_theta``); only with ``rope``."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions RoPE rotates; only with ``rope``."""
+    rope_scaling: bool = False
+    """Llama 3.1+ RoPE scaling (Hugging Face's ``rope_type: llama3``; megatron's GPTModel
+    ``rope_scaling``): long wavelengths divided by ``rope_scaling_factor``, short ones kept,
+    the band between the two frequency factors interpolated."""
+    rope_scaling_factor: float = 8.0
+    """Hugging Face's ``factor`` (Llama 3.1 / 3.3: 8, Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    """The context length the model was pre-trained with before scaling (Llama 3: 8192)."""
+    kv_channels: Optional[int] = None
+    """Head size (megatron's ``kv_channels``, Hugging Face's ``head_dim``); None:
+    hidden_size / num_attention_heads. Qwen3: 128 whatever the hidden size."""
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
+    # ---- mixture of experts (megatron's MoE layer; ldt/models/build.py) ----
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer; None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (Hugging Face's ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """One expert's MLP width (``moe_intermediate_size``); None: ffn_hidden_size."""
+    moe_layer_freq: Any = 1
+    """Which layers are MoE layers (megatron's): an int k (layers 0, k, 2k, ...) or a list
+    with one 0/1 per layer; the others are dense MLPs of ffn_hidden_size."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then top-k (the k weights are not renormalized: Hugging
+    Face's ``norm_topk_prob: false``); false: softmax over the top-k logits (renormalized)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (``router_aux_loss_coef``) added per MoE layer; its
+    value is logged as ``moe_aux_loss`` (0: not computed)."""
     normalization: str = "LayerNorm"
     """``LayerNorm`` or ``RMSNorm``."""
     norm_epsilon: float = 1e-5
@@ -174,9 +208,65 @@ class ModelConfig:
                               "model.gated_linear_unit=true, or use model.activation=silu")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        self._check_rope_and_moe()
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"model.make_vocab_size_divisible_by="
                               f"{self.make_vocab_size_divisible_by} must be >= 1")
+
+    def moe_layers(self) -> list[bool]:
+        """Whether each decoder layer is a MoE layer (megatron's ``moe_layer_freq`` rule)."""
+        if not self.num_moe_experts:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return [i % freq == 0 for i in range(self.num_layers)]
+        return [bool(x) for x in freq]
+
+    def _check_rope_and_moe(self) -> None:
+        if not _given(self.num_layers, self.moe_layer_freq):
+            return
+        for name in ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size",
+                     "rope_original_max_position_embeddings"):
+            _at_least("model", self, name, 1, f"set model.{name} to a positive size, or leave "
+                                              "it unset")
+        if self.rope_scaling:
+            if self.position_embedding_type != "rope":
+                raise ConfigError("model.rope_scaling=true scales RoPE frequencies; it needs "
+                                  "model.position_embedding_type=rope")
+            _at_least("model", self, "rope_scaling_factor", 1, "Llama 3.1 uses 8")
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            if not (math.isfinite(low) and math.isfinite(high) and 0 < low < high):
+                raise ConfigError(
+                    f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} "
+                    "must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
+        if not self.num_moe_experts:
+            return
+        if self.add_bias_linear:
+            raise ConfigError("model.num_moe_experts with model.add_bias_linear=true: ldt's MoE "
+                              "families have no biases (megatron's experts take them only "
+                              "unsplit); set model.add_bias_linear=false")
+        _at_least("model", self, "moe_router_topk", 1, "Qwen3-MoE routes each token to 8")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ConfigError(
+                f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts="
+                f"{self.num_moe_experts}; route each token to at most that many experts")
+        _at_least("model", self, "moe_aux_loss_coeff", 0, "0 turns the load-balancing loss off")
+        freq = self.moe_layer_freq
+        if OmegaConf.is_config(freq):
+            freq = self.moe_layer_freq = list(OmegaConf.to_container(freq))
+        if isinstance(freq, bool) or not (
+                (isinstance(freq, int) and freq >= 1)
+                or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers
+                    and all(x in (0, 1) and not isinstance(x, float) for x in freq))):
+            raise ConfigError(
+                f"model.moe_layer_freq={freq!r}: give an int k >= 1 (layers 0, k, 2k, ... are "
+                f"MoE layers) or a list of {self.num_layers} entries, 1 for a MoE layer and 0 "
+                "for a dense one")
+        if isinstance(freq, (list, tuple)):
+            self.moe_layer_freq = [int(x) for x in freq]
+        if not any(self.moe_layers()):
+            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq!r} makes no layer a "
+                              "MoE layer; unset model.num_moe_experts for a dense model")
 
 
 @dataclass
@@ -306,10 +396,11 @@ class TrainConfig:
             raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "
                               "or null for dynamic loss scaling")
         if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
-                                                 and self.comm_timeout_s > 0):
+                                                 and 0 < self.comm_timeout_s <= MAX_TIMEOUT_S):
             raise ConfigError(
                 f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
-                "> 0 (a dead rank stops the others after this long); e.g. 60")
+                f"> 0, at most {MAX_TIMEOUT_S:g} (a year): a dead rank stops the others after "
+                "this long; e.g. 60")
         if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
             raise ConfigError(
                 f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
@@ -397,7 +488,9 @@ def to_data(obj: Any) -> DataConfig:
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
-    return to_cluster(OmegaConf.load(path))
+    from ldt.userfiles import load_yaml
+
+    return to_cluster(load_yaml(path, "cluster file"))
 
 
 def _plain(obj: Any) -> Any:

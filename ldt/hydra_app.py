@@ -35,9 +35,15 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
 
 
-def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = None, *,
+def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
             run_folder: bool = True) -> int:
     """Run ``task`` as a Hydra app over ``conf/`` and return the process exit status.
+
+    With ``run_folder`` (``ldt-train``) Hydra makes the run folder but writes nothing into it:
+    the task is called as ``task(cfg, save_hydra_files)`` and calls ``save_hydra_files()``
+    once it has checked the folder is its own (a run never writes into another run's folder,
+    even its ``.hydra/``), which writes Hydra's ``config.yaml``, ``hydra.yaml`` and
+    ``overrides.yaml`` into ``hydra.output_subdir`` (``.hydra``) as Hydra would have.
 
     ``run_folder=False`` is for apps that write nothing (``python -m ldt.topology``): Hydra's
     folders then go to a temporary directory that is removed afterwards.
@@ -61,6 +67,19 @@ def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = N
                   file=sys.stderr)
             return EXIT_CONFIG
         args += ["hydra.output_subdir=null", "hydra.run.dir=."]
+    from ldt.hydra_guard import (HeldStderr, save_hydra_files, sweep_folder_in_use,
+                                 take_output_subdir)
+
+    if run_folder and any(a in ("-m", "--multirun") for a in args):
+        refused = sweep_folder_in_use(args)
+        if refused:
+            print(f"ldt: invalid config: {refused}", file=sys.stderr)
+            return EXIT_CONFIG
+    hydra_subdir = None
+    if run_folder and os.environ.get("RANK", "0") == "0":
+        # Hydra writes .hydra/ into the run folder before the job can look at it; the job
+        # writes it itself (``save_hydra_files``) once it knows the folder is its own
+        hydra_subdir, args = take_output_subdir(args)
     scratch = None
     if not run_folder:
         import tempfile
@@ -70,24 +89,38 @@ def run_app(task: Callable[[DictConfig], int], argv: Optional[Sequence[str]] = N
                  "hydra.output_subdir=null"]
     codes: list[int] = []
 
+    held = HeldStderr(sys.stderr)  # Hydra's refusals, one line; the job's output streams
+
     @functools.wraps(task)  # Hydra names the job after the task's module
     def job(cfg: DictConfig) -> int:
         codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
-        codes[-1] = int(task(cfg) or 0)
+        held.release()
+        if hydra_subdir is None:
+            codes[-1] = int(task(cfg) or 0)
+        else:
+            codes[-1] = int(task(cfg, functools.partial(save_hydra_files, cfg, hydra_subdir))
+                            or 0)
         return codes[-1]
 
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
                      version_base="1.3")(job)
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
+    sys.stderr = held
     try:
         app()
     except SystemExit as exc:  # --help, --version, or Hydra refusing the command line
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        return EXIT_CONFIG if code == 1 and not codes else code
+        if code == 1 and not codes:
+            held.refused()
+            return EXIT_CONFIG
+        return code
     finally:
+        held.release()
+        sys.stderr = held.real
         sys.argv = saved
         if scratch is not None:
             import shutil
 
             shutil.rmtree(scratch, ignore_errors=True)
     return next((c for c in codes if c), 0)
+

@@ -58,6 +58,13 @@ class LayoutError(ValueError):
             lines.append("  fix: " + fix)
         super().__init__("\n".join(lines))
 
+    def one_line(self) -> str:
+        """The message without the caret picture, for one-line refusals."""
+        head = self.problem + (f" at position {self.pos}" if self.pos is not None else "")
+        head = (f"{self.field} = {self.value!r}: {head}" if self.value is not None
+                else f"{self.field}: {head}")
+        return head + (f"; fix: {self.fix}" if self.fix else "")
+
 
 def _tokenize(text: str) -> list[tuple[str, object, int]]:
     """(kind, value, position) triples; kind is a symbol, '(', ')', '*' or '#' (a number)."""

@@ -18,7 +18,8 @@
 It then points megatron-core's ``parallel_state`` globals at them so Megatron code on each rank
 sees its own stage: TP size and rank of the stage, pipeline rank = stage index, pipeline size =
 number of stages, next/prev pipeline rank = the neighbouring leaders (wrapping around), expert
-groups for expert-parallel size 1. The private-name writes live in
+groups per stage (a MoE model's experts spread over ``ep`` of the stage's TP ranks:
+:meth:`~ldt.topology.Topology.expert_groups`). The private-name writes live in
 :mod:`ldt.patches.megatron_state`, the only module that touches megatron's internals.
 
 Module state: the reference API (``is_vtp_stage_rank0()`` and friends) is a set of free
@@ -77,6 +78,10 @@ class VtpState:
     # per-stage DP only: megatron's gradient-statistics group without the distributed
     # optimizer (every stage counted once; see ldt.cross_stage.OneReplicaPerStageGroup)
     grad_stats_group: Optional[dist.ProcessGroup] = None
+    # MoE experts (Topology.expert_groups): the stage's expert-parallel group and
+    # expert-TP group (this rank alone / the TP group where the stage has ep 1)
+    ep_group: Optional[dist.ProcessGroup] = None
+    expt_tp_group: Optional[dist.ProcessGroup] = None
     owned_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
     python_groups: list[dist.ProcessGroup] = field(default_factory=list, repr=False)
 
@@ -104,9 +109,11 @@ class VtpState:
         pgs.dp = pgs.dp_cp = pgs.intra_dp_cp = self.dp_group
         pgs.tp_dp_cp = self.tp_dp_group
         pgs.mp = self.replica_group
-        # expert parallel size 1: experts are sharded like the dense layers
-        pgs.ep = self.cp_group
-        pgs.expt_tp = pgs.tp_ep = self.tp_group
+        # experts: spread over the stage's expert-parallel ranks, split over its expert-TP
+        # ranks; the two together are the stage's TP group (expert_groups), and the group
+        # of the gradient norm is the dense one (one norm over every parameter)
+        pgs.ep, pgs.expt_tp = self.ep_group, self.expt_tp_group
+        pgs.tp_ep = self.tp_group
         pgs.tp_ep_pp = self.replica_group
         pgs.expt_dp = pgs.intra_expt_dp = self.dp_group
         pgs.intra_dist_opt = self.dist_opt_group
@@ -179,6 +186,7 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
             g = new_group(topology.stage_ranks(s.index, d), backend_for(s.device))
             if g is not None:
                 mine["tp"] = g
+    _expert_groups(topology, new_group, mine)
     for s in topology.stages:  # DP groups (+ gloo twins), TP x DP groups
         backend = backend_for(s.device)
         for t in range(s.tp):
@@ -220,13 +228,36 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
         topology=topology, rank=rank, info=info,
         tp_group=mine["tp"], cp_group=mine["cp"], dp_group=mine["dp"], dp_group_gloo=mine["dp_gloo"],
         tp_dp_group=tp_dp_group, leader_group=mine.get("leaders"),
-        boundary_groups=boundary_groups, owned_groups=owned, **cross,
+        boundary_groups=boundary_groups, owned_groups=owned,
+        ep_group=mine.get("ep", mine["cp"]),
+        expt_tp_group=mine.get("expt_tp", mine["cp"] if topology.stages[info.stage].etp == 1
+                               else mine["tp"]),
+        **cross,
     )
     from ldt.patches import megatron_state
 
     megatron_state.install(state)
     _STATE = state
     return state
+
+
+def _expert_groups(topology: Topology, new_group, mine: dict) -> None:
+    """The expert-parallel and expert-TP groups of every stage with ``ep > 1`` (elsewhere
+    the experts are split like the dense layers: EP is this rank alone, expert TP the TP
+    group). An expert-TP group of one rank is this rank's group of one (``mine['cp']``)."""
+    for d in range(topology.dp):
+        for s in topology.stages:
+            if s.ep == 1 or d >= topology.dp_of(s.index):
+                continue
+            ep_groups, etp_groups = topology.expert_groups(s.index, d)
+            for ranks in ep_groups:
+                g = new_group(ranks, backend_for(s.device))
+                if g is not None:
+                    mine["ep"] = g
+            for ranks in etp_groups if s.etp > 1 else []:
+                g = new_group(ranks, backend_for(s.device))
+                if g is not None:
+                    mine["expt_tp"] = g
 
 
 def _vdp_leader_groups(topology, new_group, mine: dict, boundary_groups: dict) -> None:

@@ -15,5 +15,7 @@ for _pattern in (
     r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
     # megatron-core's sequence-parallel all-gather / reduce-scatter use torch's older names
     r".*`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*",
+    # a MoE expert whole on its rank (expert TP 1) under sequence parallelism: expected
+    r".*`sequence_parallel` is set to `True`, but tensor model parallel size is 1.*",
 ):
     warnings.filterwarnings("ignore", message=_pattern)

@@ -34,6 +34,12 @@ class Stage:
     name: str
     device: str
     tp: int
+    ep: int = 1  # expert parallelism over the stage's TP ranks (MoE models)
+
+    @property
+    def etp(self) -> int:
+        """The TP size of each expert: the TP ranks the experts are not spread over."""
+        return self.tp // self.ep
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,12 @@ class Topology:
                 )
             if s.tp < 1:
                 raise ConfigError(f"cluster.stages[{s.index}].tp={s.tp} must be >= 1")
+            if s.ep < 1 or s.tp % s.ep:
+                ok = [e for e in range(1, s.tp + 1) if s.tp % e == 0]
+                raise ConfigError(
+                    f"cluster.stages[{s.index}].ep={s.ep} ({s.name}): expert parallelism "
+                    f"spreads the experts over the stage's TP ranks, so it must divide its "
+                    f"tp={s.tp}; use one of {ok}")
         if self.u_shape and len(self.stages) < 2:
             raise ConfigError(
                 "cluster.u_shape=true needs at least 2 stages (an edge and a cloud stage), "
@@ -131,7 +143,7 @@ class Topology:
                 f"cluster.host_staging={cluster.host_staging!r}; use 'auto' or 'always'"
             )
         stages = tuple(
-            Stage(i, s.name, s.device, int(s.tp)) for i, s in enumerate(cluster.stages)
+            Stage(i, s.name, s.device, int(s.tp), int(s.ep)) for i, s in enumerate(cluster.stages)
         )
         if int(cluster.dp) < 1:
             raise ConfigError(f"cluster.dp={cluster.dp} must be >= 1; set cluster.dp=1 for one "
@@ -220,6 +232,20 @@ class Topology:
         """The same (stage, TP rank) position in every replica: one data-parallel group."""
         return tuple(self.stage_ranks(stage, d)[tp_rank] for d in range(self.dp_of(stage)))
 
+    def expert_groups(self, stage: int, dp_rank: int = 0) -> tuple[list, list]:
+        """(expert-parallel groups, expert-TP groups) of one stage replica, as rank lists.
+
+        Expert parallelism folds onto the stage's TP ranks (megatron's expert grid
+        ``etp x ep x edp = tp x dp`` with ``etp = tp / ep``, tensor-parallel fastest): TP
+        rank ``t`` has expert-TP rank ``t % etp`` and expert-parallel rank ``t // etp``, so
+        each expert-TP group is a block of ``etp`` consecutive TP ranks and each
+        expert-parallel group takes one rank of every block. The expert data-parallel group
+        is then the stage's data-parallel group: the experts never leave their stage."""
+        st, ranks = self.stages[stage], self.stage_ranks(stage, dp_rank)
+        ep_groups = [[ranks[j + st.etp * k] for k in range(st.ep)] for j in range(st.etp)]
+        etp_groups = [list(ranks[k * st.etp:(k + 1) * st.etp]) for k in range(st.ep)]
+        return ep_groups, etp_groups
+
     def rank_info(self, rank: int) -> RankInfo:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
@@ -307,9 +333,9 @@ def _link_delays(value, num_stages: int, u_shape: bool) -> tuple[float, ...]:
         raise ConfigError(f"cluster.link_delay_ms={value!r}; give a number of milliseconds or a "
                           f"list with one per boundary ({order})")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"cluster.link_delay_ms entry {i} ({v!r}) must be a number of "
-                              "milliseconds >= 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"cluster.link_delay_ms entry {i} ({v!r}) must be a finite number "
+                              "of milliseconds >= 0")
     values = [float(v) for v in values]
     return tuple(values) if any(values) else ()
 

@@ -28,17 +28,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_app(_job, argv)
 
 
-def _job(cfg) -> int:
-    """One run (one job of a multirun): validate, say what starts, then launch or join."""
+def _job(cfg, save_hydra_files=None) -> int:
+    """One run (one job of a multirun): validate, say what starts, then launch or join.
+    ``save_hydra_files``: writes Hydra's ``.hydra/`` (rank 0 only; see ``run_app``)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from ldt.storage.atomic import check_run_folder
 
     hydra_cfg = HydraConfig.get()
     rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
     try:
         plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+        if save_hydra_files is not None:  # the folder that keeps the run's files
+            check_run_folder(plain["run_dir"], plain["train"]["resume"])
+            save_hydra_files()
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {exc}", file=sys.stderr)
+        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
         _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:
@@ -57,19 +63,32 @@ def _job(cfg) -> int:
     return _launch_local(plain, topo)
 
 
+def one_line(exc: BaseException) -> str:
+    """A refusal's message on one line (a layout error's caret picture left out)."""
+    return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())
+
+
 def _discard_run_folder(path: str, cwd: str) -> None:
-    """A refused config leaves no run folder behind: Hydra made it (and ``.hydra/`` in it)
-    before the job could validate. Removed only when that is all it holds, with the parents
-    it leaves empty below the working directory (``outputs/<date>``)."""
+    """A refused config leaves no run folder behind: Hydra made it before the job could
+    validate (empty: ``.hydra/`` is written only once the config is accepted). Removed only
+    when empty, with the parents it leaves empty below the working directory
+    (``outputs/<date>``)."""
     import shutil
 
-    if not os.path.isdir(path) or not set(os.listdir(path)) <= {".hydra"}:
+    if not os.path.isdir(path) or os.listdir(path) or not _made_by_this_process(path):
         return
     shutil.rmtree(path, ignore_errors=True)
     parent = os.path.dirname(path)
     while parent.startswith(cwd + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
         os.rmdir(parent)
         parent = os.path.dirname(parent)
+
+
+def _made_by_this_process(path: str) -> bool:
+    """Hydra made ``path`` in this process (an empty folder the user had is left alone)."""
+    import psutil
+
+    return os.stat(path).st_ctime >= psutil.Process().create_time()  # (rounded down)
 
 
 def prepare(cfg, run_dir: str, rank: Optional[int] = None):
@@ -107,8 +126,10 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
 def _save_config(cfg: dict, run_dir: str) -> None:
     from omegaconf import OmegaConf
 
+    from ldt.storage.atomic import replace_file
+
     os.makedirs(run_dir, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(cfg), os.path.join(run_dir, "config.yaml"))
+    replace_file(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(cfg)))
 
 
 def _launch_local(cfg: dict, topo) -> int:
@@ -139,7 +160,8 @@ def _launch_local(cfg: dict, topo) -> int:
         ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
         pairs = [*zip(summary["losses"], ref["losses"]),
-                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", []))]
+                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", [])),
+                 *zip(summary.get("moe_aux_losses", []), ref.get("moe_aux_losses", []))]
         summary["parity_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
     print(_summary_line(summary))
     return 0
@@ -216,8 +238,8 @@ def _describe(exc, topo) -> str:
 
 
 def _public(summary: dict) -> dict:
-    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "tokens_per_s",
-            "step_time_s", "parity_max_abs_diff", "run_dir")
+    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "moe_aux_loss",
+            "tokens_per_s", "step_time_s", "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 
 

@@ -28,6 +28,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "cluster.stages[*].dp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
+    _check_experts(topo, model)
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
     from ldt.models.spec import transformer_impl
@@ -69,6 +70,12 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     check_data(data, model, train, topo, rank)
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
+    if (train.resume or train.load) and rank in (None, 0):  # a skipped save is said once
+        from ldt.storage.checkpoint_files import skipped
+
+        note = skipped(train.resume or train.load)
+        if note:
+            warnings.append(f"{'train.resume' if train.resume else 'train.load'}: {note}")
     if rank is None and (train.resume or train.load):  # every rank is here: hash it once
         from ldt.storage.checkpoint_files import preflight
 
@@ -200,6 +207,44 @@ def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:
                 )
 
 
+def _check_experts(topo: Topology, model: ModelConfig) -> None:
+    """MoE layers and per-stage expert parallelism (``cluster.stages[i].ep``)."""
+    moe = model.moe_layers()
+    for stage in topo.stages:
+        chunks = topo.split.stage_chunks(stage.index) if topo.split is not None else []
+        holds = any(moe[ch.first_layer + i] for ch in chunks for i in range(ch.num_layers))
+        where = f"cluster.stages[{stage.index}]"
+        if stage.ep > 1 and not holds:
+            what = "a dense model" if not model.num_moe_experts else "none of the MoE layers"
+            raise ConfigError(
+                f"{where}.ep={stage.ep} ({stage.name}) but the stage holds {what}; expert "
+                f"parallelism spreads MoE experts, set {where}.ep=1")
+        if not holds:
+            continue
+        if stage.tp > 1 and not model.sequence_parallel:
+            raise ConfigError(
+                f"{where}.tp={stage.tp} ({stage.name}) holds MoE layers, and megatron-core's "
+                "MoE layer trains with TP > 1 only under sequence parallelism; set "
+                "model.sequence_parallel=true, or tp=1 on the stages holding MoE layers")
+        experts, ffn = model.num_moe_experts, model.moe_ffn_hidden_size or model.ffn_hidden_size \
+            or 4 * model.hidden_size
+        if experts % stage.ep:
+            raise ConfigError(
+                f"{where}.ep={stage.ep} ({stage.name}) does not divide model.num_moe_experts="
+                f"{experts}: every rank holds the same number of experts; use an ep that "
+                "divides both")
+        if ffn % stage.etp:
+            raise ConfigError(
+                f"{where}: each expert is split over tp / ep = {stage.etp} ranks, which does "
+                f"not divide model.moe_ffn_hidden_size={ffn}; raise {where}.ep to {stage.tp} "
+                "(whole experts per rank) or change tp")
+        if stage.ep > 1 and model.params_dtype == "float16":
+            raise ConfigError(
+                f"{where}.ep={stage.ep} with model.params_dtype=float16: megatron's fp16 loss "
+                "scaling checks the expert gradients in an optimizer only that stage has, a "
+                "collective the other stages would not join; use bfloat16 (or ep=1)")
+
+
 def _interleaved_example(topo: Topology) -> str:
     from ldt.layout import split_layers
 
@@ -233,6 +278,25 @@ def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig])
                           "train.schedule=auto or 1f1b, or give every stage the same dp")
 
 
+def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
+    """ldt's runtime materialises each step's action lists (in every process of this host)
+    and keeps every action's measured times: bounded by the host's memory before it starts."""
+    from ldt.schedule.size import check_fits, check_schedule_size, runs_on_ldt_runtime
+
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
+    m = train.num_microbatches
+    if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
+        check_schedule_size("train.num_microbatches", m, topo.num_stages,
+                            replicas=max(topo.dp_sizes) if topo.is_vdp else 1,
+                            processes=processes, steps=train.steps)
+    # byte-token data draws one step's sample order (dp * m * mbs int64) for each micro-batch
+    per_sample = 8 * max(topo.dp_sizes) * processes
+    samples = m * train.micro_batch_size
+    check_fits("train.num_microbatches x train.micro_batch_size", samples, samples * per_sample,
+               "each micro-batch's draw of the step's sample order (dp x that many indices, in "
+               f"{processes} processes)", unit_bytes=per_sample)
+
+
 def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.micro_batch_size < 1:
         raise ConfigError(f"train.micro_batch_size={train.micro_batch_size} must be >= 1")
@@ -255,6 +319,10 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
+    if train.prefetch > train.num_microbatches:
+        raise ConfigError(f"train.prefetch={train.prefetch} exceeds train.num_microbatches="
+                          f"{train.num_microbatches}: no more micro-batches than there are can "
+                          f"be in flight; give at most {train.num_microbatches}")
     if train.runtime not in ("auto", "megatron", "ldt"):
         raise ConfigError(f"train.runtime={train.runtime!r}; use 'auto', 'megatron' or 'ldt'")
     if train.runtime == "ldt" and train.schedule == "interleaved":
@@ -276,6 +344,7 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "
             "train.schedule=interleaved (or auto), or one segment per stage")
+    _check_schedule_size(topo, train)
     if vpp > 1:
         p, m = topo.num_stages, train.num_microbatches
         if m % p:

@@ -82,6 +82,8 @@ _MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.tensor_parallel.mappings",  # sequence parallel: gather / reduce-scatter
     "megatron.core.tensor_parallel.layers",  # buffers (sequence parallel, vocab parallel)
+    "megatron.core.transformer.moe.router",  # gating moves the router weight to cuda
+    "megatron.core.transformer.moe.moe_utils",  # the aux-loss tracker's buffer on "cuda"
 )
 
 _cuda_rng_on_cpu = ModuleProxy(

@@ -62,13 +62,18 @@ def install(state) -> None:
     _set("_CONTEXT_PARALLEL_GROUP", state.cp_group)
     _set("_CONTEXT_PARALLEL_GLOBAL_RANKS", [state.rank])
 
-    # Expert parallel size 1: the expert-parallel group is this rank alone, experts are
-    # sharded like the dense layers (expert TP = the stage's TP), their data-parallel group is
-    # the dense one, and the expert x tensor x pipeline group is the replica. One distributed
-    # optimizer instance: no inter-instance group, as in megatron.
-    _set("_EXPERT_MODEL_PARALLEL_GROUP", state.cp_group)
-    _set("_EXPERT_MODEL_PARALLEL_RANKS", [state.rank])
-    _set("_EXPERT_TENSOR_PARALLEL_GROUP", state.tp_group)
+    # Experts, per stage (Topology.expert_groups): the expert-parallel group (this
+    # rank alone where the stage has ep 1), the expert-TP group; expert-parallel and expert-TP
+    # ranks together are the stage's TP group, the expert data-parallel group is the dense
+    # one, and the expert x tensor x pipeline group is the replica. One distributed optimizer
+    # instance: no inter-instance group, as in megatron.
+    ep_ranks = [state.rank]
+    if topo.stages[info.stage].ep > 1:
+        ep_ranks = next(g for g in topo.expert_groups(info.stage, info.dp_rank)[0]
+                        if state.rank in g)
+    _set("_EXPERT_MODEL_PARALLEL_GROUP", state.ep_group)
+    _set("_EXPERT_MODEL_PARALLEL_RANKS", ep_ranks)
+    _set("_EXPERT_TENSOR_PARALLEL_GROUP", state.expt_tp_group)
     _set("_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", state.tp_group)
     _set("_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", state.replica_group)
     _set("_EXPERT_DATA_PARALLEL_GROUP", state.dp_group)

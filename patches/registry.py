@@ -71,6 +71,7 @@ _PATCH_MODULES = (
     "ldt.patches.rope_cpu",
     "ldt.patches.dist_checkpointing",
     "ldt.patches.sequence_parallel",
+    "ldt.patches.moe",
 )
 
 

@@ -65,7 +65,8 @@ def run_case(case: dict) -> dict:
 
     model, topo = case["model"], validate(case["cluster"], case["model"])
     state = ldt.initialize_vtp(topo, timeout_s=60)
-    patches.apply(["cpu_shims", "rope_cpu", "schedules"])
+    patches.apply(["cpu_shims", "rope_cpu", "schedules", "sequence_parallel_norms",
+                   "moe_without_te"])
     from megatron.core.pipeline_parallel import get_forward_backward_func  # the patched one
 
     try:
@@ -74,8 +75,20 @@ def run_case(case: dict) -> dict:
         chunks = topo.split.stage_chunks(state.stage)
         if case["checkpoint"]:  # else: ldt's layout-invariant init
             checkpoint.load(case["checkpoint"], models, chunks, None, state)
+        from megatron.core import parallel_state as ps
+
         out = {"stage": state.stage, "tp_rank": state.info.tp_rank,
                "gated": is_gated(models[0]),
+               # megatron's expert getters as this rank's stage answers them, and which
+               # experts of each MoE layer this rank holds
+               "experts": (ps.get_expert_model_parallel_world_size(),
+                           ps.get_expert_model_parallel_rank(),
+                           ps.get_expert_tensor_parallel_world_size(),
+                           ps.get_expert_tensor_parallel_rank(),
+                           ps.get_expert_data_parallel_world_size()),
+               "local_experts": [list(layer.mlp.local_expert_indices) for g in models
+                                 for layer in g.decoder.layers
+                                 if hasattr(layer.mlp, "local_expert_indices")],
                "shapes": {global_param_name(ch, n): tuple(p.shape)
                           for ch, g in zip(chunks, models) for n, p in g.named_parameters()}}
         if case.get("oracle"):

@@ -109,13 +109,13 @@ def test_ldt_sim_measured_replays_a_run_folder(tmp_path, capsys):
         w.writerow(ACTION_TIMES_KEYS)
         w.writerows((r.step, r.action.stage, str(r.action), repr(r.start_s), repr(r.end_s),
                      r.host, repr(r.step_start_s)) for r in rows)
-    assert main(["--measured", str(tmp_path), "--skip", "2", "--json",
-                 "--png", str(tmp_path / "t.png")]) == 0
+    assert main(["--measured", str(tmp_path), "--skip", "2", "--json",  # outputs: not in
+                 "--png", str(tmp_path.parent / f"{tmp_path.name}.png")]) == 0  # the run
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == 3
     assert summary["measured_ms"] == pytest.approx(played.iteration_time * 1e3, abs=1e-3)
     assert abs(summary["error"]) < 1e-6
-    assert (tmp_path / "t.png").stat().st_size > 0
+    assert (tmp_path.parent / f"{tmp_path.name}.png").stat().st_size > 0
     assert main(["--measured", str(tmp_path / "missing")]) == 2
     assert "train.runtime=ldt" in capsys.readouterr().err
 

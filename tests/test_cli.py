@@ -27,7 +27,7 @@ def test_help_lists_groups_and_switches(tmp_path, flag):
     proc = run(tmp_path, flag)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for text in ("ldt-train [FLAGS]", "cluster: base_cluster, cpu_demo, cpu_uniform, cpu_vdp, cpu_vtp",
-                 "model: base_model, gpt_tiny, llama3_8b, llama_7b, llama_tiny,",
+                 "model: base_model, gpt_tiny, llama3.1_8b, llama3_8b, llama_7b, llama_tiny,",
                  "train.verify=true", "train.resume=",
                  "run_dir=DIR", "--multirun", "--config-dir", "--cfg"):
         assert text in proc.stdout, text

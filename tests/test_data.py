@@ -126,8 +126,8 @@ def test_interrupted_preprocess_keeps_no_half_written_pair(corpus, prefixes, tmp
     crash.__wrapped__ = pp._encode
     monkeypatch.setattr(pp, "_encode", crash)
     monkeypatch.setattr(pp, "CHUNK_BYTES", 4096)  # many chunks: the crash comes half-way
-    with pytest.raises(OSError, match="disk full"):
-        pp.preprocess([corpus["text"]], prefix, corpus["tok"], progress=False)
+    with pytest.raises(OSError, match="disk full"):  # replacing the earlier output
+        pp.preprocess([corpus["text"]], prefix, corpus["tok"], progress=False, overwrite=True)
     assert len(calls) == 2
     assert sorted(os.listdir(tmp_path)) == ["out.bad_lines.tsv", "out.bin", "out.idx"]
     assert {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")} == before

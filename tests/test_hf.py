@@ -1,12 +1,17 @@
 """Hugging Face checkpoints in and out, against ``transformers``' own implementation.
 
 Tiny random ``LlamaForCausalLM`` (GQA 8 heads / 4 KV groups, RoPE base 5000, untied, saved in
-several safetensors shards) and ``Qwen2ForCausalLM`` (QKV biases, tied head, a vocabulary of
-250 that ldt pads) are built offline from a config, saved, imported with ``ldt-convert``'s
-library, and run by ldt in one 4-process world:
+several safetensors shards), ``Qwen2ForCausalLM`` (QKV biases, tied head, a vocabulary of
+250 that ldt pads), a Llama 3.1 (``rope_type: llama3`` with frequency factors and a
+pre-training length that are not megatron's defaults, so the band between them is
+interpolated), ``Qwen3ForCausalLM`` (QK norms, head size 32 over a hidden size of 64 with 4
+heads) and ``Qwen3MoeForCausalLM`` (4 experts, top-2, a dense first layer) are built offline
+from a config, saved, imported with ``ldt-convert``'s library, and run by ldt in one 4-process
+world:
 
 - logits on a plain VTP pipeline (TP 1/2/1) and on a U-shape (TP 1/2/1) equal transformers'
-  within 1e-5 (fp32);
+  within 1e-5 (fp32); the MoE model also with its experts spread over the TP 2 stage
+  (``ep: 2``), under sequence parallelism as megatron's MoE layer needs with TP > 1;
 - TP 1 vs 2 vs 4 of the SwiGLU + GQA model from the same checkpoint: same losses (1e-6) and
   gradients (1e-5);
 - every shard a rank holds is where megatron-core's ``sharded_state_dict()`` puts it;
@@ -32,12 +37,29 @@ def _hf_model(kind: str):
     import transformers
 
     common = dict(hidden_size=64, num_hidden_layers=4, max_position_embeddings=64)
+    qwen3 = dict(vocab_size=256, intermediate_size=96, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False, **common)
     if kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=256, intermediate_size=128,
                                        num_attention_heads=8, num_key_value_heads=4,
                                        rope_theta=5000.0, rms_norm_eps=1e-5,
                                        tie_word_embeddings=False, **common)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "llama3":  # head size 8: wavelengths 6 (kept: < 32/8), 63, 628, 6283 (/ 4)
+        cfg = transformers.LlamaConfig(
+            vocab_size=256, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                             "low_freq_factor": 0.5, "high_freq_factor": 8.0,
+                             "original_max_position_embeddings": 32},
+            rms_norm_eps=1e-5, tie_word_embeddings=False, **common)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**qwen3))
+    elif kind == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[0],
+            norm_topk_prob=True, router_aux_loss_coef=0.01, **qwen3))
     else:
         cfg = transformers.Qwen2Config(vocab_size=250, intermediate_size=96,
                                        num_attention_heads=4, num_key_value_heads=2,
@@ -63,7 +85,7 @@ def hf(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for kind in ("llama", "qwen2"):
+    for kind in FAMILIES:
         model = _hf_model(kind)
         folder, ckpt = root / f"hf_{kind}", root / f"ldt_{kind}"
         model.save_pretrained(folder, max_shard_size="200KB" if kind == "llama" else "1GB")
@@ -72,8 +94,14 @@ def hf(tmp_path_factory):
     return out
 
 
-def _cluster(tps, layout, u_shape=False):
-    return {"stages": [{"name": f"s{i}", "device": "cpu", "tp": t} for i, t in enumerate(tps)],
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "llama3": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _cluster(tps, layout, u_shape=False, eps=None):
+    return {"stages": [{"name": f"s{i}", "device": "cpu", "tp": t, "ep": (eps or {}).get(i, 1)}
+                       for i, t in enumerate(tps)],
             "u_shape": u_shape, "layout": layout}
 
 
@@ -93,6 +121,16 @@ CASES = {  # name -> (family, cluster, kind, model overrides, check the sharding
                      {"tie_embeddings": False}, True),  # a tied checkpoint, untied run
     "llama_ushape121": ("llama", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
     "qwen2_ushape121": ("qwen2", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
+    "llama3_vtp121": ("llama3", _cluster([1, 2, 1], "Et|tt|tL"), "logits", {}, False),
+    "llama3_ushape121": ("llama3", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
+    "qwen3_vtp121": ("qwen3", _cluster([1, 2, 1], "Et|tt|tL"), "logits", {}, True),
+    "qwen3_ushape121": ("qwen3", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits", {}, False),
+    "qwen3_moe_vtp121": ("qwen3_moe", _cluster([1, 2, 1], "Et|tt|tL"), "logits",
+                         {"sequence_parallel": True}, False),
+    "qwen3_moe_ushape121": ("qwen3_moe", _cluster([1, 2, 1], "Et|t|t|tL", True), "logits",
+                            {"sequence_parallel": True}, False),
+    "qwen3_moe_ep2": ("qwen3_moe", _cluster([1, 2, 1], "Et|tt|tL", eps={1: 2}), "logits",
+                      {"sequence_parallel": True}, False),
     "llama_tp1": ("llama", _cluster([1, 1, 1, 1], "Et|t|t|tL"), "train", {}, False),
     "llama_tp2": ("llama", _cluster([2, 2], "Ett|ttL"), "train", {}, True),
     "llama_tp4": ("llama", _cluster([4], None), "train", {}, True),
@@ -163,6 +201,23 @@ def test_tp_1_2_4_same_loss_and_grads(ran, start):
 
 
 @pytest.mark.timeout(600)
+def test_megatron_expert_groups_answer_per_stage(ran):
+    """The MoE cases' stage 1 (TP 2): with ep 2 megatron's getters see 2 expert-parallel ranks
+    of whole experts (expert TP 1), each holding its half of the 4 experts; with ep 1 one
+    expert-parallel rank and the experts split over the stage's 2 TP ranks; stages 0 and 2
+    (TP 1) see size 1 everywhere."""
+    for name, ep in (("qwen3_moe_ep2", 2), ("qwen3_moe_vtp121", 1)):
+        for r in ran[name]:
+            t = r["tp_rank"]
+            if r["stage"] == 1:
+                want = (2, t, 1, 0, 1) if ep == 2 else (1, 0, 2, t, 1)
+                layers = [[2 * t, 2 * t + 1]] * 2 if ep == 2 else [[0, 1, 2, 3]] * 2
+            else:
+                want, layers = (1, 0, 1, 0, 1), [[0, 1, 2, 3]] * (r["stage"] == 2)
+            assert r["experts"] == want and r["local_experts"] == layers, (name, r["stage"], t)
+
+
+@pytest.mark.timeout(600)
 def test_shards_are_where_megatron_puts_them(ran):
     checked = 0
     for name, (_, _, _, _, oracle) in CASES.items():  # None: no checkpoint
@@ -183,7 +238,7 @@ def test_full_shapes_match_the_built_model(hf, ran):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf, tmp_path, family):
     import transformers
     from safetensors import safe_open
@@ -207,12 +262,43 @@ def test_export_round_trips_bit_for_bit_and_loads_in_transformers(hf, tmp_path, 
     for name, t in src.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(reloaded).__name__ == ("LlamaForCausalLM" if family == "llama"
-                                       else "Qwen2ForCausalLM")
+    assert type(reloaded).__name__ == FAMILIES[family]
     for ours, theirs in zip(_hf_logits(reloaded, cfg.vocab_size), want):
         assert torch.equal(ours, theirs)
-    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] == (
-        family == "qwen2")
+    exported = json.loads((out / "config.json").read_text())
+    source = json.loads((folder / "config.json").read_text())
+    assert exported["tie_word_embeddings"] == (family == "qwen2")
+    for key in ("rope_parameters", "head_dim", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size", "mlp_only_layers", "norm_topk_prob",
+                "router_aux_loss_coef"):  # what each family maps, written back as it came
+        assert exported.get(key) == source.get(key), key
+
+
+def test_llama3_rope_frequencies_are_transformers():
+    """megatron's RoPE scaling (with ldt's frequency factors) gives transformers' ``llama3``
+    frequencies, for Llama 3.1's values and for others (a band of interpolated wavelengths)."""
+    import transformers
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ldt.patches.rope_scaling import set_llama3_frequencies
+
+    for factor, low, high, original, dim in ((8.0, 1.0, 4.0, 8192, 128),
+                                             (4.0, 0.5, 8.0, 32, 8), (32.0, 1.0, 4.0, 8192, 64)):
+        hf = transformers.LlamaConfig(
+            hidden_size=dim * 4, num_attention_heads=4, max_position_embeddings=2 * original,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                             "low_freq_factor": low, "high_freq_factor": high,
+                             "original_max_position_embeddings": original})
+        want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+        emb = RotaryEmbedding(dim, 1.0, rotary_base=500000.0, rope_scaling=True,
+                              rope_scaling_factor=factor, use_cpu_initialization=True)
+        set_llama3_frequencies(emb, kv_channels=dim, rotary_percent=1.0, rotary_base=500000.0,
+                               factor=factor, low_freq_factor=low, high_freq_factor=high,
+                               original_max_position_embeddings=original)
+        assert torch.allclose(emb.inv_freq, want, rtol=1e-6, atol=0), (factor, low, high)
+        plain = 1.0 / 500000.0 ** (torch.arange(0, dim, 2).float() / dim)
+        assert not torch.allclose(emb.inv_freq, plain)  # the scaling changed something
 
 
 def test_the_command_lines_import_passes_the_load_checks(hf, tmp_path, capsys):

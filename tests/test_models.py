@@ -1,9 +1,13 @@
 """Model families end to end: ``ldt-train model=llama_tiny / qwen2_tiny`` on a U-shape and a
-VTP pipeline with ``train.verify`` parity, a fine-tune from an imported Hugging Face model
-(first loss = transformers' loss on the same batches), checkpoints refused before any
-collective, and the small rules (vocabulary padding, layer-spec choice, canonical names).
+VTP pipeline with ``train.verify`` parity, and so Llama 3.1's RoPE scaling (``llama_tiny`` with
+``rope_scaling``), Qwen3 (``qwen3_tiny``) and Qwen3-MoE (``qwen3_moe_tiny``, whose experts a
+cloud stage also spreads over its TP ranks: the same losses, load-balancing loss and
+checkpoint as without); a fine-tune from an imported Hugging Face model (first loss =
+transformers' loss on the same batches), checkpoints refused before any collective, and the
+small rules (vocabulary padding, layer-spec choice, canonical names, MoE layers).
 """
 
+import csv
 import json
 import subprocess
 import sys
@@ -84,6 +88,109 @@ def test_model_config_refuses_what_cannot_work():
         to_model({**base, "normalization": "rmsnorm"})
     with pytest.raises(ConfigError, match="model.num_query_groups=3 does not divide"):
         to_model({**base, "num_query_groups": 3})
+    assert to_model({**base, "hidden_size": 60, "kv_channels": 16}).kv_channels == 16
+    with pytest.raises(ConfigError, match="model.hidden_size=60 is not a multiple"):
+        to_model({**base, "hidden_size": 60})  # without an explicit head size
+    with pytest.raises(ConfigError, match="rope_scaling=true .* model.position_embedding_type=rope"):
+        to_model({**base, "rope_scaling": True})
+    rope = {**base, "position_embedding_type": "rope", "rope_scaling": True}
+    with pytest.raises(ConfigError, match="rope_low_freq_factor=4.0 and .*high_freq_factor=1.0"):
+        to_model({**rope, "rope_low_freq_factor": 4.0, "rope_high_freq_factor": 1.0})
+    moe = {**base, "num_moe_experts": 4, "add_bias_linear": False}
+    for bad, match in (({"moe_layer_freq": [1, 0, 1]}, r"moe_layer_freq=\[1, 0, 1\]: give an int"),
+                       ({"moe_layer_freq": [0, 0]}, "makes no layer a MoE layer"),
+                       ({"moe_layer_freq": 0}, "moe_layer_freq=0"),
+                       ({"moe_router_topk": 5}, "moe_router_topk=5 exceeds"),
+                       ({"add_bias_linear": True}, "add_bias_linear=true"),
+                       ({"moe_aux_loss_coeff": -1.0}, "moe_aux_loss_coeff=-1.0")):
+        with pytest.raises(ConfigError, match=match):
+            to_model({**moe, **bad})
+    assert to_model({**moe, "moe_layer_freq": [0, 1]}).moe_layers() == [False, True]
+    assert to_model({**moe, "num_layers": 5, "moe_layer_freq": 2}).moe_layers() == [
+        True, False, True, False, True]  # megatron's rule: layer i is MoE when i % k == 0
+
+
+def test_moe_and_expert_parallel_clusters_refused_before_any_process():
+    from ldt.hydra_app import compose
+    from ldt.validate import validate
+
+    moe = to_model({**compose(["model=qwen3_moe_tiny"]).model,  # layers 1-4 are MoE layers
+                    "num_attention_heads": 4, "num_query_groups": 4})  # up to TP 4
+
+    def cluster(*stages, layout="Et|tt|tt|tL"):
+        return {"stages": [{"name": f"s{i}", "tp": tp, "ep": ep}
+                           for i, (tp, ep) in enumerate(stages)], "u_shape": True,
+                "layout": layout}
+
+    topo = validate(cluster((1, 1), (2, 2), (1, 1)), moe)
+    assert topo.stages[1].etp == 1 and topo.expert_groups(1) == ([[1, 2]], [[1], [2]])
+    assert validate(cluster((1, 1), (4, 2), (1, 1)), moe).expert_groups(1) == (
+        [[1, 3], [2, 4]], [[1, 2], [3, 4]])  # expert-TP blocks of 2, one of each per EP group
+    cases = (
+        (cluster((1, 1), (2, 2), (1, 1)), {"sequence_parallel": False},
+         r"stages\[1\].tp=2 \(s1\) holds MoE layers.*model.sequence_parallel=true"),
+        (cluster((1, 1), (2, 3), (1, 1)), {}, r"stages\[1\].ep=3 .* must divide its tp=2"),
+        (cluster((2, 2), (2, 1), (1, 1)), {},  # the edge's layers 0 and 5 are dense
+         r"stages\[0\].ep=2 \(s0\) but the stage holds none of the MoE layers"),
+        (cluster((1, 1), (4, 4), (1, 1)), {"num_moe_experts": 6},
+         r"stages\[1\].ep=4 .* does not divide model.num_moe_experts=6"),
+        (cluster((1, 1), (4, 1), (1, 1)), {"moe_ffn_hidden_size": 30},
+         r"split over tp / ep = 4 ranks, which does not divide model.moe_ffn_hidden_size=30"),
+        (cluster((1, 1), (2, 2), (1, 1)), {"params_dtype": "float16"},
+         r"ep=2 with model.params_dtype=float16"),
+    )
+    for clu, over, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            validate(clu, to_model({**moe.__dict__, **over}), check_devices=False)
+    dense = to_model(compose(["model=qwen3_tiny"]).model)
+    with pytest.raises(ConfigError, match=r"ep=2 \(s1\) but the stage holds a dense model"):
+        validate(cluster((1, 1), (2, 2), (1, 1)), dense)
+
+
+def test_hugging_face_configs_refused_by_name():
+    import transformers
+
+    from ldt.models.hf.families import family_of_hf
+
+    common = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
+    refusals = (
+        (transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                   "rope_theta": 1e4,
+                                                   "original_max_position_embeddings": 16},
+                                  **common), "rope_type='yarn'"),
+        (transformers.LlamaConfig(attention_bias=True, **common), "attention_bias=true"),
+        (transformers.Qwen3Config(use_sliding_window=True, sliding_window=8,
+                                  max_window_layers=1, **common), "use_sliding_window=true"),
+        (transformers.Qwen3Config(attention_bias=True, **common), "attention_bias=true"),
+        (transformers.Qwen3MoeConfig(num_experts=4, mlp_only_layers=[0, 1], **common),
+         "leave no MoE layer"),
+        (transformers.Qwen2MoeConfig(**common), "ldt converts"),
+    )
+    for hf, match in refusals:
+        hf.architectures = hf.architectures or [type(hf).__name__.replace("Config",
+                                                                          "ForCausalLM")]
+        with pytest.raises(ConfigError, match=match):
+            family_of_hf(hf).model_fields(hf)
+
+
+def test_checkpoint_of_another_expert_count_is_refused(imported):
+    """model.json records the MoE fields: a checkpoint written for 8 experts is refused by a
+    run with 4, naming the field (and a dense checkpoint by a MoE run)."""
+    from ldt.hydra_app import compose
+    from ldt.models.arch import check_arch
+
+    moe = to_model(compose(["model=qwen3_moe_tiny"]).model)
+    with pytest.raises(ConfigError, match="model.num_moe_experts=8 but this run has "
+                                          "model.num_moe_experts=4"):
+        check_arch(moe, to_model({**moe.__dict__, "num_moe_experts": 4}), "x")
+    with pytest.raises(ConfigError, match="model.moe_layer_freq="):
+        check_arch(moe, to_model({**moe.__dict__, "moe_layer_freq": 1}), "x")
+    check_arch(moe, to_model({**moe.__dict__, "moe_aux_loss_coeff": 0.0,
+                              "sequence_parallel": False}), "x")  # training choices
+    _, qwen2, _ = imported
+    with pytest.raises(ConfigError, match="model.kv_channels=16 but this run has "
+                                          "model.kv_channels=32"):
+        check_arch(qwen2, to_model({**qwen2.__dict__, "kv_channels": 32}), "x")
 
 
 def test_qkv_fusion_round_trips_and_groups_per_query_group():
@@ -129,14 +236,58 @@ def imported(tmp_path_factory):
     return model, cfg, root / "ldt"
 
 
+# Llama 3.1's RoPE scaling on llama_tiny (head size 8): pre-trained on 32 positions, so of the
+# wavelengths 6, 63, 628 and 6283 the first is interpolated (between 32/8 and 32/1), the
+# others divided by the factor
+LLAMA31 = ("model=llama_tiny", "model.rope_scaling=true", "model.rope_scaling_factor=4",
+           "model.rope_high_freq_factor=8", "model.rope_original_max_position_embeddings=32")
+MOE = ("model=qwen3_moe_tiny",)  # sequence parallel: its TP 2 stages hold MoE layers
+FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
+    "llama-ushape": ("cpu_demo", ("model=llama_tiny",), 4),
+    "llama-vtp": ("cpu_vtp", ("model=llama_tiny",), 4),
+    "qwen2-ushape": ("cpu_demo", ("model=qwen2_tiny",), 4),
+    "llama3.1-ushape": ("cpu_demo", LLAMA31, 3),
+    "llama3.1-vtp": ("cpu_vtp", LLAMA31, 3),
+    "qwen3-ushape": ("cpu_demo", ("model=qwen3_tiny",), 3),
+    "qwen3-vtp": ("cpu_vtp", ("model=qwen3_tiny",), 3),
+    "qwen3_moe-vtp": ("cpu_vtp", MOE, 3),  # the U-shape: test_moe_expert_parallel_...
+}
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("model,cluster", [("llama_tiny", "cpu_demo"), ("llama_tiny", "cpu_vtp"),
-                                           ("qwen2_tiny", "cpu_demo")])
-def test_families_train_with_verify_parity(tmp_path, model, cluster):
-    summary = ldt_train(tmp_path, f"model={model}", f"cluster={cluster}", "train.steps=4",
+@pytest.mark.parametrize("run", list(FAMILY_RUNS))
+def test_families_train_with_verify_parity(tmp_path, run):
+    cluster, overrides, steps = FAMILY_RUNS[run]
+    summary = ldt_train(tmp_path, *overrides, f"cluster={cluster}", f"train.steps={steps}",
                         "train.verify=true")
     assert summary["parity_max_abs_diff"] < PARITY, summary
     assert summary["final_loss"] < summary["first_loss"]
+
+
+@pytest.mark.timeout(400)
+def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
+    """qwen3_moe_tiny on the U-shape cpu_demo (its TP 2 cloud stage holds two MoE layers),
+    the experts split over the stage's TP ranks (ep 1) and spread over them (ep 2: four whole
+    experts of eight on each rank): verify parity, the same losses and load-balancing losses
+    (1e-6 relative), and the same checkpoint, every expert under its global number."""
+    from ldt.storage.tensors import read_tensors, tensor_index
+
+    runs = {}
+    for ep in (1, 2):
+        runs[ep] = ldt_train(tmp_path / f"ep{ep}", *MOE, "cluster=cpu_demo",
+                             f"cluster.stages.1.ep={ep}", "train.steps=3", "train.verify=true",
+                             "train.save_every=3")
+        assert runs[ep]["parity_max_abs_diff"] < PARITY, (ep, runs[ep])
+    with open(tmp_path / "ep2" / "metrics.csv") as f:
+        aux = [float(r["moe_aux_loss"]) for r in csv.DictReader(f)]
+    assert len(aux) == 3 and all(0.9 < a < 2.0 for a in aux)  # 1: a perfectly even routing
+    assert runs[2]["moe_aux_loss"] == pytest.approx(aux[-1])
+    for key in ("first_loss", "final_loss", "moe_aux_loss"):
+        assert runs[2][key] == pytest.approx(runs[1][key], rel=1e-6), key
+    one, two = (tensor_index(str(tmp_path / f"ep{ep}")) for ep in (1, 2))
+    assert set(one) == set(two) and sum(".local_experts." in n for n in one) == 8 * 2 * 4
+    a, b = read_tensors(one, list(one)), read_tensors(two, list(two))
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 1e-5
 
 
 @pytest.mark.timeout(400)

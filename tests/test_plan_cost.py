@@ -170,3 +170,31 @@ def test_prefetch_inflight_closed_form_matches_simulator(p, m, prefetch):
     ev = simulate_plan(plan, cost)
     for s in range(p):
         assert ev.stages[s].inflight == tuple(c.inflight for c in plan.stage_chunks(s)), s
+
+
+def test_moe_layers_priced_by_active_parameters_and_dispatch():
+    """qwen3_30b_a3b: every parameter counted (30.5B, as published; the same as the model's
+    tensors), FLOPs of the active ones (router + 8 of 128 experts: 3.35B per token with the
+    embedding and the head; "3.3B activated" published), the token dispatch priced as the
+    dense MLP's TP collectives, the experts split over the TP ranks."""
+    import math
+
+    from ldt.models.arch import full_shapes
+
+    model = load_model("qwen3_30b_a3b")
+    cost = CostModel(model, synthetic_inventory({"a100": 8}), 1)
+    h, a, d, g, s, experts, fm = 2048, 32, 128, 4, model.seq_length, 128, 768
+    params = 48 * cost.layer_params(1) + cost.embedding_params(1) + cost.head_params(1)
+    assert params == sum(math.prod(x) for x in full_shapes(model).values()) == 30_532_122_624
+    attention = h * (a + 2 * g) * d + a * d * h  # QKV and the output projection (4096 wide)
+    active = attention + experts * h + 8 * 3 * h * fm  # + router + 8 SwiGLU experts
+    assert cost.layer_flops() == 2 * s * active + 4 * s * s * a * d
+    assert 3.3e9 < 48 * active + 2 * model.vocab_size * h < 3.4e9
+    expert_weights = experts * 3 * h * fm
+    assert cost.layer_params(8) == pytest.approx(cost.layer_params(1) - expert_weights * 7 / 8
+                                                 - attention * 7 / 8)
+    dense = CostModel(load_model("llama3_8b"), synthetic_inventory({"a100": 8}), 1)
+    assert cost.layer_time("a100", 8)[0] - cost.layer_flops() / cost._speed(
+        cost.inventory.kind("a100"), 8) == pytest.approx(2 * cost._tp_allreduce(
+            cost.inventory.kind("a100"), 8))
+    assert dense.moe is None and cost.moe.share == 1.0

@@ -6,8 +6,9 @@
 Prints the picked plan's per-stage table, the time/cost front the search met and why it picked
 that plan (or ``--json``), writes the cluster YAML with ``--out`` (validated with
 ``ldt.validate`` first; missing folders are created) and the timeline with ``--trace`` /
-``--png``. ``--objective`` / ``--max-slowdown`` set what is picked (:mod:`ldt.plan.objective`).
-Thin over :mod:`ldt.plan`.
+``--png``. Every file is written whole or not at all; files that exist are refused unless
+``--overwrite``. ``--objective`` / ``--max-slowdown`` set what is picked
+(:mod:`ldt.plan.objective`). Thin over :mod:`ldt.plan`.
 
 When ``--out`` is ``DIR/cluster/NAME.yaml`` (a Hydra config folder), the planned micro-batch
 settings go to ``DIR/train/NAME.yaml``, so ``ldt-train --config-dir DIR cluster=NAME train=NAME``
@@ -25,11 +26,14 @@ from typing import Optional, Sequence
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ldt-plan", description=__doc__.split("\n\n")[0])
+    from ldt.tools.cli import Parser, count, number
+
+    p = Parser(prog="ldt-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--inventory", required=True, help="conf/inventory name or path to a YAML")
     p.add_argument("--model", required=True, help="conf/model name or path to a YAML")
-    p.add_argument("--mbs", type=int, default=1, help="micro-batch size (default 1)")
-    p.add_argument("--global-batch", type=int, default=64, help="sequences per step (default 64)")
+    p.add_argument("--mbs", type=count(1), default=1, help="micro-batch size (default 1)")
+    p.add_argument("--global-batch", type=count(1), default=64,
+                   help="sequences per step (default 64)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="training dtype (default: the model's params_dtype)")
     shape = p.add_mutually_exclusive_group()
@@ -37,55 +41,68 @@ def parser() -> argparse.ArgumentParser:
                        help="plan a U-shape (needs inventory.edge)")
     shape.add_argument("--no-u-shape", dest="u_shape", action="store_false",
                        help="plan a plain pipeline even if the inventory names an edge")
-    p.add_argument("--edge-min-layers", type=int, default=1,
+    p.add_argument("--edge-min-layers", type=count(0), default=1,
                    help="decoder layers the edge keeps in each chunk (default 1)")
     p.add_argument("--no-flash", action="store_true",
                    help="price materialised attention scores (no flash / fused attention)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
-    p.add_argument("--max-stages", type=int, default=None, help="cap on pipeline stages")
+    p.add_argument("--max-stages", type=count(1), default=None, help="cap on pipeline stages")
     p.add_argument("--objective", choices=["time", "cost"], default="time",
                    help="time (default): the fastest plan, a cheaper one within --max-slowdown "
                         "of it preferred; cost: the cheapest per step (per trained token), ties "
                         "within 1%% to the faster")
-    p.add_argument("--max-slowdown", type=float, default=None, metavar="FRACTION",
+    p.add_argument("--max-slowdown", type=number(0.0), default=None, metavar="FRACTION",
                    help="with --objective time: how much slower than the fastest a cheaper plan "
                         "may be (default 0.01; 0.05 = 5%%)")
     p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
                    "also DIR/train/NAME.yaml with the micro-batch settings)")
     p.add_argument("--trace", help="write a Chrome trace of the planned iteration")
     p.add_argument("--png", help="write a PNG timeline of the planned iteration")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files that exist at --out / --trace / --png (default: refuse)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ldt.tools.cli import guarded
+
     args = parser().parse_args(argv)
-    from ldt.config import ConfigError
+    return guarded("ldt-plan", lambda: _run(args))
+
+
+def _run(args) -> int:
     from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, front_rows,
                           front_table, load_inventory, load_model, plan, summary, table)
+    from ldt.storage.atomic import check_output, new_files
 
-    try:
-        inventory, model = load_inventory(args.inventory), load_model(args.model)
-        if args.sequence_parallel:
-            model = dataclasses.replace(model, sequence_parallel=True)
-        workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
-                            args.u_shape, args.edge_min_layers)
-        result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages),
-                      _objective(args))
-        written = []
+    outputs = _outputs(args)  # checked before the planner runs: a refusal is immediate
+    inputs = [(f, v) for f, v in (("--inventory", args.inventory), ("--model", args.model))
+              if os.path.exists(v)]
+    for path, flag in outputs:
+        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
+    inventory, model = load_inventory(args.inventory), load_model(args.model)
+    if args.sequence_parallel:
+        model = dataclasses.replace(model, sequence_parallel=True)
+    workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
+                        args.u_shape, args.edge_min_layers)
+    _check_size(args, inventory, model)
+    _check_shape(args, inventory, model)
+    result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages),
+                  _objective(args))
+    with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
+                   overwrite=args.overwrite, inputs=inputs) as tmps:
+        tmp = {flag: t for (_, flag), t in zip(outputs, tmps)}
         if args.out:
-            _write_validated(args.out, cluster_yaml(result.best, inventory, model.name, args.mbs,
-                                                    result.reason), model)
-            written = [args.out, *_write_train(args.out, result.best, model.name, args.mbs)]
-        for path in (args.trace, args.png):
-            if path:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        export_timeline(result.best, args.trace, args.png)
-    except ConfigError as exc:
-        print(f"ldt-plan: {exc}", file=sys.stderr)
-        return 2
+            _write_validated(tmp["--out"], cluster_yaml(result.best, inventory, model.name,
+                                                        args.mbs, result.reason), model)
+        if TRAIN_FLAG in tmp:
+            with open(tmp[TRAIN_FLAG], "w") as f:
+                f.write(_train_text(args.out, result.best, model.name, args.mbs))
+        export_timeline(result.best, tmp.get("--trace"), tmp.get("--png"))
+    written = [_shown(args.out, p) for p, f in outputs if f in ("--out", TRAIN_FLAG)]
     if args.json:
         out = summary(result.best, inventory)
         out.update(objective=dataclasses.asdict(result.objective), reason=result.reason,
@@ -109,6 +126,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+TRAIN_FLAG = "--out (its train/ file)"
+
+
 def _objective(args):
     """The objective from --objective / --max-slowdown (one of them decides the tolerance)."""
     from ldt.config import ConfigError
@@ -122,18 +142,60 @@ def _objective(args):
     return Objective("time", args.max_slowdown)
 
 
-def _write_train(cluster_path: str, best, model_name: str, mbs: int) -> list[str]:
-    """``DIR/train/NAME.yaml`` next to ``DIR/cluster/NAME.yaml`` (nothing for other paths)."""
-    from ldt.plan import planned_train_path, train_yaml
+def _check_shape(args, inventory, model) -> None:
+    """Flags that leave the planner nothing to search, said as such (not as 'no plan fits')."""
+    from ldt.config import ConfigError
 
-    path = planned_train_path(cluster_path)
-    if path is None:
-        return []
+    u_shape = args.u_shape if args.u_shape is not None else inventory.edge is not None
+    if not u_shape:
+        return
+    if args.max_stages == 1:
+        raise ConfigError("--max-stages 1 with a U-shape: it needs an edge and at least one "
+                          "cloud stage; give --max-stages >= 2, or --no-u-shape")
+    most = (model.num_layers - 1) // 2  # the edge's two chunks, and a layer for the cloud
+    if args.edge_min_layers > most:
+        raise ConfigError(f"--edge-min-layers {args.edge_min_layers}: the edge would keep "
+                          f"{2 * args.edge_min_layers} of {model.name}'s {model.num_layers} "
+                          f"layers, leaving the cloud none; give at most {most}")
+
+
+def _check_size(args, inventory, model) -> None:
+    """The planner simulates schedules of up to global-batch / mbs micro-batches (over the
+    replicas of per-stage DP too) over up to every device: bounded first."""
+    from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
+
+    stages = min(args.max_stages or inventory.total_devices, model.num_layers + 2)
+    per_mb = actions_per_step(stages, 1) * BYTES_PER_ACTION
+    m = args.global_batch // args.mbs
+    check_fits("--global-batch", args.global_batch, m * per_mb,
+               f"the planner's simulated schedules ({m} micro-batches over up to {stages} "
+               "stages)", unit_bytes=per_mb / args.mbs)
+
+
+def _outputs(args) -> list[tuple[str, str]]:
+    """(path, flag) of every file this run writes."""
+    out = []
+    if args.out:
+        out.append((args.out, "--out"))
+        from ldt.plan import planned_train_path  # the rule ldt-sim reads it back by
+
+        train = planned_train_path(args.out)
+        if train:
+            out.append((train, TRAIN_FLAG))
+    out += [(getattr(args, k), f"--{k}") for k in ("trace", "png") if getattr(args, k)]
+    return out
+
+
+def _shown(cluster_path: str, path: str) -> str:
+    """A written path as the user gave --out: relative stays relative."""
+    return path if os.path.isabs(cluster_path) else os.path.relpath(path)
+
+
+def _train_text(cluster_path: str, best, model_name: str, mbs: int) -> str:
+    from ldt.plan import train_yaml
+
     stem = os.path.splitext(os.path.basename(cluster_path))[0]
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(train_yaml(best, model_name, mbs, stem))
-    return [path]
+    return train_yaml(best, model_name, mbs, stem)
 
 
 def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
@@ -150,21 +212,14 @@ def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
 
 
 def _write_validated(path: str, text: str, model) -> None:
-    """Write the YAML only if it loads and validates the way users will load it."""
-    import tempfile
-
+    """Write the YAML at ``path`` (a temporary of :func:`ldt.storage.atomic.new_files`) and
+    check it loads and validates the way users will load it; a refusal leaves no file."""
     from ldt.config import load_cluster_yaml
     from ldt.validate import validate
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
-        tmp.write(text)
-    try:
-        validate(load_cluster_yaml(tmp.name), model, check_devices=False)
-    finally:
-        os.unlink(tmp.name)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
+    validate(load_cluster_yaml(path), model, check_devices=False)
 
 
 if __name__ == "__main__":

@@ -22,66 +22,101 @@ from typing import Optional, Sequence
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ldt-sim", description=__doc__.split("\n\n")[0])
+    from ldt.tools.cli import Parser, count
+
+    p = Parser(prog="ldt-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", help="conf/cluster name or path to a YAML")
     p.add_argument("--model", help="conf/model name or path to a YAML")
     p.add_argument("--inventory", help="conf/inventory name or path to a YAML")
-    p.add_argument("-m", "--num-microbatches", type=int,
+    p.add_argument("-m", "--num-microbatches", type=count(1),
                    help="micro-batches per iteration per replica (default: ldt-plan's "
                         "DIR/train/NAME.yaml next to a --cluster DIR/cluster/NAME.yaml)")
     p.add_argument("--measured", metavar="RUN_DIR",
                    help="replay an ldt-train run's action_times.csv instead of the cost model")
-    p.add_argument("--skip", type=int, default=3,
+    p.add_argument("--skip", type=count(0), default=3,
                    help="with --measured: warm-up steps to leave out (default 3)")
-    p.add_argument("--mbs", type=int, default=None,
+    p.add_argument("--mbs", type=count(1), default=None,
                    help="micro-batch size (default: the planned one, as -m; else 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--no-flash", action="store_true", help="price materialised attention scores")
     p.add_argument("--kinds", help="inventory kind per stage, comma-separated")
-    p.add_argument("--prefetch", type=int, default=None,
+    p.add_argument("--prefetch", type=count(0), default=None,
                    help="U-shape prefetch depth (train.prefetch; default: the planned one, "
                         "as -m; else 0)")
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--png", help="write a PNG timeline")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace files that exist at --trace / --png (default: refuse)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from ldt.tools.cli import guarded
+
     p = parser()
     args = p.parse_args(argv)
     if args.measured:
-        return _replay(args)
-    _take_planned(args)
+        return guarded("ldt-sim", lambda: _replay(args))
+    status = guarded("ldt-sim", lambda: _take_planned(args))
+    if status:
+        return status
     missing = [f"--{n.replace('_', '-')}" for n in ("cluster", "model", "inventory",
                                                     "num_microbatches") if getattr(args, n) is None]
     if missing:
         p.error(f"{', '.join(missing)} required (-m can come from ldt-plan's DIR/train/NAME.yaml "
                 "next to --cluster DIR/cluster/NAME.yaml; or --measured RUN_DIR to replay a run)")
+    return guarded("ldt-sim", lambda: _simulate(args))
+
+
+def _outputs(args, inputs) -> list[tuple[str, str]]:
+    """(path, flag) of the files this run writes, refused before any work if they exist."""
+    from ldt.storage.atomic import check_output
+
+    out = [(getattr(args, k), f"--{k}") for k in ("trace", "png") if getattr(args, k)]
+    for path, flag in out:
+        check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
+    return out
+
+
+def _simulate(args) -> int:
+    import os
     from dataclasses import replace
 
     from ldt.config import ConfigError
     from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
                           load_inventory, load_model, simulate_plan, summary, table)
+    from ldt.schedule.size import check_schedule_size
+    from ldt.storage.atomic import new_files
     from ldt.validate import validate
 
+    inputs = [(f"--{k}", getattr(args, k)) for k in ("cluster", "model", "inventory")
+              if os.path.exists(getattr(args, k))]
+    outputs = _outputs(args, inputs)
+    inventory, model = load_inventory(args.inventory), load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    topo = validate(cluster, model, check_devices=False)
+    check_schedule_size("-m", args.num_microbatches, topo.num_stages,  # before it is built
+                        replicas=max(topo.dp_sizes) if topo.is_vdp else 1)
+    kinds = args.kinds.split(",") if args.kinds else None
+    if args.prefetch > args.num_microbatches:
+        raise ConfigError(f"--prefetch {args.prefetch} exceeds -m {args.num_microbatches}: "
+                          "no more micro-batches than there are can be in flight; give at most "
+                          f"{args.num_microbatches}")
+    if args.prefetch and not cluster.u_shape:
+        raise ConfigError(f"--prefetch {args.prefetch}: the depth of a U-shape's schedule; the "
+                          "cluster is a plain pipeline: drop --prefetch")
     try:
-        if args.num_microbatches < 1:
-            raise ConfigError(f"-m {args.num_microbatches}: need at least 1 micro-batch")
-        inventory, model = load_inventory(args.inventory), load_model(args.model)
-        cluster = load_cluster(args.cluster)
-        validate(cluster, model, check_devices=False)
-        kinds = args.kinds.split(",") if args.kinds else None
-        if args.prefetch < 0 or (args.prefetch and not cluster.u_shape):
-            raise ConfigError(f"--prefetch {args.prefetch}: a U-shape's depth, >= 0")
-        plan = replace(cluster_to_plan(cluster, model, inventory, args.num_microbatches, kinds),
-                       prefetch=args.prefetch)
+        plan = replace(cluster_to_plan(cluster, model, inventory, args.num_microbatches,
+                                       kinds), prefetch=args.prefetch)
         cost = CostModel(model, inventory, args.mbs, args.dtype, not args.no_flash)
         ev = simulate_plan(plan, cost)
-        export_timeline(ev, args.trace, args.png)
-    except (ConfigError, ValueError) as exc:
-        print(f"ldt-sim: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # the cost model's refusals (ConfigError is one)
+        raise ConfigError(str(exc)) from None
+    with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
+                   overwrite=args.overwrite, inputs=inputs) as tmps:
+        tmp = {flag: t for (_, flag), t in zip(outputs, tmps)}
+        export_timeline(ev, tmp.get("--trace"), tmp.get("--png"))
     if args.json:
         print(json.dumps(summary(ev, inventory), indent=2))
     else:
@@ -111,29 +146,38 @@ def _stage_names(run_dir: str):
     """The run's stage names (its config.yaml), or None for a folder without one."""
     import os
 
-    from omegaconf import OmegaConf
+    from ldt.userfiles import load_yaml
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None
-    return [s.name for s in OmegaConf.load(path).cluster.stages]
+    stages = load_yaml(path, "the run's config").get("cluster", {}).get("stages") or []
+    return [s.get("name", str(i)) for i, s in enumerate(stages)] or None
 
 
 def _replay(args) -> int:
+    from ldt.config import ConfigError
     from ldt.plan import calibrate
     from ldt.schedule.timeline import to_chrome_trace, to_png
+    from ldt.storage.atomic import new_files
 
+    outputs = _outputs(args, [("--measured", args.measured)])
     try:
         rows = calibrate.steady(calibrate.read_action_times(args.measured), args.skip)
         comparison = calibrate.compare(rows)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"ldt-sim: --measured {args.measured}: {exc}", file=sys.stderr)
-        return 2
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--measured {args.measured}: {exc}") from None
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"--measured {args.measured}: {exc}") from None
     names = _stage_names(args.measured)
-    if args.trace:
-        to_chrome_trace(comparison.full, args.trace, us_per_unit=1e6, stage_names=names)
-    if args.png:
-        to_png(comparison.full, args.png, f"replay of {args.measured}", stage_names=names)
+    with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
+                   overwrite=args.overwrite, inputs=[("--measured", args.measured)]) as tmps:
+        tmp = {flag: t for (_, flag), t in zip(outputs, tmps)}
+        if "--trace" in tmp:
+            to_chrome_trace(comparison.full, tmp["--trace"], us_per_unit=1e6, stage_names=names)
+        if "--png" in tmp:
+            to_png(comparison.full, tmp["--png"], f"replay of {args.measured}",
+                   stage_names=names)
     if args.json:
         print(json.dumps(comparison.summary(), indent=2))
         return 0

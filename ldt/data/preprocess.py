@@ -11,8 +11,9 @@ What a document is: a JSONL line's ``text`` field (``--json-key``); in a text fi
 A line that cannot be used (invalid UTF-8, invalid JSON, no such field, not a string, empty) is
 skipped, counted and reported with its file and line number (all of them in
 ``PREFIX.bad_lines.tsv``); nothing is dropped silently. Output is written to temporary names
-and renamed into place only once complete (the old ``.idx`` is removed first), so an
-interrupted run never leaves a ``.bin`` / ``.idx`` pair that looks complete.
+and renamed into place only once complete (:func:`ldt.storage.atomic.new_files`), so an
+interrupted run never leaves a ``.bin`` / ``.idx`` pair that looks complete; outputs that
+exist are refused unless ``--overwrite``, and an input is never an output.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ldt.config import ConfigError
 FORMATS = ("auto", "jsonl", "text")
 TEXT_DOCUMENTS = ("paragraph", "line", "file")
 CHUNK_BYTES = 256 << 10  # documents per task: about 256 KiB of text
+OUTPUTS = (".bin", ".idx", ".bad_lines.tsv")
 
 
 @dataclass
@@ -78,6 +80,11 @@ def check_inputs(inputs: list[str], output_prefix: str, fmt: str) -> list[str]:
         if not os.access(path, os.R_OK):
             raise ConfigError(f"--input {name} is not readable; check its permissions")
         paths.append(path)
+    if not output_prefix.strip() or output_prefix.endswith(("/", os.sep)) \
+            or os.path.isdir(output_prefix):
+        raise ConfigError(f"--output-prefix {output_prefix!r} names a folder; a prefix names "
+                          "the files to write (PREFIX.bin, PREFIX.idx): give e.g. "
+                          f"{os.path.join(output_prefix.strip() or '.', 'corpus')}")
     folder = os.path.dirname(os.path.abspath(output_prefix)) or "."
     if not os.path.isdir(folder):
         raise ConfigError(f"--output-prefix {output_prefix}: folder {folder} does not exist; "
@@ -191,13 +198,22 @@ def _chunks(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
 def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", *,
                workers: int = 1, fmt: str = "auto", json_key: str = "text",
                text_documents: str = "paragraph", eod_token: Optional[str] = None,
-               progress: bool = True) -> Summary:
-    """Write ``output_prefix.bin`` / ``.idx``; ConfigError on bad input (nothing written)."""
+               progress: bool = True, overwrite: bool = False) -> Summary:
+    """Write ``output_prefix.bin`` / ``.idx`` (and ``.bad_lines.tsv`` when lines were
+    skipped); ConfigError on bad input (nothing written). Outputs that exist are refused
+    unless ``overwrite``; then the three are replaced together (an old ``.bad_lines.tsv`` goes
+    when this run has no bad line)."""
     from ldt.data.tokenizer import load
+    from ldt.storage.atomic import check_output, new_files
 
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be >= 1")
     paths = check_inputs(inputs, output_prefix, fmt)
+    prefix = os.path.abspath(output_prefix)
+    outputs = [prefix + ext for ext in OUTPUTS]
+    for path in outputs:  # before seconds of imports: a refusal is immediate
+        check_output(path, flag="--output-prefix", overwrite=overwrite,
+                     inputs=[("--input", p) for p in paths], file=True)
     tok = load(tokenizer, "--tokenizer", eod_token)
     if tok.eod is None:
         raise ConfigError(f"--tokenizer {tok.name} names no end-of-document token (no "
@@ -206,31 +222,21 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     import ldt.quiet  # noqa: F401  (before megatron-core is imported)
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (not timed: seconds of imports)
 
-    prefix = os.path.abspath(output_prefix)
     summary = Summary(prefix, workers=workers)
     t0 = time.perf_counter()
-    tmp_bin, tmp_idx = prefix + ".bin.tmp", prefix + ".idx.tmp"
     chunks = (c for p in paths
               for c in _chunks(documents(p, fmt, json_key, text_documents, summary.bad_lines)))
-    bar = _bar(sum(os.path.getsize(p) for p in paths), progress)
-    try:
+    with new_files(outputs, flags=["--output-prefix"] * len(outputs), overwrite=overwrite,
+                   inputs=[("--input", p) for p in paths]) as (tmp_bin, tmp_idx, tmp_bad):
+        bar = _bar(sum(os.path.getsize(p) for p in paths), progress)  # once writing can start
         _write(chunks, tok, (tokenizer, eod_token), tmp_bin, tmp_idx, summary, bar)
         if summary.documents == 0:
             raise ConfigError(f"no documents in {', '.join(inputs)}: every line was bad "
                               f"({_describe(summary.bad_lines)})")
-        for path in (prefix + ".idx", prefix + ".bad_lines.tsv"):
-            if os.path.exists(path):
-                os.remove(path)  # never an old .idx beside a new .bin
-        os.replace(tmp_bin, prefix + ".bin")
-        os.replace(tmp_idx, prefix + ".idx")  # last: a complete pair only from here on
-    finally:
-        for path in (tmp_bin, tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
-    if summary.bad_lines:
-        with open(prefix + ".bad_lines.tsv", "w") as f:
-            f.write("file\tline\treason\n")
-            f.writelines(f"{b.path}\t{b.line}\t{b.reason}\n" for b in summary.bad_lines)
+        if summary.bad_lines:
+            with open(tmp_bad, "w") as f:
+                f.write("file\tline\treason\n")
+                f.writelines(f"{b.path}\t{b.line}\t{b.reason}\n" for b in summary.bad_lines)
     summary.seconds = time.perf_counter() - t0
     return summary
 

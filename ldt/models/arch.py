@@ -25,46 +25,78 @@ MODEL_JSON = "model.json"
 
 # Fields that change what the weights mean or their shapes. Training-only fields (seq_length,
 # params_dtype, transformer_impl, the padding multiple) may differ between runs.
+_ROPE_SCALING = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                 "rope_original_max_position_embeddings")  # meaningful with rope_scaling only
+_MOE = ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+        "moe_router_pre_softmax")  # meaningful with num_moe_experts only
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "vocab_size", "position_embedding_type", "rotary_base",
                "rotary_percent", "normalization", "norm_epsilon", "gated_linear_unit",
-               "activation", "add_bias_linear", "add_qkv_bias", "tie_embeddings")
+               "activation", "add_bias_linear", "add_qkv_bias", "tie_embeddings",
+               "rope_scaling", *_ROPE_SCALING, "kv_channels", "qk_layernorm", "num_moe_experts",
+               *_MOE)
 
 
 def arch_of(model: ModelConfig) -> dict:
-    """The architecture fields, defaults resolved (ffn 4h, groups = heads)."""
+    """The architecture fields, defaults resolved (ffn 4h, groups = heads, head size h/a,
+    one 0/1 per layer for the MoE layers); fields a disabled feature ignores are None."""
     out = {k: getattr(model, k) for k in ARCH_FIELDS}
     out["ffn_hidden_size"] = model.ffn_hidden_size or 4 * model.hidden_size
     out["num_query_groups"] = model.num_query_groups or model.num_attention_heads
+    out["kv_channels"] = head_size(model)
+    if not model.rope_scaling:
+        out.update(dict.fromkeys(_ROPE_SCALING))
+    if model.num_moe_experts:
+        out["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size or out["ffn_hidden_size"]
+        out["moe_layer_freq"] = [int(x) for x in model.moe_layers()]
+    else:
+        out.update(dict.fromkeys(_MOE))
     return out
+
+
+def head_size(model: ModelConfig) -> int:
+    """Megatron's kv_channels: the explicit head size, else hidden / heads."""
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+EXPERTS = ".mlp.experts.local_experts."  # megatron's SequentialMLP: one MLP per expert
+
+
+def expert_names(layer_prefix: str, model: ModelConfig) -> list[str]:
+    """Canonical names of one MoE layer's expert weights (expert numbers are global)."""
+    return [f"{layer_prefix.rstrip('.')}{EXPERTS}{e}.{w}"
+            for e in range(model.num_moe_experts) for w in ("linear_fc1.weight",
+                                                            "linear_fc2.weight")]
 
 
 def write_model_json(folder: str, model: ModelConfig) -> None:
     """``folder/model.json``: the whole ModelConfig (its architecture is what loads check)."""
+    from ldt.storage.atomic import replace_file
+
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, MODEL_JSON + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(model), f, indent=1)
-    os.replace(tmp, os.path.join(folder, MODEL_JSON))
+    replace_file(os.path.join(folder, MODEL_JSON), json.dumps(dataclasses.asdict(model),
+                                                              indent=1))
 
 
 def read_model_json(folder: str) -> Optional[ModelConfig]:
     """The ModelConfig a checkpoint was written for (None for a checkpoint without one)."""
     from ldt.config import to_model
 
+    from ldt.userfiles import load_json_object
+
     path = os.path.join(folder, MODEL_JSON)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return to_model(json.load(f))
+    return to_model(load_json_object(path, "checkpoint model file"))
 
 
 def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[str, tuple]:
     """Canonical global name -> full (TP=1) shape of every parameter of ``model``."""
     h, a = model.hidden_size, model.num_attention_heads
     g = model.num_query_groups or a
-    d = h // a
+    d = head_size(model)
     f = model.ffn_hidden_size or 4 * h
+    moe = model.moe_layers()
     v = vocab_rows or model.vocab_size
     norm = ("weight", "bias") if model.normalization == "LayerNorm" else ("weight",)
     out: dict[str, tuple] = {"embedding.word_embeddings.weight": (v, h)}
@@ -79,10 +111,20 @@ def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[st
         if bias or model.add_qkv_bias:
             out[p + "self_attention.linear_qkv.bias"] = ((a + 2 * g) * d,)
         out[p + "self_attention.linear_proj.weight"] = (h, a * d)
+        if model.qk_layernorm:  # one norm over the head size, shared by every head
+            out.update({f"{p}self_attention.{qk}_layernorm.{w}": (d,)
+                        for qk in ("q", "k") for w in norm})
         out.update({f"{p}pre_mlp_layernorm.{w}": (h,) for w in norm})
-        fc1 = 2 * f if model.gated_linear_unit else f
-        out[p + "mlp.linear_fc1.weight"] = (fc1, h)
-        out[p + "mlp.linear_fc2.weight"] = (h, f)
+        if moe[i]:
+            fm = model.moe_ffn_hidden_size or f
+            out[p + "mlp.router.weight"] = (model.num_moe_experts, h)
+            for name in expert_names(p, model):
+                fc1 = 2 * fm if model.gated_linear_unit else fm
+                out[name] = (fc1, h) if name.endswith("fc1.weight") else (h, fm)
+        else:
+            fc1 = 2 * f if model.gated_linear_unit else f
+            out[p + "mlp.linear_fc1.weight"] = (fc1, h)
+            out[p + "mlp.linear_fc2.weight"] = (h, f)
         if bias:
             out[p + "self_attention.linear_proj.bias"] = (h,)
             out[p + "mlp.linear_fc1.bias"] = (fc1,)
@@ -93,6 +135,8 @@ def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[st
 
 
 def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
     if isinstance(a, float) or isinstance(b, float):
         return math.isclose(float(a), float(b), rel_tol=1e-6)  # eps stored as float32
     return a == b

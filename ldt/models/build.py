@@ -26,8 +26,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: str = "cpu",
-                       vpp: Optional[int] = None, num_stages: int = 1, **overrides):
-    """The TransformerConfig of one chunk (fp32/bf16/fp16, no dropout unless overridden)."""
+                       vpp: Optional[int] = None, num_stages: int = 1, first_layer: int = 0,
+                       ep: int = 1, **overrides):
+    """The TransformerConfig of one chunk (fp32/bf16/fp16, no dropout unless overridden):
+    layers ``first_layer .. first_layer + num_layers - 1`` of the model, on a stage of TP
+    ``tp`` whose experts are spread over ``ep`` of its TP ranks (each expert then split over
+    ``tp / ep``)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     import torch.nn.functional as F
@@ -64,6 +68,7 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=False,
     )
+    kwargs.update(_attention_and_experts(model, tp, num_layers, first_layer, ep))
     kwargs.update(overrides)
     config = TransformerConfig(**kwargs)
     # Set after construction: the chunk's own config has pp=1, which TransformerConfig would
@@ -73,17 +78,39 @@ def transformer_config(model: ModelConfig, tp: int, num_layers: int, *, device: 
     return config
 
 
+def _attention_and_experts(model: ModelConfig, tp: int, num_layers: int, first_layer: int,
+                           ep: int) -> dict:
+    """TransformerConfig fields of the head size, the QK norms and the MoE layers. A chunk's
+    ``moe_layer_freq`` is its own slice of the model's pattern (the chunk is a model of its
+    own layers: megatron's block spec reads the pattern from there)."""
+    out = dict(kv_channels=model.kv_channels, qk_layernorm=model.qk_layernorm)
+    if not model.num_moe_experts:
+        return out
+    pattern = model.moe_layers()[first_layer:first_layer + max(num_layers, 1)]
+    return dict(
+        out, num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size
+        or 4 * model.hidden_size,
+        moe_layer_freq=[int(x) for x in pattern],
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=tp // ep)
+
+
 def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu",
                 vpp: Optional[int] = None, num_stages: int = 1, pg_collection=None,
-                vocab_size: Optional[int] = None, **config_overrides):
+                vocab_size: Optional[int] = None, ep: int = 1, **config_overrides):
     """A GPTModel holding exactly ``chunk``'s layers, numbered globally. ``vocab_size``: the
-    padded vocabulary (:func:`ldt.models.vocab.model_vocab_size`); default: the model's own."""
+    padded vocabulary (:func:`ldt.models.vocab.model_vocab_size`); default: the model's own.
+    ``ep``: the stage's expert-parallel size (MoE models)."""
     from megatron.core.models.gpt import GPTModel
 
-    from ldt.models.spec import layer_spec, transformer_impl
+    from ldt.models.spec import decoder_spec, transformer_impl
 
     config = transformer_config(model, tp, chunk.num_layers, device=device, vpp=vpp,
-                                num_stages=num_stages, **config_overrides)
+                                num_stages=num_stages, first_layer=chunk.first_layer, ep=ep,
+                                **config_overrides)
     if chunk.num_layers == 0:
         raise NotImplementedError(
             f"stage {chunk.stage} chunk {chunk.index} has no decoder layer; ldt needs at least "
@@ -94,7 +121,7 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
         cls = _padded_vocab_gpt_class()
     gpt = cls(
         config=config,
-        transformer_layer_spec=layer_spec(model, transformer_impl(model, device)),
+        transformer_layer_spec=decoder_spec(model, transformer_impl(model, device), config),
         vocab_size=vocab_size or model.vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=chunk.has_embedding,
@@ -103,12 +130,25 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
         position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base,
         rotary_percent=model.rotary_percent,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
         pg_collection=pg_collection,
     )
+    if model.rope_scaling:
+        from ldt.patches.rope_scaling import set_llama3_frequencies
+
+        set_llama3_frequencies(
+            gpt.rotary_pos_emb, kv_channels=config.kv_channels,
+            rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+            factor=model.rope_scaling_factor, low_freq_factor=model.rope_low_freq_factor,
+            high_freq_factor=model.rope_high_freq_factor,
+            original_max_position_embeddings=model.rope_original_max_position_embeddings)
     if cls is not GPTModel:
         gpt.real_vocab_size = model.vocab_size
     for i, layer in enumerate(gpt.decoder.layers):
         layer.layer_number = chunk.first_layer + i + 1
+        if hasattr(layer.mlp, "router"):  # the aux-loss log is per global layer
+            layer.mlp.set_layer_number(layer.layer_number)
     if device != "cpu":
         gpt = gpt.to(device)
     return gpt
@@ -153,12 +193,44 @@ def causal_mask(seq_length: int, device="cpu") -> torch.Tensor:
                       diagonal=1)
 
 
-def global_param_name(chunk: Chunk, local_name: str) -> str:
+def global_param_name(chunk: Chunk, local_name: str, expert_offset: int = 0) -> str:
     """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``, in the one canonical
-    naming whatever the layer implementation (:func:`ldt.models.spec.canonical_name`)."""
+    naming whatever the layer implementation (:func:`ldt.models.spec.canonical_name`);
+    ``expert_offset``: the global number of this rank's first expert (expert parallelism)."""
     from ldt.models.spec import canonical_name
 
-    return canonical_name(_shift_layer(local_name, chunk.first_layer))
+    name = canonical_name(_shift_layer(local_name, chunk.first_layer))
+    return shift_expert(name, expert_offset) if expert_offset else name
+
+
+def param_names(chunk: Chunk, gpt) -> dict[str, str]:
+    """Every parameter of a built chunk: local name -> global canonical name. A MoE layer's
+    experts get the global numbers megatron gave this rank (``local_expert_indices``: with
+    expert parallelism each rank holds a different block of experts)."""
+    offsets = {i: layer.mlp.local_expert_indices[0]
+               for i, layer in enumerate(gpt.decoder.layers)
+               if getattr(layer.mlp, "local_expert_indices", None)}
+    out = {}
+    for name, _ in gpt.named_parameters():
+        layer = _layer_of(name)
+        out[name] = global_param_name(chunk, name, offsets.get(layer, 0))
+    return out
+
+
+def _layer_of(name: str) -> Optional[int]:
+    prefix = "decoder.layers."
+    return int(name[len(prefix):].split(".", 1)[0]) if name.startswith(prefix) else None
+
+
+def shift_expert(name: str, offset: int) -> str:
+    """A MoE expert parameter's name with its expert number moved by ``offset``."""
+    from ldt.models.arch import EXPERTS
+
+    head, sep, tail = name.partition(EXPERTS)
+    if not sep:
+        return name
+    idx, rest = tail.split(".", 1)
+    return f"{head}{EXPERTS}{int(idx) + offset}.{rest}"
 
 
 def _shift_layer(name: str, offset: int) -> str:

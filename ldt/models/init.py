@@ -20,7 +20,7 @@ import torch
 
 from ldt.models.sharding import shard
 
-_SCALED = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")  # also every expert's
 
 
 def full_init(name: str, shape, *, seed: int, num_layers: int, std: float = 0.02,
@@ -44,13 +44,14 @@ def full_shape(name: str, local: torch.Tensor, tp: int, split_dim) -> tuple:
 
 
 def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, tp_rank: int,
-               rename=lambda n: n, vocab_size: Optional[int] = None) -> None:
+               rename=lambda n: n, vocab_size: Optional[int] = None, ep: int = 1) -> None:
     """Overwrite a chunk's parameters with their layout-invariant initial values.
 
     ``vocab_size``: the real vocabulary; the embedding and head rows beyond it (the padding,
     which depends on the layout's TP sizes) start at zero, so the real rows are the same
-    whatever the padding."""
-    from ldt.models.sharding import is_gated, split_dim
+    whatever the padding. ``ep``: the stage's expert parallelism (``rename`` gives the
+    experts their global numbers, :func:`ldt.models.build.param_names`)."""
+    from ldt.models.sharding import is_gated, split_dim, tp_of
     from ldt.models.vocab import fit_rows, is_vocab_param
 
     gated = is_gated(module)
@@ -58,10 +59,11 @@ def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, 
         for local_name, p in module.named_parameters():
             name = rename(local_name)
             dim = split_dim(name)
-            shape = full_shape(name, p, tp, dim)
+            size, rank = tp_of(name, tp, tp_rank, ep)
+            shape = full_shape(name, p, size, dim)
             padded = vocab_size is not None and is_vocab_param(name) and shape[0] > vocab_size
             full = full_init(name, (vocab_size, *shape[1:]) if padded else shape, seed=seed,
                              num_layers=num_layers, dtype=p.dtype)
             if padded:
                 full = fit_rows(name, full, shape[0])
-            p.copy_(shard(name, full, tp, tp_rank, gated=gated))
+            p.copy_(shard(name, full, size, rank, gated=gated))

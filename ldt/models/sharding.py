@@ -35,6 +35,9 @@ _RULES: tuple[tuple[str, Optional[int]], ...] = (
     ("mlp.linear_fc1.bias", 0),
     ("mlp.linear_fc2.weight", 1),
     ("mlp.linear_fc2.bias", None),
+    ("mlp.router.weight", None),  # MoE router: every rank routes its own tokens
+    ("linear_fc1.weight", 0),  # a MoE expert's MLP (mlp.experts.local_experts.<e>.*)
+    ("linear_fc2.weight", 1),
     ("output_layer.weight", 0),
     ("layernorm.weight", None),
     ("layernorm.bias", None),
@@ -54,7 +57,19 @@ def split_dim(name: str) -> Optional[int]:
     )
 
 
-_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_GATED = ("linear_fc1.weight", "linear_fc1.bias")  # the dense MLP's and every expert's
+
+
+def tp_of(name: str, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, int]:
+    """(TP size, TP rank) parameter ``name`` is split over on a stage of TP ``tp`` and expert
+    parallelism ``ep``: a MoE expert's over the ``tp / ep`` ranks of its expert-TP group
+    (:meth:`ldt.topology.Topology.expert_groups`), everything else over the stage's TP."""
+    from ldt.models.arch import EXPERTS
+
+    if ep == 1 or EXPERTS not in name:
+        return tp, tp_rank
+    etp = tp // ep
+    return etp, tp_rank % etp
 
 
 def is_gated(module: torch.nn.Module) -> bool:

@@ -48,8 +48,23 @@ def layer_spec(model, impl: str):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if impl == TE:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=model.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=model.normalization,
+                                                    qk_layernorm=model.qk_layernorm)
+
+
+def decoder_spec(model, impl: str, config):
+    """The spec a chunk's GPTModel is built from: one layer spec for a dense model; for a MoE
+    model megatron's block spec, MoE and dense layers as the chunk config's
+    ``moe_layer_freq`` says (experts on the sequential path: one megatron MLP per expert, no
+    grouped GEMM, which runs on CPU and on any GPU/NPU)."""
+    if not model.num_moe_experts:
+        return layer_spec(model, impl)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=impl == TE,
+                                      normalization=model.normalization)
 
 
 @functools.lru_cache(maxsize=1)

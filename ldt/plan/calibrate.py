@@ -77,11 +77,30 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
         raise FileNotFoundError(
             f"{path} does not exist: ldt-train writes action_times.csv into its run_dir when "
             "ldt's runtime runs the pipeline (the U-shape, or train.runtime=ldt)")
+    from ldt.config import ConfigError
+
+    rows = []
     with open(path, newline="") as f:
-        return [ActionTime(int(r["step"]), parse_action(r["action"]), float(r["start_s"]),
-                           float(r["end_s"]), r.get("host") or "",
-                           float(r["step_start_s"]) if r.get("step_start_s") else None)
-                for r in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        missing = {"step", "action", "start_s", "end_s"} - set(reader.fieldnames or ())
+        if missing:
+            raise ConfigError(f"{path}: no {', '.join(sorted(missing))} column in its header; "
+                              "give the action_times.csv an ldt-train run wrote")
+        for r in reader:
+            try:
+                rows.append(ActionTime(int(r["step"]), parse_action(r["action"]),
+                                       float(r["start_s"]), float(r["end_s"]),
+                                       r.get("host") or "",
+                                       float(r["step_start_s"]) if r.get("step_start_s")
+                                       else None))
+            except (TypeError, ValueError, AttributeError) as exc:
+                raise ConfigError(
+                    f"{path}:{reader.line_num}: a damaged row ({exc}): the file is truncated "
+                    "or edited; give the action_times.csv of a run that finished") from None
+    if not rows:
+        raise ConfigError(f"{path} holds no measured action; give the action_times.csv of a "
+                          "run that finished a step")
+    return rows
 
 
 def steady(rows: Iterable[ActionTime], skip_steps: int) -> list[ActionTime]:

@@ -26,6 +26,16 @@ assumptions live in one file (and in ``docs/planner.md``):
   sequence too, so the whole layer is divided by t (the paper's ``sbh(34/t + 5as/(ht))``), as
   are the embedding's dropout mask and the head's norm and input; the logits stay ``4V/t``.
   The TP all-reduces become an all-gather plus a reduce-scatter of the same volume: same time.
+* Attention with an explicit head size d (``model.kv_channels``, Qwen3) uses ``a*d`` in place of
+  ``h`` for the queries, the output projection's input and the attention core.
+* Mixture of experts (``model.num_moe_experts``; the functions at the end of this file): a MoE
+  layer's MLP costs what one token activates, the router ``2bshE`` plus ``topk`` experts of
+  width ``fm``; its weights are all E experts (``E * expert / tp`` per rank: the experts are
+  split or spread over the stage's TP ranks whatever its ``ep``), its activations hold the
+  ``topk`` dispatched copies of every token; its token dispatch (megatron's all-gather
+  dispatcher: all-gather the stage's tokens, reduce-scatter the outputs over the TP group)
+  takes the place of the dense MLP's TP collectives, with the same volume. A model with dense
+  and MoE layers is priced per layer as their average (the planner splits layer counts).
 * A stage boundary carries ``b*s*h`` elements: ``bytes / link_bw + latency``, plus a device->host
   and host->device copy where the device types differ (host-staged gloo), plus the receiving
   stage's TP broadcast (the leader receives and broadcasts, see DESIGN.md).
@@ -86,17 +96,21 @@ class CostModel:
         self.h, self.a, self.s, self.V = m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size
         self.f = m.ffn_hidden_size or 4 * m.hidden_size
         self.g = m.num_query_groups or m.num_attention_heads
-        self.qkv = self.h + 2 * self.h * self.g // self.a  # QKV output width
+        self.hd = self.a * (m.kv_channels or self.h // self.a)  # width of all heads
+        self.qkv = self.hd + 2 * self.hd * self.g // self.a  # QKV output width
         self.fc1 = 2 * self.f if m.gated_linear_unit else self.f  # fc1 output width
         self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
         self.sequence_parallel = bool(getattr(m, "sequence_parallel", False))
+        self.moe = moe_shape(m)
         self._cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
     def layer_flops(self) -> float:
         b, s, h = self.b, self.s, self.h
         mlp = 2 * b * s * h * self.fc1 + 2 * b * s * self.f * h
-        return 2 * b * s * h * self.qkv + 2 * b * s * h * h + mlp + 4 * b * s * s * h
+        if self.moe is not None:
+            mlp = moe_mlp_flops(self, mlp)
+        return 2 * b * s * h * self.qkv + 2 * b * s * self.hd * h + mlp + 4 * b * s * s * self.hd
 
     def head_flops(self) -> float:
         return 2 * self.b * self.s * self.h * self.V
@@ -107,9 +121,11 @@ class CostModel:
         row-parallel biases and the two norms are replicated."""
         h, f, q, f1, m = self.h, self.f, self.qkv, self.fc1, self.model
         bias = m.add_bias_linear
-        split = h * q + h * h + h * f1 + f * h
+        split = h * q + self.hd * h + h * f1 + f * h
         split += (q if bias or m.add_qkv_bias else 0) + (f1 if bias else 0)
-        return split / tp + (2 * h if bias else 0) + 2 * self.norm
+        qk_norms = 2 * self.norm * self.hd // self.a // h if m.qk_layernorm else 0
+        out = split / tp + (2 * h if bias else 0) + 2 * self.norm + qk_norms
+        return out if self.moe is None else moe_layer_params(self, out, tp)
 
     def embedding_params(self, tp: int) -> float:
         pos = self.model.max_position_embeddings or self.s
@@ -137,6 +153,8 @@ class CostModel:
         s, b, h, d = self.s, self.b, self.h, self.d
         per_token = ((d * 4 * h + 2 * h) / self.sequence_shards(tp)
                      + d * (2 * h + self.qkv + self.fc1 + self.f) / tp)
+        if self.moe is not None:
+            per_token = moe_activation_per_token(self, per_token, tp)
         if not self.flash_attention:
             per_token += (2 * d + 1) * self.a * s / tp
         return s * b * per_token
@@ -180,7 +198,9 @@ class CostModel:
         if key not in self._cache:
             k = self.inventory.kind(kind)
             fwd = self.layer_flops() / self._speed(k, tp)
-            ar = 2 * self._tp_allreduce(k, tp)
+            mlp_comm = self._tp_allreduce(k, tp) if self.moe is None else \
+                moe_dispatch_time(self, k, tp)
+            ar = self._tp_allreduce(k, tp) + mlp_comm
             self._cache[key] = (fwd + ar, 2 * fwd + ar)
         return self._cache[key]
 
@@ -224,3 +244,61 @@ class CostModel:
         """Gradient all-reduce across replicas (not overlapped with the pipeline: conservative)."""
         return ring_allreduce_time(params_per_rank * self.d, dp,
                                    self.inventory.link(kind, kind).bandwidth_gbps)
+
+
+# ---- mixture of experts: what a MoE layer adds to a layer's price ------------------------------
+@dataclass(frozen=True)
+class MoEShape:
+    """A MoE model's experts: E per MoE layer, ``topk`` per token, each an MLP of width ``ffn``
+    (``fc1`` wide with a gate); ``share``: the fraction of the layers that are MoE layers."""
+
+    experts: int
+    topk: int
+    ffn: int
+    fc1: int
+    share: float
+
+
+def moe_shape(model: ModelConfig) -> MoEShape | None:
+    if not model.num_moe_experts:
+        return None
+    fm = model.moe_ffn_hidden_size or model.ffn_hidden_size or 4 * model.hidden_size
+    layers = model.moe_layers()
+    return MoEShape(model.num_moe_experts, model.moe_router_topk, fm,
+                    2 * fm if model.gated_linear_unit else fm, sum(layers) / len(layers))
+
+
+def moe_mlp_flops(cost: CostModel, dense_mlp: float) -> float:
+    """Forward FLOPs of the MLP, per layer on average: a MoE layer's are the active ones, the
+    router over E experts plus ``topk`` expert MLPs per token."""
+    e, b, s, h = cost.moe, cost.b, cost.s, cost.h
+    moe = 2 * b * s * h * e.experts + e.topk * (2 * b * s * h * e.fc1 + 2 * b * s * e.ffn * h)
+    return e.share * moe + (1 - e.share) * dense_mlp
+
+
+def moe_layer_params(cost: CostModel, dense_layer: float, tp: int) -> float:
+    """Parameters per rank, per layer on average: a MoE layer holds every expert (E * expert /
+    tp per rank: spread over ep and split over tp / ep of the stage's TP ranks) and the
+    router (replicated) in place of the dense MLP."""
+    e, h = cost.moe, cost.h
+    dense_mlp = (h * cost.fc1 + cost.f * h) / tp
+    moe_mlp = e.experts * (h * e.fc1 + e.ffn * h) / tp + e.experts * h
+    return dense_layer - e.share * dense_mlp + e.share * moe_mlp
+
+
+def moe_activation_per_token(cost: CostModel, dense: float, tp: int) -> float:
+    """Activation bytes per token, per layer on average: a MoE layer keeps the router's fp32
+    probabilities, the ``topk`` dispatched copies of the token (all-gathered over the TP
+    group) and their expert activations, in place of the dense MLP's."""
+    e, d, h = cost.moe, cost.d, cost.h
+    dense_mlp = d * (cost.fc1 + cost.f) / tp
+    moe_mlp = 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn) / tp)
+    return dense - e.share * dense_mlp + e.share * moe_mlp
+
+
+def moe_dispatch_time(cost: CostModel, k: DeviceKind, tp: int) -> float:
+    """The MLP's communication per layer and direction, on average: a MoE layer's token
+    dispatch all-gathers the stage's ``b*s*h`` tokens over its TP group and reduce-scatters
+    the expert outputs (megatron's all-gather dispatcher), a dense layer all-reduces."""
+    dispatch = ring_allreduce_time(cost.b * cost.s * cost.h * cost.d, tp, k.intra_bw_gbps)
+    return cost.moe.share * dispatch + (1 - cost.moe.share) * cost._tp_allreduce(k, tp)

@@ -192,27 +192,62 @@ def _resolve(name_or_path: str, group: str) -> str:
     return path
 
 
-def _load_plain(path: str) -> dict:
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+def _load_plain(path: str, what: str = "YAML file") -> dict:
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ldt.userfiles import load_yaml
+
+    try:
+        data = OmegaConf.to_container(load_yaml(path, what), resolve=True)
+    except OmegaConfBaseException as exc:  # an interpolation that does not resolve
+        raise ConfigError(f"{what} {path}: {str(exc).splitlines()[0]}") from None
     data.pop("defaults", None)  # Hydra's list; not part of the schema
     return data
 
 
 def load_inventory(name_or_path: str) -> Inventory:
     """Load ``conf/inventory/<name>.yaml`` (or a path), type-checked against :class:`Inventory`."""
-    merged = OmegaConf.merge(OmegaConf.structured(Inventory),
-                             _load_plain(_resolve(name_or_path, "inventory")))
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = _resolve(name_or_path, "inventory")
+    plain = _load_plain(path, "inventory")
+    _check_keys(plain, path)
     try:
-        return OmegaConf.to_object(merged)
-    except ConfigError:
-        raise
-    except Exception as exc:  # omegaconf names the key; keep its text
-        raise ConfigError(f"inventory {name_or_path!r}: {exc}") from exc
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Inventory), plain))
+    except OmegaConfBaseException as exc:  # omegaconf names the key; keep its first line
+        key = getattr(exc, "full_key", None)
+        where = f"inventory.{key}" if key else f"inventory {name_or_path!r}"
+        raise ConfigError(f"{where} in {path}: {str(exc).splitlines()[0]}; the fields are "
+                          "those of ldt/plan/inventory.py (Inventory, DeviceKind, Link)"
+                          ) from None
+
+
+def _check_keys(plain: dict, path: str) -> None:
+    """A key the schema lacks, named with where it is (``inventory.kinds[1].colour``)."""
+    import dataclasses
+    import difflib
+
+    def check(obj, schema, where: str) -> None:
+        if not isinstance(obj, dict):
+            return
+        names = [f.name for f in dataclasses.fields(schema)]
+        for key in obj:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(names)}"
+                raise ConfigError(f"{where}.{key} in {path} is not a field of "
+                                  f"{schema.__name__}; remove it ({hint})")
+
+    check(plain, Inventory, "inventory")
+    for name, schema in (("kinds", DeviceKind), ("links", Link)):
+        items = plain.get(name) if isinstance(plain, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            check(item, schema, f"inventory.{name}[{i}]")
 
 
 def load_model(name_or_path: str) -> ModelConfig:
     """Load ``conf/model/<name>.yaml`` (or a path) as a :class:`ModelConfig`."""
-    return to_model(_load_plain(_resolve(name_or_path, "model")))
+    return to_model(_load_plain(_resolve(name_or_path, "model"), "model file"))
 
 
 def valid_tp_sizes(model: ModelConfig, limit: int) -> list[int]:

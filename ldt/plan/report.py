@@ -89,9 +89,16 @@ def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, int]
     path = planned_train_path(cluster_path)
     if path is None or not os.path.isfile(path):
         return None, {}
-    planned = OmegaConf.load(path)
-    return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size", "prefetch")
-                  if k in planned}
+    from ldt.config import ConfigError
+    from ldt.userfiles import load_yaml
+
+    planned = load_yaml(path, "ldt-plan's train file")
+    try:
+        return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size",
+                                                    "prefetch") if k in planned}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: {exc}; give whole numbers, or write it again with ldt-plan"
+                          ) from None
 
 
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:

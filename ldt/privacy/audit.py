@@ -15,6 +15,7 @@ frequent true token (guessing it every time), or 0.5 for an AUC.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -48,14 +49,49 @@ class AuditOptions:
     """Token vectors in each shadow run (the probes' training data)."""
     clusters: int = 64
     timeout_s: float = 1800.0
+    overwrite: bool = False
+    """Replace an existing ``out`` folder whole (default: refuse one that holds anything)."""
+    json: Optional[str] = None
+    """Also write the report here, as JSON; inside ``out`` it is part of the folder."""
 
 
 def audit(opts: AuditOptions, log=print) -> dict:
-    from ldt.config import ConfigError
+    """Check every option, then make the runs and attack them in a folder built beside
+    ``opts.out`` and renamed into place when the report is complete: a refused or failed
+    audit leaves ``out`` as it was."""
     from ldt.hydra_app import compose
+    from ldt.storage.atomic import new_folder
     from ldt.train import prepare
 
     cfg, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
+    steps = opts.steps or cfg["train"]["steps"]
+    check_options(opts, cfg, topo, steps)
+    inputs = [(f, p) for f, p in (("--cloud-text", opts.cloud_text),
+                                  ("--checkpoint", opts.checkpoint)) if p]
+    with new_folder(opts.out, flag="--out", overwrite=opts.overwrite, inputs=inputs) as work:
+        report = _audit(opts, cfg, topo, steps, work, log)
+        final = os.path.abspath(opts.out)
+        if report["config"]["cloud_text"].startswith(work + os.sep):
+            report["config"]["cloud_text"] = final + report["config"]["cloud_text"][len(work):]
+        if opts.json and _inside(os.path.abspath(opts.json), final):
+            path = os.path.join(work, os.path.relpath(os.path.abspath(opts.json), final))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
+    """Every option against the config, before a run starts: a setting that would make a
+    measurement meaningless, or that this machine cannot hold, is refused in one line."""
+    from ldt.config import ConfigError
+    from ldt.data.bytes import min_corpus_bytes
+    from ldt.schedule.size import check_fits
+
     if not topo.u_shape:
         raise ConfigError("ldt-audit measures what the cloud of a U-shape learns; the cluster "
                           "has cluster.u_shape=false: use a U-shape cluster (e.g. cpu_demo)")
@@ -63,11 +99,55 @@ def audit(opts: AuditOptions, log=print) -> dict:
         raise ConfigError("ldt-audit reads the edge's true tokens from byte data (data.path or "
                           "the built-in corpus); data.blend (indexed datasets) is not supported "
                           "yet: audit with data.path=<a text file of the same kind>")
-    os.makedirs(opts.out, exist_ok=True)
+    train, model = cfg["train"], cfg["model"]
+    for flag, value, low in (("--steps", steps, 1), ("--shadow-tokens", opts.shadow_tokens, 1),
+                             ("--clusters", opts.clusters, 2)):
+        if value < low:
+            raise ConfigError(f"{flag}={value} must be >= {low}")
+    for level in opts.noise_levels:
+        if not math.isfinite(level) or level <= 0:
+            raise ConfigError(f"--noise {level}: give finite settings > 0 (0 is always "
+                              "measured)")
+    vectors = steps * train["num_microbatches"] * train["micro_batch_size"] * model["seq_length"]
+    if opts.clusters > vectors:
+        raise ConfigError(f"--clusters={opts.clusters} exceeds the {vectors} token vectors a "
+                          f"victim run captures (--steps {steps}): every vector would be its own "
+                          f"cluster, a meaningless recovery; use at most {vectors}, or more "
+                          "--steps")
+    if opts.cloud_text is not None:
+        text = opts.cloud_text
+        if not os.path.isfile(text) or not os.access(text, os.R_OK):
+            raise ConfigError(f"--cloud-text {text}: no such readable file; give a text file "
+                              "of the cloud's own (or leave it out for the built-in one)")
+        least = min_corpus_bytes(model["seq_length"], train["micro_batch_size"])
+        if os.path.getsize(text) < least:
+            raise ConfigError(f"--cloud-text {text} has {os.path.getsize(text)} bytes; the "
+                              f"shadow runs need at least {least} (sequences of "
+                              f"{model['seq_length']}, 1/20 held out): give a larger file")
+    if opts.checkpoint is not None:
+        from ldt.storage.checkpoint_files import preflight
+
+        preflight(opts.checkpoint, "--checkpoint", hashes=True)
+        from ldt.config import to_model
+        from ldt.storage.tensors import check_compatible
+
+        check_compatible(opts.checkpoint, to_model(model))  # the runs start from it
+    # every captured token vector is float32 of the hidden size, loaded in full per channel
+    # (victim, two shadows; the attacks copy it about three times) on the capturing host
+    row = 4 * model["hidden_size"] * 3
+    channels = topo.num_stages + 1
+    check_fits("--steps", steps, channels * vectors * row + 4 * vectors * opts.clusters,
+               f"the captures of {vectors} token vectors per channel and their clustering",
+               unit_bytes=(channels * row + 4 * opts.clusters) * vectors / steps)
+    check_fits("--shadow-tokens", opts.shadow_tokens, 2 * channels * opts.shadow_tokens * row,
+               "the two shadow runs' captures", unit_bytes=2 * channels * row)
+
+
+def _audit(opts: AuditOptions, cfg: dict, topo, steps: int, out: str, log) -> dict:
+    """The runs and the attacks, in the folder ``out``."""
     cloud_text = opts.cloud_text or R.write_cloud_text(
-        os.path.join(opts.out, "cloud_text.txt"), opts.cloud_text_bytes)
-    steps = opts.steps or cfg["train"]["steps"]
-    runs = R.plan_runs(cfg, os.path.abspath(opts.out), steps=steps,
+        os.path.join(out, "cloud_text.txt"), opts.cloud_text_bytes)
+    runs = R.plan_runs(cfg, out, steps=steps,
                        noise_levels=opts.noise_levels, cloud_text=cloud_text,
                        shadow_tokens=opts.shadow_tokens, checkpoint=opts.checkpoint)
     log(f"ldt-audit: {len(runs)} runs of {topo.num_stages} stages "

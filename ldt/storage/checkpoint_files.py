@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from ldt.config import ConfigError
+from ldt.storage.atomic import fsync_tree, move_into_place, replace_file
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
@@ -71,8 +72,8 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
             dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
         _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
                                                   "files": _manifest(tmp, skip=(MANIFEST,))})
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        fsync_tree(tmp)
+        move_into_place(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if _out_of_space(exc, folder, _nbytes(state_dict)):
@@ -111,7 +112,8 @@ def carry_companions(origin: Optional[str], target: str, own: tuple = ()) -> lis
     if found is None:
         return []
     names = [n for n in sorted(os.listdir(found)) if n not in (INFO, COMPLETE, *own)
-             and not n.endswith(".tmp") and os.path.isfile(os.path.join(found, n))]
+             and not n.endswith(".tmp") and not n.startswith(".")  # no writer's temporaries
+             and os.path.isfile(os.path.join(found, n))]
     with disk_full_at(target):
         for name in names:
             shutil.copyfile(os.path.join(found, name), os.path.join(target, name))
@@ -156,6 +158,26 @@ def latest(path: str) -> Optional[str]:
         return path
     done = complete_steps(path)
     return done[-1] if done else None
+
+
+def skipped(path: str) -> Optional[str]:
+    """One line naming the step folders under a run folder that are newer than the one
+    :func:`latest` picks but incomplete (no marker: a save that did not finish), which a
+    reader passes over; None when it passes over nothing."""
+    found = latest(path)
+    folder = os.path.join(path, "checkpoints")
+    if found is None or os.path.abspath(found) == os.path.abspath(path) \
+            or not os.path.isdir(folder):
+        return None
+    newer = [d for d in sorted(os.listdir(folder)) if d.startswith("step_")
+             and d > os.path.basename(found) and os.path.isdir(os.path.join(folder, d))
+             and not os.path.exists(os.path.join(folder, d, COMPLETE))]
+    if not newer:
+        return None
+    return (f"{os.path.join(folder, newer[-1])}"
+            + (f" and {len(newer) - 1} more" if len(newer) > 1 else "")
+            + f" {'are' if len(newer) > 1 else 'is'} incomplete (no {COMPLETE} marker: the save "
+            f"did not finish), so the newest complete checkpoint, {found}, is used")
 
 
 def parts(folder: str) -> list[str]:
@@ -282,17 +304,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def _write_text(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    replace_file(path, text)
 
 
 def _nbytes(obj: Any) -> int:

@@ -33,24 +33,40 @@ from ldt.storage.tensors import write_tensors
 
 
 def _named_params(models, chunks):
-    from ldt.models.build import global_param_name
+    from ldt.models.build import param_names
 
     for chunk, gpt in zip(chunks, models):
+        names = param_names(chunk, gpt)
         for name, p in gpt.named_parameters():
-            yield global_param_name(chunk, name), p
+            yield names[name], p
 
 
-def _gather_full(name: str, local: torch.Tensor, state,
-                 gated: bool = False) -> Optional[torch.Tensor]:
-    """The full tensor on the stage leader (None elsewhere); ``gated``: a gated MLP."""
-    from ldt.models.sharding import split_dim, unshard
+def _gather_full(name: str, local: torch.Tensor, state, gated: bool = False,
+                 experts: int = 0) -> dict[str, torch.Tensor]:
+    """The full tensor(s) on the stage leader, by global name ({} elsewhere); ``gated``: a
+    gated MLP; ``experts``: the model's MoE experts per layer. With expert parallelism a
+    position of a MoE layer's experts holds another expert on each expert-parallel rank: the
+    leader (which holds the first block) gets every one of them, each joined from its
+    expert-TP ranks (:meth:`ldt.topology.Topology.expert_groups`)."""
+    from ldt.models.build import shift_expert
+    from ldt.models.sharding import split_dim, tp_of, unshard
 
-    tp = len(state.stage_ranks)
-    if tp == 1 or split_dim(name) is None:
-        return local.detach().cpu().clone() if state.is_leader else None
+    tp, ep = len(state.stage_ranks), state.topology.stages[state.stage].ep
+    size, _ = tp_of(name, tp, 0, ep)
+    if tp == 1 or (size == tp and split_dim(name) is None):
+        return {name: local.detach().cpu().clone()} if state.is_leader else {}
     parts = [torch.empty_like(local) for _ in range(tp)] if state.is_leader else None
     dist.gather(local.detach().contiguous(), parts, dst=state.stage_ranks[0], group=state.tp_group)
-    return unshard(name, [p.cpu() for p in parts], gated=gated) if state.is_leader else None
+    if not state.is_leader:
+        return {}
+    parts = [p.cpu() for p in parts]
+    if size == tp:
+        return {name: unshard(name, parts, gated=gated)}
+    out = {}
+    for k in range(ep):  # expert-parallel rank k: experts k * (experts / ep) + j
+        expert = shift_expert(name, k * experts // ep)
+        out[expert] = unshard(expert, parts[k * size:(k + 1) * size], gated=gated)
+    return out
 
 
 @dataclass
@@ -77,18 +93,18 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
 
     model_sd, optim_sd = {}, {}
     gated = is_gated(models[0])
+    experts = models[0].config.num_moe_experts or 0
     states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
     for name, p in _named_params(models, chunks):
-        full = _gather_full(name, p, state, gated)
+        full = _gather_full(name, p, state, gated, experts)
         if optimizer is not None and id(p) not in states:
             states[id(p)] = param_state(optimizer, p, state.dp_group)
         st = states.get(id(p))
-        tensors = {k: _gather_full(name, v, state, gated) for k, v in (st or {}).items()
-                   if k != "step"}
-        if state.is_leader:
-            model_sd[name] = full
-            if st is not None:
-                optim_sd[name] = {**tensors, "step": st["step"]}
+        tensors = {k: _gather_full(name, v, state, gated, experts)
+                   for k, v in (st or {}).items() if k != "step"}
+        model_sd.update(full)  # empty except on the leader
+        for each in full if st is not None else ():
+            optim_sd[each] = {**{k: v[each] for k, v in tensors.items()}, "step": st["step"]}
     error = None
     if state.is_leader and state.info.dp_rank == 0:
         try:
@@ -148,7 +164,7 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from ldt.models.sharding import is_gated, shard_into
+    from ldt.models.sharding import is_gated, shard_into, tp_of
 
     gated = is_gated(models[0])
 
@@ -161,6 +177,7 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
     from ldt.training.optim import load_param_state, reload_main_params, state_keys
 
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
+    ep = state.topology.stages[state.stage].ep
     wanted = dict(_named_params(models, chunks))
     with_state = optimizer is not None and not weights_only
     kinds = state_keys(optimizer) if with_state else ()
@@ -192,9 +209,10 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         with torch.no_grad():
             for n in names:
                 p = wanted.pop(n)
-                p.copy_(shard_into(n, sd["model"][n], p.shape, tp, tp_rank, gated=gated))
+                size, rank = tp_of(n, tp, tp_rank, ep)
+                p.copy_(shard_into(n, sd["model"][n], p.shape, size, rank, gated=gated))
                 if n in sd["optim"]:
-                    states[p] = {k: shard_into(n, v, p.shape, tp, tp_rank, gated=gated)
+                    states[p] = {k: shard_into(n, v, p.shape, size, rank, gated=gated)
                                  if k != "step" else v for k, v in sd["optim"][n].items()}
     if wanted:
         raise CheckpointError(

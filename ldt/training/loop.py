@@ -60,7 +60,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         if observe is not None:
             observers += observe(rank, topo, run_dir)
         cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
-        names = cpu + ["schedules", "sequence_parallel_norms"]
+        names = cpu + ["schedules", "sequence_parallel_norms", "moe_without_te"]
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
@@ -98,7 +98,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     from ldt.training.optim import build_stage_optimizer, skip_to
     from ldt.schedule.forward_backward import run_step
 
-    from ldt.training import checkpoint
+    from ldt.training import checkpoint, moe
 
     t, m = c.train, c.train.num_microbatches
     record = progress.current()
@@ -156,6 +156,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         opt.zero_grad()
         t0 = time.perf_counter()
         record.begin("forward-backward" + ("" if ldt_runtime else " (megatron's schedule)"))
+        moe.reset(c.model)
         losses, timed = pipeline_pass(lambda: data.step_iterator(step))
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
@@ -169,6 +170,9 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         dt = time.perf_counter() - t0
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                    tokens_per_s=tokens_per_step / dt, eval_loss=None)
+        if moe.tracks_aux_loss(c.model):
+            record.begin("MoE load-balancing loss all-reduce", waiting=True)
+            row["moe_aux_loss"] = moe.aux_loss(c.model, topo.dp * m, guard.group)
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             record.begin("evaluation")
             with torch.no_grad():  # as megatron's evaluate(): held-out data, no graph, no grads
@@ -212,10 +216,12 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
     step_time = sorted(steady)[len(steady) // 2]
     evals = [r["eval_loss"] for r in rows if r["eval_loss"] is not None]
+    aux = [r["moe_aux_loss"] for r in rows if r.get("moe_aux_loss") is not None]
     return {"steps": t.steps, "first_step": first_step, "final_loss": rows[-1]["loss"],
             "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
             **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
+            **({"moe_aux_loss": aux[-1], "moe_aux_losses": aux} if aux else {}),
             "run_dir": run_dir, **extra}
 
 
@@ -227,8 +233,11 @@ class _Outputs:
                                           memory_keys, model_flops_per_step, peak_flops)
 
         t = c.train
+        from ldt.training.moe import tracks_aux_loss
+
         self.memory_keys = memory_keys(topo.num_stages)
-        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *self.memory_keys], first_step)
+        moe = ["moe_aux_loss"] if tracks_aux_loss(c.model) else []
+        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *moe, *self.memory_keys], first_step)
         self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
         self.console = Console(first_step, t.steps, t.log_interval)
         self.flops = model_flops_per_step(c.model, t.micro_batch_size,
@@ -271,7 +280,9 @@ def _mean_loss(losses, state) -> float:
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
     train.runtime=ldt."""
-    return topo.u_shape or topo.is_vdp or train.runtime == "ldt"
+    from ldt.schedule.size import runs_on_ldt_runtime
+
+    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
 
 
 def reference_config(cfg: dict) -> dict:

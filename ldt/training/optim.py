@@ -170,14 +170,30 @@ def skip_to(stage_opt: StageOptimizer, step: int) -> None:
 
 
 # ---- optimizer state as full (TP-local) tensors per parameter: checkpoints ----------------
-def _inner(optimizer):
+def _inner(optimizer, param=None):
+    """The megatron optimizer stepping ``param`` (None: the first; all share one config).
+    megatron chains a second optimizer for the experts of an expert-parallel stage (ep > 1);
+    a parameter no optimizer holds on this rank (the distributed optimizer keeps none of its
+    elements here) goes with the first."""
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is None:
         return optimizer
-    if len(chained) != 1:
-        raise NotImplementedError(f"{len(chained)} chained optimizers (expert parameters?): "
-                                  "ldt's checkpoints handle one")
+    if param is not None:
+        for opt in chained[1:]:
+            if _holds(opt, param):
+                return opt
     return chained[0]
+
+
+def _holds(opt, param) -> bool:
+    """Whether megatron optimizer ``opt`` steps model parameter ``param`` on this rank."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if isinstance(opt, DistributedOptimizer):
+        return param in opt.model_param_gbuf_map
+    main = getattr(param, "main_param", None)
+    target = param if main is None else main
+    return any(p is target for group in opt.optimizer.param_groups for p in group["params"])
 
 
 def _locate(opt, param):
@@ -215,7 +231,7 @@ def param_state(stage_opt: StageOptimizer, param, dp_group) -> Optional[dict]:
     """This TP rank's full tensors (``main_param`` when the optimizer keeps one, and the
     optimizer's moments, fp32) and ``step`` of ``param``, gathered over the data-parallel
     ranks when the distributed optimizer shards them; None before the first step."""
-    opt = _inner(stage_opt.optimizer)
+    opt = _inner(stage_opt.optimizer, param)
     main, st, span = _locate(opt, param)
     keys = state_keys(stage_opt)
     names = (("main_param",) if has_main_params(stage_opt) else ()) + keys
@@ -243,7 +259,7 @@ def param_state(stage_opt: StageOptimizer, param, dp_group) -> Optional[dict]:
 def load_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
     """Set ``param``'s main copy and optimizer state from this TP rank's full tensors
     (``main_param`` optional: absent, the main copy is the loaded weight)."""
-    opt = _inner(stage_opt.optimizer)
+    opt = _inner(stage_opt.optimizer, param)
     main, st, span = _locate(opt, param)
     if main is None:
         return  # the distributed optimizer keeps no shard of it on this rank

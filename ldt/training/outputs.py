@@ -204,7 +204,10 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
         from ldt.schedule.timeline import (median_step, result_from_measurements,
                                            to_chrome_trace, to_png)
 
-        with open(os.path.join(run_dir, "action_times.csv"), "w", newline="") as f:
+        from ldt.storage.atomic import replacing
+
+        with replacing(os.path.join(run_dir, "action_times.csv")) as tmp, \
+                open(tmp, "w", newline="") as f:  # whole: ldt-sim --measured reads it
             w = csv.writer(f)
             w.writerow(ACTION_TIMES_KEYS)
             for stage, (host, steps) in enumerate(timeline):
@@ -217,7 +220,8 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
         offsets = [start - min(s for s, _ in shown) for start, _ in shown] if one_clock else None
         result = result_from_measurements([step_rows for _, step_rows in shown], offsets)
         names = [stage.name for stage in topo.stages]
-        to_chrome_trace(result, os.path.join(run_dir, "timeline.json"), stage_names=names)
-        to_png(result, os.path.join(run_dir, "timeline.png"),
-               f"measured step {rows[i]['step']} (the median of {len(rows)} steps), "
-               f"{topo.num_stages} stages, TP {topo.tp_sizes}", stage_names=names)
+        with replacing(os.path.join(run_dir, "timeline.json")) as tmp:
+            to_chrome_trace(result, tmp, stage_names=names)
+        with replacing(os.path.join(run_dir, "timeline.png")) as tmp:
+            to_png(result, tmp, f"measured step {rows[i]['step']} (the median of {len(rows)} "
+                   f"steps), {topo.num_stages} stages, TP {topo.tp_sizes}", stage_names=names)

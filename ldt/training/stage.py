@@ -35,7 +35,7 @@ def build_stage_models(c, topo, state) -> list:
     from megatron.core import tensor_parallel
 
     from ldt.models.init import init_chunk
-    from ldt.models.build import build_chunk, global_param_name
+    from ldt.models.build import build_chunk, param_names
     from ldt.models.vocab import model_vocab_size
 
     tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
@@ -46,10 +46,10 @@ def build_stage_models(c, topo, state) -> list:
     for chunk in chunks:
         gpt = build_chunk(c.model, chunk, stage.tp, device=stage.device, vpp=vpp,
                           num_stages=topo.num_stages, pg_collection=state.pg_collection(),
-                          vocab_size=model_vocab_size(c.model, topo))
+                          vocab_size=model_vocab_size(c.model, topo), ep=stage.ep)
         init_chunk(gpt, seed=c.train.seed, num_layers=c.model.num_layers, tp=stage.tp,
-                   tp_rank=state.info.tp_rank, rename=lambda n, ch=chunk: global_param_name(ch, n),
-                   vocab_size=c.model.vocab_size)
+                   tp_rank=state.info.tp_rank, rename=param_names(chunk, gpt).__getitem__,
+                   vocab_size=c.model.vocab_size, ep=stage.ep)
         gpt.config.overlap_p2p_comm = bool(c.train.overlap_p2p_comm and vpp)
         gpt.config.batch_p2p_comm = not gpt.config.overlap_p2p_comm
         models.append(gpt)

@@ -38,50 +38,96 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 class SafetensorsFolder:
-    """The tensors of a Hugging Face folder, by name, read lazily (one file open at a time)."""
+    """The tensors of a Hugging Face folder, by name, read lazily (one file open at a time).
+    A damaged file (a truncated one, an index that names a missing file) is a ConfigError
+    naming it; so is a tensor that holds NaN or Inf."""
 
     def __init__(self, folder: str):
+        from ldt.userfiles import load_json_object
+
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                self.file_of = dict(json.load(f)["weight_map"])
+            weight_map = load_json_object(index, "safetensors index").get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConfigError(f"{index} has no 'weight_map' of tensor names to files; "
+                                  "restore the file from the model's source")
+            self.file_of = dict(weight_map)
         else:
             files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
             if not files:
                 raise ConfigError(f"{folder} has no *.safetensors file; ldt-convert reads "
                                   "safetensors (save the model with safe_serialization=True)")
-            from safetensors import safe_open
-
             self.file_of = {}
             for name in files:
-                with safe_open(os.path.join(folder, name), framework="pt") as f:
+                with self._open(name) as f:
                     self.file_of.update({k: name for k in f.keys()})
+
+    def _open(self, name: str):
+        from safetensors import SafetensorError, safe_open
+
+        path = os.path.join(self.folder, name)
+        try:
+            return safe_open(path, framework="pt")
+        except FileNotFoundError:
+            raise ConfigError(f"{path} is named by the folder's safetensors index but does "
+                              "not exist; restore it from the model's source") from None
+        except SafetensorError as exc:
+            raise ConfigError(f"{path} is not a readable safetensors file ({exc}): truncated "
+                              "or damaged; restore it from the model's source") from None
 
     def names(self) -> set[str]:
         return set(self.file_of)
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """The named tensors; each file is opened, read and closed (its mapping released)."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.file_of[n], []).append(n)
         out = {}
         for name, group in by_file.items():
-            with safe_open(os.path.join(self.folder, name), framework="pt") as f:
-                out.update({n: f.get_tensor(n) for n in group})
+            with self._open(name) as f:
+                for n in group:
+                    try:
+                        out[n] = f.get_tensor(n)
+                    except SafetensorError as exc:
+                        raise ConfigError(f"{os.path.join(self.folder, name)}: tensor {n} "
+                                          f"cannot be read ({exc}); restore the file from the "
+                                          "model's source") from None
+                    check_finite(out[n], n, os.path.join(self.folder, name))
         return out
+
+
+def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    """Refuse a weight that holds NaN or Inf (a damaged or diverged checkpoint)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ConfigError(f"{where}: tensor {name} holds {bad} NaN/Inf value(s) of "
+                          f"{tensor.numel()}; the weights are damaged or diverged: use a "
+                          "checkpoint whose weights are finite")
 
 
 def read_hf_config(folder: str):
     """transformers' config object of a local folder (never downloads)."""
     from transformers import AutoConfig
 
-    if not os.path.exists(os.path.join(folder, "config.json")):
+    from ldt.userfiles import load_json_object
+
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{folder}: no such folder; give a Hugging Face model folder "
+                          "(config.json and *.safetensors)")
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
         raise ConfigError(f"{folder} has no config.json: give a Hugging Face model folder")
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    load_json_object(path, "config.json")  # a syntax error named with its line and column
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{path} is not a config transformers can read ({first}); give the "
+                          "config.json of a LlamaForCausalLM or Qwen2ForCausalLM") from None
 
 
 def model_config_of(folder: str) -> tuple[Family, ModelConfig]:
@@ -102,10 +148,20 @@ def parts(model: ModelConfig) -> Iterator[list[str]]:
     yield [n for n in names if not n.startswith(("embedding.", "decoder.layers."))]
 
 
-def import_hf(hf_dir: str, out_dir: str, *, log=print) -> ModelConfig:
-    """Convert a Hugging Face ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` folder into an ldt
-    checkpoint folder ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig."""
+def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
+              conf: Optional[dict] = None, log=print) -> ModelConfig:
+    """Convert a Hugging Face folder of a known family (Llama incl. 3.1+, Qwen2, Qwen3,
+    Qwen3-MoE: :data:`~ldt.models.hf.families.FAMILIES`) into an ldt checkpoint folder
+    ``out_dir`` (usable as ``train.load=out_dir``); returns its ModelConfig.
+
+    The folder is built beside ``out_dir`` and renamed into place once sealed and verified
+    (:func:`ldt.storage.atomic.new_folder`): a refused or failed import leaves ``out_dir`` as
+    it was, and an existing ``out_dir`` is refused unless ``overwrite`` (then replaced whole).
+    ``conf``: also write ``conf/model/<name>.yaml`` (keys ``name``, ``seq_length``,
+    ``params_dtype``; None values take the model's), for ``hydra.searchpath``."""
     from ldt.models.arch import full_shapes, write_model_json
+    from ldt.storage import checkpoint_files as files
+    from ldt.storage.atomic import new_folder
     from ldt.storage.tensors import mark_complete, write_tensors
 
     family, model = model_config_of(hf_dir)
@@ -113,35 +169,47 @@ def import_hf(hf_dir: str, out_dir: str, *, log=print) -> ModelConfig:
     shapes = full_shapes(model)
     tied_head = model.tie_embeddings and "lm_head.weight" not in source.names()
     used: set[str] = set()
-    if os.path.exists(os.path.join(out_dir, "COMPLETE")):
-        os.remove(os.path.join(out_dir, "COMPLETE"))  # a re-import is incomplete until done
-    for part, names in enumerate(parts(model)):
-        tensors = {}
-        for name in names:
-            hf_names, kind = family.sources(name)
-            if name == "output_layer.weight" and tied_head:
-                hf_names = ("model.embed_tokens.weight",)
-            missing = [n for n in hf_names if n not in source.names()]
-            if missing:
-                raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing; config.json says "
-                                  f"{family.architecture} with {model.num_layers} layers")
-            tensor = family.join(kind, [source.read([n])[n] for n in hf_names], model)
-            if tuple(tensor.shape) != shapes[name]:
-                raise ConfigError(f"{hf_dir}: {' + '.join(hf_names)} gives {name} of shape "
-                                  f"{tuple(tensor.shape)}, but config.json implies {shapes[name]}")
-            tensors[name] = tensor
-            used.update(hf_names)
-        write_tensors(out_dir, part, tensors, IMPORT_STEP)
-        del tensors
-    unknown = sorted(n for n in source.names() - used if not family.dropped(n))
-    if unknown:
-        raise ConfigError(f"{hf_dir}: tensor {unknown[0]} has no rule in the {family.name} "
-                          "table (ldt/models/hf/families.py): the checkpoint's architecture "
-                          "differs from what config.json declares")
-    write_model_json(out_dir, model)
-    shutil.copy(os.path.join(hf_dir, "config.json"), os.path.join(out_dir, HF_CONFIG))
-    copied = _copy_tokenizer(hf_dir, out_dir)
-    mark_complete(out_dir, IMPORT_STEP)
+    written, dtype = [], None
+    with new_folder(out_dir, flag="OUT", overwrite=overwrite,
+                    inputs=[("HF_FOLDER", hf_dir)]) as tmp:
+        for part, names in enumerate(parts(model)):
+            tensors = {}
+            for name in names:
+                hf_names, kind = family.sources(name)
+                if name == "output_layer.weight" and tied_head:
+                    hf_names = ("model.embed_tokens.weight",)
+                missing = [n for n in hf_names if n not in source.names()]
+                if missing:
+                    raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing; config.json "
+                                      f"says {family.architecture} with {model.num_layers} "
+                                      "layers")
+                tensor = family.join(kind, [source.read([n])[n] for n in hf_names], model)
+                if tuple(tensor.shape) != shapes[name]:
+                    raise ConfigError(f"{hf_dir}: {' + '.join(hf_names)} gives {name} of shape "
+                                      f"{tuple(tensor.shape)}, but config.json implies "
+                                      f"{shapes[name]}")
+                tensors[name] = tensor
+                dtype = dtype or tensor.dtype
+                used.update(hf_names)
+            write_tensors(tmp, part, tensors, IMPORT_STEP)
+            written.append(f"stage_{part}")
+            del tensors
+        unknown = sorted(n for n in source.names() - used if not family.dropped(n))
+        if unknown:
+            raise ConfigError(f"{hf_dir}: tensor {unknown[0]} has no rule in the {family.name} "
+                              "table (ldt/models/hf/families.py): the checkpoint's architecture "
+                              "differs from what config.json declares")
+        write_model_json(tmp, model)
+        shutil.copy(os.path.join(hf_dir, "config.json"), os.path.join(tmp, HF_CONFIG))
+        copied = _copy_tokenizer(hf_dir, tmp)
+        if conf is not None:
+            name = conf.get("name") or os.path.basename(os.path.abspath(out_dir))
+            write_model_yaml(model, os.path.join(tmp, "conf", "model", f"{name}.yaml"),
+                             seq_length=conf.get("seq_length"),
+                             params_dtype=conf.get("params_dtype")
+                             or str(dtype).replace("torch.", ""))
+        mark_complete(tmp, IMPORT_STEP)
+        files.verify(tmp, which=written, hashes=True)  # what is renamed is what was meant
     log(f"ldt-convert: {family.architecture} ({model.num_layers} layers, hidden "
         f"{model.hidden_size}, {model.num_attention_heads} heads / "
         f"{model.num_query_groups} KV groups, vocab {model.vocab_size}) -> {out_dir}"
@@ -150,62 +218,83 @@ def import_hf(hf_dir: str, out_dir: str, *, log=print) -> ModelConfig:
 
 
 def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = None,
-              log=print) -> str:
+              overwrite: bool = False, log=print) -> str:
     """Write an ldt checkpoint (an import or a training checkpoint, any layout) as a Hugging
     Face folder that ``transformers`` loads. ``model``: the ModelConfig when the checkpoint has
-    no ``model.json``."""
+    no ``model.json``.
+
+    The checkpoint is checked against the checksums it was written with before a tensor is
+    read (a damaged one is refused, never passed on), every tensor is checked for NaN/Inf,
+    and the folder is built beside ``out_dir`` and renamed into place when complete: an
+    existing ``out_dir`` is refused unless ``overwrite``, and then replaced whole (no old
+    ``model.safetensors`` is left beside the new shards)."""
     from safetensors.torch import save_file
 
     from ldt.models.arch import read_model_json
-    from ldt.storage.checkpoint_files import latest
+    from ldt.storage import checkpoint_files as files
+    from ldt.storage.atomic import check_output, new_folder
     from ldt.storage.tensors import read_tensors, tensor_index
 
-    found = latest(ldt_path)
+    inputs = [("CHECKPOINT", ldt_path)]
+    check_output(out_dir, flag="OUT", overwrite=overwrite, inputs=inputs)  # before any read
+    found = files.latest(ldt_path)
     if found is None:
-        raise ConfigError(f"{ldt_path!r} holds no complete ldt checkpoint")
+        raise ConfigError(f"{ldt_path!r} holds no complete ldt checkpoint (no "
+                          f"{files.COMPLETE} marker); give a run folder with checkpoints/, "
+                          "one of its checkpoints/step_N folders or an ldt-convert import")
+    skipped = files.skipped(ldt_path)
+    if skipped:
+        log(f"ldt-convert: {skipped}")
+    stages = [p for p in files.parts(found) if p.startswith("stage_")]
+    files.verify(found, which=stages, hashes=True)
     model = read_model_json(found) or model
     if model is None:
-        raise ConfigError(f"{found} has no model.json; pass the model config (--model NAME)")
+        raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "
+                          "checkpoint written by ldt-train or ldt-convert import")
     family = family_of_model(model)
     index = tensor_index(found)
     dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
     base = None
     if os.path.exists(os.path.join(found, HF_CONFIG)):
-        with open(os.path.join(found, HF_CONFIG)) as f:
-            base = json.load(f)
+        from ldt.userfiles import load_json_object
+
+        base = load_json_object(os.path.join(found, HF_CONFIG), "the import's config.json")
     hf_config = family.hf_config(model, dtype, base)
     expected = hf_shapes(hf_config)
-    os.makedirs(out_dir, exist_ok=True)
     groups = list(parts(model))
     weight_map, total = {}, 0
-    for k, names in enumerate(groups):
-        if model.tie_embeddings:
-            names = [n for n in names if n != "output_layer.weight"]
-        full = read_tensors(index, names)
-        out = {}
-        for name in names:
-            tensor = full.pop(name)
-            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                tensor = tensor[:model.vocab_size]  # drop the vocabulary padding
-            hf_names, kind = family.sources(name)
-            for hf_name, value in zip(hf_names, family.split(kind, tensor, model)):
-                if expected.pop(hf_name, None) != tuple(value.shape):
-                    raise ConfigError(f"export of {found}: {name} gives {hf_name} of shape "
-                                      f"{tuple(value.shape)}, but transformers' "
-                                      f"{family.architecture} has "
-                                      f"{hf_shapes(hf_config).get(hf_name, 'no such tensor')}")
-                out[hf_name] = value.contiguous()
-        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file(out, os.path.join(out_dir, file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in out})
-        total += sum(t.numel() * t.element_size() for t in out.values())
-    if expected:
-        raise ConfigError(f"export of {found}: nothing gives transformers' "
-                          f"{family.architecture} its {sorted(expected)[0]}")
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-    hf_config.to_json_file(os.path.join(out_dir, "config.json"))
-    _copy_tokenizer(found, out_dir)
+    with new_folder(out_dir, flag="OUT", overwrite=overwrite, inputs=inputs) as tmp:
+        for k, names in enumerate(groups):
+            if model.tie_embeddings:
+                names = [n for n in names if n != "output_layer.weight"]
+            full = read_tensors(index, names)
+            out = {}
+            for name in names:
+                tensor = full.pop(name)
+                check_finite(tensor, name, found)
+                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                    tensor = tensor[:model.vocab_size]  # drop the vocabulary padding
+                hf_names, kind = family.sources(name)
+                for hf_name, value in zip(hf_names, family.split(kind, tensor, model)):
+                    if expected.pop(hf_name, None) != tuple(value.shape):
+                        raise ConfigError(f"export of {found}: {name} gives {hf_name} of shape "
+                                          f"{tuple(value.shape)}, but transformers' "
+                                          f"{family.architecture} has "
+                                          f"{hf_shapes(hf_config).get(hf_name, 'no such tensor')}")
+                    out[hf_name] = value.contiguous()
+            file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file(out, os.path.join(tmp, file), metadata={"format": "pt"})
+            weight_map.update({n: file for n in out})
+            total += sum(t.numel() * t.element_size() for t in out.values())
+        if expected:
+            raise ConfigError(f"export of {found}: nothing gives transformers' "
+                              f"{family.architecture} its {sorted(expected)[0]}")
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
+                      indent=1)
+        hf_config.to_json_file(os.path.join(tmp, "config.json"))
+        _copy_tokenizer(found, tmp)
+        _check_shards(tmp, weight_map)
     log(f"ldt-convert: {found} -> {out_dir} ({family.architecture}, {len(groups)} files)")
     return out_dir
 
@@ -216,10 +305,26 @@ def hf_shapes(hf_config) -> dict[str, tuple]:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     with init_empty_weights():
         skeleton = AutoModelForCausalLM.from_config(hf_config)
     skeleton.tie_weights()  # under init_empty_weights the head is not tied at construction
-    return {n: tuple(p.shape) for n, p in skeleton.named_parameters()}
+    # as save_pretrained writes them: transformers 5 keeps a MoE layer's experts fused in
+    # memory (mlp.experts.gate_up_proj [E, 2f, h]) and splits them back per expert on save
+    params = revert_weight_conversion(skeleton, dict(skeleton.named_parameters()))
+    return {n: tuple(p.shape) for n, p in params.items()}
+
+
+def _check_shards(folder: str, weight_map: dict) -> None:
+    """Every shard written opens and holds the tensors the index gives it."""
+    written = SafetensorsFolder(folder)
+    for name in sorted(set(weight_map.values())):
+        with written._open(name) as f:
+            want = {n for n, file in weight_map.items() if file == name}
+            if set(f.keys()) != want:
+                raise ConfigError(f"{os.path.join(folder, name)} does not hold the tensors its "
+                                  "index names (a write went wrong); nothing was replaced")
 
 
 def _copy_tokenizer(src: str, dst: str) -> list[str]:

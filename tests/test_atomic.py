@@ -1,0 +1,161 @@
+"""One way to write (ldt.storage.atomic): what a user has is never lost, no output is half there.
+
+No processes: each check builds a few files in tmp_path and compares every byte before and
+after. Failures are injected at each point of a write (inside the block, at the rename, in the
+verification a writer does before the rename).
+"""
+
+import os
+
+import pytest
+
+from ldt.storage import atomic
+from ldt.storage.atomic import OutputError, check_output, check_run_folder, new_files, new_folder
+
+
+def tree(root) -> dict:
+    """Every path under ``root`` (hidden ones too) -> its bytes, or None for a folder."""
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(folder, d), root)] = None
+        for f in files:
+            path = os.path.join(folder, f)
+            out[os.path.relpath(path, root)] = open(path, "rb").read()
+    return out
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A user's folder: a model, notes and an input, with the working directory elsewhere."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "weights.bin").write_bytes(b"\x00\x01" * 100)
+    (tmp_path / "model" / "keep.txt").write_text("mine")
+    (tmp_path / "notes.txt").write_text("notes")
+    (tmp_path / "input.txt").write_text("data")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    return tmp_path
+
+
+def test_an_existing_target_is_refused_untouched(home):
+    before = tree(home)
+    for target in ("model", "notes.txt"):
+        with pytest.raises(OutputError, match=r"already exists .* add --overwrite"):
+            with new_folder(str(home / target), flag="OUT") as tmp:
+                open(os.path.join(tmp, "x"), "w").close()
+    with pytest.raises(OutputError, match="already exists"):
+        atomic.write_text(str(home / "notes.txt"), "new", flag="--out")
+    assert tree(home) == before
+
+
+def test_overwrite_replaces_whole_never_merges(home):
+    with new_folder(str(home / "model"), flag="OUT", overwrite=True) as tmp:
+        with open(os.path.join(tmp, "new.bin"), "w") as f:
+            f.write("new")
+    assert sorted(os.listdir(home / "model")) == ["new.bin"]  # keep.txt went with the old
+    assert not [n for n in os.listdir(home) if atomic.TMP_MARK in n or atomic.OLD_MARK in n]
+
+
+def test_a_failure_at_any_point_leaves_the_target_as_it_was(home, monkeypatch):
+    before = tree(home)
+
+    class Boom(Exception):
+        pass
+
+    # in the writer's block (a wrong tensor, a full disk), also with overwrite
+    for overwrite in (False, True):
+        target = home / ("model" if overwrite else "fresh")
+        with pytest.raises(Boom):
+            with new_folder(str(target), flag="OUT", overwrite=overwrite) as tmp:
+                open(os.path.join(tmp, "half"), "w").close()
+                raise Boom()
+        assert tree(home) == before
+    # at the rename (the kernel cannot swap two names: old aside, new in, old removed)
+    real_rename = os.rename
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    for failing_step in ("aside", "in"):
+        def rename(src, dst, step=failing_step):
+            if (step == "aside" and atomic.OLD_MARK in str(dst)) or \
+                    (step == "in" and atomic.TMP_MARK in str(src)):
+                raise OSError(5, "Input/output error")
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        with pytest.raises(OSError):
+            with new_folder(str(home / "model"), flag="OUT", overwrite=True) as tmp:
+                open(os.path.join(tmp, "new"), "w").close()
+        monkeypatch.setattr(os, "rename", real_rename)
+        assert tree(home) == before
+    # a set of files: the second one fails, the first is not renamed either
+    with pytest.raises(Boom):
+        with new_files([str(home / "a.bin"), str(home / "notes.txt")], flags=["-o", "-o"],
+                       overwrite=True) as (a, notes):
+            open(a, "w").write("a")
+            raise Boom()
+    assert tree(home) == before
+
+
+def test_missing_parents_are_made_and_removed_again_on_failure(home):
+    before = tree(home)
+    with pytest.raises(RuntimeError):
+        with new_folder(str(home / "a" / "b" / "out"), flag="OUT"):
+            raise RuntimeError()
+    assert tree(home) == before
+    path = atomic.write_text(str(home / "c" / "d.yaml"), "x: 1\n", flag="--out")
+    assert open(path).read() == "x: 1\n"
+
+
+def test_an_input_is_never_an_output(home):
+    inputs = [("--input", str(home / "input.txt")), ("HF_FOLDER", str(home / "model"))]
+    cases = {str(home / "input.txt"): "is also the input --input",
+             str(home / "model"): "is also the input HF_FOLDER",
+             str(home / "model" / "sub"): "lies inside the input HF_FOLDER",
+             str(home): "holds the input"}
+    for target, message in cases.items():
+        with pytest.raises(OutputError, match=message):
+            check_output(target, flag="OUT", overwrite=True, inputs=inputs)
+    os.symlink(home / "input.txt", home / "link.txt")  # the same file by another name
+    with pytest.raises(OutputError, match="is also the input"):
+        check_output(str(home / "link.txt"), flag="OUT", overwrite=True, inputs=inputs)
+    with pytest.raises(OutputError, match="holds the working directory"):
+        check_output(str(home / "elsewhere"), flag="OUT", overwrite=True)
+
+
+def test_an_unwritable_place_is_refused_naming_the_target(home):
+    with pytest.raises(OutputError, match=r"OUT /proc/ldt_out: cannot write there"):
+        with new_folder("/proc/ldt_out", flag="OUT"):
+            pass
+    (home / "afile").write_text("x")
+    with pytest.raises(OutputError, match="is not a folder|cannot"):
+        check_output(str(home / "afile" / "out"), flag="OUT")
+    with pytest.raises(OutputError, match="is empty"):
+        check_output("", flag="OUT")
+
+
+def test_temporaries_keep_the_extension_and_are_hidden(home):
+    with new_files([str(home / "t.png")], flags=["--png"]) as (tmp,):
+        assert os.path.basename(tmp).startswith(".t.png" + atomic.TMP_MARK)
+        assert tmp.endswith(".png")  # matplotlib picks the format from it
+        open(tmp, "w").write("png")
+    assert (home / "t.png").read_text() == "png"
+
+
+def test_an_empty_folder_may_be_the_target(home):
+    (home / "empty").mkdir()
+    with new_folder(str(home / "empty"), flag="OUT") as tmp:
+        open(os.path.join(tmp, "x"), "w").close()
+    assert os.listdir(home / "empty") == ["x"]
+
+
+def test_a_run_never_writes_into_another_runs_folder(home):
+    run = home / "run"
+    run.mkdir()
+    check_run_folder(str(run), None)  # empty: a new run may start there
+    (run / "metrics.csv").write_text("step,loss\n")
+    with pytest.raises(OutputError, match=r"already holds files \(metrics.csv\).*train.resume="):
+        check_run_folder(str(run), None)
+    with pytest.raises(OutputError):
+        check_run_folder(str(run), str(home / "model"))  # resuming another run
+    check_run_folder(str(run), str(run))  # resuming this one
+    check_run_folder(str(run), str(run / "checkpoints" / "step_0000003"))

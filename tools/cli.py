@@ -1,0 +1,114 @@
+"""What every ldt command line shares: one-line refusals and checked ranges.
+
+:class:`Parser` is argparse with its error printed as one line (``PROG: what; see PROG
+--help``, exit 2) instead of the usage block; :func:`count` and :func:`number` are argparse
+types that check a flag's range as it is parsed (``--clusters 0`` is refused before anything
+runs); :func:`guarded` turns a user's mistake found later (a :class:`~ldt.config.ConfigError`,
+a file that cannot be read or written) into one line and exit 2. A traceback is left for
+ldt's own bugs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Callable, Optional
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a refused command line in one line."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def count(low: int = 1, high: Optional[int] = None, why: str = ""):
+    """An argparse type: an integer in [low, high]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{value} must be {span}{why}")
+        return value
+
+    parse.__name__ = "count"  # argparse names the type in its messages
+    return parse
+
+
+def number(low: float = 0.0, *, strict: bool = False):
+    """An argparse type: a finite number >= low (> low when ``strict``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be a finite number {'>' if strict else '>='} {low:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP: unwinds like Ctrl-C, so every temporary output is removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum, frame):
+    raise Stopped(signum)
+
+
+def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
+    """``body()``'s exit status; a ConfigError (a refused input or output) or an OSError (a
+    file that cannot be read or written) is printed as one line, exit status 2. Ctrl-C,
+    SIGTERM and SIGHUP stop it with one line (exit 128 + signal) after the outputs being
+    built are removed: what existed before is as it was."""
+    import signal
+
+    from ldt.config import ConfigError
+    from ldt.layout import LayoutError
+
+    previous = {}
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            previous[s] = signal.signal(s, _stop)
+        except ValueError:  # not the main thread: the caller owns signals
+            pass
+    try:
+        return int(body() or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (SIGINT); no output was left half-written", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Stopped as exc:
+        print(f"{prog}: stopped by {signal.Signals(exc.signum).name}; no output was left "
+              "half-written", file=sys.stderr)
+        return 128 + exc.signum
+    except (ConfigError, LayoutError) as exc:
+        print(f"{prog}: {_one_line(exc)}", file=sys.stderr)
+    except OSError as exc:
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        print(f"{prog}: cannot use{where}: {exc.strerror or exc}; check the path and its "
+              "permissions", file=sys.stderr)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return EXIT_USAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    if hasattr(exc, "one_line"):  # a LayoutError: its caret picture left out
+        return exc.one_line()
+    return " ".join(str(exc).split())
