@@ -332,6 +332,19 @@ def check_sim_of_plan(result, scratch: Scratch):
     assert "from plans/train/mine.yaml" in result.stderr, result.stderr
 
 
+def check_front_pick(result, scratch: Scratch):
+    """docs/planner.md's edge_cloud example: the front, and the 10-device plan picked."""
+    assert "time/cost front:" in result.stdout, result.stdout
+    assert "picked 3 stages on 10 devices, 14266.2 ms: 0.6% slower" in result.stdout, \
+        result.stdout
+
+
+def check_sim_of_front_pick(result, scratch: Scratch):
+    """ldt-sim prices the planned files as ldt-plan did (the same 14266.17 ms)."""
+    assert "from plans/train/qwen.yaml" in result.stderr, result.stderr
+    assert "iteration 14266.17 ms" in result.stdout, result.stdout
+
+
 def check_replay(result, scratch: Scratch):
     """docs/planner.md shows the replay's table: its first line and row labels."""
     assert re.match(r"runs/demo: \d+ steps after 3 skipped, 3 stages\n", result.stdout), \
@@ -378,6 +391,8 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("README.md", r"ldt-sim --cluster plans/cluster/mine\.yaml", check_sim_of_plan),
     ("docs/models.md", r"ldt-convert export", lambda r, s: check_export(r, s, "hf_exported")),
     ("docs/planner.md", r"ldt-sim --measured", check_replay),
+    ("docs/planner.md", r"ldt-plan .*qwen2\.5_7b --out plans/cluster/qwen\.yaml", check_front_pick),
+    ("docs/planner.md", r"ldt-sim --cluster plans/cluster/qwen\.yaml", check_sim_of_front_pick),
     ("docs/privacy.md", r"ldt-audit", check_audit),
     ("docs/torchrun.md", r"torchrun .*-m ldt\.train", check_torchrun),
     ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),

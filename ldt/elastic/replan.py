@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
@@ -34,9 +33,9 @@ from ldt.elastic.nodes import KIND_VAR, ElasticError, Node
 from ldt.plan import Inventory, Link, PlannerOptions, Workload, cluster_dict, plan
 from ldt.topology import Topology
 
-# Work limits instead of time budgets: the same plan on every rank, whatever its speed.
-PLANNER = PlannerOptions(simulate_min=6, simulate_max=64, simulate_seconds=math.inf,
-                         refine_top=2, refine_sims=40, refine_seconds=math.inf)
+# A smaller search than ldt-plan's, as it runs at every start; the planner's budgets count
+# simulated actions, not seconds, so every rank plans the same plan whatever its speed.
+PLANNER = PlannerOptions(simulate_min=6, simulate_max=64, refine_top=2, refine_sims=40)
 
 
 @dataclass(frozen=True)
