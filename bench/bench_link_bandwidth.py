@@ -90,6 +90,7 @@ def _worker(out_path: str) -> None:
 
 
 def _run(rate_mbit) -> dict:
+    from bench.common import spread
     from ldt.testing.hosts import Hosts
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,16 +108,19 @@ def _run(rate_mbit) -> dict:
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"rate_mbit": rate_mbit, "megatron_s": med["megatron"], "ldt_s": med["ldt"],
             "ratio": med["ldt"] / med["megatron"],
-            "pair_ratios": [a / b for a, b in zip(times["ldt"], times["megatron"])]}
+            "pair_ratios": [a / b for a, b in zip(times["ldt"], times["megatron"])],
+            "ratio_spread": spread(a / b for a, b in zip(times["ldt"], times["megatron"]))}
 
 
 def main() -> dict:
+    from bench.common import machine_load
     from ldt.testing.hosts import unavailable
 
     reason = unavailable()
     if reason:
         print(f"skipped: {reason}")
         return {"bench": "link_bandwidth", "skipped": reason}
+    load = machine_load()
     rows = [_run(RATE_MBIT), _run(None)]
     nbytes = SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
     print(f"one activation {SHAPE} fp32 ({nbytes / 2**20:.0f} MiB), stage 0 (host 0, TP {TP}) "
@@ -136,7 +140,9 @@ def main() -> dict:
            "rate_mbit": RATE_MBIT, "mib": round(nbytes / 2**20, 2),
            "megatron_ms": round(limited["megatron_s"] * 1e3, 1),
            "ldt_ms": round(limited["ldt_s"] * 1e3, 1),
-           "ratio_unlimited": round(free["ratio"], 3)}
+           "ratio_unlimited": round(free["ratio"], 3),
+           "ratio_spread": limited["ratio_spread"],
+           "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]}}
     print(json.dumps(out))
     return out
 
