@@ -258,3 +258,22 @@ def test_moe_layers_priced_by_active_parameters_and_dispatch():
         cost.inventory.kind("a100"), 8) == pytest.approx(2 * cost._tp_allreduce(
             cost.inventory.kind("a100"), 8))
     assert dense.moe is None and cost.moe.share == 1.0
+
+
+def test_planner_recomputes_only_the_stage_that_does_not_fit_otherwise():
+    """docs/memory.md's worked example: llama3_8b on edge_one_card fits only with the edge
+    recomputing; the cloud stages, which fit, do not; the cluster file carries both."""
+    import yaml
+
+    from ldt.plan import Workload, cluster_yaml, load_inventory, load_model, plan
+
+    inventory, model = load_inventory("edge_one_card"), load_model("llama3_8b")
+    with pytest.raises(ConfigError, match="no plan fits"):
+        plan(inventory, model, Workload(1, 64, recompute=False))
+    best = plan(inventory, model, Workload(1, 64)).best
+    assert best.fits and best.plan.u_shape
+    rc = [best.plan.recompute_of(i) for i in range(best.plan.num_stages)]
+    assert rc[0] is not None and all(r is None for r in rc[1:]), rc
+    stages = yaml.safe_load(cluster_yaml(best, inventory, model.name, 1))["stages"]
+    assert stages[0]["recompute"] == rc[0].config() and "recompute" not in stages[1]
+    assert all(s["memory_gib"] == (37.0 if i == 0 else 77.0) for i, s in enumerate(stages))
