@@ -70,7 +70,10 @@ def run_case(case: dict) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func  # the patched one
 
     try:
-        c = SimpleNamespace(model=model, train=TrainConfig(seed=99))
+        cluster = case["cluster"]  # a ClusterConfig or its dict: each stage's recompute
+        stages = cluster["stages"] if isinstance(cluster, dict) else cluster.stages
+        c = SimpleNamespace(model=model, train=TrainConfig(seed=99),
+                            cluster=SimpleNamespace(stages=stages))
         models = build_stage_models(c, topo, state)
         chunks = topo.split.stage_chunks(state.stage)
         if case["checkpoint"]:  # else: ldt's layout-invariant init

@@ -332,17 +332,26 @@ def check_sim_of_plan(result, scratch: Scratch):
     assert "from plans/train/mine.yaml" in result.stderr, result.stderr
 
 
+def _planner_doc_line(start: str) -> str:
+    """The line of docs/planner.md's example output that starts with ``start``."""
+    with open(os.path.join(ROOT, "docs", "planner.md")) as f:
+        return next(line.strip() for line in f if line.startswith(start))
+
+
 def check_front_pick(result, scratch: Scratch):
-    """docs/planner.md's edge_cloud example: the front, and the 10-device plan picked."""
+    """docs/planner.md's edge_cloud example: the front, and the 10-device plan picked, as the
+    page shows it (its output block is what the command prints)."""
     assert "time/cost front:" in result.stdout, result.stdout
-    assert "picked 3 stages on 10 devices, 14266.2 ms: 0.6% slower" in result.stdout, \
-        result.stdout
+    picked = _planner_doc_line("picked ")
+    assert picked.startswith("picked 3 stages on 10 devices"), picked
+    assert picked in result.stdout, (picked, result.stdout)
 
 
 def check_sim_of_front_pick(result, scratch: Scratch):
-    """ldt-sim prices the planned files as ldt-plan did (the same 14266.17 ms)."""
+    """ldt-sim prices the planned files as ldt-plan did (the page's iteration time)."""
     assert "from plans/train/qwen.yaml" in result.stderr, result.stderr
-    assert "iteration 14266.17 ms" in result.stdout, result.stdout
+    planned = re.search(r"iteration [0-9.]+ ms", _planner_doc_line("U-shape: 3 stages")).group(0)
+    assert planned in result.stdout, (planned, result.stdout)
 
 
 def check_replay(result, scratch: Scratch):
