@@ -1,33 +1,36 @@
 """Boundary transfer: ldt's leader send + TP broadcast vs megatron-core's per-TP-rank p2p.
 
-Two stages of TP 2 (uniform, so megatron's own path can run), 4 gloo processes on CPU. Each
-repetition sends one activation [seq, mbs, hidden] from stage 0 to stage 1 and waits until
-every rank of stage 1 has it; both paths run in the same world, interleaved, and the median of
-the per-repetition times is compared. Prints a table and one JSON line.
+Two stages of TP 2 (uniform, so megatron's own path can run), 4 gloo processes on CPU, ONE
+world holding both: megatron-core's groups (``initialize_model_parallel(2, 2)``, its
+``P2PCommunicator`` on its pipeline group) and ldt's (``initialize_vtp``, a
+``VtpCommunicator``), both built before anything is timed. Each repetition sends one activation
+[seq, mbs, hidden] from stage 0 to stage 1 and waits until every rank of stage 1 has it (timed
+between two world barriers: the slowest rank). Per size: WARMUP rounds of both paths discarded
+(gloo connections, buffers), then REPS rounds alternating which path goes first (ABBA), so load
+drift hits both; the figure is the median of the per-round ratios ldt / megatron, with its
+quartiles and each path's median. Every rank of stage 1 checks it received the sent tensor, on
+both paths. Prints a table and one JSON line (with the machine's load before and after).
 """
 
 from __future__ import annotations
 
-import json
-import statistics
-
 import torch
 
-from bench.common import timed_step
+from bench.common import abba, emit, machine_load, spread, timed_step
 
 SIZES = [(128, 1, 256), (512, 1, 512), (1024, 2, 1024), (2048, 2, 2048)]  # seq, mbs, hidden
-REPS = 15
+REPS, WARMUP = 15, 2
 
 
-def _worker(rank, world, sizes, reps):
+def _worker(rank, world, sizes, reps, warmup):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     import ldt
     from ldt import patches
-    from ldt.config import ClusterConfig, StageConfig
     from ldt.boundary.communicator import VtpCommunicator
+    from ldt.config import ClusterConfig, StageConfig
     from ldt.topology import Topology
 
     cfg = type("Cfg", (), dict(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,
@@ -37,36 +40,35 @@ def _worker(rank, world, sizes, reps):
     topo = Topology.from_config(ClusterConfig(stages=[StageConfig("a", "cpu", 2),
                                                       StageConfig("b", "cpu", 2)]))
     patches.apply(["cpu_shims"])
+    # megatron-core's own path: every TP rank sends to its peer in the next stage. Its
+    # communicator keeps its pipeline group; the globals are not read after construction.
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    mcomm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), cfg)
+    first = ps.is_pipeline_first_stage()
+    state = ldt.initialize_vtp(topo, timeout_s=120)
+    vcomm = VtpCommunicator(cfg, state)
+    assert (state.stage == 0) == first, "rank maps differ"
     rows = []
     for shape in sizes:
-        act = torch.randn(shape)
-        # megatron-core's own path: every TP rank sends to its peer in the next stage
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-        mcomm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), cfg)
-        first = ps.is_pipeline_first_stage()
+        act = torch.randn(shape, generator=torch.Generator().manual_seed(len(rows)))
+        got = {}
 
-        def megatron_step():
+        def step(path):
+            comm = mcomm if path == "megatron" else vcomm
             if first:
-                mcomm.send_forward(act, is_last_stage=False)
+                comm.send_forward(act, is_last_stage=False)
             else:
-                mcomm.recv_forward(shape, is_first_stage=False)
+                got[path] = comm.recv_forward(shape, is_first_stage=False)
 
-        m_times = [timed_step(megatron_step) for _ in range(reps)]
-        ps.destroy_model_parallel()
-        state = ldt.initialize_vtp(topo, timeout_s=60)
-        vcomm = VtpCommunicator(cfg, state)
-
-        def ldt_step():
-            if state.stage == 0:
-                vcomm.send_forward(act, is_last_stage=False)
-            else:
-                vcomm.recv_forward(shape, is_first_stage=False)
-
-        l_times = [timed_step(ldt_step) for _ in range(reps)]
-        ldt.destroy_vtp()
-        rows.append({"shape": list(shape), "bytes": act.numel() * 4,
-                     "megatron_s": statistics.median(m_times), "ldt_s": statistics.median(l_times)})
+        rounds = abba(lambda path: timed_step(lambda: step(path)), ["megatron", "ldt"], reps,
+                      warmup)
+        if not first:  # both paths delivered the activation to every rank of stage 1
+            for path, tensor in got.items():
+                if not torch.equal(tensor.detach(), act):
+                    raise RuntimeError(f"{path}: rank {rank} received a different tensor")
+        rows.append({"shape": list(shape), "bytes": act.numel() * 4, "rounds": rounds})
     patches.revert()
+    ldt.destroy_vtp()
     dist.barrier()
     return rows
 
@@ -74,17 +76,26 @@ def _worker(rank, world, sizes, reps):
 def main() -> dict:
     from ldt.launch import run_local_world
 
-    rows = run_local_world(4, _worker, (SIZES, REPS), timeout_s=300)[0]
-    print("boundary transfer, 2 stages x TP 2 on CPU/gloo (median of %d)" % REPS)
-    print(f"{'shape':>18} {'MiB':>7} {'megatron ms':>12} {'ldt ms':>9} {'ldt/megatron':>13}")
+    load = machine_load()
+    rows = run_local_world(4, _worker, (SIZES, REPS, WARMUP), timeout_s=300)[0]
+    print(f"boundary transfer, 2 stages x TP 2 on CPU/gloo, one world; {WARMUP} warm-up rounds "
+          f"discarded, then {REPS} alternating (ABBA); load before {load['loadavg']}")
+    print(f"{'shape':>18} {'MiB':>7} {'megatron ms':>12} {'ldt ms':>9} {'ldt/megatron':>13} "
+          f"{'quartiles':>14}")
     for r in rows:
-        r["ratio"] = r["ldt_s"] / r["megatron_s"]
-        print(f"{str(tuple(r['shape'])):>18} {r['bytes'] / 2**20:7.2f} {r['megatron_s'] * 1e3:12.3f} "
-              f"{r['ldt_s'] * 1e3:9.3f} {r['ratio']:13.3f}")
-    out = {"bench": "p2p_boundary",
-           "ratios": {"x".join(map(str, r["shape"])): round(r["ratio"], 3) for r in rows}}
-    print(json.dumps(out))
-    return out
+        r["megatron"] = spread(x["megatron"] * 1e3 for x in r["rounds"])
+        r["ldt"] = spread(x["ldt"] * 1e3 for x in r["rounds"])
+        r["ratio"] = spread(x["ldt"] / x["megatron"] for x in r["rounds"])
+        print(f"{str(tuple(r['shape'])):>18} {r['bytes'] / 2**20:7.2f} "
+              f"{r['megatron']['median']:12.3f} {r['ldt']['median']:9.3f} "
+              f"{r['ratio']['median']:13.3f} {r['ratio']['q1']:6.3f}-{r['ratio']['q3']:.3f}")
+    name = lambda r: "x".join(map(str, r["shape"]))  # noqa: E731
+    return emit({"bench": "p2p_boundary", "method": f"one world, {WARMUP} warm-up rounds "
+                 f"discarded, {REPS} ABBA rounds, median of per-round ratios",
+                 "ratios": {name(r): r["ratio"]["median"] for r in rows},
+                 "ratio_spread": {name(r): r["ratio"] for r in rows},
+                 "megatron_ms": {name(r): r["megatron"] for r in rows},
+                 "ldt_ms": {name(r): r["ldt"] for r in rows}}, load_before=load)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,44 @@ def median(values) -> float:
     return statistics.median(list(values))
 
 
-def emit(out: dict) -> dict:
-    """Print the one JSON line ``bench.run_all`` collects and return it."""
+def spread(values, digits: int = 4) -> dict:
+    """Median, quartiles and range of repeated measurements (what an A/B figure reports)."""
+    v = sorted(values)
+    q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else (v[0],) * 3
+    return {k: round(x, digits) for k, x in
+            (("median", statistics.median(v)), ("q1", q1), ("q3", q3), ("min", v[0]),
+             ("max", v[-1]))} | {"n": len(v)}
+
+
+def machine_load() -> dict:
+    """The machine's load averages (1, 5, 15 min) and core count: an A/B figure records the
+    load it was measured under, because on a shared machine it moves every timing."""
+    one, five, fifteen = os.getloadavg()
+    return {"loadavg": [round(one, 2), round(five, 2), round(fifteen, 2)],
+            "cpus": os.cpu_count()}
+
+
+def abba(run, paths: list[str], reps: int, warmup: int = 1) -> list[dict]:
+    """A/B(/C) repetitions in one world: ``warmup`` rounds of every path first, discarded
+    (allocator, autograd caches, gloo connections), then ``reps`` rounds whose order alternates
+    (A B, B A, A B, ...), so drift in the machine's load hits every path alike. ``run(path)``
+    returns one measurement; the result is one dict path -> measurement per kept round."""
+    for _ in range(warmup):
+        for path in paths:
+            run(path)
+    rounds = []
+    for i in range(reps):
+        order = paths if i % 2 == 0 else paths[::-1]
+        rounds.append({path: run(path) for path in order})
+    return rounds
+
+
+def emit(out: dict, load_before: dict | None = None) -> dict:
+    """Print the one JSON line ``bench.run_all`` collects and return it; with ``load_before``
+    (:func:`machine_load` when the bench started) the load before and after is part of it."""
+    if load_before is not None:
+        out["load"] = {"before": load_before["loadavg"], "after": machine_load()["loadavg"],
+                       "cpus": load_before["cpus"]}
     print(json.dumps(out))
     return out
 
