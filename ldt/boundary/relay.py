@@ -6,7 +6,10 @@ scatter); a sequence-parallel sender also gathers on its leader before the link.
 other, a stage pays both hops in full where megatron's uniform pipeline pays one (every TP
 rank's own copy crosses in parallel). So a large message crosses as pieces: the receiving
 leader relays piece k while piece k+1 is still arriving, and a gathering leader puts piece k
-on the link while piece k+1 is still being gathered.
+on the link while piece k+1 is still being gathered. Inside the stage the pieces go point to
+point (the leader's isend to each TP rank: what gloo's broadcast from it does, without a trip
+through the process group's worker thread per piece), posted at ``wait()`` by every rank in
+the same order, as the broadcast was.
 
 Pieces are contiguous element ranges of the whole tensor in its row-major order, so the link
 carries the same bytes in the same order as one message would; both leaders (and every rank
@@ -31,7 +34,7 @@ from ldt.boundary.layout import SequenceLayout
 PIECE_UNIT_BYTES = 128 * 1024
 MAX_PIECES = 16
 # p2p tags inside a stage's TP group (gloo keeps p2p slots apart from collectives' slots)
-SCATTER_TAG, GATHER_TAG = 5, 6
+RELAY_TAG, GATHER_TAG = 5, 6
 
 
 def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES
@@ -88,34 +91,29 @@ class PieceRelay:
         for w in works:
             w.wait()
 
-    def _give(self, a: int, b: int) -> list:
-        if self.layout.tp < 2:
-            return []
+    def _parts(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """``[(tp_rank, lo, hi)]``: what of piece ``[a, b)`` each rank gets (all of it, or
+        with sequence parallelism the part inside its slice; offsets in the whole tensor)."""
         if not self.layout.sharded:
-            return [dist.broadcast(self.out[a:b], src=self.ranks[0], group=self.group,
-                                   async_op=True)]
+            return [(i, a, b) for i in range(self.layout.tp)]
+        return owners(self.shard, a, b)
+
+    def _give(self, a: int, b: int) -> list:
         works = []
-        for i, lo, hi in owners(self.shard, a, b):
+        for i, lo, hi in self._parts(a, b):
             if i == 0:
-                self.out[lo:hi].copy_(self.whole[lo:hi])
+                if self.whole is not self.out:  # the leader's own slice
+                    self.out[lo:hi].copy_(self.whole[lo:hi])
             else:
                 works.append(dist.isend(self.whole[lo:hi], dst=self.ranks[i], group=self.group,
-                                        tag=SCATTER_TAG))
+                                        tag=RELAY_TAG))
         return works
 
     def _take(self, a: int, b: int) -> list:
-        if self.layout.tp < 2:
-            return []
-        if not self.layout.sharded:
-            return [dist.broadcast(self.out[a:b], src=self.ranks[0], group=self.group,
-                                   async_op=True)]
-        me, works = self.tp_rank, []
-        base = me * self.shard
-        for i, lo, hi in owners(self.shard, a, b):
-            if i == me:
-                works.append(dist.irecv(self.out[lo - base:hi - base], src=self.ranks[0],
-                                        group=self.group, tag=SCATTER_TAG))
-        return works
+        base = self.tp_rank * self.shard if self.layout.sharded else 0
+        return [dist.irecv(self.out[lo - base:hi - base], src=self.ranks[0], group=self.group,
+                           tag=RELAY_TAG)
+                for i, lo, hi in self._parts(a, b) if i == self.tp_rank]
 
 
 class PieceGather:
