@@ -22,7 +22,12 @@ VARIANTS = [
     {"name": "interleaved_overlap", "vpp": 2, "overlap": True},
 ]
 CASES = {
-    "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True}]),
+    "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True},
+                                     # every message in pieces (ldt.boundary.relay)
+                                     {"name": "interleaved_overlap_pieces", "vpp": 2,
+                                      "overlap": True, "piece_bytes": 64},
+                                     {"name": "1f1b_host_staged_pieces", "host_staging": True,
+                                      "piece_bytes": 64}]),
     "tp12_ring": ([1, 2], VARIANTS),
     "tp22_uniform": ([2, 2], VARIANTS),
 }
