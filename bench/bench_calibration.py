@@ -5,6 +5,10 @@ runs ``cluster=cpu_demo`` (U-shape, TP 1/2/1) and ``cluster=cpu_vtp train.runtim
 TP 2/1/2), turns the steady steps into a :class:`ldt.plan.calibrate.Calibration` (the action lists
 executed, mean time per (stage, op), stage start offsets) and replays it in the simulator.
 
+Each config runs twice: the calibration comes from the first run and predicts the second (a
+prediction of a run it has not seen, not a replay of its own input); the in-sample error of
+the second run replayed on itself is shown next to it.
+
 Measured target: the median over steady steps of the schedule span (earliest stage's step start
 to the last action's end, on the host clock). That is what the simulator's iteration_time
 models; metrics.csv's step_time_s also contains the gradient norm all-reduce and the AdamW step,
@@ -22,7 +26,7 @@ import csv
 import os
 import tempfile
 
-from bench.common import emit, ldt_train, median
+from bench.common import emit, ldt_train, machine_load, median
 from ldt.plan import calibrate
 
 STEPS, SKIP = 23, 3  # 20 steady steps after 3 warm-up steps
@@ -30,29 +34,37 @@ RUNS = [("cpu_demo", ["cluster=cpu_demo"]), ("cpu_vtp", ["cluster=cpu_vtp", "tra
 
 
 def _measure(name: str, overrides: list[str], root: str) -> dict:
-    """One ldt-train run -> calibrate.compare's figures plus metrics.csv's step time."""
-    run_dir = os.path.join(root, name)
-    ldt_train(run_dir, overrides + [f"train.steps={STEPS}", "train.num_microbatches=4"])
-    comparison = calibrate.compare(calibrate.steady(calibrate.read_action_times(run_dir), SKIP))
+    """Two ldt-train runs -> calibrate.compare's figures (calibrated on the first, measured on
+    the second) plus the second's in-sample error and metrics.csv's step time."""
+    steady = []
+    for i in range(2):
+        run_dir = os.path.join(root, f"{name}{i}")
+        ldt_train(run_dir, overrides + [f"train.steps={STEPS}", "train.num_microbatches=4"])
+        steady.append(calibrate.steady(calibrate.read_action_times(run_dir), SKIP))
+    comparison = calibrate.compare(steady[0], measured=steady[1])
+    in_sample = calibrate.compare(steady[1])
     with open(os.path.join(run_dir, "metrics.csv"), newline="") as f:
         step_times = [float(r["step_time_s"]) for r in csv.DictReader(f)][SKIP:]
-    return {"config": name, "metrics_step_ms": median(step_times) * 1e3, **comparison.summary()}
+    return {"config": name, "metrics_step_ms": median(step_times) * 1e3, **comparison.summary(),
+            "error_in_sample": round(in_sample.error, 4)}
 
 
 def _print(results: list[dict]) -> None:
-    print(f"simulator vs measured ldt-train step ({STEPS - SKIP} steady steps, m=4, means)")
+    print(f"simulator (calibrated on run 1) vs measured ldt-train step of run 2 ({STEPS - SKIP} "
+          f"steady steps each, m=4, means)")
     print(f"{'config':>9} {'measured ms':>12} {'metrics ms':>11} {'sim compute-only':>17} "
-          f"{'err':>7} {'sim full':>9} {'err':>7}")
+          f"{'err':>7} {'sim full':>9} {'err':>7} {'in-sample err':>14}")
     for r in results:
         print(f"{r['config']:>9} {r['measured_ms']:12.1f} {r['metrics_step_ms']:11.1f} "
               f"{r['predicted_compute_only_ms']:17.1f} {r['error_compute_only']:+7.1%} "
-              f"{r['predicted_ms']:9.1f} {r['error']:+7.1%}")
+              f"{r['predicted_ms']:9.1f} {r['error']:+7.1%} {r['error_in_sample']:+14.1%}")
     for r in results:
         print(f"  {r['config']}: compute ms {r['compute_ms']}\n    communication ms {r['comm_ms']}"
               f"\n    stage start offsets ms {r['start_at_ms']}")
 
 
 def main() -> dict:
+    load = machine_load()
     with tempfile.TemporaryDirectory(prefix="ldt-calib-") as root:
         results = [_measure(name, overrides, root) for name, overrides in RUNS]
     _print(results)
@@ -60,11 +72,14 @@ def main() -> dict:
     return emit({"bench": "calibration",
                  "cpu_demo_error": round(by["cpu_demo"]["error"], 3),
                  "cpu_vtp_error": round(by["cpu_vtp"]["error"], 3),
+                 "cpu_demo_error_in_sample": round(by["cpu_demo"]["error_in_sample"], 3),
+                 "cpu_vtp_error_in_sample": round(by["cpu_vtp"]["error_in_sample"], 3),
                  "cpu_demo_error_compute_only": round(by["cpu_demo"]["error_compute_only"], 3),
                  "cpu_vtp_error_compute_only": round(by["cpu_vtp"]["error_compute_only"], 3),
                  "measured_ms": {k: round(v["measured_ms"], 1) for k, v in by.items()},
                  "predicted_ms": {k: round(v["predicted_ms"], 1) for k, v in by.items()},
-                 "metrics_step_ms": {k: round(v["metrics_step_ms"], 1) for k, v in by.items()}})
+                 "metrics_step_ms": {k: round(v["metrics_step_ms"], 1) for k, v in by.items()}},
+                load_before=load)
 
 
 if __name__ == "__main__":

@@ -95,6 +95,7 @@ def _worker(out_path: str) -> None:
 
 
 def _run(rate_mbit) -> dict:
+    from bench.common import spread
     from ldt.testing.hosts import Hosts
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,16 +114,19 @@ def _run(rate_mbit) -> dict:
     return {"rate_mbit": rate_mbit, "megatron_s": med["megatron"], "ldt_s": med["ldt"],
             "ratio": med["ldt"] / med["megatron"], "whole_s": med["ldt whole"],
             "ratio_whole": med["ldt whole"] / med["megatron"],
-            "pair_ratios": [a / b for a, b in zip(times["ldt"], times["megatron"])]}
+            "pair_ratios": [a / b for a, b in zip(times["ldt"], times["megatron"])],
+            "ratio_spread": spread(a / b for a, b in zip(times["ldt"], times["megatron"]))}
 
 
 def main() -> dict:
+    from bench.common import machine_load
     from ldt.testing.hosts import unavailable
 
     reason = unavailable()
     if reason:
         print(f"skipped: {reason}")
         return {"bench": "link_bandwidth", "skipped": reason}
+    load = machine_load()
     rows = [_run(RATE_MBIT), _run(FAST_MBIT), _run(None)]
     nbytes = SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
     print(f"one activation {SHAPE} fp32 ({nbytes / 2**20:.0f} MiB), stage 0 (host 0, TP {TP}) "
@@ -138,7 +142,7 @@ def main() -> dict:
     limited, fast, free = rows
     wire = nbytes / (RATE_MBIT * 1e6 / 8)
     print(f"  limited link: megatron moves {TP} copies ({TP * wire * 1e3:.0f} ms at line rate), "
-          f"ldt one ({wire * 1e3:.0f} ms) plus host 1's loopback broadcast; ideal ratio 1/{TP}")
+          f"ldt one ({wire * 1e3:.0f} ms) plus host 1's loopback relay; ideal ratio 1/{TP}")
     out = {"bench": "link_bandwidth", "ratio": round(limited["ratio"], 3), "tp": TP,
            "rate_mbit": RATE_MBIT, "mib": round(nbytes / 2**20, 2),
            "megatron_ms": round(limited["megatron_s"] * 1e3, 1),
@@ -146,6 +150,8 @@ def main() -> dict:
            "ratio_unlimited": round(free["ratio"], 3),
            "ratio_whole": round(limited["ratio_whole"], 3),
            "ratio_fast": round(fast["ratio"], 3), "ratio_fast_whole": round(fast["ratio_whole"], 3),
+           "ratio_spread": limited["ratio_spread"],
+           "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]},
            "ratio_whole_unlimited": round(free["ratio_whole"], 3)}
     print(json.dumps(out))
     return out

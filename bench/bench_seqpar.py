@@ -20,7 +20,8 @@ import dataclasses
 import weakref
 from types import SimpleNamespace
 
-from bench.common import build_chunks, emit, make_batches, median, timed_step, zero_grads
+from bench.common import (build_chunks, emit, machine_load, make_batches, median, spread,
+                          timed_step, zero_grads)
 
 MODEL = dict(name="bench", num_layers=4, hidden_size=128, num_attention_heads=4,
              ffn_hidden_size=512, vocab_size=256, seq_length=256)
@@ -139,6 +140,7 @@ def _worker(rank, world, model_dict, reps):
 def main() -> dict:
     from ldt.launch import run_local_world
 
+    load = machine_load()
     results = run_local_world(sum(TPS), _worker, (MODEL, REPS), timeout_s=300)
     rows = results[0]["rows"]
     step_ratio = median(r["on"] / r["off"] for r in rows)
@@ -165,10 +167,11 @@ def main() -> dict:
         "tp2_peak_activation_ratio": max(p["peak_mib_on"] / p["peak_mib_off"] for p in tp2),
         "tp2_sbh_activation_ratio": max(p["sbh_mib_on"] / p["sbh_mib_off"] for p in tp2),
         "step_time_ratio": step_ratio,
+        "step_time_ratio_spread": spread(r["on"] / r["off"] for r in rows),
         "loss_max_abs_diff": max(r["loss_diff"] for r in results if r["has_loss"]),
         "planner_tp2_activation_mib": planned,
         "per_rank": per_rank,
-    })
+    }, load_before=load)
 
 
 def _planner_tp2_activations() -> dict:

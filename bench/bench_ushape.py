@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.common import build_chunks, emit, make_batches, median, timed_step, zero_grads
+from bench.common import (build_chunks, emit, machine_load, make_batches, median, spread,
+                          timed_step, zero_grads)
 
 MODEL = dict(name="bench", num_layers=6, hidden_size=128, num_attention_heads=4,
              ffn_hidden_size=512, vocab_size=256, seq_length=128)
@@ -111,6 +112,7 @@ def _predict(per_rank: list, m: int) -> dict:
 def main() -> dict:
     from ldt.launch import run_local_world
 
+    load = machine_load()
     per_rank = run_local_world(3, _worker, (MODEL, M, REPS), timeout_s=240)
     reps = per_rank[0]
     times = [{k: rep[k][0] for k in LAYOUTS} for rep in reps]
@@ -130,10 +132,11 @@ def main() -> dict:
     print(f"  median ratio ushape/1f1b {median(ratios):.3f}; predicted {predicted:.3f} "
           f"(compute only), {predicted_full:.3f} (+ communication)")
     return emit({"bench": "ushape_vs_1f1b", "median_ratio": round(median(ratios), 3),
+                 "ratio_spread": spread(ratios),
                  "predicted_ratio": round(predicted, 3),
                  "predicted_ratio_with_comm": round(predicted_full, 3),
                  "ushape_ms": round(median(t["ushape"] for t in times) * 1e3, 1),
-                 "1f1b_ms": round(median(t["1f1b"] for t in times) * 1e3, 1)})
+                 "1f1b_ms": round(median(t["1f1b"] for t in times) * 1e3, 1)}, load_before=load)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,7 @@ def _predict(recorded: list, t_f: float) -> dict[str, float]:
 
 
 def main() -> dict:
+    from bench.common import machine_load, spread
     from ldt.testing.hosts import Hosts, unavailable
 
     reason = unavailable()
@@ -149,6 +150,7 @@ def main() -> dict:
         return {"bench": "ushape_latency", "skipped": reason}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     started = time.perf_counter()
+    load = machine_load()
     with tempfile.TemporaryDirectory() as tmp, Hosts(3, cpus=CPUS) as net:
         out = os.path.join(tmp, "out.json")
         job = net.start([sys.executable, "-m", "bench.bench_ushape_latency", "--worker", out],
@@ -185,7 +187,9 @@ def main() -> dict:
     result = {"bench": "ushape_latency", "t_f_ms": round(t_f * 1e3, 2), "m": M,
               "step_ms_no_delay": round(med["0:0"] * 1e3, 1),
               "prefetch_2tf_vs_plain_no_delay": round(med["2:1"] / med["0:0"] - 1, 3),
-              "seconds": round(time.perf_counter() - started, 1)}
+              "seconds": round(time.perf_counter() - started, 1),
+              "step_ms_spread": {key: spread(t * 1e3 for t in v) for key, v in times.items()},
+              "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]}}
     for k in DELAYS[1:]:
         result[f"slowdown_{k}tf"] = round(slow(med, k, 0), 3)
         result[f"slowdown_{k}tf_prefetch"] = round(slow(med, k, 1), 3)

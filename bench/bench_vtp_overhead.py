@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.common import build_chunks, emit, make_batches, median, timed_step, zero_grads
+from bench.common import (build_chunks, emit, machine_load, make_batches, median, spread,
+                          timed_step, zero_grads)
 
 MODEL = dict(name="bench", num_layers=8, hidden_size=128, num_attention_heads=4,
              ffn_hidden_size=512, vocab_size=256, seq_length=128)
@@ -162,6 +163,7 @@ def _print(case: dict) -> None:
 
 
 def main() -> dict:
+    load = machine_load()
     cases = [_case(tps) for tps in TP_CASES]
     print(f"model: {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, seq "
           f"{MODEL['seq_length']}, micro-batch {MBS}, {M} micro-batches; {REPS} repetitions")
@@ -173,8 +175,10 @@ def main() -> dict:
                                         for c in cases},
                  "runtime_median_ratio_by_tp": {"x".join(map(str, c["tp"])):
                                                 round(c["runtime_median_ratio"], 3) for c in cases},
+                 "ratio_spread_by_tp": {"x".join(map(str, c["tp"])): spread(c["ratios"])
+                                        for c in cases},
                  "megatron_ms": {"x".join(map(str, c["tp"])): round(c["megatron_ms"], 2)
-                                 for c in cases}})
+                                 for c in cases}}, load_before=load)
 
 
 if __name__ == "__main__":

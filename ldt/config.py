@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from omegaconf import MISSING, OmegaConf
 
 from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+from ldt.quiet import LOG_LEVELS
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
 MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
@@ -73,6 +74,11 @@ class ClusterConfig:
     boundary, or a list with one number per boundary ``i -> i+1`` in pipeline order (the last,
     ``P-1 -> 0``, is the U-shape's return path). Every message crossing a boundary, either way,
     is delivered no earlier than that long after it could have been; see docs/network.md."""
+    inventory: Optional[str] = None
+    """Elastic mode (docs/elastic.md): an inventory (``conf/inventory`` name or path) whose kinds
+    and links the planner prices; under torchrun every start plans the stages, layout, dp and
+    micro-batches from the nodes that are there (each names its kind in ``LDT_NODE_KIND``),
+    keeping the global batch. ``stages`` is then left empty (``[]``)."""
 
 
 @dataclass
@@ -151,6 +157,13 @@ class ModelConfig:
     """Megatron's layer implementation: ``local`` (megatron-core's own modules),
     ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
     installed, local elsewhere)."""
+    mtp_num_layers: int = 0
+    """Multi-token prediction (megatron-core's, as in DeepSeek-V3): this many MTP layers after
+    the decoder, the k-th predicting the token k+1 places ahead with its own loss; they sit
+    with the head (layout token ``m``, before ``L``), so on a U-shape's edge. 0: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP losses (their mean over the MTP layers) added to the training loss
+    (megatron-core's ``mtp_loss_scaling_factor``)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism on every stage of TP > 1 (TP 1 stages run without):
     activations outside attention and the MLP split along the sequence over the stage's TP
@@ -209,6 +222,8 @@ class ModelConfig:
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
         self._check_rope_and_moe()
+        _at_least("model", self, "mtp_num_layers", 0, "0 builds no MTP layer")
+        _at_least("model", self, "mtp_loss_scaling_factor", 0, "megatron's default is 0.1")
         if self.make_vocab_size_divisible_by < 1:
             raise ConfigError(f"model.make_vocab_size_divisible_by="
                               f"{self.make_vocab_size_divisible_by} must be >= 1")
@@ -357,6 +372,11 @@ class TrainConfig:
     log_interval: int = 10
     """When stdout is not a terminal (a log file), print one progress line every N steps
     (on a terminal: a progress bar). TensorBoard events are flushed as often."""
+    log_level: str = "WARNING"
+    """Python logging of every rank (megatron-core's, torch's), bare or under torchrun: records
+    at this level and above, one line each on stderr prefixed with the rank. INFO adds
+    megatron-core's setup notes (DDP buckets and their parameters, the optimizer config),
+    DEBUG everything. ldt's own lines (rank map, progress, summary) are not logging."""
     stop_on_nonfinite: bool = True
     """A NaN/Inf loss or gradient norm stops the run (exit status 1, naming the step and the
     stage); false: record it and go on."""
@@ -411,6 +431,9 @@ class TrainConfig:
                                   ">= 0 (TFLOP/s of one device; 0: unknown, no mfu)")
         if _given(self.seed) and not 0 <= self.seed < 2**32:
             raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
+        if _given(self.log_level) and str(self.log_level).upper() not in LOG_LEVELS:
+            raise ConfigError(f"train.log_level={self.log_level!r} is not a logging level; use "
+                              f"one of {', '.join(LOG_LEVELS)} (INFO shows megatron-core's)")
 
 
 @dataclass
@@ -500,6 +523,55 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, dict) and "defaults" in obj:
         obj = {k: v for k, v in obj.items() if k != "defaults"}
     return obj
+
+
+def unknown_key(key: str, value: str = "") -> Optional[str]:
+    """Why the dotted config ``key`` (a command-line override's, e.g. ``train.stepz``, with its
+    ``value``) is not in the schema, naming the closest key that is, in one line; None when it
+    is (or lies below a field that takes any key: ``train.peak_tflops.*``, ``data.blend``,
+    ``cluster.link_delay_ms``)."""
+    import difflib
+    import typing
+
+    parts, owner, prefix = key.split("."), LdtConfig, ""
+    while parts:
+        name = parts.pop(0)
+        hints = typing.get_type_hints(owner)
+        if name not in hints:  # the closest name at this level, or anywhere from the top
+            rest = "".join("." + p for p in parts)
+            close = [prefix + c + rest for c in difflib.get_close_matches(name, list(hints), n=1)]
+            if not prefix:
+                close = difflib.get_close_matches(key, [*hints, *_schema_keys()], n=1)
+            given = f"{key}={value}: " if value else ""
+            fix = (f"did you mean {close[0]}{'=' + value if value else ''}?" if close
+                   else f"the keys of {prefix[:-1] or 'the config'}: {', '.join(hints)}")
+            return (f"{given}{key} is not a config key; {fix} (every key: ldt/config.py or "
+                    "`ldt-train --cfg job`)")
+        prefix += name + "."
+        kind = hints[name]
+        if typing.get_origin(kind) in (list, List) and parts and parts[0].isdigit():
+            prefix += parts.pop(0) + "."
+            kind = typing.get_args(kind)[0]
+        if not (isinstance(kind, type) and hasattr(kind, "__dataclass_fields__")):
+            return None  # a value (or a dict / Any): whatever lies below is its business
+        owner = kind
+    return None
+
+
+def _schema_keys(owner: type = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (a list of stages as ``cluster.stages.0.*``)."""
+    import typing
+
+    out = []
+    for name, kind in typing.get_type_hints(owner or LdtConfig).items():
+        path = prefix + name
+        if typing.get_origin(kind) in (list, List):
+            kind, path = typing.get_args(kind)[0], path + ".0"
+        if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__"):
+            out += _schema_keys(kind, path + ".")
+        else:
+            out.append(path)
+    return out
 
 
 def _typed(schema: type, obj: Any, group: str) -> Any:

@@ -87,6 +87,10 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
         scratch = tempfile.mkdtemp(prefix="ldt-hydra-")
         args += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}",
                  "hydra.output_subdir=null"]
+    refused = _unknown_key(args)
+    if refused:  # before Hydra, whose own refusal is eight lines and suggests a '+' that fails too
+        print(f"ldt: invalid config: {refused}", file=sys.stderr)
+        return EXIT_CONFIG
     codes: list[int] = []
 
     held = HeldStderr(sys.stderr)  # Hydra's refusals, one line; the job's output streams
@@ -124,3 +128,37 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
             shutil.rmtree(scratch, ignore_errors=True)
     return next((c for c in codes if c), 0)
 
+
+_FLAGS_WITH_VALUE = ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path",
+                     "-c", "--cfg", "-p", "--package", "-i", "--info", "--experimental-rerun")
+
+
+def _unknown_key(args: Sequence[str]) -> Optional[str]:
+    """The first command-line override whose key is not in the schema, as one line naming it,
+    its value and the closest key (:func:`ldt.config.unknown_key`); None when every key is.
+    Group choices (``cluster=...``, ``train/optimizer=...``), ``hydra.*`` and deletions are
+    Hydra's; an undotted key is left to Hydra too when a config folder of the user's may add
+    groups. Overrides Hydra cannot parse are left for it to refuse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from ldt.config import unknown_key
+
+    parser = OverridesParser.create()
+    user_groups = any(a.split("=")[0] in ("-cd", "--config-dir") or a.startswith("hydra.searchpath")
+                      for a in args)
+    for prev, arg in zip([None, *args], args):
+        if arg.startswith("-") or "=" not in arg or prev in _FLAGS_WITH_VALUE:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except HydraException:
+            continue
+        key = override.key_or_group
+        if (override.is_delete() or override.package is not None or "/" in key
+                or key.split(".")[0] == "hydra" or ("." not in key and user_groups)):
+            continue
+        why = unknown_key(key, arg.split("=", 1)[1])
+        if why:
+            return why
+    return None

@@ -255,6 +255,12 @@ _SYMPTOMS = ("Connection reset", "Connection closed", "connection closed", "time
              "Timed out", "Broken pipe", "ECONNRESET")
 
 
+def is_peer_symptom(text: str) -> bool:
+    """Does an error's text say that a peer went away or did not answer in time (a rank died
+    or stalled, a link went down), rather than what went wrong in this rank?"""
+    return any(s in text for s in _SYMPTOMS)
+
+
 def _poll(readers: dict, procs, out: dict, timeout: float) -> list[WorldError]:
     """Read whatever the children said; return failures (results go into ``out``)."""
     failures = []
@@ -279,7 +285,7 @@ def _root_cause(failures: list[WorldError],
     peer's lost connection or timeout; then, when every failure is such a symptom, the rank
     the progress records say the others were waiting for; then the first report."""
     silent = [f for f in failures if not f.tb]
-    real = [f for f in failures if f.tb and not any(s in f.tb for s in _SYMPTOMS)]
+    real = [f for f in failures if f.tb and not is_peer_symptom(f.tb)]
     if silent or real:
         return (silent or real)[0]
     found = _progress.blame(seen) if seen else None

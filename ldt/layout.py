@@ -229,7 +229,8 @@ def is_uniform(split: LayerSplit) -> bool:
             and len({split.stage_num_layers(s) for s in range(split.num_stages)}) == 1)
 
 
-def _even_segments(num_layers: int, num_stages: int, u_shape: bool) -> list[list[str]]:
+def _even_segments(num_layers: int, num_stages: int, u_shape: bool,
+                   num_mtp: int = 0) -> list[list[str]]:
     """Default split: see :func:`split_layers`."""
     nseg = num_stages + 1 if u_shape else num_stages
     base, rem = divmod(num_layers, nseg)
@@ -239,11 +240,12 @@ def _even_segments(num_layers: int, num_stages: int, u_shape: bool) -> list[list
     order = list(range(1, num_stages)) + [0, num_stages] if u_shape else list(range(nseg))
     for i in order[:rem]:
         counts[i] += 1
-    return [(["E"] if i == 0 else []) + ["t"] * c + (["L"] if i == nseg - 1 else [])
-            for i, c in enumerate(counts)]
+    return [(["E"] if i == 0 else []) + ["t"] * c + (["m"] * num_mtp + ["L"] if i == nseg - 1
+                                                      else []) for i, c in enumerate(counts)]
 
 
-def _validate(segs, text: str, num_layers: int, num_stages: int, u_shape: bool) -> None:
+def _validate(segs, text: str, num_layers: int, num_stages: int, u_shape: bool,
+              num_mtp: int | None = None) -> None:
     n, P = len(segs), num_stages
     if u_shape and n != P + 1:
         raise LayoutError(
@@ -281,6 +283,11 @@ def _validate(segs, text: str, num_layers: int, num_stages: int, u_shape: bool) 
     if early:
         raise LayoutError("'m' (MTP layer) must come after every decoder layer 't'", value=text,
                           pos=early[0][1], fix="move the 'm' tokens after the last 't', before 'L'")
+    mtp = sum(f[0] == "m" for f in flat)
+    if num_mtp is not None and mtp != num_mtp:
+        raise LayoutError(
+            f"has {mtp} MTP layers ('m') but model.mtp_num_layers is {num_mtp}", value=text,
+            fix=f"use exactly {num_mtp} 'm' tokens (before 'L'), or set model.mtp_num_layers={mtp}")
 
 
 def _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, minimum) -> None:
@@ -303,7 +310,8 @@ def _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, m
 
 
 def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
-                 layout: str | None = None, min_chunk_layers: int = 0) -> LayerSplit:
+                 layout: str | None = None, min_chunk_layers: int = 0,
+                 num_mtp: int | None = None) -> LayerSplit:
     """Place ``num_layers`` decoder layers (plus E, L, m) on ``num_stages`` pipeline stages.
 
     With ``layout`` (a non-blank string) the segments are checked and placed as described in the
@@ -321,6 +329,9 @@ def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
     holding only ``E``/``L``): the grammar allows it, ldt's model build does not (every chunk is
     a GPTModel with at least one layer), so a training config asks for it.
 
+    ``num_mtp`` (the model's MTP layers): an even split puts them in the head's segment, before
+    ``L``; a layout must hold exactly that many ``m``. None: the grammar alone (no count).
+
     Raises :class:`LayoutError` naming the field, the value and the fix on any mismatch.
     """
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -335,10 +346,10 @@ def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
                           fix="add a cloud stage to cluster.stages, or set u_shape: false")
     starts: list = []
     if layout is None or (isinstance(layout, str) and not layout.strip()):
-        segs = _even_segments(num_layers, num_stages, u_shape)
+        segs = _even_segments(num_layers, num_stages, u_shape, num_mtp or 0)
     else:
         psegs = _parse(layout, starts)
-        _validate(psegs, layout, num_layers, num_stages, u_shape)
+        _validate(psegs, layout, num_layers, num_stages, u_shape, num_mtp)
         segs = [[sym for sym, _ in seg] for seg in psegs]
     _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, min_chunk_layers)
     per_stage: list[list[Chunk]] = [[] for _ in range(num_stages)]

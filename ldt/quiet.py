@@ -1,11 +1,21 @@
-"""Silence megatron-core's import-time warnings that are expected on CPU-only machines.
+"""Keep a rank's output to what its user can act on: warnings filtered, logging at one level.
 
 Imported first by every local worker (ldt.launch preloads it) and by ldt-train: "Transformer
 Engine / Apex not installed" and similar notes say nothing a CPU user can act on. Any other
 warning still shows.
+
+:func:`set_log_level` sets a rank's Python logging (megatron-core's above all) to one level,
+whatever launched it: a bare launch's ranks have no handler (Python prints warnings and errors
+only), while under torchrun each rank is a Hydra app whose handler would print megatron-core's
+INFO records (DDP buckets, every parameter name, the optimizer config) from every rank.
 """
 
+import logging
+import sys
 import warnings
+from typing import Optional, Sequence
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 for _pattern in (
     r".*Transformer Engine and Apex are not installed.*",
@@ -19,3 +29,31 @@ for _pattern in (
     r".*`sequence_parallel` is set to `True`, but tensor model parallel size is 1.*",
 ):
     warnings.filterwarnings("ignore", message=_pattern)
+
+
+class _RankHandler(logging.StreamHandler):
+    """ldt's handler: one line per record on stderr, prefixed with the rank."""
+
+
+def set_log_level(level: str = "WARNING", rank: Optional[int] = None,
+                  loggers: Sequence[str] = ("",)) -> None:
+    """Records of ``loggers`` (default: the root, i.e. every library) at ``level`` and above
+    go to stderr, one line each: ``[rank 3] WARNING megatron.core.x: message``.
+
+    The root's handlers are replaced (a rank is ldt's process: under torchrun Hydra's console
+    handler would print to stdout, mixed with the progress lines); a named logger gets ldt's
+    handler and stops propagating, so a script's own logging setup (``python -m ldt.run``)
+    neither shows nor hides megatron-core's records. Calling it again replaces what it set.
+    """
+    handler = _RankHandler(sys.stderr)
+    who = f"[rank {rank}] " if rank is not None else ""
+    handler.setFormatter(logging.Formatter(f"{who}%(levelname)s %(name)s: %(message)s"))
+    for name in loggers:
+        log = logging.getLogger(name)
+        for old in list(log.handlers):
+            if not name or isinstance(old, _RankHandler):
+                log.removeHandler(old)
+        log.addHandler(handler)
+        log.setLevel(level.upper())
+        if name:
+            log.propagate = False

@@ -18,7 +18,9 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from ldt.config import load_cluster_yaml, to_cluster
+from ldt.config import ConfigError, load_cluster_yaml, to_cluster
+from ldt.hydra_app import EXIT_CONFIG
+from ldt.quiet import LOG_LEVELS
 from ldt.topology import Topology
 
 
@@ -49,7 +51,6 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     from megatron.core import parallel_state as ps
 
     from ldt import patches
-    from ldt.config import ConfigError
     from ldt.parallel_state import is_vtp_initialized
 
     if ps.model_parallel_is_initialized() and not is_vtp_initialized():
@@ -81,9 +82,14 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
 
 
 def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
-                timeout_s: float, script: str, args: list) -> None:
+                timeout_s: float, script: str, args: list, log_level: str = "WARNING") -> None:
     import atexit
 
+    from ldt.quiet import set_log_level
+
+    # megatron-core's and ldt's logging are ldt's business here, whatever the script sets up
+    # for its own (a script's logging.basicConfig(level=INFO) would show megatron's INFO)
+    set_log_level(log_level, rank, loggers=("megatron", "ldt"))
     activate(cluster, u_shape=u_shape, timeout_s=timeout_s, rank=rank)
     sys.argv = [script, *args]
     try:
@@ -102,28 +108,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="force the U-shape (stage 0 runs the head and the loss)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a collective may wait before the run is stopped")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="megatron-core's and ldt's logging on every rank (INFO: "
+                             "megatron's setup notes); the script's own logging is its own")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     import dataclasses
 
-    cluster = dataclasses.asdict(load_cluster_yaml(ns.cluster))
+    try:
+        cluster = dataclasses.asdict(load_cluster_yaml(ns.cluster))
+    except ConfigError as exc:
+        print(f"ldt.run: invalid config: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     if "RANK" in os.environ:  # torchrun: this process is one rank of its world
-        _run_script(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cluster,
-                    ns.u_shape, ns.timeout, ns.script, ns.args)
-        return 0
+        return _torchrun_rank(cluster, ns)
     from ldt.launch import WorldError, run_local_world
 
     topo = Topology.from_config(to_cluster(cluster))
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}  # the script's env:// joins our store
     try:
         run_local_world(topo.world_size, _run_script,
-                        (cluster, ns.u_shape, ns.timeout, ns.script, ns.args),
+                        (cluster, ns.u_shape, ns.timeout, ns.script, ns.args, ns.log_level),
                         timeout_s=max(ns.timeout, 60.0) * 4, comm_timeout_s=ns.timeout,
                         env=env, init_dist=False)
     except WorldError as exc:
         print(f"ldt.run: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _torchrun_rank(cluster: dict, ns) -> int:
+    """One rank of torchrun's world. A failure that is not the script's own error or a bug
+    (a boundary transfer, a lost peer, a refused config) is one line, as under ldt-train;
+    anything else keeps its traceback, printed as Python prints it."""
+    rank = int(os.environ["RANK"])
+    try:
+        _run_script(rank, int(os.environ["WORLD_SIZE"]), cluster, ns.u_shape, ns.timeout,
+                    ns.script, ns.args, ns.log_level)
+    except (Exception, KeyboardInterrupt) as exc:
+        from ldt.training import failure
+
+        if failure.reason(exc) is None:
+            raise
+        topo = Topology.from_config(to_cluster(cluster))
+        return failure.report(exc, failure.rank_label(topo, rank), prog="ldt.run")
     return 0
 
 

@@ -138,6 +138,11 @@ class Topology:
     def from_config(cls, cluster, model: Optional[ModelConfig] = None) -> "Topology":
         """Build from a cluster config; with a model, also split its layers (validated)."""
         cluster = to_cluster(cluster)
+        if not cluster.stages and cluster.inventory:
+            raise ConfigError(
+                f"cluster.inventory={cluster.inventory!r} (elastic): the stages are planned at "
+                "every torchrun start from the nodes there (docs/elastic.md); preview a plan "
+                f"with ldt-plan --inventory {cluster.inventory} --model NAME")
         if cluster.host_staging not in ("auto", "always"):
             raise ConfigError(
                 f"cluster.host_staging={cluster.host_staging!r}; use 'auto' or 'always'"
@@ -160,7 +165,8 @@ class Topology:
         from ldt.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
-                             layout=cluster.layout, min_chunk_layers=1)
+                             layout=cluster.layout, min_chunk_layers=1,
+                             num_mtp=getattr(model, "mtp_num_layers", 0))
         return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging,
                    topo.link_delay_ms, stage_dp)
 

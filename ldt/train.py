@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from ldt.errors import one_line
 from ldt.hydra_app import EXIT_CONFIG
+from ldt.storage.checkpoint_files import AUTO, resume_auto
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,10 +39,18 @@ def _job(cfg, save_hydra_files=None) -> int:
 
     hydra_cfg = HydraConfig.get()
     rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
+    if cfg.cluster.get("inventory"):  # elastic: the stages are planned from the nodes there
+        return _elastic_job(cfg, hydra_cfg, save_hydra_files)
     try:
+        if cfg.train.get("resume") == AUTO:
+            _check_run_dir_given(hydra_cfg)
         plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+        complete = plain.pop("run_complete", None)
+        if complete and rank is None:
+            print(f"ldt-train: {complete}", flush=True)
+            return 0
         if save_hydra_files is not None:  # the folder that keeps the run's files
-            check_run_folder(plain["run_dir"], plain["train"]["resume"])
+            check_run_folder(plain["run_dir"], _resuming(cfg, plain))
             save_hydra_files()
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
@@ -58,10 +67,99 @@ def _job(cfg, save_hydra_files=None) -> int:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
                   flush=True)
-        return _join_torchrun(plain, topo)
+        return _join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
+                              complete=complete)
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
           f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
     return _launch_local(plain, topo)
+
+
+def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
+    """Under torchrun's elastic agent (docs/elastic.md): plan the world that is there from the
+    nodes' descriptions, then train in it, continuing from the run folder's newest checkpoint.
+    Errors are one line per node (its local rank 0 prints it)."""
+    from ldt.config import to_model
+    from ldt.elastic.nodes import ElasticError
+
+    env = os.environ
+    speak = env.get("LOCAL_RANK", "0") == "0"
+    try:
+        _check_run_dir_given(hydra_cfg)
+        plain = resolve(cfg, hydra_cfg.runtime.output_dir)
+        run = None
+        if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
+            try:
+                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True)
+                run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
+                       "load": plain["train"]["load"], "complete": complete}
+            except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
+                run = {"error": one_line(exc)}
+        import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+        from ldt.elastic.world import form_world
+
+        timeout = max(120.0, 4 * plain["train"]["comm_timeout_s"])  # the nodes' start-up skew
+        world = form_world(plain, to_model(plain["model"]), run, env, timeout)
+        if world.run["complete"]:
+            if speak:
+                print(f"ldt-train: {world.run['complete']}", flush=True)
+            return 0
+        if save_hydra_files is not None:  # torchrun's rank 0, whose folder the run continues
+            save_hydra_files()
+        if world.rank is None:  # the plan leaves this process out of this world
+            print(f"ldt-train: node {env['GROUP_RANK']} local rank {env['LOCAL_RANK']} is idle "
+                  f"in this world: {world.plan.describe()}", flush=True)
+            return world.wait_idle()
+        plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
+        plain["train"].update(num_microbatches=world.plan.num_microbatches,
+                              prefetch=world.plan.prefetch, resume=world.run["resume"],
+                              load=world.run["load"])
+        try:  # what only some ranks read (data, checkpoint files): all stop if one cannot
+            topo, warnings = check(plain, world.rank, world.plan.world_size)
+        except ValueError as exc:
+            world.settle(one_line(exc))
+        world.settle(None)
+    except ValueError as exc:  # ElasticError, ConfigError, LayoutError
+        if speak:
+            what = "" if isinstance(exc, ElasticError) else "invalid config: "
+            print(f"ldt: {what}{one_line(exc)}", file=sys.stderr, flush=True)
+        if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
+            _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        return EXIT_CONFIG
+    for warning in warnings:
+        print(f"ldt: warning: {warning}", file=sys.stderr)
+    world.init_process_group(_world_backend(plain), plain["train"]["comm_timeout_s"])
+    world.record(env)
+    if world.rank == 0:
+        start = plain["train"]["resume"] or "a fresh start"
+        print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)
+    code = 1
+    try:
+        code = _join_torchrun(plain, topo)
+        return code
+    finally:
+        world.finish(code)  # a finished run releases the idle processes
+
+
+def _resuming(cfg, plain: dict) -> Optional[str]:
+    """What the run continues, for the run-folder check: train.resume, or with auto (even
+    when it found no checkpoint yet) the run folder itself, which is then the run's own."""
+    return plain["train"]["resume"] or (plain["run_dir"] if cfg.train.get("resume") == AUTO
+                                        else None)
+
+
+def _check_run_dir_given(hydra_cfg) -> None:
+    """train.resume=auto and elastic runs continue a run folder: it must be named, the same at
+    every start (Hydra's default is a new time-stamped folder each time)."""
+    from ldt.config import ConfigError
+
+    task, hydra = list(hydra_cfg.overrides.task), list(hydra_cfg.overrides.hydra)
+    if any(o.startswith("run_dir=") for o in task) or any(
+            o.startswith("hydra.run.dir=") and o != "hydra.run.dir=." for o in hydra):
+        return
+    raise ConfigError("train.resume=auto (the default of an elastic run, cluster.inventory) "
+                      "continues from the run folder's newest checkpoint, so the folder must be "
+                      "the same at every start: give run_dir=DIR (on a filesystem every node "
+                      "shares)")
 
 
 def _discard_run_folder(path: str, cwd: str) -> None:
@@ -89,13 +187,27 @@ def _made_by_this_process(path: str) -> bool:
 
 def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     """The composed config as a plain dict (run folder and paths made absolute), validated:
-    ``(cfg, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron."""
+    ``(cfg, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron.
+    ``train.resume=auto`` is resolved where the run folder is known (bare, torchrun's rank 0;
+    the others learn it from rank 0); ``cfg["run_complete"]`` then says when nothing is left."""
+    plain = resolve(cfg, run_dir)
+    if plain["train"].get("resume") == AUTO:
+        if rank in (None, 0):
+            plain["run_complete"] = resume_auto(plain["train"], plain["run_dir"])
+        else:  # torchrun's other ranks learn it from rank 0 (_join_torchrun)
+            plain["train"]["resume"] = None
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    topo, warnings = check(plain, rank, world)
+    return plain, topo, warnings
+
+
+def resolve(cfg, run_dir: str) -> dict:
+    """The composed config as a plain dict, run folder and paths made absolute."""
     from hydra.utils import to_absolute_path
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from ldt.config import ConfigError
-    from ldt.validate import check_files, validate
 
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
@@ -106,17 +218,24 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     for group, key in (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
                        ("train", "resume"), ("train", "load")):
         value = plain[group].get(key)
-        if value and not (key == "tokenizer" and value == "bytes"):
+        if value and not (key == "tokenizer" and value == "bytes") \
+                and not (key == "resume" and value == AUTO):
             plain[group][key] = to_absolute_path(value)
     if plain["data"].get("blend") is not None:
         from ldt.data.files import format_blend, parse_blend
 
         plain["data"]["blend"] = format_blend(*parse_blend(plain["data"]["blend"],
                                                            base=to_absolute_path(".")))
-    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    return plain
+
+
+def check(plain: dict, rank: Optional[int], world: Optional[int]):
+    """Validate a resolved config for a world of ``world`` processes: (topology, warnings)."""
+    from ldt.validate import check_files, validate
+
     topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
     warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
-    return plain, topo, warnings
+    return topo, warnings
 
 
 def _save_config(cfg: dict, run_dir: str) -> None:
@@ -155,10 +274,14 @@ def _launch_local(cfg: dict, topo) -> int:
     if cfg["train"]["verify"]:
         ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
-        pairs = [*zip(summary["losses"], ref["losses"]),
-                 *zip(summary.get("eval_losses", []), ref.get("eval_losses", [])),
-                 *zip(summary.get("moe_aux_losses", []), ref.get("moe_aux_losses", []))]
-        summary["parity_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
+        from ldt.training.outputs import parity_max_abs_diff
+
+        try:
+            summary["parity_max_abs_diff"] = parity_max_abs_diff(summary, ref)
+        except ValueError as exc:
+            print(f"ldt: {exc}", file=sys.stderr)
+            print(_summary_line(summary))
+            return 1
     print(_summary_line(summary))
     return 0
 
@@ -182,18 +305,41 @@ def _summary_line(summary: dict) -> str:
     return summary_json(_public(summary))
 
 
-def _join_torchrun(cfg: dict, topo) -> int:
-    """Under torchrun: join its world; the loss stage's leader prints the summary."""
+def _join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None) -> int:
+    """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
+    rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more). A failure
+    is one line from each failing rank (and its exit status), not a traceback: no launcher of
+    ldt's sees the whole world to name the rank that failed first (ldt.training.failure)."""
     import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    from ldt.training import failure
+
+    rank = int(os.environ["RANK"])
+    doing = failure.track_progress()
+    try:
+        return _train_in_torchrun_world(cfg, topo, auto, complete)
+    except (Exception, KeyboardInterrupt) as exc:
+        return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
+
+
+def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str]) -> int:
     import torch.distributed as dist
 
     from ldt.training.loop import train_worker
 
-    backend = _world_backend(cfg)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
-    holder = [cfg["run_dir"]]
-    dist.broadcast_object_list(holder, src=0)  # rank 0's run folder (only it kept Hydra's)
+    if not dist.is_initialized():  # an elastic world joined in ldt.elastic.world
+        dist.init_process_group(_world_backend(cfg),
+                                timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
+    # rank 0's run folder (only it kept Hydra's) and what train.resume=auto found there
+    holder = [cfg["run_dir"], (cfg["train"]["resume"], cfg["train"]["load"], complete)]
+    dist.broadcast_object_list(holder, src=0)
     cfg["run_dir"] = holder[0]
+    if auto:
+        cfg["train"]["resume"], cfg["train"]["load"], complete = holder[1]
+    if complete:
+        if dist.get_rank() == 0:
+            print(f"ldt-train: {complete}", flush=True)
+        dist.destroy_process_group()
+        return 0
     if dist.get_rank() == 0:
         print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}", flush=True)
         _save_config(cfg, holder[0])
@@ -224,10 +370,9 @@ def _job_timeout(cfg: dict) -> float:
 def _describe(exc, topo) -> str:
     if exc.rank is None:
         return str(exc)
-    info = topo.rank_info(exc.rank) if exc.rank < topo.world_size else None
-    where = f"rank {exc.rank}"
-    if info is not None:
-        where += f" (stage {info.stage} '{topo.stages[info.stage].name}', TP rank {info.tp_rank})"
+    from ldt.training.failure import rank_label
+
+    where = rank_label(topo, exc.rank)
     if exc.stalled:  # "rank N stopped making progress: ...": the others waited for it
         return str(exc).replace(f"rank {exc.rank} ", f"{where} ", 1)
     return f"{where} failed first: {exc}"
@@ -235,6 +380,7 @@ def _describe(exc, topo) -> str:
 
 def _public(summary: dict) -> dict:
     keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "moe_aux_loss",
+            "final_mtp_loss",
             "tokens_per_s", "step_time_s", "parity_max_abs_diff", "run_dir")
     return {k: summary[k] for k in keys if k in summary}
 

@@ -29,6 +29,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
         )
     _check_model_vs_tp(topo, model)
     _check_experts(topo, model)
+    _check_mtp(topo, model)
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
     from ldt.models.spec import transformer_impl
@@ -243,6 +244,30 @@ def _check_experts(topo: Topology, model: ModelConfig) -> None:
                 f"{where}.ep={stage.ep} with model.params_dtype=float16: megatron's fp16 loss "
                 "scaling checks the expert gradients in an optimizer only that stage has, a "
                 "collective the other stages would not join; use bfloat16 (or ep=1)")
+def _check_mtp(topo: Topology, model: ModelConfig) -> None:
+    """megatron-core runs the MTP layers inside the model chunk with the head, and they embed
+    the next tokens with the input embedding: on a U-shape's edge (or one stage) both chunks
+    are on the same ranks and share it; across stages it would need a tied copy (not built)."""
+    # (the layout rules already keep every 'm' in the head's chunk: after the last 't', and
+    # every chunk holds a 't')
+    if not model.mtp_num_layers or topo.split is None:
+        return
+    if topo.num_stages > 1 and not topo.u_shape:
+        raise ConfigError(
+            f"model.mtp_num_layers={model.mtp_num_layers} on a plain pipeline of "
+            f"{topo.num_stages} stages: the MTP layers (with the head, on the last stage) embed "
+            "the next tokens with the input embedding, which sits on stage 0; ldt shares it "
+            "only where both are on one stage: use cluster.u_shape=true (the head and the MTP "
+            "layers on the edge), one stage, or model.mtp_num_layers=0")
+    for untested, what in ((model.sequence_parallel and topo.stages[0].tp > 1,
+                            f"model.sequence_parallel=true (stage 0 has TP {topo.stages[0].tp})"),
+                           (topo.is_vdp, f"per-stage dp {topo.dp_sizes}"),
+                           (model.num_moe_experts, f"model.num_moe_experts="
+                                                   f"{model.num_moe_experts}")):
+        if untested:
+            raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers} with {what}: not "
+                              "built and tested together yet; set model.mtp_num_layers=0 or "
+                              "turn the other off")
 
 
 def _interleaved_example(topo: Topology) -> str:

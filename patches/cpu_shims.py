@@ -19,6 +19,8 @@ is. One proxy, :data:`TORCH_ON_CPU`, serves every module: ``device="cuda"`` in `
   fresh interpreter (~6 s per rank and save on this CPU); on CPU ranks it is forked instead;
 - ``tensor_parallel.{mappings,layers}``: the buffers of sequence parallelism's all-gather and
   reduce-scatter (``torch.cuda.current_device()``);
+- ``transformer.multi_token_prediction``: the tracker of the MTP losses
+  (``torch.zeros(..., device=torch.cuda.current_device())``);
 - ``tensor_parallel.random``: ``torch.cuda.{manual_seed,get_rng_state}`` and the module's
   ``_get/_set_cuda_rng_state`` use the CPU generator, so ``model_parallel_cuda_manual_seed`` and
   ``get_cuda_rng_tracker().fork()`` work (dropout in TP regions stays reproducible). Its
@@ -84,6 +86,7 @@ _MODULES = (
     "megatron.core.tensor_parallel.layers",  # buffers (sequence parallel, vocab parallel)
     "megatron.core.transformer.moe.router",  # gating moves the router weight to cuda
     "megatron.core.transformer.moe.moe_utils",  # the aux-loss tracker's buffer on "cuda"
+    "megatron.core.transformer.multi_token_prediction",  # the MTP losses' tracker
 )
 
 _cuda_rng_on_cpu = ModuleProxy(

@@ -1,9 +1,10 @@
 """Calibration (ldt/plan/calibrate.py): from recorded action times back to simulator inputs.
 
-The round trip is the check: play a schedule with known costs, write its events as
-``action_times.csv`` rows the way ldt-train does (times relative to each stage's step start,
-plus that start on one host clock), and calibration must recover the costs, the start offsets
-and the iteration time. A real run's rows are checked in test_train.py.
+A step timed by hand (HAND_STEP) is the independent check: calibration must give the costs, the
+start offsets and the span worked out by hand, and predict steps it was not calibrated on. The
+round trip (play a schedule with known costs through the simulator, write its events as
+``action_times.csv`` rows the way ldt-train does, recover the costs) checks the many schedules
+no one would time by hand. A real run's rows are checked in test_train.py.
 """
 
 from __future__ import annotations
@@ -52,6 +53,69 @@ def test_round_trip_recovers_costs_offsets_and_iteration_time(kind, schedule):
     assert list(spans.values()) == pytest.approx([played.iteration_time] * 3)
     assert cal.predict().iteration_time == pytest.approx(played.iteration_time)
     assert cal.predict(compute_only=True).iteration_time < played.iteration_time
+
+
+# One step of 1F1B on 2 stages, 1 micro-batch, timed by hand (ms; stage 1 starts 0.5 ms after
+# stage 0 on the host clock). Stage 1's WAIT_F starts at 0.1 but stage 0 sends at 4.1 (clock):
+# its own time is 1.0, so it returns at clock 5.1 (4.6 on stage 1's step clock); stage 0's
+# WAIT_B starts at 4.3 and stage 1 sends at clock 23.1: own time 0.7, returns at 23.8.
+HAND_STEP = {  # action: (start, end) on its stage's step clock
+    0: [("0RECV_B0<1", 0.0, 0.1), ("0F0", 0.1, 4.1), ("0SEND_F0>1", 4.1, 4.3),
+        ("0WAIT_B0<1", 4.3, 23.8), ("0B0", 23.8, 31.8)],
+    1: [("1RECV_F0<0", 0.0, 0.1), ("1WAIT_F0<0", 0.1, 4.6), ("1F0", 4.6, 10.6),
+        ("1B0", 10.6, 22.6), ("1SEND_B0>0", 22.6, 22.9)],
+}
+HAND_STARTS = {0: 0.0, 1: 0.5}
+HAND_SPAN_MS = 31.8  # stage 0's B0 ends at 31.8 on the clock; stage 0 started first, at 0
+
+
+def _hand_rows(step, stretch_f1=1.0):
+    """HAND_STEP as action_times.csv rows of ``step`` (clock origin 100 s + step); stage 1's
+    F0 lasts ``stretch_f1`` times as long (and everything after it on both stages shifts)."""
+    extra = 6.0 * (stretch_f1 - 1)
+    rows = []
+    for stage, actions in HAND_STEP.items():
+        for name, start, end in actions:
+            later = extra if (stage == 1 and start >= 10.6) or (stage == 0 and start >= 23.8) else 0
+            if name == "1F0":
+                end += extra
+            if name == "0WAIT_B0<1":
+                end += extra
+            rows.append(calibrate.ActionTime(step, calibrate.parse_action(name),
+                                             (start + later) / 1e3, (end + later) / 1e3, "node0",
+                                             100.0 + step + HAND_STARTS[stage] / 1e3))
+    return rows
+
+
+def test_hand_timed_step_gives_hand_computed_costs_and_span():
+    """Expected values worked out by hand from HAND_STEP, not by the simulator under test."""
+    rows = _hand_rows(0) + _hand_rows(1)
+    assert calibrate.step_spans(rows) == pytest.approx({0: 31.8e-3, 1: 31.8e-3})
+    cal = calibrate.calibrate(rows)
+    assert cal.compute == pytest.approx({(0, Op.F): 4e-3, (0, Op.B): 8e-3, (1, Op.F): 6e-3,
+                                         (1, Op.B): 12e-3})
+    assert cal.local == pytest.approx({(0, Op.RECV_B): 0.1e-3, (0, Op.SEND_F): 0.2e-3,
+                                       (0, Op.WAIT_B): 0.7e-3, (1, Op.RECV_F): 0.1e-3,
+                                       (1, Op.WAIT_F): 1.0e-3, (1, Op.SEND_B): 0.3e-3})
+    assert cal.start_at == pytest.approx({0: 0.0, 1: 0.5e-3})
+    assert cal.predict().iteration_time == pytest.approx(HAND_SPAN_MS / 1e3)
+    # compute only: F0 4, F0 6, B0 12, B0 8 one after another, messages free, same start
+    assert cal.predict(compute_only=True).iteration_time == pytest.approx(30e-3)
+
+
+def test_compare_predicts_steps_it_was_not_calibrated_on():
+    """Calibrated on steps whose stage-1 forward took 5 and 7 ms (mean 6), the model predicts a
+    held-out step whose forward took 6 ms: the hand-timed span, 31.8 ms; and a step whose
+    forward took 9 ms is measured as 34.8 ms, so the prediction is off by -8.6%."""
+    train = _hand_rows(0, 5 / 6) + _hand_rows(1, 7 / 6)
+    held_out = calibrate.compare(train, measured=_hand_rows(2))
+    assert held_out.steps == 1 and held_out.measured_s == pytest.approx(31.8e-3)
+    assert abs(held_out.error) < 1e-9
+    slow = calibrate.compare(train, measured=_hand_rows(3, 9 / 6))
+    assert slow.measured_s == pytest.approx(34.8e-3)
+    assert slow.error == pytest.approx(31.8 / 34.8 - 1)
+    in_sample = calibrate.compare(train)  # ldt-sim --measured: the same steps
+    assert in_sample.steps == 2 and in_sample.measured_s == pytest.approx(31.8e-3)
 
 
 def test_a_wait_is_charged_from_when_its_message_was_sent():

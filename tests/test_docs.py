@@ -332,6 +332,19 @@ def check_sim_of_plan(result, scratch: Scratch):
     assert "from plans/train/mine.yaml" in result.stderr, result.stderr
 
 
+def check_front_pick(result, scratch: Scratch):
+    """docs/planner.md's edge_cloud example: the front, and the 10-device plan picked."""
+    assert "time/cost front:" in result.stdout, result.stdout
+    assert "picked 3 stages on 10 devices, 14266.2 ms: 0.6% slower" in result.stdout, \
+        result.stdout
+
+
+def check_sim_of_front_pick(result, scratch: Scratch):
+    """ldt-sim prices the planned files as ldt-plan did (the same 14266.17 ms)."""
+    assert "from plans/train/qwen.yaml" in result.stderr, result.stderr
+    assert "iteration 14266.17 ms" in result.stdout, result.stdout
+
+
 def check_replay(result, scratch: Scratch):
     """docs/planner.md shows the replay's table: its first line and row labels."""
     assert re.match(r"runs/demo: \d+ steps after 3 skipped, 3 stages\n", result.stdout), \
@@ -351,6 +364,16 @@ def check_audit(result, scratch: Scratch):
     assert {"crossed", "other_messages", "capture_equals_sent", "losses", "rows"} <= set(report)
 
 
+def check_torchrun(result, scratch: Scratch):
+    """docs/torchrun.md: the 12 lines ldt-train prints (a training like any other); on stderr
+    nothing but torchrun's own log lines."""
+    check_training(result, scratch)
+    assert len(result.stdout.splitlines()) == 12, result.stdout
+    torchrun_log = re.compile(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+    ranks = [x for x in result.stderr.splitlines() if x and not torchrun_log.match(x)]
+    assert not ranks, ranks
+
+
 def check_help(result, scratch: Scratch):
     assert "cluster: " in result.stdout and "model: " in result.stdout, result.stdout[:2000]
 
@@ -368,7 +391,10 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("README.md", r"ldt-sim --cluster plans/cluster/mine\.yaml", check_sim_of_plan),
     ("docs/models.md", r"ldt-convert export", lambda r, s: check_export(r, s, "hf_exported")),
     ("docs/planner.md", r"ldt-sim --measured", check_replay),
+    ("docs/planner.md", r"ldt-plan .*qwen2\.5_7b --out plans/cluster/qwen\.yaml", check_front_pick),
+    ("docs/planner.md", r"ldt-sim --cluster plans/cluster/qwen\.yaml", check_sim_of_front_pick),
     ("docs/privacy.md", r"ldt-audit", check_audit),
+    ("docs/torchrun.md", r"torchrun .*-m ldt\.train", check_torchrun),
     ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),
 ]
 

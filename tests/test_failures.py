@@ -1,11 +1,14 @@
 """Failure behaviour: a dead rank stops the whole run fast, names itself, leaves no process.
 
-`ldt-train` is started bare (it launches its own world); once every rank has written its
-pid, one rank is SIGKILLed. Every process must be gone within comm_timeout_s + 15 s, the
-launcher must exit non-zero and name the rank and stage that failed first.
+`ldt-train` is started bare (it launches its own world), and once under torchrun; once steps
+run, one rank is SIGKILLed. Every process must be gone within comm_timeout_s + 15 s, the
+launcher must exit non-zero and name the rank and stage that failed first (under torchrun:
+each rank left names itself in one line, torchrun's summary names the rank that died).
 """
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,40 +29,95 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("victim,where", [
-    (0, "stage 0 'edge', TP rank 0"),     # stage 0, the edge's leader
-    (1, "stage 1 'cloud0', TP rank 0"),   # a middle stage's leader
-    (2, "stage 1 'cloud0', TP rank 1"),   # a non-leader
-], ids=["edge_leader", "middle_leader", "non_leader"])
-def test_killed_rank_stops_everything(tmp_path, victim, where):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}", "train.steps=100000",
-         f"train.comm_timeout_s={COMM_TIMEOUT}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _kill_while_training(argv, run_dir, victim: int):
+    """Start ``argv`` (4 ranks writing ``run_dir``), SIGKILL rank ``victim`` once steps run;
+    return (exit status, stderr, seconds from the kill to the launcher's exit). Every rank
+    must be gone within 5 s of that exit."""
+    proc = subprocess.Popen([*argv, f"run_dir={run_dir}", "train.steps=100000",
+                             f"train.comm_timeout_s={COMM_TIMEOUT}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    pids = []
     try:
-        pid_files = [tmp_path / "pids" / f"rank_{r}" for r in range(4)]
-        deadline = time.monotonic() + 60
-        while not all(p.exists() and p.read_text().strip() for p in pid_files):
-            assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+        metrics = run_dir / "metrics.csv"
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) > 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "no training steps"
             time.sleep(0.05)
-        pids = [int(p.read_text()) for p in pid_files]
-        time.sleep(2.0)  # let training run
+        pids = [int((run_dir / "pids" / f"rank_{r}").read_text()) for r in range(4)]
         killed_at = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
         _, err = proc.communicate(timeout=COMM_TIMEOUT + 15)
         elapsed = time.monotonic() - killed_at
-        assert proc.returncode != 0
-        assert f"rank {victim} ({where}) failed first" in err, err[-2000:]
-        assert "killed by SIGKILL" in err
         end = time.monotonic() + 5
         while any(_alive(p) for p in pids) and time.monotonic() < end:
             time.sleep(0.1)
         assert not any(_alive(p) for p in pids), "a rank outlived the launcher"
-        assert elapsed < COMM_TIMEOUT + 15
+        return proc.returncode, err, elapsed
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim,where", [
+    (0, "stage 0 'edge', TP rank 0"),     # stage 0, the edge's leader
+    (2, "stage 1 'cloud0', TP rank 1"),   # a non-leader
+], ids=["edge_leader", "non_leader"])  # a middle stage's leader: the torchrun test below
+def test_killed_rank_stops_everything(tmp_path, victim, where):
+    code, err, elapsed = _kill_while_training([sys.executable, "-m", "ldt.train"], tmp_path,
+                                              victim)
+    assert code != 0
+    assert f"rank {victim} ({where}) failed first" in err, err[-2000:]
+    assert "killed by SIGKILL" in err
+    assert elapsed < COMM_TIMEOUT + 15
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
+    """Rank 1 (cloud0's leader) is SIGKILLed, bare and under torchrun; both end within
+    comm_timeout_s + 15 s, leave no process and print no traceback. Bare: one line naming the
+    rank that failed first. Under torchrun no launcher of ldt's sees the whole world: each
+    rank left says in one line who it is, where it was and why it stopped, and torchrun's own
+    summary shows rank 1's SIGKILL and the others' lines."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code, bare, elapsed = _kill_while_training([sys.executable, "-m", "ldt.train"],
+                                               tmp_path / "bare", 1)
+    assert code != 0 and elapsed < COMM_TIMEOUT + 15
+    assert bare.strip().splitlines() == [
+        "ldt: training failed: rank 1 (stage 1 'cloud0', TP rank 0) failed first: rank 1 "
+        "exited with code -9 (killed by SIGKILL) before reporting"], bare[-3000:]
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ldt.train"]
+    code, err, elapsed = _kill_while_training(torchrun, tmp_path / "torchrun", 1)
+    assert code != 0 and elapsed < COMM_TIMEOUT + 15
+    assert "Error executing job" not in err and "HYDRA" not in err
+    # before torchrun's report ("E... failed (exitcode: -9) local_rank: 1 ...", its traceback
+    # and summary): torchrun's log lines and the ranks' own lines, no traceback
+    torchrun_log = re.compile(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+    ranks_part, summary = re.split(r"\n[IWE]\d{4} [^\n]* failed \(exitcode", err, maxsplit=1)
+    assert "Traceback" not in ranks_part, ranks_part[-3000:]
+    lines = [x for x in ranks_part.splitlines() if x and not torchrun_log.match(x)]
+    assert len(lines) == 3, ranks_part  # one line per rank left (bare: one line in all)
+    for label in ("rank 0 (stage 0 'edge', TP rank 0)", "rank 2 (stage 1 'cloud0', TP rank 1)",
+                  "rank 3 (stage 2 'cloud1', TP rank 0)"):
+        mine = [x for x in lines if x.startswith(f"ldt: {label} failed (step ")]
+        assert len(mine) == 1, (label, lines)
+        assert re.search(r"\): (boundary \d->\d: rank \d .*failed [\d.]+ s after|lost a peer)",
+                         mine[0]), mine[0]
+        assert f"traceback : {mine[0]}" in summary  # torchrun's summary shows it (error file)
+    # rank 1 said nothing: torchrun's summary has its SIGKILL (as its root cause, unless a
+    # rank left wrote its line in an earlier second: torchrun dates failures to the second)
+    assert re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -9 .*\(SIGKILL\)",
+                     summary), summary
 
 
 class CorruptSecondActivation:
@@ -217,3 +275,77 @@ def test_the_summary_is_always_valid_json():
 
     line = summary_json({"final_loss": float("nan"), "losses": [1.0, float("inf")], "steps": 2})
     assert json.loads(line) == {"final_loss": None, "losses": [1.0, None], "steps": 2}
+
+
+def _raised(exc, cause=None):
+    """``exc`` as raised (``from cause``), with its traceback."""
+    try:
+        if cause is None:
+            raise exc
+        try:
+            raise cause
+        except BaseException as inner:
+            raise exc from inner
+    except BaseException as caught:
+        return caught
+
+
+def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, monkeypatch,
+                                                                  capsys):
+    """What a rank under torchrun prints (ldt.training.failure): ldt's reason in one line, a
+    lost peer or a refused config too; a bug gets the line and its traceback, once. The line
+    goes to torchrun's error file, which torchrun's own reader puts in its summary."""
+    from torch.distributed.elastic.multiprocessing.errors import (ChildFailedError,
+                                                                  ProcessFailure)
+
+    from ldt.boundary.work import BoundaryError
+    from ldt.config import ConfigError
+    from ldt.schedule.runtime import ActionError
+    from ldt.training.failure import reason, report
+
+    cut = ("boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2 "
+           "'cloud1' (rank 3) failed 20.0 s after it was posted (RuntimeError: [unbound_buffer"
+           ".cc:78] Timed out waiting 20000ms for recv operation to complete)")
+    wrapped = _raised(ActionError("stage 0 failed at action #5 0WAIT_F1 (BoundaryError: ...)\n"
+                                  "<the stage's action grid>"), BoundaryError(cut))
+    assert reason(wrapped) == (cut, 1)
+    gone = _raised(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:6315. This "
+                                "is typically caused by a remote worker crashing."))
+    lost = ("lost a peer (a rank died or stalled, or a link is down): RuntimeError: [pair.cc:"
+            "553] Connection closed by peer [127.0.0.1]:6315. This is typically caused by a "
+            "remote worker crashing.")
+    assert reason(gone) == (lost, 1)
+    # a TP collective inside a compute action: the runtime's wrapper adds nothing to say
+    assert reason(_raised(ActionError(f"stage 1 failed at action #12 1F2 ({gone!r})"),
+                          gone)) == (lost, 1)
+    assert reason(_raised(ConfigError("cluster.dp=3: ...; set cluster.dp=1"))) == (
+        "invalid config: cluster.dp=3: ...; set cluster.dp=1", 2)
+    assert reason(_raised(KeyError("stage"))) is None  # a bug in ldt
+    assert reason(_raised(RuntimeError("shape mismatch"))) is None
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    assert report(wrapped, "rank 0 (stage 0 'edge', TP rank 0)") == 1
+    line = f"ldt: rank 0 (stage 0 'edge', TP rank 0) failed: {cut}"
+    assert capsys.readouterr().err == line + "\n"
+    seen = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert f"traceback : {line}\n" in ChildFailedError("ldt.train", {0: seen}).format_msg()
+
+    assert report(_raised(KeyError("stage")), "rank 2 (stage 1 'cloud0', TP rank 1)") == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("ldt: rank 2 (stage 1 'cloud0', TP rank 1) failed: an error in ldt "
+                      "itself, please report it with the traceback below: KeyError: 'stage'")
+    assert err[1] == "Traceback (most recent call last):" and err[-1] == "KeyError: 'stage'"
+    assert sum(x.startswith("Traceback") for x in err) == 1
+    assert err[0] in json.loads(error_file.read_text())["message"]["message"]
+
+    class Writes(list):  # a node's ranks share torchrun's stderr: one line, one write
+        def write(self, text):
+            self.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Writes())
+    report(wrapped, "rank 0 (stage 0 'edge', TP rank 0)")
+    assert sys.stderr == [line + "\n"]

@@ -8,8 +8,8 @@ One set of namespaces serves the module; the runs are cached so each is paid onc
 
 * undisturbed: parity with the single-process reference, and traffic really left the edge;
 * the edge's link cut mid-run: every process on every host exits non-zero within
-  comm_timeout_s + 15 s, naming the boundary and stages; the last complete checkpoint resumes
-  to exactly the undisturbed losses;
+  comm_timeout_s + 15 s with one line (no traceback), the edge's naming the boundary and
+  stages; the last complete checkpoint resumes to exactly the undisturbed losses;
 * the edge's link down for 2 s: the run finishes with exactly the undisturbed losses.
 
 Skipped (with hosts.unavailable()'s reason) only where a namespace with a veth pair and a tbf
@@ -123,12 +123,16 @@ def test_cut_link_stops_every_host_and_the_checkpoint_resumes_exactly(net, undis
     for r in results:
         assert r.returncode not in (0, None), f"rank {r.rank} on host {r.host}: {r.returncode}"
         assert r.exited_at - cut_at < comm_timeout + 15, (r.rank, r.exited_at - cut_at)
-    errors = "\n".join(r.stderr for r in results)
-    # the edge's leader names a boundary to a cloud stage, the stages and the peer
-    assert re.search(r"BoundaryError: boundary (0->1|2->0): rank 0 \(stage 0 'edge'\) receive of "
-                     r"an? (activation|gradient) from stage (1 'cloud0'|2 'cloud1')",
-                     results[0].stderr), results[0].stderr[-3000:]
-    assert "BoundaryError: boundary" in errors
+    # every rank says in one line who it is and why it stopped, no traceback (as a bare
+    # launch names the rank that failed first); the edge's leader names a boundary to a cloud
+    # stage, the stages, the peer and the seconds
+    for r in results:  # (torch's C++ warnings, "[W1125 11:08:26.297 socket.cpp:207] ...", aside)
+        lines = [x for x in r.stderr.splitlines() if x and not re.match(r"\[W\d{4} ", x)]
+        assert len(lines) == 1 and lines[0].startswith(f"ldt: rank {r.rank} (stage "), r.stderr
+    assert re.search(r"^ldt: rank 0 \(stage 0 'edge', TP rank 0\) failed \(step \d+, .*\): "
+                     r"boundary (0->1|2->0): rank 0 \(stage 0 'edge'\) (receive of|send of) an? "
+                     r"(activation|gradient) (from|to) stage (1 'cloud0'|2 'cloud1') \(rank \d\) "
+                     r"failed \d+\.\d s after", results[0].stderr, re.M), results[0].stderr
     # resume from the last complete checkpoint: exactly the undisturbed losses from there on
     resumed = str(tmp_path / "resumed")
     results = _train(net, resumed, f"train.steps={STEPS}", f"train.resume={run_dir}").wait(240)

@@ -32,8 +32,8 @@ LAYERS = [
     ["ldt.schedule", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
      "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
      "ldt.storage"],
-    # 3 validation: every check before the first collective
-    ["ldt.validate"],
+    # 3 validation: every check before the first collective; an elastic world's plan
+    ["ldt.validate", "ldt.elastic"],
     # 4 groups: process groups, megatron-core's view of them, the patches that install it
     ["ldt.parallel_state", "ldt.cross_stage", "ldt.patches"],
     # 5 stage models and their data

@@ -47,6 +47,25 @@ def test_vocab_padding_is_megatrons_rule_for_every_stage():
         fit_rows("output_layer.weight", t, 2, vocab_size=3)
 
 
+def test_mtp_spec_is_megatrons_for_the_last_stage(monkeypatch):
+    """ldt builds the MTP block spec itself (megatron's builder asks parallel_state whether
+    this is the last pipeline stage, which a U-shape's edge is not); it must be the spec
+    megatron-core's get_gpt_mtp_block_spec gives the last stage of a one-stage model."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_mtp_block_spec)
+
+    from ldt.models.build import _mtp_block_spec, transformer_config
+    from ldt.models.spec import LOCAL
+
+    model = ModelConfig(num_layers=2, hidden_size=8, num_attention_heads=2, mtp_num_layers=3)
+    config = transformer_config(model, 1, 2, mtp_num_layers=3)
+    monkeypatch.setattr(parallel_state, "is_pipeline_last_stage", lambda *a, **k: True)
+    layer = get_gpt_layer_local_spec()
+    assert _mtp_block_spec(layer, 3, LOCAL) == get_gpt_mtp_block_spec(
+        config, layer, use_transformer_engine=False)
+
+
 def test_layer_spec_choice():
     from ldt.models.spec import LOCAL, TE, transformer_impl
 

@@ -18,9 +18,11 @@ from ldt.topology import Topology
 class Recorder:
     def __init__(self):
         self.calls = []
+        self.tensors = []  # what isend / irecv were handed, in call order
 
     def isend(self, tensor, dst, group=None, tag=0):
         self.calls.append(("isend", dst, tag))
+        self.tensors.append(tensor)
         return SimpleNamespace(wait=lambda: self.calls.append(("isend.wait", dst)),
                                is_completed=lambda: True)
 
@@ -30,6 +32,7 @@ class Recorder:
             self.calls.append(("irecv.wait", src))
 
         self.calls.append(("irecv", src, tag))
+        self.tensors.append(tensor)
         return SimpleNamespace(wait=wait, is_completed=lambda: True)
 
     def broadcast(self, tensor, src, group=None):
@@ -106,12 +109,23 @@ def test_overlap_mode_returns_megatron_handle_keys(rec):
     assert set(handles) == {"send_next", "recv_prev", "recv_next"}
 
 
-def test_host_staging_copies_through_cpu(rec):
-    comm = p2p.VtpCommunicator(CONFIG, _state(rank=0, host_staging=True))
+@pytest.mark.parametrize("staged", [True, False])
+def test_host_staging_copies_through_cpu(rec, staged):
+    """On CPU the device tensor already is a host tensor, so what shows staging is the copy:
+    a staged send hands gloo its own host copy (the tensor may change after the send), a
+    staged receive lands in a host buffer that wait() copies into the tensor it returned.
+    Unstaged, gloo gets the tensors themselves."""
+    comm = p2p.VtpCommunicator(CONFIG, _state(rank=0, host_staging=staged))
     t = torch.full((3,), 2.0)
     comm.send(t, comm.next_stage, p2p.FORWARD)
-    assert rec.calls[0][0] == "isend"
+    sent = rec.tensors[0]
+    assert rec.calls[0][0] == "isend" and sent.device.type == "cpu"
+    assert (sent.data_ptr() != t.data_ptr()) == staged
+    t.fill_(5.0)  # the caller reuses its tensor once the send is posted
+    assert torch.all(sent == (2.0 if staged else 5.0))
     tensor, work = comm.recv((3,), comm.prev_stage, p2p.FORWARD)
+    target = rec.tensors[1]
+    assert (target.data_ptr() != tensor.data_ptr()) == staged
     work.wait()
     assert torch.all(tensor == 7.0)  # staged buffer copied into the device tensor
 

@@ -1,7 +1,8 @@
 """VTP parallel state on real gloo worlds: groups, ranks and megatron-core's view of them.
 
 One world per topology; each rank records what megatron-core and ldt report, the parent
-asserts against the topology's own arithmetic and against hand-written expectations. On a
+asserts against each topology's rank map written out by hand (RANK_MAPS), never against
+ldt.topology's own arithmetic (which is checked against the same maps). On a
 uniform topology the same world first builds megatron's own ``initialize_model_parallel``,
 and every getter of megatron-core's ``parallel_state`` must answer as it does there.
 Collectives megatron issues on ldt's cross-stage groups (pipeline, embedding, model parallel,
@@ -243,85 +244,122 @@ TOPOLOGIES = {
     "dp2": cluster([1, 2], dp=2),
     "uniform22": cluster([2, 2]),
 }
+# The expected rank map of each topology, written by hand from DESIGN.md's rule (ranks
+# contiguous per stage, TP innermost, the data-parallel replica outermost), not computed by
+# ldt.topology: per replica, per stage, its global ranks (the first is the stage's leader).
+RANK_MAPS = {
+    "cpu_demo": [[[0], [1, 2], [3]]],
+    "cpu_vtp": [[[0, 1], [2], [3, 4]]],
+    "ring2": [[[0, 1], [2]]],
+    "dp2": [[[0], [1, 2]], [[3], [4, 5]]],
+    "uniform22": [[[0, 1], [2, 3]]],
+}
+
+
+class Hand:
+    """Questions about one topology answered from its hand-written rank map."""
+
+    def __init__(self, name):
+        self.replicas = RANK_MAPS[name]
+        self.u_shape = TOPOLOGIES[name].u_shape
+        self.num_stages, self.dp = len(self.replicas[0]), len(self.replicas)
+        self.world_size = sum(len(r) for rep in self.replicas for r in rep)
+        self.tp_sizes = [len(r) for r in self.replicas[0]]
+
+    def info(self, rank):
+        """(stage, tp rank, replica) of a global rank."""
+        return next((s, ranks.index(rank), d) for d, rep in enumerate(self.replicas)
+                    for s, ranks in enumerate(rep) if rank in ranks)
+
+    def stage_ranks(self, stage, d):
+        return list(self.replicas[d][stage])
+
+    def leader(self, stage, d):
+        return self.replicas[d][stage][0]
+
+    def dp_ranks(self, stage, tp_rank):
+        return [rep[stage][tp_rank] for rep in self.replicas]
+
+    def replica(self, d):
+        return [r for ranks in self.replicas[d] for r in ranks]
 
 
 @pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
 def world(request):
     topo = Topology.from_config(TOPOLOGIES[request.param])
     obs = run_local_world(topo.world_size, _observe, (topo,), timeout_s=120)
-    return topo, obs
+    return Hand(request.param), obs
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_topology_matches_the_hand_written_rank_map(name):
+    topo, hand = Topology.from_config(TOPOLOGIES[name]), Hand(name)
+    assert (topo.world_size, topo.dp, topo.tp_sizes) == (hand.world_size, hand.dp, hand.tp_sizes)
+    for rank in range(hand.world_size):
+        info = topo.rank_info(rank)
+        assert (info.stage, info.tp_rank, info.dp_rank) == hand.info(rank), rank
+        assert info.is_leader == (info.tp_rank == 0)
+    for d in range(hand.dp):
+        assert list(topo.leaders(d)) == [hand.leader(s, d) for s in range(hand.num_stages)]
+    ring = [(s, (s + 1) % hand.num_stages) for s in range(hand.num_stages)]
+    assert [(b.src_stage, b.dst_stage) for b in topo.boundaries()] == ring
 
 
 @pytest.mark.timeout(180)
 def test_megatron_sees_own_stage(world):
-    topo, obs = world
+    hand, obs = world
     for rank, o in enumerate(obs):
-        info = topo.rank_info(rank)
-        stage = topo.stages[info.stage]
-        assert o["tp_members"] == list(topo.stage_ranks(info.stage, info.dp_rank))
-        assert (o["tp_size"], o["tp_rank"]) == (stage.tp, info.tp_rank)
-        assert (o["pp_rank"], o["pp_size"]) == (info.stage, topo.num_stages)
-        nxt = (info.stage + 1) % topo.num_stages
-        prv = (info.stage - 1) % topo.num_stages
-        assert o["next"] == topo.leader(nxt, info.dp_rank)
-        assert o["prev"] == topo.leader(prv, info.dp_rank)
-        assert o["first"] == (info.stage == 0)
-        assert o["last"] == (info.stage == topo.num_stages - 1)
-        assert (o["dp_size"], o["dp_rank"]) == (topo.dp, info.dp_rank)
-        assert o["is_rank0"] == (info.tp_rank == 0)
-        assert o["sizes"] == topo.tp_sizes
-        assert o["stage_ranks"] == [list(topo.stage_ranks(s, info.dp_rank))
-                                    for s in range(topo.num_stages)]
-        assert o["stage_idx"] == info.stage
+        stage, tp_rank, d = hand.info(rank)
+        assert o["tp_members"] == hand.stage_ranks(stage, d)
+        assert (o["tp_size"], o["tp_rank"]) == (hand.tp_sizes[stage], tp_rank)
+        assert (o["pp_rank"], o["pp_size"]) == (stage, hand.num_stages)
+        nxt = (stage + 1) % hand.num_stages
+        prv = (stage - 1) % hand.num_stages
+        assert o["next"] == hand.leader(nxt, d)
+        assert o["prev"] == hand.leader(prv, d)
+        assert o["first"] == (stage == 0)
+        assert o["last"] == (stage == hand.num_stages - 1)
+        assert (o["dp_size"], o["dp_rank"]) == (hand.dp, d)
+        assert o["is_rank0"] == (tp_rank == 0)
+        assert o["sizes"] == hand.tp_sizes
+        assert o["stage_ranks"] == [hand.stage_ranks(s, d) for s in range(hand.num_stages)]
+        assert o["stage_idx"] == stage
         assert o["reset"]
 
 
 @pytest.mark.timeout(180)
 def test_collectives_in_tp_dp_and_boundary_groups(world):
-    topo, obs = world
+    hand, obs = world
     for rank, o in enumerate(obs):
-        info = topo.rank_info(rank)
-        assert o["tp_sum"] == sum(topo.stage_ranks(info.stage, info.dp_rank))
-        assert o["dp_sum"] == sum(topo.dp_ranks(info.stage, info.tp_rank))
+        stage, tp_rank, d = hand.info(rank)
+        assert o["tp_sum"] == sum(hand.stage_ranks(stage, d))
+        assert o["dp_sum"] == sum(hand.dp_ranks(stage, tp_rank))
         expected = {}
-        if info.is_leader:
-            for b in topo.boundaries():
-                if b.dst_stage == info.stage:
-                    expected[f"{b.src_stage}->{b.dst_stage}"] = float(100 * b.src_stage + b.dst_stage)
+        if tp_rank == 0:  # a leader receives on its one incoming boundary of the ring
+            src = (stage - 1) % hand.num_stages
+            expected[f"{src}->{stage}"] = float(100 * src + stage)
         assert o["boundary_msgs"] == expected
 
 
-def test_hand_written_layout_of_cpu_demo():
-    """Independent of the code under test: the rank map DESIGN.md describes for cpu_demo."""
-    topo = Topology.from_config(TOPOLOGIES["cpu_demo"])
-    assert [topo.stage_ranks(s) for s in range(3)] == [(0,), (1, 2), (3,)]
-    assert topo.leaders() == (0, 1, 3)
-    assert [(b.src_stage, b.dst_stage) for b in topo.boundaries()] == [(0, 1), (1, 2), (2, 0)]
-    dp2 = Topology.from_config(TOPOLOGIES["dp2"])
-    assert dp2.world_size == 6
-    assert dp2.dp_ranks(1, 1) == (2, 5)
-    assert dp2.rank_info(4) .stage == 1 and dp2.rank_info(4).tp_rank == 0 and dp2.rank_info(4).dp_rank == 1
-
-
-def _stage_of(topo, value):
+def _stage_of(hand, value):
     """A getter's answer with every global rank replaced by its stage."""
     if isinstance(value, list) and value[:1] == ["group"]:
-        return ["group", [topo.rank_info(r).stage for r in value[1]], value[2], value[3]]
-    return topo.rank_info(value).stage if isinstance(value, int) and not isinstance(value, bool) \
+        return ["group", [hand.info(r)[0] for r in value[1]], value[2], value[3]]
+    return hand.info(value)[0] if isinstance(value, int) and not isinstance(value, bool) \
         else value
 
 
 @pytest.mark.timeout(180)
 def test_every_getter_answers_as_megatron_on_a_uniform_cluster(world):
-    topo, obs = world
+    hand, obs = world
     if obs[0]["megatron_getters"] is None:
         pytest.skip("megatron's own state exists only for uniform TP")
     for rank, o in enumerate(obs):
         mine, theirs = o["getters"], o["megatron_getters"]
         assert mine.keys() == theirs.keys()
         for key in mine:
-            if key.split(",")[0] in OTHER_STAGE_RANKS and not topo.rank_info(rank).is_leader:
-                assert _stage_of(topo, mine[key]) == _stage_of(topo, theirs[key]), (rank, key)
+            if key.split(",")[0] in OTHER_STAGE_RANKS and hand.info(rank)[1] != 0:
+                assert _stage_of(hand, mine[key]) == _stage_of(hand, theirs[key]), (rank, key)
             else:
                 assert mine[key] == theirs[key], (rank, key, mine[key], theirs[key])
 
@@ -329,73 +367,72 @@ def test_every_getter_answers_as_megatron_on_a_uniform_cluster(world):
 @pytest.mark.timeout(180)
 def test_every_getter_answers_for_its_stage(world):
     """Hand-derived expectations for any TP list (expert groups with EP 1 included)."""
-    topo, obs = world
+    hand, obs = world
     for rank, o in enumerate(obs):
-        info = topo.rank_info(rank)
+        stage_idx, tp_rank, d = hand.info(rank)
         g = o["getters"]
-        stage = list(topo.stage_ranks(info.stage, info.dp_rank))
-        dp = list(topo.dp_ranks(info.stage, info.tp_rank))
-        replica = [r for s in range(topo.num_stages) for r in topo.stage_ranks(s, info.dp_rank)]
+        stage = hand.stage_ranks(stage_idx, d)
+        dp = hand.dp_ranks(stage_idx, tp_rank)
+        replica = hand.replica(d)
         tp = len(stage)
         assert not any(v == ["raises", "AssertionError"] for k, v in g.items()
                        if k.startswith("get_data") or k.startswith("get_expert_data")), rank
         assert g["get_model_parallel_group"] == ["group", replica, len(replica), replica.index(rank)]
         assert g["get_expert_tensor_model_pipeline_parallel_group"] == g["get_model_parallel_group"]
-        assert g["get_intra_distributed_optimizer_instance_group"][1] == list(range(topo.world_size))
+        assert g["get_intra_distributed_optimizer_instance_group"][1] == list(range(hand.world_size))
         assert g["get_expert_model_parallel_group"] == ["group", [rank], 1, 0]
         assert g["get_expert_model_parallel_world_size"] == 1
         for name in ("get_expert_tensor_parallel_group", "get_expert_tensor_and_model_parallel_group"):
-            assert g[name] == ["group", stage, tp, info.tp_rank], name
+            assert g[name] == ["group", stage, tp, tp_rank], name
         assert (g["get_expert_tensor_parallel_world_size"], g["get_expert_tensor_parallel_rank"]) \
-            == (tp, info.tp_rank)
+            == (tp, tp_rank)
         for key in ("get_expert_data_parallel_group", "get_data_parallel_group",
                     "get_expert_data_parallel_group,partial_expert_data_parallel=True",
                     "get_data_parallel_group,partial_data_parallel=True,with_context_parallel=True"):
-            assert g[key] == ["group", dp, topo.dp, info.dp_rank], key
+            assert g[key] == ["group", dp, hand.dp, d], key
         assert g["get_inter_distributed_optimizer_instance_group"] == ["raises", "AssertionError"]
-        emb_stages = [0] if topo.u_shape else [0, topo.num_stages - 1]
-        if info.stage in emb_stages:
+        emb_stages = [0] if hand.u_shape else [0, hand.num_stages - 1]
+        if stage_idx in emb_stages:
             members = g["get_embedding_group"][1]
-            assert [topo.rank_info(r).stage for r in members] == emb_stages and rank in members
+            assert [hand.info(r)[0] for r in members] == emb_stages and rank in members
             assert g["is_rank_in_embedding_group"] is True
         else:
             assert g["get_embedding_group,check_initialized=False"] is None
             assert g["is_rank_in_embedding_group"] is False
-        assert g["is_rank_in_position_embedding_group"] == (info.stage == 0)
+        assert g["is_rank_in_position_embedding_group"] == (stage_idx == 0)
 
 
 @pytest.mark.timeout(180)
 def test_collectives_megatron_issues_on_cross_stage_groups(world):
-    topo, obs = world
+    hand, obs = world
     for rank, o in enumerate(obs):
-        info, c = topo.rank_info(rank), o["collectives"]
-        replica = [r for s in range(topo.num_stages) for r in topo.stage_ranks(s, info.dp_rank)]
-        assert c["pp_sum"] == sum(10.0 * (s + 1) for s in range(topo.num_stages))  # leaders only
-        assert c["pp_bcast_last"] == topo.num_stages - 1
-        assert c["pp_gather"] == [float(s) for s in range(topo.num_stages)]
+        (stage, tp_rank, d), c = hand.info(rank), o["collectives"]
+        replica = hand.replica(d)
+        assert c["pp_sum"] == sum(10.0 * (s + 1) for s in range(hand.num_stages))  # leaders only
+        assert c["pp_bcast_last"] == hand.num_stages - 1
+        assert c["pp_gather"] == [float(s) for s in range(hand.num_stages)]
         assert c["mp_sum"] == sum(r + 1 for r in replica)
         assert c["mp_max"] == max(replica)
         assert c["mp_bcast"] == replica[-1]
-        assert c["dist_opt_sum"] == sum(range(1, topo.world_size + 1))
+        assert c["dist_opt_sum"] == sum(range(1, hand.world_size + 1))
         if "embd_shard" in c:  # stage 0 holds A, the last stage 100 * A: both end with 101 * A
             full = torch.arange(24, dtype=torch.float32).reshape(12, 2) * 101
-            tp = topo.stages[info.stage].tp
-            assert c["embd_shard"] == full.chunk(tp)[info.tp_rank].tolist()
+            assert c["embd_shard"] == full.chunk(hand.tp_sizes[stage])[tp_rank].tolist()
 
 
 @pytest.mark.timeout(180)
 def test_reference_api_as_its_callers_use_it(world):
-    topo, obs = world
+    hand, obs = world
     for rank, o in enumerate(obs):
-        info, r = topo.rank_info(rank), o["reference"]
-        assert r["leader_idiom"] == topo.leader(info.stage, info.dp_rank)
+        (stage, tp_rank, d), r = hand.info(rank), o["reference"]
+        assert r["leader_idiom"] == hand.leader(stage, d)
         assert r["enabled"] is True
-        prev = (info.stage - 1) % topo.num_stages
+        prev = (stage - 1) % hand.num_stages
         for label in ("pp_group", "own_group"):
             got = r[label]
-            assert got["handles"] == (2 if info.is_leader else 0)  # one per send, leaders only
+            assert got["handles"] == (2 if tp_rank == 0 else 0)  # one per send, leaders only
             assert got["fwd"] == float(prev)  # every TP rank got the leader's activation
-            assert got["bwd"] == float(info.stage) + 0.5  # and the gradient back from next
+            assert got["bwd"] == float(stage) + 0.5  # and the gradient back from next
 
 
 def test_reference_api_before_initialization():

@@ -139,3 +139,15 @@ def test_planner_picks_prefetch_from_the_edge_link_latency():
 
     from ldt.plan import train_yaml
     assert OmegaConf.create(train_yaml(slow.best, model.name, 1, "slow")).prefetch == depth
+
+
+def test_edge_min_layers_keeps_that_many_layers_on_each_edge_chunk():
+    """``ldt-plan --edge-min-layers`` (Workload.edge_min_layers): the edge's start and end
+    chunks each keep at least that many decoder layers, whatever would be fastest."""
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    layers = {}
+    for k in (1, 5):
+        best = plan(inventory, model, Workload(1, 64, edge_min_layers=k)).best.plan
+        assert best.layers[0] >= k and best.layers[-1] >= k, (k, best.layers)
+        layers[k] = best.layers
+    assert layers[1][0] + layers[1][-1] < 10  # the fastest plan keeps fewer than 5 + 5 there

@@ -97,6 +97,36 @@ def test_plan_bad_input_is_exit_2(capsys):
     assert "no_such_inventory" in capsys.readouterr().err
 
 
+def test_plan_shows_the_front_and_takes_prices_and_the_objective(tmp_path, capsys):
+    """A priced inventory file: the table shows the time/cost front with the pick marked and
+    says why; --objective cost picks the cheap kind; --json carries the front; a contradictory
+    objective is exit 2 with the fix."""
+    inv = tmp_path / "priced.yaml"
+    inv.write_text(
+        "name: priced\nkinds:\n"
+        "  - {name: fast, device: cuda, count: 4, tflops: 989, memory_gib: 80, intra_bw_gbps: 450,"
+        " node_size: 4, price_per_hour: 10}\n"
+        "  - {name: slow, device: cuda, count: 4, tflops: 125, memory_gib: 32, intra_bw_gbps: 150,"
+        " node_size: 4, price_per_hour: 1}\n"
+        "links:\n  - {a: fast, b: slow, bandwidth_gbps: 12.5, latency_us: 30}\n")
+    args = ["--inventory", str(inv), "--model", "gpt_tiny", "--global-batch", "8"]
+    assert plan_tool.main(args) == 0
+    text = capsys.readouterr().out
+    assert "time/cost front:" in text and "price_per_hour x hours" in text
+    picked = [line for line in text.splitlines() if line.startswith("*")]
+    assert len(picked) == 1 and "fast/tp" in picked[0], text
+    assert "picked" in text and "(objective: fastest, then cheapest within 1.0% of it)" in text
+    assert plan_tool.main([*args, "--objective", "cost", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {s["device"] for s in data["cluster"]["stages"]} == {"cuda"}
+    assert data["objective"] == {"minimise": "cost", "tolerance": 0.01}
+    assert [row["picked"] for row in data["front"]].count(True) == 1
+    assert data["front"][-1]["kinds"] == ["slow"] * len(data["front"][-1]["kinds"])
+    assert data["cost_per_step"] == min(row["cost_per_step"] for row in data["front"])
+    assert plan_tool.main([*args, "--objective", "cost", "--max-slowdown", "0.05"]) == 2
+    assert "goes with --objective time" in capsys.readouterr().err
+
+
 def test_sim_table_and_json(capsys):
     args = ["--cluster", "mixed_gpu_npu", "--model", "llama_7b", "--inventory", "a100_910b",
             "-m", "8"]

@@ -38,7 +38,37 @@ def test_script_under_vtp_matches_uniform(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_script_pp_mismatch_is_explained():
-    proc = run_script(ROOT / "conf" / "cluster" / "cpu_vtp.yaml", "--pp", "2", "--steps", "1")
+def test_script_pp_mismatch_is_explained(tmp_path):
+    """The script asks for 3 pipeline stages of a 2-stage cluster. Bare, the launcher's report
+    ends with the refusal; under torchrun (2 ranks) a rank prints it in one line naming
+    itself, no traceback (torchrun stops the other rank as soon as one has failed, so it may
+    not get to say it too), and torchrun's summary shows it."""
+    import re
+    import socket
+
+    two = tmp_path / "two.yaml"
+    two.write_text("stages:\n  - {name: a, device: cpu, tp: 1}\n"
+                   "  - {name: b, device: cpu, tp: 1}\n")
+    proc = run_script(two, "--pp", "3", "--steps", "1")
     assert proc.returncode != 0
-    assert "pipeline_model_parallel_size=2" in proc.stderr and "3 stages" in proc.stderr
+    assert "pipeline_model_parallel_size=3" in proc.stderr and "2 stages" in proc.stderr
+    refusal = proc.stderr.strip().splitlines()[-1].split("ConfigError: ", 1)[1]
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                           "-m", "ldt.run", "--cluster", str(two), "--timeout", "60",
+                           str(SCRIPT), "--pp", "3", "--steps", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0
+    ranks_part, summary = re.split(r"\n[IWE]\d{4} [^\n]* failed \(exitcode", proc.stderr,
+                                     maxsplit=1)
+    assert "Traceback" not in ranks_part, ranks_part[-3000:]
+    lines = [x for x in ranks_part.splitlines()
+             if x and not re.match(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/", x)]
+    want = {f"ldt.run: rank {r} (stage {r} '{name}', TP rank 0) failed: invalid config: "
+            f"{refusal}" for r, name in ((0, "a"), (1, "b"))}
+    assert 1 <= len(lines) <= 2 and set(lines) <= want, proc.stderr[-3000:]
+    assert f"traceback : {lines[0]}" in summary

@@ -6,6 +6,7 @@ must be the last line printed.
 
 import csv
 import json
+import re
 import subprocess
 import sys
 
@@ -115,9 +116,64 @@ def test_comm_audit_shows_only_activations_and_gradients(tmp_path):
     assert sent_by_edge == {(1, "activation"), (2, "gradient")}
 
 
+# torchrun's own log lines: "W1125 10:37:12.131000 5875 torch/distributed/run.py:874] ..."
+TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+
+
+def _shape(stdout: str) -> list[str]:
+    """ldt-train's lines without what differs between two runs of the same config: numbers,
+    the run folder, how the world starts (bare: "starting 4 processes on this machine")."""
+    out = []
+    for line in stdout.splitlines():
+        line = re.sub(r"; (starting|joining torchrun's world of) \d+ processes.*", "; <world>",
+                      line)
+        line = re.sub(r"run folder \S+|\"run_dir\": \"[^\"]*\"", "<run folder>", line)
+        out.append(re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", line))
+    return out
+
+
+def test_log_level_is_one_setting_for_a_rank(capsys):
+    """ldt.quiet.set_log_level: an ldt-train rank's logging (the whole process) at one level,
+    one line per record on stderr with the rank; under ``python -m ldt.run`` megatron-core's
+    loggers only, whatever the script set up for its own."""
+    import logging
+    import sys as _sys
+
+    from ldt.quiet import set_log_level
+
+    root = logging.getLogger()
+    touched = [logging.getLogger(name) for name in ("", "megatron", "ldt")]
+    saved = [(x.handlers[:], x.level, x.propagate) for x in touched]
+    try:
+        set_log_level("WARNING", 3)  # train.log_level's default
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr().err == "[rank 3] WARNING megatron.core.distributed: " \
+                                          "bucket too small\n"
+        set_log_level("info", 3)  # train.log_level=INFO: megatron's setup notes come back
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        assert capsys.readouterr().err == "[rank 3] INFO megatron.core.optimizer: " \
+                                          "Setting up optimizer with config\n"
+        # a script under ldt.run that logs at INFO to stdout keeps its own lines
+        root.handlers[:] = [logging.StreamHandler(_sys.stdout)]
+        root.setLevel("INFO")
+        set_log_level("WARNING", 0, loggers=("megatron", "ldt"))
+        logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
+        logging.getLogger("my_script").info("step 0 loss 4.87")
+        logging.getLogger("megatron.core.distributed").warning("bucket too small")
+        assert capsys.readouterr() == ("step 0 loss 4.87\n", "[rank 0] WARNING "
+                                       "megatron.core.distributed: bucket too small\n")
+    finally:
+        for x, (handlers, level, propagate) in zip(touched, saved):
+            x.handlers[:], x.propagate = handlers, propagate
+            x.setLevel(level)
+
+
 @pytest.mark.timeout(300)
 def test_joins_a_torchrun_world(tmp_path):
-    """Under torchrun ldt-train joins that world instead of starting its own: same losses.
+    """Under torchrun ldt-train joins that world instead of starting its own: same losses,
+    and the same output as the bare launcher: ldt's lines from one rank, no megatron-core
+    INFO logging through Hydra's handler from every rank, only torchrun's own lines on stderr.
     Every rank runs the Hydra app; rank 0's run folder is the run's (here each rank's own
     run_dir would differ) and only rank 0 writes there, .hydra/ included."""
     import socket
@@ -138,7 +194,11 @@ def test_joins_a_torchrun_world(tmp_path):
     assert sorted(p.name for p in (cwd / "out").iterdir()) == ["rank0"]
     assert (cwd / "out" / "rank0" / ".hydra" / "config.yaml").exists()
     assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # the other ranks wrote nothing
-    ldt_train(tmp_path / "bare", "train.steps=3")
+    _, bare = ldt_train(tmp_path / "bare", "train.steps=3")
+    assert len(proc.stdout.splitlines()) == len(bare.stdout.splitlines()) == 12, proc.stdout
+    assert _shape(proc.stdout) == _shape(bare.stdout), proc.stdout
+    ranks_stderr = [x for x in proc.stderr.splitlines() if not TORCHRUN_LOG.match(x)]
+    assert ranks_stderr == bare.stderr.splitlines() == [], proc.stderr[-3000:]
 
     def losses(run_dir):
         with open(run_dir / "metrics.csv") as f:
@@ -165,3 +225,66 @@ def test_planner_output_trains_in_ldt_train(tmp_path):
     used = OmegaConf.load(tmp_path / "run" / "config.yaml")
     assert used.train.num_microbatches == planned.num_microbatches
     assert used.train.micro_batch_size == planned.micro_batch_size == 1
+
+
+def test_verify_compares_the_same_steps_or_refuses():
+    """parity_max_abs_diff is over every step of both runs; a run with fewer losses (or held-out
+    losses) than the reference, or another first step, has no parity (not one over the zip)."""
+    from ldt.training.outputs import parity_max_abs_diff
+
+    ref = {"steps": 3, "first_step": 0, "losses": [5.0, 4.0, 3.0], "eval_losses": [4.5]}
+    run = {**ref, "losses": [5.0, 4.25, 3.0], "eval_losses": [4.0]}
+    assert parity_max_abs_diff(run, ref) == 0.5  # the held-out loss counts
+    assert parity_max_abs_diff({**run, "eval_losses": [4.5]}, ref) == 0.25
+    aux = {"moe_aux_losses": [0.125, 0.25, 0.5]}  # MoE load balancing counts too
+    assert parity_max_abs_diff({**run, "eval_losses": [4.5], **aux},
+                               {**ref, **aux, "moe_aux_losses": [0.125, 0.25, 1.5]}) == 1.0
+    for short, words in (({"losses": [5.0, 4.0]}, "reported 2 losses, the reference 3"),
+                         ({"eval_losses": []}, "reported 0 eval_losses, the reference 1"),
+                         ({"moe_aux_losses": [0.1]}, "reported 1 moe_aux_losses, the reference 0"),
+                         ({"first_step": 1}, "first_step is 1, the reference's 0"),
+                         ({"steps": 2}, "steps is 2, the reference's 3")):
+        with pytest.raises(ValueError, match=words):
+            parity_max_abs_diff({**run, **short}, ref)
+    with pytest.raises(ValueError, match="no losses"):
+        parity_max_abs_diff({"steps": 3, "first_step": 3, "losses": []},
+                            {"steps": 3, "first_step": 3, "losses": []})
+
+
+@pytest.mark.timeout(300)
+def test_mtp_on_the_edge_matches_the_reference_and_changes_training(tmp_path):
+    """model.mtp_num_layers=2 on a U-shape whose edge has TP 2: the MTP layers run with the
+    head on the edge and embed with its embedding. The main and MTP losses match the
+    single-process reference (megatron-core's one-stage MTP model) step by step; every MTP
+    layer's loss is reported; the first step's main loss equals the run without MTP (MTP adds
+    losses, not inputs) and the later ones differ from it (its gradients act); the checkpoint
+    holds the MTP weights, with the shapes ldt.models.arch.full_shapes gives."""
+    from ldt.storage.checkpoint_files import latest
+    from ldt.storage.tensors import check_compatible
+    from ldt.config import to_model
+
+    edge_tp2 = "cluster.stages=[{name:edge,tp:2},{name:cloud,tp:1}]"
+    summary, proc = ldt_train(tmp_path / "mtp", "train.steps=3", "train.verify=true",
+                              "train.save_every=3", "model.mtp_num_layers=2", edge_tp2,
+                              "cluster.layout=Ett|tt|ttmmL")
+    assert "E,0-1 | 4-5,m*2,L" in proc.stdout  # the rank map shows them on the edge
+    assert summary["parity_max_abs_diff"] < PARITY, summary
+    assert len(summary["final_mtp_loss"]) == 2
+    with open(tmp_path / "mtp" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(r["mtp_1_loss"]) > 0 and float(r["mtp_2_loss"]) > 0 for r in rows)
+    assert [float(rows[-1]["mtp_1_loss"]), float(rows[-1]["mtp_2_loss"])] == \
+        pytest.approx(summary["final_mtp_loss"])
+    plain, _ = ldt_train(tmp_path / "plain", "train.steps=3", edge_tp2,
+                         "cluster.layout=Ett|tt|ttL")
+    assert plain["first_loss"] == pytest.approx(summary["first_loss"], abs=1e-6)
+    with open(tmp_path / "plain" / "metrics.csv") as f:
+        plain_rows = list(csv.DictReader(f))
+    norms = [(float(a["grad_norm"]), float(b["grad_norm"])) for a, b in zip(rows, plain_rows)]
+    assert abs(norms[0][0] / norms[0][1] - 1) > 1e-3, norms  # MTP adds to step 0's gradients
+    assert plain["final_loss"] != summary["final_loss"]
+    with open(tmp_path / "mtp" / "config.yaml") as f:
+        import yaml
+
+        model = to_model(yaml.safe_load(f)["model"])
+    check_compatible(latest(str(tmp_path / "mtp")), model)  # every MTP tensor, its full shape

@@ -86,19 +86,31 @@ def test_routing_covers_every_microbatch_once_per_stage():
 
 @pytest.mark.timeout(120)
 def test_deadlock_checker_grid_per_stage_dp():
-    """P <= 4, every stage dp in {1, 2, 4} (ratios 1, 2, 4), m <= 3P, plain and U-shape."""
-    count = 0
-    for p in range(1, 5):
-        for dps in itertools.product((1, 2, 4), repeat=p):
-            for u_shape in ((False, True) if p >= 2 else (False,)):
-                for m in range(1, 3 * p + 1):
-                    vdp_schedule(dps, m, u_shape)  # raises ScheduleError on any defect
-                    count += 1
-    assert count == 3 * 1 * 3 + 9 * 2 * 6 + 27 * 2 * 9 + 81 * 2 * 12
-    for p in range(2, 5):  # the U-shape with prefetch depth 1
-        for dps in itertools.product((1, 2, 4), repeat=p):
-            for m in range(1, 3 * p + 1):
-                vdp_schedule(dps, m, True, prefetch=1)
+    """P <= 4, every stage dp in {1, 2, 4} (ratios 1, 2, 4), m <= 3P, plain and U-shape (also
+    with prefetch depth 1): vdp_schedule's checker passes them, and, from the definition of a
+    step and not from the generator, every stage runs each of its compute ops once for each of
+    the D*m micro-batches of the global batch (D: the largest stage dp), micro-batch g on its
+    replica g mod dp."""
+    cases = [(dps, m, u_shape, 0) for p in range(1, 5)
+             for dps in itertools.product((1, 2, 4), repeat=p)
+             for u_shape in ((False, True) if p >= 2 else (False,))
+             for m in range(1, 3 * p + 1)]
+    cases += [(dps, m, True, 1) for p in range(2, 5)  # the U-shape with prefetch depth 1
+              for dps in itertools.product((1, 2, 4), repeat=p) for m in range(1, 3 * p + 1)]
+    for dps, m, u_shape, prefetch in cases:
+        lanes = Lanes(dps)
+        runs = {}  # (stage, op) -> micro-batches, over the stage's replicas
+        for lane, actions in vdp_schedule(dps, m, u_shape, prefetch=prefetch).items():
+            stage, replica = lanes.of(lane)
+            for a in actions:
+                if a.is_compute:
+                    assert a.mb % dps[stage] == replica, (dps, m, u_shape, lane, a)
+                    runs.setdefault((stage, a.op), []).append(a.mb)
+        for stage in range(len(dps)):
+            ops = (Op.FS, Op.FE, Op.BS, Op.BE) if u_shape and stage == 0 else (Op.F, Op.B)
+            for op in ops:
+                assert sorted(runs.pop((stage, op))) == list(range(max(dps) * m)), (dps, m, op)
+        assert not runs, (dps, m, u_shape, runs)  # no other compute op anywhere
 
 
 def test_one_replica_everywhere_gives_the_uniform_schedules():

@@ -3,10 +3,12 @@
     ldt-plan --inventory a100_910b --model llama_7b --mbs 1 --global-batch 64 --out my.yaml
     python -m ldt.tools.plan --inventory edge_cloud --model llama_7b --json
 
-Prints a per-stage table (or ``--json``), writes the cluster YAML with ``--out`` (validated with
+Prints the picked plan's per-stage table, the time/cost front the search met and why it picked
+that plan (or ``--json``), writes the cluster YAML with ``--out`` (validated with
 ``ldt.validate`` first; missing folders are created) and the timeline with ``--trace`` /
 ``--png``. Every file is written whole or not at all; files that exist are refused unless
-``--overwrite``. Thin over :mod:`ldt.plan`.
+``--overwrite``. ``--objective`` / ``--max-slowdown`` set what is picked
+(:mod:`ldt.plan.objective`). Thin over :mod:`ldt.plan`.
 
 When ``--out`` is ``DIR/cluster/NAME.yaml`` (a Hydra config folder), the planned micro-batch
 settings go to ``DIR/train/NAME.yaml``, so ``ldt-train --config-dir DIR cluster=NAME train=NAME``
@@ -24,7 +26,7 @@ from typing import Optional, Sequence
 
 
 def parser() -> argparse.ArgumentParser:
-    from ldt.tools.cli import Parser, count
+    from ldt.tools.cli import Parser, count, number
 
     p = Parser(prog="ldt-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--inventory", required=True, help="conf/inventory name or path to a YAML")
@@ -47,6 +49,13 @@ def parser() -> argparse.ArgumentParser:
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
     p.add_argument("--max-stages", type=count(1), default=None, help="cap on pipeline stages")
+    p.add_argument("--objective", choices=["time", "cost"], default="time",
+                   help="time (default): the fastest plan, a cheaper one within --max-slowdown "
+                        "of it preferred; cost: the cheapest per step (per trained token), ties "
+                        "within 1%% to the faster")
+    p.add_argument("--max-slowdown", type=number(0.0), default=None, metavar="FRACTION",
+                   help="with --objective time: how much slower than the fastest a cheaper plan "
+                        "may be (default 0.01; 0.05 = 5%%)")
     p.add_argument("--out", help="write the planned cluster YAML here (DIR/cluster/NAME.yaml: "
                    "also DIR/train/NAME.yaml with the micro-batch settings)")
     p.add_argument("--trace", help="write a Chrome trace of the planned iteration")
@@ -65,8 +74,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline,
-                          load_inventory, load_model, plan, summary, table)
+    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, front_rows,
+                          front_table, load_inventory, load_model, plan, summary, table)
     from ldt.storage.atomic import check_output, new_files
 
     outputs = _outputs(args)  # checked before the planner runs: a refusal is immediate
@@ -81,13 +90,14 @@ def _run(args) -> int:
                         args.u_shape, args.edge_min_layers)
     _check_size(args, inventory, model)
     _check_shape(args, inventory, model)
-    result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages))
+    result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages),
+                  _objective(args))
     with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
                    overwrite=args.overwrite, inputs=inputs) as tmps:
         tmp = {flag: t for (_, flag), t in zip(outputs, tmps)}
         if args.out:
             _write_validated(tmp["--out"], cluster_yaml(result.best, inventory, model.name,
-                                                        args.mbs), model)
+                                                        args.mbs, result.reason), model)
         if TRAIN_FLAG in tmp:
             with open(tmp[TRAIN_FLAG], "w") as f:
                 f.write(_train_text(args.out, result.best, model.name, args.mbs))
@@ -95,12 +105,17 @@ def _run(args) -> int:
     written = [_shown(args.out, p) for p, f in outputs if f in ("--out", TRAIN_FLAG)]
     if args.json:
         out = summary(result.best, inventory)
-        out.update(plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
+        out.update(objective=dataclasses.asdict(result.objective), reason=result.reason,
+                   front=front_rows(result.front, inventory, result.best),
+                   plan_time_s=result.seconds, stage_sets_scored=result.stage_sets_scored,
                    plans_split=result.plans_split, simulations=result.simulations,
                    notes=result.notes)
         print(json.dumps(out, indent=2))
     else:
         print(table(result.best))
+        print()
+        print(front_table(result.front, inventory, result.best))
+        print(result.reason)
         print(f"planned in {result.seconds:.2f} s ({result.stage_sets_scored} stage sets scored, "
               f"{result.plans_split} splits, {result.simulations} simulations)"
               + (f"; wrote {', '.join(written)}" if written else ""))
@@ -112,6 +127,19 @@ def _run(args) -> int:
 
 
 TRAIN_FLAG = "--out (its train/ file)"
+
+
+def _objective(args):
+    """The objective from --objective / --max-slowdown (one of them decides the tolerance)."""
+    from ldt.config import ConfigError
+    from ldt.plan import Objective
+
+    if args.max_slowdown is None:
+        return Objective(args.objective)
+    if args.objective == "cost":
+        raise ConfigError(f"--max-slowdown {args.max_slowdown} goes with --objective time (the "
+                          "cheapest plan at most that much slower than the fastest); drop one")
+    return Objective("time", args.max_slowdown)
 
 
 def _check_shape(args, inventory, model) -> None:

@@ -34,7 +34,7 @@ ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_gr
                "rotary_percent", "normalization", "norm_epsilon", "gated_linear_unit",
                "activation", "add_bias_linear", "add_qkv_bias", "tie_embeddings",
                "rope_scaling", *_ROPE_SCALING, "kv_channels", "qk_layernorm", "num_moe_experts",
-               *_MOE)
+               *_MOE, "mtp_num_layers")
 
 
 def arch_of(model: ModelConfig) -> dict:
@@ -104,8 +104,14 @@ def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[st
         out["embedding.position_embeddings.weight"] = (
             model.max_position_embeddings or model.seq_length, h)
     bias = model.add_bias_linear
-    for i in range(model.num_layers):
-        p = f"decoder.layers.{i}."
+    layers = [(f"decoder.layers.{i}.", moe[i]) for i in range(model.num_layers)]
+    for k in range(getattr(model, "mtp_num_layers", 0)):  # megatron-core's MTP layers
+        p = f"mtp.layers.{k}."
+        for part in ("enorm", "hnorm", "final_layernorm"):
+            out.update({f"{p}{part}.{w}": (h,) for w in norm})
+        out[p + "eh_proj.weight"] = (h, 2 * h)
+        layers.append((p + "transformer_layer.", False))  # dense (MTP with MoE is refused)
+    for p, is_moe in layers:
         out.update({f"{p}input_layernorm.{w}": (h,) for w in norm})
         out[p + "self_attention.linear_qkv.weight"] = ((a + 2 * g) * d, h)
         if bias or model.add_qkv_bias:
@@ -115,7 +121,7 @@ def full_shapes(model: ModelConfig, vocab_rows: Optional[int] = None) -> dict[st
             out.update({f"{p}self_attention.{qk}_layernorm.{w}": (d,)
                         for qk in ("q", "k") for w in norm})
         out.update({f"{p}pre_mlp_layernorm.{w}": (h,) for w in norm})
-        if moe[i]:
+        if is_moe:
             fm = model.moe_ffn_hidden_size or f
             out[p + "mlp.router.weight"] = (model.num_moe_experts, h)
             for name in expert_names(p, model):

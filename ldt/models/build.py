@@ -106,8 +106,12 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
     ``ep``: the stage's expert-parallel size (MoE models)."""
     from megatron.core.models.gpt import GPTModel
 
-    from ldt.models.spec import decoder_spec, transformer_impl
+    from ldt.models.spec import decoder_spec, layer_spec, transformer_impl
 
+    if chunk.num_mtp:  # megatron-core computes the MTP losses in the head's chunk
+        config_overrides = dict(mtp_num_layers=chunk.num_mtp,
+                                mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
+                                **config_overrides)
     config = transformer_config(model, tp, chunk.num_layers, device=device, vpp=vpp,
                                 num_stages=num_stages, first_layer=chunk.first_layer, ep=ep,
                                 **config_overrides)
@@ -119,9 +123,11 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
     cls = GPTModel
     if chunk.has_head and vocab_size and vocab_size > model.vocab_size:
         cls = _padded_vocab_gpt_class()
+    impl = transformer_impl(model, device)
+    spec = layer_spec(model, impl)
     gpt = cls(
         config=config,
-        transformer_layer_spec=decoder_spec(model, transformer_impl(model, device), config),
+        transformer_layer_spec=decoder_spec(model, impl, config),
         vocab_size=vocab_size or model.vocab_size,
         max_sequence_length=model.max_position_embeddings or model.seq_length,
         pre_process=chunk.has_embedding,
@@ -133,6 +139,7 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
         rope_scaling=model.rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor,
         pg_collection=pg_collection,
+        mtp_block_spec=_mtp_block_spec(spec, chunk.num_mtp, impl) if chunk.num_mtp else None,
     )
     if model.rope_scaling:
         from ldt.patches.rope_scaling import set_llama3_frequencies
@@ -149,9 +156,27 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
         layer.layer_number = chunk.first_layer + i + 1
         if hasattr(layer.mlp, "router"):  # the aux-loss log is per global layer
             layer.mlp.set_layer_number(layer.layer_number)
+    for i, layer in enumerate(gpt.mtp.layers if chunk.num_mtp else ()):
+        layer.layer_number = i + 1  # megatron counts its transformer layer after the decoder's
+        layer.transformer_layer.layer_number = model.num_layers + i + 1
     if device != "cpu":
         gpt = gpt.to(device)
     return gpt
+
+
+def _mtp_block_spec(decoder_layer_spec, num_mtp: int, impl: str):
+    """megatron-core's MTP block of ``num_mtp`` layers around the decoder's layer spec.
+
+    megatron's ``get_gpt_mtp_block_spec`` asks ``parallel_state`` whether this is the last
+    pipeline stage, which a chunk on a U-shape's edge is not; the spec it would build is this
+    one (every MTP layer in the head's chunk, as megatron-core 0.16 requires)."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
+
+    from ldt.models.spec import TE
+
+    layer = get_mtp_layer_spec(decoder_layer_spec, use_transformer_engine=impl == TE)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_mtp)
 
 
 _PADDED_VOCAB_GPT = None

@@ -39,6 +39,7 @@ _RULES: tuple[tuple[str, Optional[int]], ...] = (
     ("linear_fc1.weight", 0),  # a MoE expert's MLP (mlp.experts.local_experts.<e>.*)
     ("linear_fc2.weight", 1),
     ("output_layer.weight", 0),
+    ("eh_proj.weight", 0),  # an MTP layer's projection of [embedding; hidden] (ColumnParallel)
     ("layernorm.weight", None),
     ("layernorm.bias", None),
     ("norm.weight", None),

@@ -242,10 +242,15 @@ class Comparison:
                 "compute_ms": ms(cal.compute), "comm_ms": ms(cal.local)}
 
 
-def compare(rows: Iterable[ActionTime]) -> Comparison:
-    """Calibrate on ``rows`` and replay: how well the schedule model explains the run."""
+def compare(rows: Iterable[ActionTime],
+            measured: Iterable[ActionTime] | None = None) -> Comparison:
+    """Calibrate on ``rows`` and replay against the median span of the ``measured`` steps:
+    other steps or another run of the same config (a prediction), or by default ``rows``
+    themselves (how well the schedule model explains the run it was calibrated on)."""
     rows = list(rows)
+    measured = rows if measured is None else list(measured)
     cal = calibrate(rows)
-    return Comparison(steps=len({r.step for r in rows}),
-                      measured_s=statistics.median(step_spans(rows).values()), calibration=cal,
-                      compute_only=cal.predict(compute_only=True), full=cal.predict())
+    return Comparison(steps=len({r.step for r in measured}),
+                      measured_s=statistics.median(step_spans(measured).values()),
+                      calibration=cal, compute_only=cal.predict(compute_only=True),
+                      full=cal.predict())

@@ -1,14 +1,21 @@
 """Stage formation: which stages (kind, TP) one replica gets, scored by a quick estimate.
 
-Why it scales: for a fixed number of stages of a kind, only a couple of TP sizes are worth
-trying (the fastest per layer, and the largest, which needs the least memory per layer), plus one
-"remainder" variant that turns leftover devices into one more, smaller stage. The per-kind option
-lists are combined with numpy and scored by a continuous bound on the balanced pipeline,
+Why it scales: per kind, the options are "s stages at TP t" for every (s, t) that fits the
+kind's share of devices (fewer devices than the share is how cheaper plans are met), plus, for
+the fastest and the largest TP of each s, a "remainder" variant that turns the leftover devices
+into one more, smaller stage (the fastest plans use everything). Options that cannot hold the
+model in memory even with one micro-batch in flight are dropped. The per-kind option lists are
+combined with numpy and scored by a continuous estimate of the balanced pipeline,
 
-    estimate = (m - 1 + logical stages) * L / (sum of stage speeds in layers/s) + dp all-reduce,
+    plain:   (m - 1 + P) * L / V                                  + dp all-reduce
+    U-shape: (m + P) * B, B the smallest bottleneck when the edge  + dp all-reduce
+             runs its embedding and head (time o) plus at least 2 * edge_min layers
 
-so thousands of combinations per dp size cost milliseconds. Only the best few go on to the exact
-layer split and the simulator (:mod:`ldt.plan.planner`).
+(V: the stages' summed speed in layers/s; without o a U-shape whose edge is the bottleneck
+looked faster the more cloud devices it had, and could not tell a plan using half of them
+from one using all). Each set also carries its devices and hourly price, so thousands of
+combinations per dp size cost milliseconds and the planner (:mod:`ldt.plan.planner`) can take
+the best few by estimated time, by estimated cost and from the front between them.
 """
 
 from __future__ import annotations
@@ -19,13 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ldt.config import ConfigError
-from ldt.plan.cost import CostModel, ring_allreduce_time
+from ldt.plan.cost import ChunkLoad, CostModel, ring_allreduce_time
 from ldt.plan.inventory import valid_tp_sizes
 
 Group = tuple[tuple[int, int], ...]
 """Stages of one kind: ((tp, how many stages), ...), larger TP first."""
 
 MAX_PRODUCT = 400_000
+KEEP_PER_DP = 256
+"""Sets per dp size kept by estimated time, and as many by estimated cost; plus the estimated
+front of the two (thinned to as many)."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +46,18 @@ class StageSet:
     num_microbatches: int
     groups: tuple[tuple[str, Group], ...]
     estimate: float
+    devices: int = 0
+    """Devices of all ``dp`` replicas."""
+    hourly_price: float = 0.0
+    """Their price per hour (``Inventory.price``)."""
 
     @property
     def num_stages(self) -> int:
         return sum(n for _, g in self.groups for _, n in g)
+
+    @property
+    def estimated_cost(self) -> float:
+        return self.estimate * self.hourly_price
 
 
 def kind_options(cost: CostModel, kind: str, devices: int, max_stages: int,
@@ -55,13 +73,21 @@ def kind_options(cost: CostModel, kind: str, devices: int, max_stages: int,
         fit = [t for t in tps if s * t <= devices]
         if not fit:
             break
+        out += [((t, s),) for t in sorted(fit, reverse=True)]
         for t in {min(fit, key=speed.__getitem__), max(fit)}:
-            out.append(((t, s),))
             rest = [u for u in tps if u <= devices - s * t]
             if rest and s < max_stages:
                 u = max(rest)
                 out.append(((t, s), (u, 1)) if u < t else ((u, 1), (t, s)) if u > t else ((t, s + 1),))
     return list(dict.fromkeys(out))
+
+
+def _layer_capacity(cost: CostModel, kind: str, tp: int, fixed: list[ChunkLoad]) -> int:
+    """Decoder layers one stage can hold next to ``fixed`` with a single micro-batch in flight:
+    an optimistic bound (the split's real caps count the schedule's in-flight micro-batches)."""
+    room = cost.memory_limit(kind) - cost.stage_memory(tp, fixed).total
+    per = cost.stage_memory(tp, [ChunkLoad(1)]).total
+    return -1 if room < 0 else int(room // per)
 
 
 def _thin(options: list[Group], keep: int) -> list[Group]:
@@ -74,8 +100,10 @@ def _thin(options: list[Group], keep: int) -> list[Group]:
 
 
 def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int,
-               max_stages: int | None = None) -> list[StageSet]:
-    """Every (dp, per-kind group) combination worth splitting, best estimate first."""
+               max_stages: int | None = None, edge_min: int = 1) -> tuple[list[StageSet], int]:
+    """(dp, per-kind group) combinations worth splitting, best estimate first: per dp size the
+    best by estimated time, the best by estimated cost and the estimated front between; and how
+    many combinations were scored."""
     inv, b = cost.inventory, cost.b
     if ushape and inv.edge is None:
         raise ConfigError(f"u_shape planning needs inventory.edge (a kind name) in {inv.name!r}; "
@@ -85,6 +113,7 @@ def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int
         kinds = [inv.edge] + kinds
     limit = min(max_stages or num_layers + ushape, num_layers + ushape)
     out: list[StageSet] = []
+    scored = 0
     for dp in range(1, inv.total_devices + 1):
         if (global_batch // b) % dp:
             continue
@@ -94,40 +123,109 @@ def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int
             break
         opts = [kind_options(cost, name, per[name], limit, edge=ushape and i == 0)
                 for i, name in enumerate(kinds)]
+        caps = [_capacities(cost, name, o, ushape and i == 0, edge_min)
+                for i, (name, o) in enumerate(zip(kinds, opts))]
+        opts = [[g for g, c in zip(o, cap) if c >= 0] for o, cap in zip(opts, caps)]
         keep = max(4, int(MAX_PRODUCT ** (1 / len(opts))))
         while np.prod([len(o) for o in opts], dtype=float) > MAX_PRODUCT:
             opts = [_thin(o, keep) for o in opts]
             keep = max(2, keep * 3 // 4)
-        out += _score(cost, kinds, opts, dp, m, ushape, num_layers, limit)
+        kept, n = _score(cost, kinds, opts, dp, m, ushape, num_layers, limit, edge_min)
+        out += kept
+        scored += n
     out.sort(key=lambda s: s.estimate)
+    return out, scored
+
+
+def _capacities(cost: CostModel, kind: str, options: list[Group], edge: bool,
+                edge_min: int) -> list[int]:
+    """Optimistic layer capacity of each option (-1: some stage holds no layer at all; the
+    edge: its embedding, head and 2 * edge_min layers do not fit)."""
+    per_tp: dict[int, int] = {}
+    out = []
+    for group in options:
+        total = 0
+        for t, n in group:
+            if t not in per_tp:
+                fixed = ([ChunkLoad(0, embedding=True), ChunkLoad(0, head=True)] if edge
+                         else [])
+                per_tp[t] = _layer_capacity(cost, kind, t, fixed)
+            least = 2 * edge_min if edge else 1
+            total = -1 if per_tp[t] < least or total < 0 else total + n * per_tp[t]
+        out.append(total)
     return out
 
 
 def _score(cost: CostModel, kinds: list[str], opts: list[list[Group]], dp: int, m: int,
-           ushape: bool, num_layers: int, limit: int) -> list[StageSet]:
-    """Vectorised estimate over the product of per-kind options."""
+           ushape: bool, num_layers: int, limit: int, edge_min: int
+           ) -> tuple[list[StageSet], int]:
+    """Vectorised estimate over the product of per-kind options; the kept sets as objects, and
+    how many were valid."""
+    inv = cost.inventory
     stages = [np.array([sum(n for _, n in g) for g in o]) for o in opts]
     speed = [np.array([sum(n / sum(cost.layer_time(name, t)) for t, n in g) for g in o])
              for name, o in zip(kinds, opts)]
     devs = [np.array([sum(n * t for t, n in g) for g in o]) for o in opts]
+    price = [d * inv.price(name) for d, name in zip(devs, kinds)]
+    capacity = [np.array(_capacities(cost, name, o, ushape and i == 0, edge_min))
+                for i, (name, o) in enumerate(zip(kinds, opts))]
     grids = np.meshgrid(*[np.arange(len(o)) for o in opts], indexing="ij")
     idx = [g.ravel() for g in grids]
     p = sum(s[i] for s, i in zip(stages, idx))
     v = sum(s[i] for s, i in zip(speed, idx))
     d = sum(s[i] for s, i in zip(devs, idx))
+    hourly = dp * sum(s[i] for s, i in zip(price, idx))
     ok = (p >= (2 if ushape else 1)) & (p <= limit)
+    ok &= sum(c[i] for c, i in zip(capacity, idx)) >= num_layers
     if ushape:
         ok &= (p - 1) <= num_layers
     params = num_layers * cost.layer_params(1) + cost.embedding_params(1) + cost.head_params(1)
     bw = min(cost.inventory.link(k, k).bandwidth_gbps for k in kinds)
     ar = ring_allreduce_time(params * cost.d, dp, bw)  # whole model; each rank holds ~1/d of it
-    est = (m - 1 + p + ushape) * num_layers / np.where(v > 0, v, 1) + ar / np.maximum(d, 1)
+    if ushape:
+        bottleneck = _edge_bound(cost, kinds[0], opts[0], idx[0], v - speed[0][idx[0]],
+                                 num_layers, 2 * edge_min)
+    else:
+        bottleneck = num_layers / np.where(v > 0, v, 1)
+    est = (m - 1 + p + ushape) * bottleneck + ar / np.maximum(d, 1)
+    rows = np.flatnonzero(ok)
     out = []
-    for j in np.flatnonzero(ok):
+    for j in rows[_keep(est[rows], est[rows] * hourly[rows], KEEP_PER_DP)]:
         groups = tuple((name, opts[k][idx[k][j]]) for k, name in enumerate(kinds)
                        if opts[k][idx[k][j]])
-        out.append(StageSet(dp, m, groups, float(est[j])))
-    return out
+        out.append(StageSet(dp, m, groups, float(est[j]), int(dp * d[j]), float(hourly[j])))
+    return out, len(rows)
+
+
+def _edge_bound(cost: CostModel, edge: str, options: list[Group], pick: np.ndarray,
+                cloud_speed: np.ndarray, num_layers: int, least: int) -> np.ndarray:
+    """The smallest bottleneck B of a U-shape (continuous): the edge runs its embedding and
+    head (o seconds) and at least ``least`` layers at p s/layer, the cloud the rest at its
+    speed; balanced, the edge takes (B - o) / p layers and the cloud B * cloud_speed."""
+    tps = [group[0][0] for group in options]  # the edge's options: one stage each
+    fixed = (ChunkLoad(0, embedding=True), ChunkLoad(0, head=True))
+    o = np.array([sum(sum(cost.chunk_time(edge, t, c)) for c in fixed) for t in tps])
+    per = np.array([sum(cost.layer_time(edge, t)) for t in tps])
+    o, per = o[pick], per[pick]
+    vc = np.where(cloud_speed > 0, cloud_speed, np.inf)
+    balanced = (num_layers + o / per) / (1 / per + vc)
+    floor = np.maximum(o + least * per, (num_layers - least) / vc)
+    return np.where((balanced - o) / per >= least, balanced, floor)
+
+
+def _keep(est: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the k best by ``est``, the k best by ``cost`` and of the (est, cost) front
+    (non-dominated, at most k of it, evenly spaced), in ascending ``est`` order."""
+    order = np.argsort(est, kind="stable")
+    if len(est) <= 3 * k:
+        return order
+    by_cost = np.argpartition(cost, k)[:k]
+    running = np.minimum.accumulate(cost[order])
+    on_front = order[np.concatenate(([True], cost[order][1:] < running[:-1]))]
+    if len(on_front) > k:
+        on_front = on_front[np.linspace(0, len(on_front) - 1, k).astype(int)]
+    picked = np.unique(np.concatenate((order[:k], by_cost, on_front)))
+    return picked[np.argsort(est[picked], kind="stable")]
 
 
 def orders(stage_set: StageSet, ushape: bool) -> list[tuple[tuple[str, int], ...]]:

@@ -10,12 +10,13 @@ estimate used to prune before simulating.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 from ldt.plan.cost import ChunkLoad, CostModel, Memory
-from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, simulate, u_shape
+from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -122,11 +123,12 @@ class Evaluation:
 
 @lru_cache(maxsize=64)
 def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool, prefetch: int = 0):
-    """The lowered action lists the runtime runs (cached: they depend on P, m, kind, depth)."""
+    """The lowered action lists the runtime runs, checked once for timing many plans (cached:
+    they depend on P, m, kind, depth)."""
     if ushape:
-        return lower(u_shape(num_stages, num_microbatches, prefetch=prefetch), "ushape",
-                     prefetch=prefetch)
-    return lower(one_f_one_b(num_stages, num_microbatches), "1f1b")
+        return prepare(lower(u_shape(num_stages, num_microbatches, prefetch=prefetch), "ushape",
+                             prefetch=prefetch))
+    return prepare(lower(one_f_one_b(num_stages, num_microbatches), "1f1b"))
 
 def chunk_times(plan: Plan, cost: CostModel) -> list[list[tuple[float, float]]]:
     """(fwd, bwd) per chunk per stage, one micro-batch."""
@@ -189,17 +191,27 @@ def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
                 else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
     return _evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
 
+@lru_cache(maxsize=64)
+def lane_schedule(stage_dp: tuple[int, ...], num_microbatches: int, ushape: bool,
+                  prefetch: int = 0):
+    """Per-stage DP's lowered lane lists (ldt.schedule.vdp), checked once (cached)."""
+    from ldt.schedule.vdp import vdp_schedule
+
+    return prepare(vdp_schedule(stage_dp, num_microbatches, ushape, prefetch=prefetch))
+
 def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
     """Per-stage DP: the lane schedule the runtime runs (ldt.schedule.vdp), every lane priced
     as its stage; a stage's busy time and in-flight peak are its busiest lane's."""
     from ldt.schedule.routing import Lanes
-    from ldt.schedule.vdp import vdp_schedule
 
-    lanes = Lanes(plan.stage_dp)
+    # replicas repeat in groups of gcd(stage dp): price one group, e.g. dp (32, 64) as (1, 2)
+    shared = math.gcd(*plan.stage_dp)
+    stage_dp = tuple(d // shared for d in plan.stage_dp)
+    lanes = Lanes(stage_dp)
     ops, comm = op_table(plan, cost), comm_table(plan, cost)
     stage = [lanes.of(lane)[0] for lane in range(len(lanes))]
-    sim = simulate(vdp_schedule(plan.stage_dp, plan.num_microbatches, plan.u_shape,
-                                prefetch=plan.prefetch if plan.u_shape else 0),
+    sim = simulate(lane_schedule(stage_dp, plan.num_microbatches, plan.u_shape,
+                                 plan.prefetch if plan.u_shape else 0),
                    duration=lambda a: ops[stage[a.stage]][a.op],
                    comm_time=lambda a: comm[(stage[a.stage], stage[a.peer])])
     busy = {i: max(sim.busy[ln] for ln in range(len(lanes)) if stage[ln] == i)
@@ -210,7 +222,7 @@ def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
         peak = max(sim.peak_inflight[ln] for ln in mine)
         inflight[i] = ((peak, max(sim.peak_inflight_end[ln] for ln in mine))
                        if plan.u_shape and i == 0 else (peak,))
-    devices = sum(plan.dp_of(i) for i in range(plan.num_stages))
+    devices = sum(stage_dp)
     work = sum(sim.busy.values())
     bubble = 1 - work / (devices * sim.iteration_time) if sim.iteration_time else 0
     return _evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
@@ -250,14 +262,17 @@ MAX_PREFETCH = 3
 
 
 def choose_prefetch(ev: Evaluation, cost: CostModel, max_depth: int = MAX_PREFETCH,
-                    tolerance: float = 0.005) -> Evaluation:
+                    tolerance: float = 0.005,
+                    simulate: Optional[Callable[[Plan], Evaluation]] = None) -> Evaluation:
     """The U-shape's prefetch depth for a plan: the smallest depth whose simulated iteration is
     within ``tolerance`` of the fastest depth that fits in memory (each depth keeps more
     micro-batches in flight: 2 more in the edge's start chunk, 1 more on every cloud stage).
-    The link latency enters through the boundary times, so a fast link keeps depth 0."""
+    The link latency enters through the boundary times, so a fast link keeps depth 0.
+    ``simulate``: how to price a plan (the planner's memo; default :func:`simulate_plan`)."""
     if not ev.plan.u_shape:
         return ev
-    tried = [ev if d == ev.plan.prefetch else simulate_plan(replace(ev.plan, prefetch=d), cost)
+    run = simulate or (lambda plan: simulate_plan(plan, cost))
+    tried = [ev if d == ev.plan.prefetch else run(replace(ev.plan, prefetch=d))
              for d in range(max_depth + 1)]
     fits = [e for e in tried if e.fits] or [ev]
     fastest = min(e.iteration_time for e in fits)

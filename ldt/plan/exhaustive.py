@@ -2,10 +2,14 @@
 
 It enumerates everything the planner's model allows: every dp size, every multiset of stages per
 kind (any mix of TP sizes, any number of devices left idle), every order of those stages (kinds
-interleaved freely; the U-shape edge first), every contiguous layer split (and, for a U-shape,
-every prefetch depth), and simulates each memory-feasible plan on the real schedule. The only shortcut is exact: a plan is not simulated
-when a lower bound on its time (a stage must run all its micro-batches after the stages before
-it have passed micro-batch 0 forward and back) already exceeds the best time found.
+interleaved freely; the U-shape edge first), every contiguous layer split (a U-shape at the
+prefetch depth the planner's rule gives it, :func:`ldt.plan.evaluate.choose_prefetch`, from
+every depth simulated), and simulates each memory-feasible plan on the real schedule; the
+objective (:mod:`ldt.plan.objective`) picks among them exactly as in the planner. The only
+shortcut is exact: a plan is not simulated when a lower bound on its time (a stage must run all
+its micro-batches after the stages before it have passed micro-batch 0 forward and back)
+already rules it out: slower than the tolerance allows past the fastest time found (objective
+``time``), or costlier than that past the cheapest cost found (``cost``).
 """
 
 from __future__ import annotations
@@ -16,18 +20,22 @@ from typing import Iterator, Optional
 
 from ldt.config import ModelConfig
 from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, chunk_times,
-                               dp_allreduce, simulate_plan)
+from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, choose_prefetch,
+                               chunk_times, dp_allreduce, simulate_plan)
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
+from ldt.plan.objective import Objective, choose, hourly_price, step_cost
 from ldt.plan.planner import make_cost, wants_ushape
 
 
 @dataclass
 class ExhaustiveResult:
     best: Optional[Evaluation]
+    """The objective's pick."""
     plans: int
     """Memory-feasible plans enumerated."""
     simulated: int
+    fastest: Optional[Evaluation] = None
+    """The fastest plan (with ``minimise="cost"``: of those not ruled out by their cost)."""
 
 
 def _multisets(tps: list[int], devices: int, max_stages: int) -> Iterator[tuple[int, ...]]:
@@ -87,14 +95,17 @@ def stage_sequences(inventory: Inventory, model: ModelConfig, ushape: bool, dp: 
 
 
 def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
-               max_stages: Optional[int] = None) -> ExhaustiveResult:
-    """Best simulated plan over the whole (small) search space."""
+               max_stages: Optional[int] = None,
+               objective: Optional[Objective] = None) -> ExhaustiveResult:
+    """The objective's pick over the whole (small) search space, and the fastest plan."""
+    objective = objective or Objective()
     cost = make_cost(inventory, model, workload)
     ushape = wants_ushape(inventory, workload)
     L, b, g = model.num_layers, workload.micro_batch_size, workload.global_batch_size
     emin = workload.edge_min_layers
-    depths = range(MAX_PREFETCH + 1) if ushape else (0,)  # the U-shape's prefetch, too
-    best: Optional[Evaluation] = None
+    kept: list[Evaluation] = []
+    fastest: Optional[float] = None
+    cheapest: Optional[float] = None
     plans = sims = 0
     for dp in range(1, inventory.total_devices + 1):
         if (g // b) % dp or (ushape and inventory.kind(inventory.edge).count < dp):
@@ -105,19 +116,31 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
             lows = [emin] + [1] * (p - 1) + [emin] if ushape else [1] * p
             if ushape and p < 2:
                 continue
-            for layers, depth in itertools.product(_compositions(L, lows), depths):
-                plan = Plan(stages, layers, ushape, dp, m, depth)
-                if not _fits(plan, cost):
+            for layers in _compositions(L, lows):
+                plan = Plan(stages, layers, ushape, dp, m)
+                if not _fits(plan, cost):  # a deeper prefetch holds more, so it fails too
                     continue
                 plans += 1
-                if best is not None and (_lower_bound(plan, cost) + dp_allreduce(plan, cost)
-                                         >= best.iteration_time):
+                bound = _lower_bound(plan, cost) + dp_allreduce(plan, cost)
+                slack = 1 + objective.tolerance
+                if objective.minimise == "time" and fastest is not None and bound > fastest * slack:
                     continue
-                ev = simulate_plan(plan, cost)
-                sims += 1
-                if ev.fits and (best is None or ev.iteration_time < best.iteration_time):
-                    best = ev
-    return ExhaustiveResult(best, plans, sims)
+                if (objective.minimise == "cost" and cheapest is not None
+                        and bound * hourly_price(plan, inventory) / 3600 > cheapest * slack):
+                    continue
+                # the U-shape's depth by the planner's own rule (every depth 0-3 simulated)
+                ev = choose_prefetch(simulate_plan(plan, cost), cost)
+                sims += MAX_PREFETCH + 1 if ushape else 1
+                if not ev.fits:
+                    continue
+                kept.append(ev)
+                t, c = ev.iteration_time, step_cost(ev, inventory)
+                fastest = t if fastest is None else min(fastest, t)
+                cheapest = c if cheapest is None else min(cheapest, c)
+    if not kept:
+        return ExhaustiveResult(None, plans, sims)
+    best, _ = choose(kept, inventory, objective)
+    return ExhaustiveResult(best, plans, sims, min(kept, key=lambda e: e.iteration_time))
 
 
 def _fits(plan: Plan, cost: CostModel) -> bool:

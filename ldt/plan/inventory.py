@@ -45,6 +45,10 @@ class DeviceKind:
     """Device <-> host copy bandwidth (PCIe), GB/s; prices host-staged boundaries."""
     reserved_gib: float = 2.0
     """Memory the planner never fills: framework context, workspaces, fragmentation."""
+    price_per_hour: Optional[float] = None
+    """What one device of this kind costs per hour, in any currency (0: hardware you own).
+    State it for every kind or for none; without prices every device costs 1 per hour, so a
+    plan's cost is the device-hours it holds (:mod:`ldt.plan.objective`)."""
 
 
 @dataclass
@@ -81,6 +85,11 @@ class Inventory:
             if link.bandwidth_gbps <= 0 or link.latency_us < 0:
                 raise ConfigError(f"inventory.links[{i}] bandwidth_gbps={link.bandwidth_gbps}, "
                                   f"latency_us={link.latency_us}: need bandwidth > 0, latency >= 0")
+        priced = [k.name for k in self.kinds if k.price_per_hour is not None]
+        if priced and len(priced) < len(names):
+            missing = [n for n in names if n not in priced]
+            raise ConfigError(f"inventory.kinds {missing}: price_per_hour missing while {priced} "
+                              "state one; give every kind a price (0 for hardware you own) or none")
         if self.edge is not None and self.edge not in names:
             raise ConfigError(f"inventory.edge={self.edge!r} names no kind; use one of {names} "
                               "or null for plain pipelines")
@@ -106,6 +115,16 @@ class Inventory:
     def total_devices(self) -> int:
         return sum(k.count for k in self.kinds)
 
+    @property
+    def priced(self) -> bool:
+        """Whether the kinds state prices (all of them do, or none)."""
+        return any(k.price_per_hour is not None for k in self.kinds)
+
+    def price(self, kind: str) -> float:
+        """Per device-hour: the stated price, or 1 (cost counts device-hours) without prices."""
+        stated = self.kind(kind).price_per_hour
+        return 1.0 if stated is None else float(stated)
+
 
 def _check_kind(i: int, k: DeviceKind) -> None:
     where = f"inventory.kinds[{i}] ({k.name})"
@@ -119,6 +138,9 @@ def _check_kind(i: int, k: DeviceKind) -> None:
             raise ConfigError(f"{where}.{key}={getattr(k, key)} must be in (0, 1]")
     if not 0 <= k.reserved_gib < k.memory_gib:
         raise ConfigError(f"{where}.reserved_gib={k.reserved_gib} must be in [0, memory_gib)")
+    if k.price_per_hour is not None and not k.price_per_hour >= 0:
+        raise ConfigError(f"{where}.price_per_hour={k.price_per_hour} must be >= 0 (per "
+                          "device-hour)")
 
 
 @dataclass

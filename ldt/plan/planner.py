@@ -1,56 +1,83 @@
-"""The planner: inventory + model + workload -> the fastest pipeline plan that fits in memory.
+"""The planner: inventory + model + workload -> a pipeline plan that fits in memory, chosen on
+iteration time and cost per step by an :class:`ldt.plan.objective.Objective`.
 
-Search, coarse to fine (each step exists because the next one is too slow to run on everything):
+Search, coarse to fine (each step exists because the next one is too slow to run on everything);
+at every step the candidates are taken from a few lists: by time (the fastest), the cheapest
+within reach of the fastest (what the default objective picks), by cost per step, and points
+of the front between time and cost (what ``ldt-plan`` shows); with ``minimise="cost"`` the
+cost list leads:
 
-1. :func:`ldt.plan.candidates.stage_sets` enumerates dp sizes and per-kind stage groups and ranks
-   them by a continuous estimate (numpy, milliseconds even for 1024 devices);
-2. for the best stage sets, every order of the kind blocks gets an exact layer split
-   (:func:`ldt.plan.split.best_split`, bottleneck bisection with memory caps) and a closed-form
+1. :func:`ldt.plan.candidates.stage_sets` enumerates dp sizes and per-kind stage groups (also
+   ones using fewer devices than there are) with an estimated time and an hourly price (numpy,
+   milliseconds even for 1024 devices);
+2. the best ``split_sets`` stage sets by the leading list, and ``objective_sets`` more from the
+   others, get an exact layer split for every order of their kind blocks
+   (:func:`ldt.plan.split.best_split`, bottleneck search with memory caps) and a closed-form
    1F1B time; sets whose split does not fit in memory are skipped and the next set is taken;
-3. plans are simulated on the real schedule (``ldt.schedule``) in closed-form order, as many
-   as a time budget allows (all of them on small instances);
-4. the best few simulated plans are refined by moving single layers between segments, judged by the
-   simulator, within a budget of simulations;
+3. plans are simulated on the real schedule (``ldt.schedule``), the leading list's closed-form
+   order taking every other turn: at least ``simulate_min``, more while the simulated actions
+   stay within ``simulate_work`` (all of them on small instances). Effort is counted in
+   simulated actions, not seconds, so a busy machine plans exactly what an idle one does;
+4. the fastest few simulated plans and as many of the objective's candidates are refined by
+   moving single layers between segments, judged by the simulator (``refine_work``);
 5. a U-shape gets the prefetch depth that hides its edge links' latency
    (:func:`ldt.plan.evaluate.choose_prefetch`): once on the best closed form before step 3 (the
-   search compares plans at that depth), then for each start of step 4 and for the winner.
+   search compares plans at that depth), then for each start of step 4 and for the pick;
+6. a U-shape's fastest plan may give its cloud stages more replicas than the edge (VDP; not
+   tried when the edge's busy time already bounds the step);
+7. every simulated plan joins the time/cost front, and the objective picks from them.
 
-The simulated iteration time (pipeline + data-parallel all-reduce) is the number that is
-minimised and reported.
+Simulated iteration time (pipeline + data-parallel all-reduce) and cost per step (its devices'
+hourly price times that time) are the numbers that are compared and reported.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 from ldt.config import ConfigError, ModelConfig
 from ldt.plan.candidates import orders, stage_sets
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, closed_form,
-                               simulate_plan, with_layers)
+                               with_layers)
 from ldt.plan.inventory import Inventory, Workload
+from ldt.plan.objective import (Objective, choose, hourly_price, pareto_front, spread,
+                                step_cost)
+from ldt.plan.simulator import Simulator
 from ldt.plan.split import best_split
+
+T = TypeVar("T")
+_END = object()
+
+REACH = {"estimate": 0.10, "closed_form": 0.05, "simulated": 0.03}
+"""How much slower than the fastest a candidate may look, beyond the objective's tolerance, and
+still be taken as one the objective may pick: the estimate, the closed form and an unrefined
+simulation are that much less exact than the final simulated time."""
 
 
 @dataclass
 class PlannerOptions:
     split_sets: int = 64
-    """Stage sets (after the quick estimate) that get an exact split, counting only ones that fit."""
+    """Stage sets of the leading list (by estimated time; by estimated cost with
+    ``minimise="cost"``) that get an exact split, counting only ones that fit."""
+    objective_sets: int = 24
+    """Stage sets from the other lists that get an exact split besides (only ones that fit)."""
     simulate_min: int = 6
-    """Plans, best closed form first, that are always simulated."""
+    """Plans of the leading list, best closed form first, that are always simulated."""
     simulate_max: int = 400
     """Most plans simulated before the local search."""
-    simulate_seconds: float = 1.0
-    """Past ``simulate_min`` plans, simulate more only while within this time (the closed form
-    ranks heterogeneous and U-shape pipelines only roughly; the simulator decides)."""
+    simulate_work: int = 300_000
+    """Past the plans always simulated, simulate more only while the effort so far (simulated
+    actions, see :class:`Simulator`) stays within this: ~0.5 s on a 2-core machine, and
+    deterministic, unlike a time budget."""
     refine_top: int = 3
-    """Simulated plans the local search starts from (best first)."""
+    """Plans of each list the local search starts from (best first)."""
     refine_sims: int = 80
     """Simulations the local search may spend per start."""
-    refine_seconds: float = 1.5
-    """Wall-clock cap of the local search."""
+    refine_work: int = 200_000
+    """Effort (simulated actions) the local search may spend, over all its starts."""
     max_stages: Optional[int] = None
     """Upper bound on pipeline stages (None: the layer count)."""
 
@@ -58,13 +85,18 @@ class PlannerOptions:
 @dataclass
 class PlanResult:
     best: Evaluation
+    """The plan the objective picks (``reason`` says why)."""
     ranked: list[Evaluation]
-    """Simulated candidates, best first (``best`` is refined from ``ranked[0]``)."""
+    """Simulated candidates before the local search, fastest first."""
     stage_sets_scored: int
     plans_split: int
     simulations: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    front: list[Evaluation] = field(default_factory=list)
+    """The plans met that no other beats on both time and cost per step, fastest first."""
+    reason: str = ""
+    objective: Objective = field(default_factory=Objective)
 
 
 def make_cost(inventory: Inventory, model: ModelConfig, workload: Workload) -> CostModel:
@@ -77,49 +109,197 @@ def wants_ushape(inventory: Inventory, workload: Workload) -> bool:
 
 
 def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
-         options: Optional[PlannerOptions] = None) -> PlanResult:
-    """Search stage formation, order, layer split and dp; return the best simulated plan."""
-    opts = options or PlannerOptions()
+         options: Optional[PlannerOptions] = None,
+         objective: Optional[Objective] = None) -> PlanResult:
+    """Search stage formation, order, layer split and dp; return the plan the objective picks
+    among the simulated ones, with the time/cost front they form."""
+    opts, objective = options or PlannerOptions(), objective or Objective()
     t0 = time.perf_counter()
     cost = make_cost(inventory, model, workload)
     ushape = wants_ushape(inventory, workload)
-    sets = stage_sets(cost, ushape, workload.global_batch_size, model.num_layers, opts.max_stages)
     edge_min = workload.edge_min_layers
-    plans, used = _split_best_sets(sets, cost, ushape, model.num_layers, opts.split_sets, edge_min)
+    sets, scored = stage_sets(cost, ushape, workload.global_batch_size, model.num_layers,
+                              opts.max_stages, edge_min)
+    plans, used = _split_sets(sets, cost, ushape, model.num_layers, opts, objective, edge_min)
     if not plans:
-        raise ConfigError(_nothing_fits(inventory, model, workload, len(sets)))
+        raise ConfigError(_nothing_fits(inventory, model, workload, scored))
     plans.sort(key=lambda pc: pc[1])
+    sim = Simulator(cost)
     if ushape:  # the depth that hides the edge links' latency, on the best closed form; the
         # search then compares plans at that depth (it depends on latency vs. per-micro-batch
-        # compute, which plans of one inventory share) and step 5 revisits it for the winner
-        depth = choose_prefetch(simulate_plan(plans[0][0], cost), cost).plan.prefetch
+        # compute, which plans of one inventory share) and step 5 revisits it for each start
+        depth = choose_prefetch(sim(plans[0][0]), cost, simulate=sim).plan.prefetch
         plans = [(replace(p, prefetch=depth), c) for p, c in plans]
-    ranked = _simulate_ranked([p for p, _ in plans], cost, opts)
-    best, sims = ranked[0], len(ranked)
-    for start in ranked[:opts.refine_top]:
-        start = choose_prefetch(start, cost)  # U-shape: this plan's own depth
-        ev, n = refine(start, cost, opts.refine_sims, opts.refine_seconds / opts.refine_top,
-                       edge_min)
-        sims += n
-        if ev.fits and ev.iteration_time < best.iteration_time:
-            best = ev
-    best = choose_prefetch(best, cost)  # U-shape: hide the edge links' latency if it pays
-    notes = []
-    if ushape:  # per-stage DP: more cloud replicas behind the same edge, if devices allow
-        best, n, note = _try_vdp(best, cost, inventory, workload, opts, edge_min)
-        sims += n
+    ranked = _simulate_ranked(plans, sim, opts, objective, inventory)
+    pool = list(ranked)
+    starts = _refine_starts(ranked, inventory, objective, opts.refine_top)
+    end = sim.work + opts.refine_work
+    for i, start in enumerate(starts):
+        if i >= 2 and sim.work >= end:  # the first start of each list always runs
+            break
+        start = choose_prefetch(start, cost, simulate=sim)  # U-shape: this plan's own depth
+        share = max(0, end - sim.work) // (len(starts) - i)
+        pool += [start, refine(start, sim, opts.refine_sims, share, edge_min)]
+    notes: list[str] = []
+    fits = [e for e in pool if e.fits]
+    fastest = min(fits, key=lambda e: e.iteration_time) if fits else None
+    # per-stage DP: more cloud replicas behind the same edge, if devices allow; the edge keeps
+    # its work, so no such plan beats the edge's busy time: skip when that is within tolerance
+    if ushape and fastest and (fastest.iteration_time
+                               > fastest.stages[0].busy * (1 + objective.tolerance)):
+        vdp, _, note = _try_vdp(fastest, cost, inventory, workload, opts, edge_min, sim)
+        pool.append(vdp)
         notes += [note] if note else []
-    return PlanResult(best, ranked, len(sets), used, sims, time.perf_counter() - t0,
-                      notes=notes)
+    best, reason = _pick(pool, inventory, objective, cost, sim)
+    return PlanResult(best, ranked, scored, used, sim.runs, time.perf_counter() - t0,
+                      notes=notes, front=pareto_front(pool, inventory), reason=reason,
+                      objective=objective)
+
+
+def _pick(pool: list[Evaluation], inventory: Inventory, objective: Objective, cost: CostModel,
+          sim: Simulator) -> tuple[Evaluation, str]:
+    """The objective's pick, simulated in full and at its own prefetch depth (U-shape): when
+    that changes the pick's numbers, its other variants leave ``pool`` and the objective picks
+    again. Nothing fits: the fastest plan, which the report marks as not fitting."""
+    if not any(e.fits for e in pool):
+        return min(pool, key=lambda e: e.iteration_time), "no plan fits in memory"
+    for _ in range(4):
+        best, reason = choose(pool, inventory, objective)
+        final = best if best.sim is not None else sim.exact(best.plan)
+        final = choose_prefetch(final, cost, simulate=sim)
+        if final is best:
+            return best, reason
+        if final.sim is None:  # its depth's variant was extrapolated too
+            final = sim.exact(final.plan)
+        same = replace(best.plan, prefetch=0)
+        pool[:] = [e for e in pool if replace(e.plan, prefetch=0) != same] + [final]
+    return choose(pool, inventory, objective)
+
+
+def _round_robin(lists: list[Iterable[T]]) -> Iterator[T]:
+    """One item of each list in turn, each item (by identity) once."""
+    iters, seen = [iter(x) for x in lists], set()
+    while iters:
+        for it in list(iters):
+            item = next(it, _END)
+            if item is _END:
+                iters.remove(it)
+            elif id(item) not in seen:
+                seen.add(id(item))
+                yield item
+
+
+def _lists(items: list[T], time_of: Callable[[T], float], cost_of: Callable[[T], float],
+           objective: Objective, reach: float) -> list[list[T]]:
+    """The candidate lists, the objective's leading one first: by time; the cheapest within
+    ``tolerance + reach`` of the fastest; by cost; the time/cost front (spread: its ends, then
+    its middle, ...)."""
+    if not items:
+        return [[]]
+    by_time = sorted(items, key=time_of)
+    by_cost = sorted(items, key=lambda x: (cost_of(x), time_of(x)))
+    limit = time_of(by_time[0]) * (1 + objective.tolerance + reach)
+    within = [x for x in by_cost if time_of(x) <= limit]
+    front: list[T] = []
+    for x in by_time:
+        if not front or cost_of(x) < cost_of(front[-1]):
+            front.append(x)
+    front = [front[i] for i in spread(len(front))]
+    if objective.minimise == "cost":
+        return [by_cost, front, by_time]
+    return [by_time, within, by_cost, front]
+
+
+def _split_sets(sets, cost: CostModel, ushape: bool, num_layers: int, opts: PlannerOptions,
+                objective: Objective, edge_min: int) -> tuple[list[tuple[Plan, float]], int]:
+    """Exact split of every order of the shortlisted stage sets: ``split_sets`` that fit from
+    the leading list, then ``objective_sets`` more from the others in turn."""
+    lists = _lists(sets, lambda s: s.estimate, lambda s: s.estimated_cost, objective,
+                   REACH["estimate"])
+    plans: list[tuple[Plan, float]] = []
+    seen: set = set()
+    memo: dict = {}
+    tried = 0
+
+    def take(source: Iterable, wanted: int) -> None:
+        nonlocal tried
+        fitted = 0
+        for ss in source:
+            if fitted >= wanted:
+                break
+            if ss in seen:
+                continue
+            seen.add(ss)
+            ok = False
+            for seq in orders(ss, ushape):
+                tried += 1
+                stages = tuple(StageSpec(k, t) for k, t in seq)
+                layers = best_split(stages, ushape, ss.num_microbatches, cost, num_layers,
+                                    edge_min, memo)
+                if layers is None:
+                    continue
+                p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches)
+                plans.append((p, closed_form(p, cost)))
+                ok = True
+            fitted += ok
+
+    take(lists[0], opts.split_sets)
+    take(_round_robin(lists[1:]), opts.objective_sets)
+    return plans, tried
+
+
+def _simulate_ranked(plans: list[tuple[Plan, float]], sim: Simulator, opts: PlannerOptions,
+                     objective: Objective, inventory: Inventory) -> list[Evaluation]:
+    """Simulate plans from the closed-form lists, the leading one and the others in turn: at
+    least ``simulate_min`` of the leading one (and 2 of the cheapest within reach of the
+    fastest), more while each side's share of ``simulate_work`` lasts (the leading list 2/3:
+    the others' plans, long ones of few replicas among them, must not crowd it out); fitting
+    ones, fastest first."""
+    price = {id(p): hourly_price(p, inventory) for p, _ in plans}
+    lists = _lists(plans, lambda pc: pc[1], lambda pc: pc[1] * price[id(pc[0])], objective,
+                   REACH["closed_form"])
+    must = {id(pc) for pc in lists[0][:opts.simulate_min]}
+    if objective.minimise == "time":  # the plans the default objective picks from
+        must |= {id(pc) for pc in lists[1][:2]}
+    sides = [[iter(lists[0]), 2 * opts.simulate_work // 3, 0],
+             [_round_robin(lists[1:]), opts.simulate_work // 3, 0]]
+    out: list[Evaluation] = []
+    seen: set[int] = set()
+    while sides and len(out) < opts.simulate_max:
+        for side in list(sides):
+            source, share, spent = side
+            pc = next((x for x in source if id(x) not in seen), None)
+            if pc is None or (spent >= share and id(pc) not in must):
+                sides.remove(side)
+                continue
+            seen.add(id(pc))
+            if id(pc) not in must and spent + sim.effort(pc[0]) > share:
+                continue  # too long for what is left; a shorter one may fit
+            before = sim.work
+            out.append(sim(pc[0]))
+            side[2] += sim.work - before
+    return sorted((e for e in out if e.fits), key=lambda e: e.iteration_time) or out
+
+
+def _refine_starts(ranked: list[Evaluation], inventory: Inventory, objective: Objective,
+                   k: int) -> list[Evaluation]:
+    """The first ``k`` simulated plans of the leading list and of the next one, in turn (the
+    cheapest within reach of the fastest; under ``minimise="cost"`` the front's ends)."""
+    fits = [e for e in ranked if e.fits] or ranked[:1]
+    lists = _lists(fits, lambda e: e.iteration_time, lambda e: step_cost(e, inventory),
+                   objective, REACH["simulated"])
+    return list(_round_robin([lists[0][:k]] + [x[:k] for x in lists[1:2]]))
 
 
 def _try_vdp(best: Evaluation, cost: CostModel, inventory: Inventory, workload: Workload,
-             opts: PlannerOptions, edge_min: int) -> tuple[Evaluation, int, str]:
+             opts: PlannerOptions, edge_min: int, sim: Optional[Simulator] = None
+             ) -> tuple[Evaluation, int, str]:
     """Step 6 (U-shape): keep the edge's replicas, give the cloud stages k = 2, 4 times as many
     (docs/vdp.md), with the same TP (more devices) or TP / k (the same devices), same global
     batch; take it when it fits the inventory and the memory and the simulator (the lane
-    schedule, refined) finds it faster."""
-    plan, sims, note = best.plan, 0, ""
+    schedule, refined) finds it faster. Returns the faster plan, the simulations spent, a note."""
+    sim = sim or Simulator(cost)
+    plan, runs, note = best.plan, sim.runs, ""
     edge_dp = plan.dp_of(0)
     heads = cost.model.num_query_groups or cost.model.num_attention_heads
     for k, shrink in ((2, False), (2, True), (4, False), (4, True)):
@@ -139,49 +319,15 @@ def _try_vdp(best: Evaluation, cost: CostModel, inventory: Inventory, workload: 
         if any(n > inventory.kind(kind).count for kind, n in used.items()):
             continue
         cand = replace(plan, stages=stages, dp=dp, num_microbatches=m, stage_dp=stage_dp)
-        ev = simulate_plan(cand, cost)
-        ev, n = refine(ev, cost, opts.refine_sims, opts.refine_seconds / 2, edge_min)
-        ev = choose_prefetch(ev, cost)  # the depth for this plan's links and lanes
-        sims += 1 + n
+        ev = refine(sim(cand), sim, opts.refine_sims, opts.refine_work // 8, edge_min)
+        ev = choose_prefetch(ev, cost, simulate=sim)  # the depth for this plan's links and lanes
         if ev.fits and ev.iteration_time < best.iteration_time:
             note = (f"per-stage dp {list(stage_dp)}, TP {[st.tp for st in stages]} (the edge "
                     f"serves {k} cloud replicas) beats "
                     f"uniform dp {plan.dp}: {ev.iteration_time * 1e3:.2f} ms vs "
                     f"{best.iteration_time * 1e3:.2f} ms")
             best = ev
-    return best, sims, note
-
-
-def _split_best_sets(sets, cost: CostModel, ushape: bool, num_layers: int, wanted: int,
-                     edge_min: int):
-    """Exact split of every order of the best stage sets until ``wanted`` sets fit."""
-    plans: list[tuple[Plan, float]] = []
-    fitted = tried = 0
-    for ss in sets:
-        if fitted >= wanted:
-            break
-        ok = False
-        for seq in orders(ss, ushape):
-            tried += 1
-            stages = tuple(StageSpec(k, t) for k, t in seq)
-            layers = best_split(stages, ushape, ss.num_microbatches, cost, num_layers, edge_min)
-            if layers is None:
-                continue
-            p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches)
-            plans.append((p, closed_form(p, cost)))
-            ok = True
-        fitted += ok
-    return plans, tried
-
-
-def _simulate_ranked(plans: list[Plan], cost: CostModel, opts: PlannerOptions) -> list[Evaluation]:
-    """Simulate plans in closed-form order: at least ``simulate_min``, more while time allows."""
-    t0, out = time.perf_counter(), []
-    for i, p in enumerate(plans[:opts.simulate_max]):
-        if i >= opts.simulate_min and time.perf_counter() - t0 > opts.simulate_seconds:
-            break
-        out.append(simulate_plan(p, cost))
-    return sorted((e for e in out if e.fits), key=lambda e: e.iteration_time) or out
+    return best, sim.runs - runs, note
 
 
 def _nothing_fits(inventory: Inventory, model: ModelConfig, workload: Workload, n: int) -> str:
@@ -212,22 +358,22 @@ def _neighbours(plan: Plan, edge_min: int) -> list[tuple[int, ...]]:
     return out
 
 
-def refine(start: Evaluation, cost: CostModel, max_sims: int, max_seconds: float,
-           edge_min: int = 1) -> tuple[Evaluation, int]:
-    """First-improvement hill climb over one-layer moves, judged by the simulator."""
-    best, sims, t0 = start, 0, time.perf_counter()
+def refine(start: Evaluation, sim: Simulator, max_sims: int, max_work: int,
+           edge_min: int = 1) -> Evaluation:
+    """First-improvement hill climb over one-layer moves, judged by the simulator, until no move
+    helps or ``max_sims`` new simulations or ``max_work`` simulated actions are spent."""
+    best, runs, work = start, sim.runs, sim.work
     improved = True
-    while improved and sims < max_sims and time.perf_counter() - t0 < max_seconds:
+    while improved and sim.runs - runs < max_sims and sim.work - work < max_work:
         improved = False
         for layers in _neighbours(best.plan, edge_min):
-            if sims >= max_sims or time.perf_counter() - t0 >= max_seconds:
+            if sim.runs - runs >= max_sims or sim.work - work >= max_work:
                 break
             cand = with_layers(best.plan, layers)
-            if closed_form(cand, cost) > 1.5 * best.iteration_time:
+            if closed_form(cand, sim.cost) > 1.5 * best.iteration_time:
                 continue  # clearly worse; not worth a simulation
-            ev = simulate_plan(cand, cost)
-            sims += 1
+            ev = sim(cand)
             if ev.fits and ev.iteration_time < best.iteration_time * (1 - 1e-12):
                 best, improved = ev, True
                 break
-    return best, sims
+    return best

@@ -15,6 +15,11 @@ from omegaconf import OmegaConf
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
 from ldt.plan.inventory import Inventory
+from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
+
+FRONT_ROWS = 8
+"""Plans of the time/cost front that ldt-plan prints (the fastest, the pick, the cheapest and
+others spread between); ``--json`` lists them all."""
 
 
 def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
@@ -30,9 +35,10 @@ def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
     }
 
 
-def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int
-                 ) -> str:
-    """A cluster file for ``conf/cluster/`` with the prediction as header comments."""
+def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int,
+                 reason: str = "") -> str:
+    """A cluster file for ``conf/cluster/`` with the prediction (and ``reason``, why the planner
+    picked it) as header comments."""
     p = ev.plan
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
@@ -46,6 +52,8 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     ]
     head += [f"#   stage {s.index} {s.name}: {s.kind} tp={s.tp} layers {s.layers}, "
              f"{s.memory.total / GIB:.1f}/{s.memory_limit / GIB:.1f} GiB" for s in ev.stages]
+    head += [f"# {devices(p)} devices, cost per step {step_cost(ev, inventory):.4g} "
+             f"({_cost_unit(inventory)})."] + ([f"# {reason}."] if reason else [])
     body = OmegaConf.to_yaml(OmegaConf.create(cluster_dict(p, inventory)))
     return "\n".join(head) + "\n" + body
 
@@ -115,8 +123,66 @@ def summary(ev: Evaluation, inventory: Inventory) -> dict[str, Any]:
         "dp_allreduce_time_s": ev.dp_allreduce_time,
         "bubble_fraction": ev.bubble_fraction,
         "fits": ev.fits,
+        "devices": devices(p),
+        "hourly_price": hourly_price(p, inventory),
+        "cost_per_step": step_cost(ev, inventory),
         "stages": stage_rows(ev),
     }
+
+
+def _cost_unit(inventory: Inventory) -> str:
+    return ("the inventory's price_per_hour x hours" if inventory.priced
+            else "device-hours: the inventory states no price_per_hour")
+
+
+def front_rows(front: list[Evaluation], inventory: Inventory, pick: Evaluation
+               ) -> list[dict[str, Any]]:
+    """One JSON-ready row per plan of the time/cost front (fastest first)."""
+    fastest = front[0].iteration_time if front else 0.0
+    return [{
+        "picked": ev is pick, "stages": ev.plan.num_stages, "devices": devices(ev.plan),
+        "iteration_time_s": ev.iteration_time,
+        "slower_than_fastest": ev.iteration_time / fastest - 1 if fastest else 0.0,
+        "cost_per_step": step_cost(ev, inventory), "bubble_fraction": ev.bubble_fraction,
+        "dp": list(ev.plan.stage_dp) if ev.plan.stage_dp else ev.plan.dp,
+        "tp": [st.tp for st in ev.plan.stages], "kinds": [st.kind for st in ev.plan.stages],
+        "layout": ev.plan.layout(), "num_microbatches": ev.plan.num_microbatches,
+        "prefetch": ev.plan.prefetch,
+    } for ev in front]
+
+
+def front_table(front: list[Evaluation], inventory: Inventory, pick: Evaluation,
+                rows: int = FRONT_ROWS) -> str:
+    """The time/cost trade-off, a few rows of it: the fastest, the pick, the cheapest and plans
+    spread between (``*`` marks the pick)."""
+    if not front:
+        return ""
+    shown = {0, len(front) - 1} | {i for i, ev in enumerate(front) if ev is pick}
+    for i in spread(len(front)):
+        if len(shown) >= rows:
+            break
+        shown.add(i)
+    head = ("", "stages", "devices", "iteration ms", "vs fastest", "cost/step", "bubble", "plan")
+    lines = [head]
+    for r in (front_rows(front, inventory, pick)[i] for i in sorted(shown)):
+        runs: list[list] = []  # consecutive equal stages as one "kind/tpN xK"
+        for stage in zip(r["kinds"], r["tp"]):
+            if runs and runs[-1][0] == stage:
+                runs[-1][1] += 1
+            else:
+                runs.append([stage, 1])
+        tps = ", ".join(f"{k}/tp{t}" + (f" x{n}" if n > 1 else "") for (k, t), n in runs)
+        lines.append(("*" if r["picked"] else "", str(r["stages"]), str(r["devices"]),
+                      ms(r["iteration_time_s"]), f"{r['slower_than_fastest']:+.1%}",
+                      f"{r['cost_per_step']:.4g}", f"{r['bubble_fraction']:.1%}",
+                      f"dp={r['dp']}: {tps}"))
+    widths = [max(len(r[c]) for r in lines) for c in range(len(head))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    title = (f"time/cost front: {len(front)} plans met that no other beats on both"
+             + (f", {len(shown)} shown" if len(shown) < len(front) else "")
+             + f"; cost in {_cost_unit(inventory)}")
+    return "\n".join([title] + out)
 
 
 def table(ev: Evaluation) -> str:

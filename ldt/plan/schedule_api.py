@@ -7,8 +7,8 @@ modelling the schedule itself. Everything goes through this module so a rename i
 
 from __future__ import annotations
 
-from ldt.schedule import (Op, SimResult, lower, one_f_one_b, simulate, to_chrome_trace, to_png,
-                          u_shape)
+from ldt.schedule import (Op, SimResult, lower, one_f_one_b, prepare, simulate, to_chrome_trace,
+                          to_png, u_shape)
 
-__all__ = ["Op", "SimResult", "lower", "one_f_one_b", "simulate", "to_chrome_trace", "to_png",
-           "u_shape"]
+__all__ = ["Op", "SimResult", "lower", "one_f_one_b", "prepare", "simulate", "to_chrome_trace",
+           "to_png", "u_shape"]

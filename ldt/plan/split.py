@@ -36,10 +36,16 @@ class Unit:
 
 
 def stage_units(stages: tuple[StageSpec, ...], ushape: bool, m: int, cost: CostModel,
-                num_layers: int, edge_min: int = 1) -> list[Unit]:
+                num_layers: int, edge_min: int = 1, memo: Optional[dict] = None) -> list[Unit]:
+    """The units of these stages; ``memo`` (one dict per cost model and model) keeps them across
+    calls: the planner splits hundreds of orders of the same few (kind, TP, position)s."""
     p = len(stages)
     units = []
     for i, st in enumerate(stages):
+        key = (st, i, p, m, ushape, num_layers, edge_min)
+        if memo is not None and key in memo:
+            units.append(memo[key])
+            continue
         lf, lb = cost.layer_time(st.kind, st.tp)
         edge = ushape and i == 0
         fixed = [ChunkLoad(0, embedding=i == 0, inflight=min(p + ushape - i, m))]
@@ -51,6 +57,8 @@ def stage_units(stages: tuple[StageSpec, ...], ushape: bool, m: int, cost: CostM
         per = cost.stage_memory(st.tp, [ChunkLoad(1, inflight=inflight)]).total
         cap = -1 if room < 0 else min(num_layers, int(room // per))
         units.append(Unit(lf + lb, overhead, 2 * edge_min if edge else 1, cap))
+        if memo is not None:
+            memo[key] = units[-1]
     return units
 
 
@@ -59,7 +67,8 @@ def _take(u: Unit, bound: float) -> int:
     return min(u.cap, math.floor((bound - u.overhead) / u.per_layer + EPS))
 
 
-def _fill(units: list[Unit], bound: float, num_layers: int) -> Optional[list[int]]:
+def _fill(units: list[Unit], bound: float, num_layers: int,
+          fastest_first: list[int]) -> Optional[list[int]]:
     """Minimum per unit, then the rest to the fastest units first, each up to its bound."""
     caps = [_take(u, bound) for u in units]
     if any(c < u.lo for c, u in zip(caps, units)):
@@ -68,11 +77,22 @@ def _fill(units: list[Unit], bound: float, num_layers: int) -> Optional[list[int
     rest = num_layers - sum(layers)
     if rest < 0:
         return None
-    for i in sorted(range(len(units)), key=lambda i: units[i].per_layer):
+    for i in fastest_first:
         add = min(rest, caps[i] - layers[i])
         layers[i] += add
         rest -= add
     return layers if rest == 0 else None
+
+
+def _fits(units: list[Unit], bound: float, num_layers: int) -> bool:
+    """Whether every unit reaches its minimum and together they hold all layers at ``bound``."""
+    total = 0
+    for u in units:
+        take = _take(u, bound)
+        if take < u.lo:
+            return False
+        total += take
+    return total >= num_layers
 
 
 def objective(units: list[Unit], layers: list[int], m: int) -> float:
@@ -81,27 +101,30 @@ def objective(units: list[Unit], layers: list[int], m: int) -> float:
 
 
 def best_counts(units: list[Unit], num_layers: int, m: int, tries: int = 4) -> Optional[list[int]]:
-    """Layers per unit minimising :func:`objective` (bisection on the bottleneck, then fill)."""
-    if any(u.cap < u.lo for u in units) or sum(max(u.cap, 0) for u in units) < num_layers:
+    """Layers per unit minimising :func:`objective`: the smallest bottleneck that holds every
+    layer, then fill; a few looser bottlenecks too. The bottleneck is some unit's time at some
+    layer count, so a binary search over those values finds it exactly."""
+    if (any(u.cap < u.lo for u in units) or sum(max(u.cap, 0) for u in units) < num_layers
+            or sum(u.lo for u in units) > num_layers):
         return None
-    lo = max(u.overhead + u.lo * u.per_layer for u in units)
-    hi = max(u.overhead + num_layers * u.per_layer for u in units)
-    if _fill(units, hi, num_layers) is None:
+    bounds = sorted({u.overhead + k * u.per_layer for u in units
+                     for k in range(u.lo, min(u.cap, num_layers) + 1)})
+    lo, hi = 0, len(bounds) - 1
+    if not _fits(units, bounds[hi], num_layers):
         return None
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if _fill(units, mid, num_layers) is None:
-            lo = mid
-        else:
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _fits(units, bounds[mid], num_layers):
             hi = mid
-        if hi - lo <= 1e-12 * hi:
-            break
-    best = _fill(units, hi, num_layers)
+        else:
+            lo = mid + 1
+    fastest_first = sorted(range(len(units)), key=lambda i: units[i].per_layer)
+    best = _fill(units, bounds[lo], num_layers, fastest_first)
     bound = max(u.overhead + n * u.per_layer for u, n in zip(units, best))
     steps = sorted({u.overhead + (_take(u, bound) + 1) * u.per_layer for u in units
                     if _take(u, bound) < u.cap})
     for b in steps[:tries]:
-        cand = _fill(units, b, num_layers)
+        cand = _fill(units, b, num_layers, fastest_first)
         if cand is not None and objective(units, cand, m) < objective(units, best, m):
             best = cand
     return best
@@ -119,10 +142,12 @@ def edge_chunks(stage: StageSpec, total: int, num_stages: int, m: int, cost: Cos
 
 
 def best_split(stages: tuple[StageSpec, ...], ushape: bool, m: int, cost: CostModel,
-               num_layers: int, edge_min: int = 1) -> Optional[tuple[int, ...]]:
+               num_layers: int, edge_min: int = 1, memo: Optional[dict] = None
+               ) -> Optional[tuple[int, ...]]:
     """Layout segment sizes (P, or P+1 for the U-shape) for these stages, or None if none fits.
-    The edge keeps at least ``edge_min`` decoder layers in each of its two chunks."""
-    units = stage_units(stages, ushape, m, cost, num_layers, edge_min)
+    The edge keeps at least ``edge_min`` decoder layers in each of its two chunks; ``memo``: see
+    :func:`stage_units`."""
+    units = stage_units(stages, ushape, m, cost, num_layers, edge_min, memo)
     counts = best_counts(units, num_layers, m)
     if counts is None:
         return None

@@ -3,13 +3,14 @@
 from ldt.schedule.check import ScheduleError, check_schedule
 from ldt.schedule.generate import forwards_of, lower, one_f_one_b, u_shape
 from ldt.schedule.ir import Action, Op, Schedule, format_grid, from_csv, parse_action, to_csv
-from ldt.schedule.simulate import Event, SimResult, simulate
+from ldt.schedule.simulate import Event, Prepared, SimResult, prepare, simulate
 from ldt.schedule.timeline import to_chrome_trace, to_png
 
 __all__ = [
     "Action",
     "Event",
     "Op",
+    "Prepared",
     "Schedule",
     "ScheduleError",
     "SimResult",
@@ -20,6 +21,7 @@ __all__ = [
     "lower",
     "one_f_one_b",
     "parse_action",
+    "prepare",
     "simulate",
     "to_chrome_trace",
     "to_csv",

@@ -268,9 +268,9 @@ def _raise_deadlock(schedule: Schedule, matches: dict[Slot, Slot], at: dict[int,
         action = schedule[stage][index]
         src, dst, direction = action.channel  # type: ignore[misc]
         send_stage, send_index = matches[(stage, index)]
-        blocker = at.get(send_stage)
-        why = (f"stage {send_stage} is itself stuck at #{blocker} {schedule[send_stage][blocker]}"
-               if blocker is not None else f"stage {send_stage} finished without reaching it")
+        # the send has not run (else it would have woken this stage), so its stage is stuck too
+        blocker = at[send_stage]
+        why = f"stage {send_stage} is itself stuck at #{blocker} {schedule[send_stage][blocker]}"
         lines.append(f"deadlock: stage {stage} stuck at action #{index} {action} waiting for "
                      f"channel {src}->{dst} ({direction}) micro-batch {action.mb}, sent by stage "
                      f"{send_stage} at #{send_index} {schedule[send_stage][send_index]}; {why}")

@@ -98,9 +98,11 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         model = roles.chunks[a.op]
         inp = ready.pop((FORWARD, a.mb), None)
         is_loss = a.op in roles.computes_loss
+        # the chunk's own config: megatron's forward_step scales the MTP losses only when the
+        # config it gets has mtp_num_layers, and ldt gives only the head's chunk that
         out, _ = forward_step(forward_step_func, data_for(a.op, a.mb), model, num_microbatches,
-                              inp, result.losses, config, cp_group_size=1,
-                              current_microbatch=a.mb, is_last_stage=is_loss)
+                              inp, result.losses, getattr(model, "config", config),
+                              cp_group_size=1, current_microbatch=a.mb, is_last_stage=is_loss)
         if keep_activations:
             saved[(a.op, a.mb)] = (inp, out)
         if not is_loss:

@@ -8,12 +8,13 @@ module only supplies durations and summarises the result.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from fractions import Fraction
 from numbers import Rational
 
-from ldt.schedule.check import check_structure, play
+from ldt.schedule.check import Played, Slot, check_structure, play
 from ldt.schedule.ir import Action, Op, Schedule
 
 # Ops that open / close a micro-batch's stay on a stage (the activations it keeps alive).
@@ -31,6 +32,29 @@ class Event:
     end: float
 
 
+class Events(Sequence):
+    """A simulation's events in stage order, built on first use: a planner that prices hundreds
+    of plans reads only the summary, and building an event per action was a third of its time."""
+
+    def __init__(self, schedule: Schedule, played: Played) -> None:
+        self._schedule, self._played = schedule, played
+
+    @cached_property
+    def _events(self) -> list[Event]:
+        s, p = self._schedule, self._played
+        return [Event(stage, action, start, end) for stage in sorted(s)
+                for action, start, end in zip(s[stage], p.start[stage], p.end[stage])]
+
+    def __getitem__(self, index):
+        return self._events[index]
+
+    def __iter__(self):
+        return iter(self._events)
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
 @dataclass
 class SimResult:
     """Summary of one simulated iteration (times are in the unit the cost model uses)."""
@@ -42,15 +66,36 @@ class SimResult:
     """Max micro-batches whose forward ran and whose backward has not (edge: FS until BE)."""
     peak_inflight_end: dict[int, int]
     """Edge stages only: max micro-batches between FE and BS (the end chunk's activations)."""
-    events: list[Event] = field(repr=False)
+    events: Sequence[Event] = field(repr=False)
 
     @property
     def num_stages(self) -> int:
         return len(self.busy)
 
 
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A schedule checked once, to be timed many times under different costs (the planner prices
+    hundreds of plans on a few schedules): its WAIT -> SEND matching, where its computes are,
+    and its in-flight peaks, which depend on the action lists only."""
+
+    schedule: Schedule
+    matches: dict[Slot, Slot]
+    computes: dict[int, list[int]]
+    peak_inflight: dict[int, int]
+    peak_inflight_end: dict[int, int]
+
+
+def prepare(schedule: Schedule) -> Prepared:
+    """Check ``schedule``'s structure (raises ``ScheduleError``) and keep what timing reuses."""
+    matches = check_structure(schedule)
+    computes = {stage: [i for i, a in enumerate(actions) if a.is_compute]
+                for stage, actions in schedule.items()}
+    return Prepared(schedule, matches, computes, *_peak_inflight(schedule))
+
+
 def simulate(
-    schedule: Schedule,
+    schedule: Schedule | Prepared,
     duration: Callable[[Action], float],
     comm_time: Callable[[Action], float] = lambda a: 0,
     local_time: Callable[[Action], float] = lambda a: 0,
@@ -63,27 +108,25 @@ def simulate(
     :func:`ldt.schedule.check.play`.
 
     Integer or ``fractions.Fraction`` costs give exact results. Raises ``ScheduleError`` on a
-    malformed or deadlocking schedule, like ``check_schedule``.
+    malformed or deadlocking schedule, like ``check_schedule``; a :class:`Prepared` schedule
+    skips the structural checks it already passed.
     """
-    matches = check_structure(schedule)
-    played = play(schedule, matches, duration, comm_time, local_time, start_at, handshake)
-    events: list[Event] = []
+    prepared = schedule if isinstance(schedule, Prepared) else prepare(schedule)
+    schedule = prepared.schedule
+    played = play(schedule, prepared.matches, duration, comm_time, local_time, start_at, handshake)
     busy: dict[int, float] = {}
     for stage in sorted(schedule):
-        total: float = 0
-        for action, start, end in zip(schedule[stage], played.start[stage], played.end[stage]):
-            events.append(Event(stage, action, start, end))
-            if action.is_compute:
-                total += end - start
-        busy[stage] = total
-    iteration_time = max((e.end for e in events), default=0)
+        starts, ends = played.start[stage], played.end[stage]
+        busy[stage] = sum((ends[i] - starts[i] for i in prepared.computes[stage]), 0)
+    # a stage's clock only moves forward, so its last action ends last
+    iteration_time = max((ends[-1] for ends in played.end.values() if ends), default=0)
     capacity = len(schedule) * iteration_time
     work = sum(busy.values())
     if isinstance(work, Rational) and isinstance(capacity, Rational):
         work = Fraction(work)  # exact costs in, exact bubble out
     bubble = 1 - work / capacity if capacity else 0
-    peak_all, peak_end = _peak_inflight(schedule)
-    return SimResult(iteration_time, busy, bubble, peak_all, peak_end, events)
+    return SimResult(iteration_time, busy, bubble, dict(prepared.peak_inflight),
+                     dict(prepared.peak_inflight_end), Events(schedule, played))
 
 
 def _peak_inflight(schedule: Schedule) -> tuple[dict[int, int], dict[int, int]]:

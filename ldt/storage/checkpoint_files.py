@@ -246,6 +246,31 @@ def _verify_files(where: str, files: dict, hashes: bool, step_folder: str,
         raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder, field)}")
 
 
+AUTO = "auto"
+"""``train.resume=auto``: continue from the run folder's newest checkpoint, if it has one."""
+
+
+def resume_auto(train: dict, run_dir: str, elastic: bool = False) -> Optional[str]:
+    """Resolve ``train.resume=auto`` (an elastic run's default, whatever it says) in the
+    ``train`` dict: the run folder's newest complete checkpoint (over ``train.load``), or a
+    fresh start when it has none. Returns a line saying so when that checkpoint is the run's
+    last step (nothing left to train), else None."""
+    if train.get("resume") == AUTO:
+        train["resume"] = None
+    elif not elastic:
+        return None
+    found = latest(run_dir) if os.path.isdir(run_dir) else None
+    if found is None:
+        return None
+    step = int(read_info(found)["step"])
+    if step + 1 >= train["steps"]:
+        train["resume"] = None
+        return (f"{found} is step {step}, the last of train.steps={train['steps']}: the run "
+                "is complete, nothing left to train")
+    train["resume"], train["load"] = found, None
+    return None
+
+
 def preflight(path: str, field: str = "train.resume", steps: Optional[int] = None, *,
               hashes: bool = True) -> str:
     """Everything about a checkpoint folder given as ``field`` (``train.resume`` or

@@ -273,6 +273,11 @@ class Hosts:
         """Bring host ``host``'s link down (cut off from every other host) or back up."""
         _run(["ip", "-n", self.namespace(host), "link", "set", IFNAME, "up" if up else "down"])
 
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process running inside host ``host``: the machine is lost."""
+        for pid in _run(["ip", "netns", "pids", self.namespace(host)], check=False).stdout.split():
+            _kill(int(pid))
+
     # ---- processes ---------------------------------------------------------------------------
     def popen(self, host: int, argv: Sequence[str], *, env: Optional[dict] = None,
               stdout=None, stderr=None, cwd: Optional[str] = None) -> subprocess.Popen:

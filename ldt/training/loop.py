@@ -26,7 +26,7 @@ from ldt import progress
 from ldt.config import DataConfig, TrainConfig, to_cluster, to_model, to_train
 from ldt.training.guard import (StepGuard, StopSignals, nonfinite_stop, peak_memory_gib,
                                 save_failed_stop, signal_stop)
-from ldt.training.outputs import gather_timings, write_outputs
+from ldt.training.outputs import gather_timings, mtp_keys, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
 
@@ -47,9 +47,11 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
+    from ldt.quiet import set_log_level
     from ldt.validate import validate
 
     c = parse(cfg)
+    set_log_level(c.train.log_level, rank)  # the same under torchrun as in a bare launch
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
@@ -102,6 +104,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
 
     t, m = c.train, c.train.num_microbatches
     record = progress.current()
+    record.begin("building the model and optimizer")
     models = build_stage_models(c, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
     shared = len({id(p) for g in models for p in g.parameters()}) < \
@@ -157,6 +160,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         t0 = time.perf_counter()
         record.begin("forward-backward" + ("" if ldt_runtime else " (megatron's schedule)"))
         moe.reset(c.model)
+        _reset_mtp_losses()  # an evaluation pass (training mode, no graph) adds to them too
         losses, timed = pipeline_pass(lambda: data.step_iterator(step))
         if ldt_runtime:
             timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
@@ -167,12 +171,15 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
         if state.stage == topo.loss_stage():
             record.begin("loss all-reduce", waiting=True)
             loss = _mean_loss(losses, state)
+            mtp = _mtp_losses(state, len(losses), c.model.mtp_num_layers)
         dt = time.perf_counter() - t0
         row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                    tokens_per_s=tokens_per_step / dt, eval_loss=None)
         if moe.tracks_aux_loss(c.model):
             record.begin("MoE load-balancing loss all-reduce", waiting=True)
             row["moe_aux_loss"] = moe.aux_loss(c.model, topo.dp * m, guard.group)
+        if c.model.mtp_num_layers and loss is not None:
+            row.update(zip(mtp_keys(c.model.mtp_num_layers), mtp))
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             record.begin("evaluation")
             with torch.no_grad():  # as megatron's evaluate(): held-out data, no graph, no grads
@@ -219,6 +226,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     aux = [r["moe_aux_loss"] for r in rows if r.get("moe_aux_loss") is not None]
     return {"steps": t.steps, "first_step": first_step, "final_loss": rows[-1]["loss"],
             "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
+            **_mtp_summary(rows, c.model.mtp_num_layers),
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
             **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
             **({"moe_aux_loss": aux[-1], "moe_aux_losses": aux} if aux else {}),
@@ -237,7 +245,8 @@ class _Outputs:
 
         self.memory_keys = memory_keys(topo.num_stages)
         moe = ["moe_aux_loss"] if tracks_aux_loss(c.model) else []
-        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *moe, *self.memory_keys], first_step)
+        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(c.model.mtp_num_layers), *moe,
+                                            *self.memory_keys], first_step)
         self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
         self.console = Console(first_step, t.steps, t.log_interval)
         self.flops = model_flops_per_step(c.model, t.micro_batch_size,
@@ -264,6 +273,38 @@ class _Outputs:
 
 def _stage_name(topo, stage: int) -> str:
     return f"{stage} '{topo.stages[stage].name}'"
+
+
+def _reset_mtp_losses() -> None:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.pop("values", None)
+
+
+def _mtp_losses(state, microbatches: int, num_mtp: int) -> list[float]:
+    """Each MTP layer's loss this step, mean over the micro-batches and the loss stage's
+    replicas: megatron-core's MTPLossLoggingHelper keeps the sum of the micro-batches' means
+    (its own training loop divides it by their number and averages it over DP, as here)."""
+    import torch.distributed as dist
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if not num_mtp:
+        return []
+    value = MTPLossLoggingHelper.tracker["values"].detach().float().cpu() / microbatches
+    dp = state.topology.dp_of(state.stage)
+    if dp > 1:  # every replica's loss stage, same (stage, TP rank) group
+        dist.all_reduce(value, group=state.dp_group_gloo)
+        value /= dp
+    return value.tolist()
+
+
+def _mtp_summary(rows: list, num_mtp: int) -> dict:
+    """The run summary's MTP losses: per step, one per MTP layer (``train.verify`` compares
+    them); the last step's as ``final_mtp_loss``."""
+    if not num_mtp:
+        return {}
+    per_step = [[r[k] for k in mtp_keys(num_mtp)] for r in rows]
+    return {"mtp_losses": per_step, "final_mtp_loss": per_step[-1]}
 
 
 def _mean_loss(losses, state) -> float:

@@ -95,11 +95,29 @@ def main_params_in_fp32(model, train) -> bool:
     return True if train.fp32_main_params is None else bool(train.fp32_main_params)
 
 
+def optimizer_config(c):
+    """megatron-core's OptimizerConfig from ``train.*`` and the model's dtype."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from ldt.models.build import DTYPES
+
+    t, dtype = c.train, DTYPES[c.model.params_dtype]
+    fp32_main = main_params_in_fp32(c.model, t)
+    return OptimizerConfig(
+        optimizer=t.optimizer.name, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+        adam_beta1=t.optimizer.adam_beta1, adam_beta2=t.optimizer.adam_beta2,
+        adam_eps=t.optimizer.adam_eps, sgd_momentum=t.optimizer.sgd_momentum,
+        clip_grad=t.clip_grad, params_dtype=dtype,
+        bf16=fp32_main and dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
+        use_distributed_optimizer=t.distributed_optimizer)
+
+
 def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> StageOptimizer:
     """Wrap this stage's ``models`` and build megatron-core's optimizer for them.
     ``shared_chunks``: two chunks hold the same parameter (one DDP for the stage)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ldt.models.build import DTYPES
@@ -126,14 +144,7 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
     else:
         ddp = run = [wrap(ch, m.config) for ch, m in zip(chunks, models)]
         no_sync = [d.no_sync for d in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    opt_config = OptimizerConfig(
-        optimizer=t.optimizer.name, lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-        adam_beta1=t.optimizer.adam_beta1, adam_beta2=t.optimizer.adam_beta2,
-        adam_eps=t.optimizer.adam_eps, sgd_momentum=t.optimizer.sgd_momentum,
-        clip_grad=t.clip_grad, params_dtype=dtype,
-        bf16=fp32_main and dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
-        use_distributed_optimizer=t.distributed_optimizer)
+    opt_config = optimizer_config(c)
     optimizer = get_megatron_optimizer(opt_config, ddp, use_gloo_process_groups=False,
                                        pg_collection=pgs)
     factor = 1.0

@@ -22,6 +22,11 @@ REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
 ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
 
 
+def mtp_keys(num_mtp: int) -> list[str]:
+    """metrics.csv's MTP-loss columns, one per MTP layer (megatron's ``mtp_<k> loss``)."""
+    return [f"mtp_{k + 1}_loss" for k in range(num_mtp)]
+
+
 def memory_keys(num_stages: int) -> list[str]:
     """metrics.csv's peak-memory columns, one per stage (the largest of its ranks)."""
     return [f"peak_mem_gib_stage{s}" for s in range(num_stages)]
@@ -135,6 +140,8 @@ def log_line(row: dict, steps: int) -> str:
              f"{_fmt(row['tokens_per_s'], '.0f')} tok/s", f"{_fmt(row['step_time_s'], '.3f')} s/step"]
     if row.get("eval_loss") is not None:
         parts.append(f"eval_loss {_fmt(row['eval_loss'], '.4f')}")
+    for key in (k for k in row if k.startswith("mtp_")):
+        parts.append(f"{key} {_fmt(row[key], '.4f')}")
     if row.get("tflops_per_device") is not None:
         parts.append(f"{_fmt(row['tflops_per_device'], '.3g')} TFLOP/s/device")
     if row.get("mfu") is not None:
@@ -166,6 +173,35 @@ def peak_flops(topo, peak_tflops: dict) -> Optional[float]:
             return None
         total += s.tp * topo.dp_of(s.index) * float(peak_tflops[s.device]) * 1e12
     return total
+
+
+def parity_max_abs_diff(run: dict, ref: dict) -> float:
+    """``train.verify``'s figure: the largest difference between the run's losses (and held-out,
+    MTP and MoE load-balancing losses) and the single-process reference's, step by step. Two summaries that do not cover
+    the same steps (first step, count of losses, count of held-out losses) have no parity:
+    ValueError naming both counts, never a figure over the steps they happen to share."""
+    for key in ("first_step", "steps"):
+        if run.get(key) != ref.get(key):
+            raise ValueError(f"train.verify: the run's {key} is {run.get(key)}, the "
+                             f"reference's {ref.get(key)}; no parity between different steps")
+    for key in ("losses", "eval_losses", "moe_aux_losses"):
+        got, want = run.get(key, []), ref.get(key, [])
+        if len(got) != len(want):
+            raise ValueError(f"train.verify: the run reported {len(got)} {key}, the reference "
+                             f"{len(want)} (steps {run.get('first_step')}..{run.get('steps')}); "
+                             "no parity over a partial run")
+    if not run.get("losses"):
+        raise ValueError("train.verify: the run reported no losses; nothing to compare")
+    if len(run.get("mtp_losses", [])) != len(ref.get("mtp_losses", [])):
+        raise ValueError(f"train.verify: the run reported MTP losses for "
+                         f"{len(run.get('mtp_losses', []))} steps, the reference for "
+                         f"{len(ref.get('mtp_losses', []))}; no parity")
+    mtp = [(a, b) for x, y in zip(run.get("mtp_losses", []), ref.get("mtp_losses", []))
+           for a, b in zip(x, y)]
+    pairs = [*zip(run["losses"], ref["losses"]),
+             *zip(run.get("eval_losses", []), ref.get("eval_losses", [])),
+             *zip(run.get("moe_aux_losses", []), ref.get("moe_aux_losses", [])), *mtp]
+    return max(abs(a - b) for a, b in pairs)
 
 
 def summary_json(summary: dict) -> str:

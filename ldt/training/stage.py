@@ -55,7 +55,20 @@ def build_stage_models(c, topo, state) -> list:
         models.append(gpt)
     if c.model.tie_embeddings and any(ch.has_embedding or ch.has_head for ch in chunks):
         tie_embeddings(chunks, models, state)
+    share_mtp_embedding(chunks, models)
     return models
+
+
+def share_mtp_embedding(chunks, models) -> None:
+    """The MTP layers embed the next tokens with the model's input embedding. megatron-core
+    gives the head's chunk its own copy (on another stage it ties it over the embedding
+    group); on a U-shape's edge the embedding's chunk is on the same ranks, so the head's
+    chunk uses that very module: one embedding, both gradients into it, as in a one-stage
+    model (validation refuses MTP where the two are on different stages)."""
+    emb = next((g for ch, g in zip(chunks, models) if ch.has_embedding), None)
+    for ch, gpt in zip(chunks, models):
+        if ch.num_mtp and not ch.has_embedding:
+            gpt.embedding = emb.embedding
 
 
 def tie_embeddings(chunks, models, state) -> None:

@@ -251,6 +251,11 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     if model is None:
         raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "
                           "checkpoint written by ldt-train or ldt-convert import")
+    if model.mtp_num_layers:
+        raise ConfigError(
+            f"{found} has {model.mtp_num_layers} MTP layers (model.mtp_num_layers), which the "
+            "Hugging Face families ldt exports do not have; export would drop them: train "
+            "without MTP, or read the checkpoint with ldt.storage")
     family = family_of_model(model)
     index = tensor_index(found)
     dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
