@@ -141,14 +141,16 @@ class VtpCommunicator(P2PCommunicator):
                 keep.append(buf)
             if len(bounds) == 1:
                 works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
-            for k, (a, b) in enumerate(bounds if len(bounds) > 1 else ()):
-                if gather is not None:
-                    gather.wait_piece(k)
-                part = flat(payload)[a:b]
-                if plan.host_staged and gather is not None:
-                    part = part.to("cpu", copy=True)
-                    keep.append(part)
-                works.append(dist.isend(part, dst=dst_rank, group=group, tag=_TAGS[direction]))
+            else:  # in pieces (ldt.boundary.relay), each as soon as it is gathered
+                for k, (a, b) in enumerate(bounds):
+                    part = flat(payload)[a:b]
+                    if gather is not None:
+                        gather.wait_piece(k)
+                        if plan.host_staged:
+                            part = part.to("cpu", copy=True)
+                            keep.append(part)
+                    works.append(dist.isend(part, dst=dst_rank, group=group,
+                                            tag=_TAGS[direction]))
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
         if gather is not None:  # the whole tensor is there now
