@@ -38,6 +38,77 @@ def _at_least(group: str, obj: Any, name: str, low: float, fix: str) -> None:
         raise ConfigError(f"{group}.{name}={value} must be {finite}>= {low:g}; {fix}")
 
 
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+"""Megatron's selective-recompute modules that a dense model has (its MoE / MLA ones need a
+model ldt does not build)."""
+
+
+def check_recompute(field: Any, granularity, method, num_layers, modules) -> None:
+    """Refuse recompute settings megatron-core refuses (or would silently ignore), before any
+    process starts; ``field(name)`` spells a setting's key (``model.recompute_method``,
+    ``cluster.stages[0].recompute.method``)."""
+    if not _given(granularity, method, num_layers, modules):
+        return
+    g = field("granularity")
+    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
+        raise ConfigError(f"{g}={granularity!r} is not a recompute granularity; use none, "
+                          "selective or full")
+    if granularity == "full":
+        if method not in RECOMPUTE_METHODS:
+            raise ConfigError(
+                f"{g}=full needs {field('method')} (got {method!r}; megatron-core refuses full "
+                f"recompute without one): set it to uniform (each group of num_layers layers "
+                "keeps only its input) or block (the first num_layers layers of each chunk are "
+                "recomputed)")
+        if num_layers is None or num_layers < 1:
+            raise ConfigError(
+                f"{g}=full needs {field('num_layers')} >= 1 (got {num_layers!r}): the layers "
+                f"per uniform group, or recomputed per chunk with block; e.g. "
+                f"{field('num_layers')}=1")
+        if modules is not None:
+            raise ConfigError(f"{field('modules')}={list(modules)} applies to selective "
+                              f"recompute only; remove it, or set {g}=selective")
+        return
+    unused = [(k, v) for k, v in (("method", method), ("num_layers", num_layers)) if v is not None]
+    if unused:
+        key, value = unused[0]
+        raise ConfigError(
+            f"{field(key)}={value!r} with {g}={granularity!r}: it applies to full recompute "
+            f"only (megatron-core refuses recompute_num_layers with selective); remove it, or "
+            f"set {g}=full")
+    if modules is not None and granularity in (None, "none"):
+        raise ConfigError(f"{field('modules')}={list(modules)} without a granularity; set "
+                          f"{g}=selective, or remove it")
+    bad = [m for m in (modules or []) if m not in RECOMPUTE_MODULES]
+    if bad or (modules is not None and not modules):
+        raise ConfigError(
+            f"{field('modules')}={list(modules)}: "
+            + (f"{bad[0]!r} is not a recomputable module of a dense model; " if bad else
+               "empty; ") + f"use some of {', '.join(RECOMPUTE_MODULES)}")
+
+
+@dataclass
+class RecomputeConfig:
+    """``cluster.stages[i].recompute``: this stage's activation recomputation (megatron-core's
+    own, in the TransformerConfig of the stage's chunks). With a granularity it replaces the
+    model-wide ``model.recompute_*`` settings on this stage."""
+
+    granularity: Optional[str] = None
+    """``null``: the model's setting (``model.recompute_granularity``); ``none``: keep every
+    activation on this stage; ``selective`` (recompute ``modules``; megatron's default: the
+    core attention) or ``full`` (keep only each layer group's input)."""
+    method: Optional[str] = None
+    """``full`` only: ``uniform`` (every group of ``num_layers`` layers of a chunk keeps only
+    its input) or ``block`` (the first ``num_layers`` layers of each chunk are recomputed)."""
+    num_layers: Optional[int] = None
+    """``full`` only: layers per group (uniform) or layers recomputed per chunk (block)."""
+    modules: Optional[List[str]] = None
+    """``selective`` only: which submodules, from ``core_attn``, ``mlp``, ``layernorm``
+    (default ``[core_attn]``)."""
+
+
 @dataclass
 class StageConfig:
     name: str = MISSING
@@ -50,6 +121,13 @@ class StageConfig:
     """Data-parallel replicas of this stage (VDP: each stage its own); None: ``cluster.dp``.
     At every boundary one side's dp must divide the other's; the global batch is that of
     uniform DP with dp = the largest stage dp (docs/vdp.md)."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """This stage's activation recomputation (unset: the model's ``model.recompute_*``)."""
+    memory_gib: Optional[float] = None
+    """Device memory one rank of this stage may fill, GiB (the card's memory less what the
+    runtime and fragmentation take; ``ldt-plan`` writes the inventory's ``memory_gib -
+    reserved_gib``). Given, ``ldt-train`` estimates every rank's memory before anything starts
+    and refuses a config that does not fit (docs/memory.md)."""
     ep: int = 1
     """Expert parallelism of this stage (MoE models): its experts spread over ``ep`` of its TP
     ranks, each expert split over the other ``tp / ep`` (megatron's expert-tensor-parallel
@@ -169,6 +247,16 @@ class ModelConfig:
     activations outside attention and the MLP split along the sequence over the stage's TP
     ranks. Stage boundaries gather and scatter the sequence (docs/design.md). Needs
     seq_length to be a multiple of every such stage's TP size."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation on every stage (megatron-core's): ``null`` / ``none`` (keep
+    every activation), ``selective`` or ``full``; ``cluster.stages[i].recompute`` overrides it
+    per stage (docs/memory.md)."""
+    recompute_method: Optional[str] = None
+    """``full`` only: ``uniform`` or ``block`` (megatron's; see RecomputeConfig)."""
+    recompute_num_layers: Optional[int] = None
+    """``full`` only: layers per uniform group, or layers recomputed per chunk with block."""
+    recompute_modules: Optional[List[str]] = None
+    """``selective`` only: from ``core_attn`` (the default), ``mlp``, ``layernorm``."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
@@ -221,6 +309,8 @@ class ModelConfig:
                               "model.gated_linear_unit=true, or use model.activation=silu")
         if not 0.0 < self.rotary_percent <= 1.0:
             raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        check_recompute(lambda k: f"model.recompute_{k}", self.recompute_granularity,
+                        self.recompute_method, self.recompute_num_layers, self.recompute_modules)
         self._check_rope_and_moe()
         _at_least("model", self, "mtp_num_layers", 0, "0 builds no MTP layer")
         _at_least("model", self, "mtp_loss_scaling_factor", 0, "megatron's default is 0.1")
@@ -390,6 +480,11 @@ class TrainConfig:
     eval_every: int = 0
     """Every N steps and after the last, the loss on held-out data (m micro-batches, forward
     only) goes to metrics.csv's ``eval_loss`` and the summary (0: never)."""
+    estimate_memory: Optional[bool] = None
+    """Estimate every rank's memory before anything starts (``ldt.memory``: the model's real
+    chunks on fake tensors, seconds at any size) and print it with the rank map; a stage whose
+    estimate exceeds its ``memory_gib`` is refused. None: when some stage states
+    ``memory_gib``."""
     boundary_noise: float = 0.0
     """Privacy defence, off by default (0). Data-owning stages (the U-shape's edge) add Gaussian
     noise to every tensor they send across a stage boundary (activations to the cloud, gradients

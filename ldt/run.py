@@ -74,7 +74,7 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     on_cpu = topo.rank_info(rank).device == "cpu" if rank < topo.world_size else False
     names = (["init_model_parallel", "schedules", "dist_checkpointing", "sequence_parallel_norms",
-              "moe_without_te"]
+              "recompute_norms", "moe_without_te"]
              + (["cpu_shims", "optimizer_cpu", "rope_cpu", "cuda_to_cpu"] if on_cpu else []))
     act = Activation(topo, timeout_s, names)
     patches.apply(names, ctx=act)

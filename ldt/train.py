@@ -51,14 +51,19 @@ def _job(cfg, save_hydra_files=None) -> int:
             return 0
         if save_hydra_files is not None:  # the folder that keeps the run's files
             check_run_folder(plain["run_dir"], _resuming(cfg, plain))
+        for warning in warnings:
+            print(f"ldt: warning: {warning}", file=sys.stderr)
+        memory = _memory_check(plain, topo, rank)  # before .hydra/: a refusal leaves no folder
+        if memory is not None and save_hydra_files is not None:
             save_hydra_files()
     except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
         where = f" (rank {rank})" if rank is not None else ""
         print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
         _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
-    for warning in warnings:
-        print(f"ldt: warning: {warning}", file=sys.stderr)
+    if memory is None:
+        _discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        return EXIT_CONFIG
     choices = hydra_cfg.runtime.choices
     what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: {topo.num_stages} "
             f"stages, TP {topo.tp_sizes}, dp {topo.dp}"
@@ -68,10 +73,33 @@ def _job(cfg, save_hydra_files=None) -> int:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
                   flush=True)
         return _join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
-                              complete=complete)
+                              complete=complete, memory=memory)
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
-          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}", flush=True)
+          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}", flush=True)
     return _launch_local(plain, topo)
+
+
+def _memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
+    """With ``train.estimate_memory`` (by default: when a stage states ``memory_gib``), the
+    per-stage estimate to print under the rank map; None (after saying why) when a stage does
+    not fit. Every rank of a torchrun world estimates alike, so all refuse together."""
+    from ldt.memory import needs_estimate
+
+    if not needs_estimate(plain):
+        return ""
+    from ldt.memory.report import check
+
+    try:
+        text, refused = check(plain, topo)
+    except Exception as exc:  # the estimate is a forecast: a failure of it stops nothing
+        print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
+              "starting without it", file=sys.stderr)
+        return ""
+    if refused is not None:
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"ldt: does not fit{where}: {refused}", file=sys.stderr)
+        return None
+    return "\n" + text
 
 
 def _elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
@@ -305,7 +333,8 @@ def _summary_line(summary: dict) -> str:
     return summary_json(_public(summary))
 
 
-def _join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None) -> int:
+def _join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None,
+                   memory: str = "") -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
     rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more). A failure
     is one line from each failing rank (and its exit status), not a traceback: no launcher of
@@ -316,12 +345,13 @@ def _join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] 
     rank = int(os.environ["RANK"])
     doing = failure.track_progress()
     try:
-        return _train_in_torchrun_world(cfg, topo, auto, complete)
+        return _train_in_torchrun_world(cfg, topo, auto, complete, memory)
     except (Exception, KeyboardInterrupt) as exc:
         return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
 
 
-def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str]) -> int:
+def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str],
+                             memory: str = "") -> int:
     import torch.distributed as dist
 
     from ldt.training.loop import train_worker
@@ -341,7 +371,7 @@ def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str
         dist.destroy_process_group()
         return 0
     if dist.get_rank() == 0:
-        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}", flush=True)
+        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
         _save_config(cfg, holder[0])
     summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
     code = 0

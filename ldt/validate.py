@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_data, to_model,
-                        to_train)
+from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_cluster, to_data,
+                        to_model, to_train)
 from ldt.device import check_devices_present
 from ldt.topology import Topology
 
@@ -28,6 +28,9 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "cluster.stages[*].dp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
+    from ldt.models.recompute import check_stages
+
+    check_stages(model, to_cluster(cluster), topo)
     _check_experts(topo, model)
     _check_mtp(topo, model)
     if check_devices:

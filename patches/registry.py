@@ -71,6 +71,8 @@ _PATCH_MODULES = (
     "ldt.patches.rope_cpu",
     "ldt.patches.dist_checkpointing",
     "ldt.patches.sequence_parallel",
+    "ldt.patches.recompute",
+    "ldt.patches.fake_tensors",
     "ldt.patches.moe",
 )
 

@@ -64,7 +64,8 @@ def _setup(topo, observers=()):
     state = ldt.initialize_vtp(topo, timeout_s=60)
     from types import SimpleNamespace
 
-    patches.apply(["cpu_shims", "schedules"], ctx=SimpleNamespace(observers=list(observers)))
+    patches.apply(["cpu_shims", "schedules", "recompute_norms"],
+                  ctx=SimpleNamespace(observers=list(observers)))
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(123)  # as a Megatron script does
@@ -97,7 +98,43 @@ class AuditLog:
         pass
 
 
-def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False):
+def recompute_kwargs(recompute, stage: int) -> dict:
+    """TransformerConfig recompute fields of ``stage`` for a variant's ``recompute``: None, one
+    ``cluster.stages[i].recompute`` dict for every stage, or ``{stage: dict}``."""
+    from ldt.config import RecomputeConfig
+    from ldt.models.recompute import transformer_kwargs
+
+    if recompute and all(isinstance(k, int) for k in recompute):
+        recompute = recompute.get(stage)
+    return transformer_kwargs(RecomputeConfig(**recompute) if recompute else None)
+
+
+class RecomputeCount:
+    """Counts megatron's recompute checkpoints entered in forward (full and selective core
+    attention: CheckpointFunction; selective mlp / layernorm: CheckpointWithoutOutput): the
+    proof that a variant really recomputed."""
+
+    def __enter__(self):
+        from megatron.core.tensor_parallel import random as mrandom
+
+        self.calls, self._undo = 0, []
+        for cls in (mrandom.CheckpointFunction, mrandom.CheckpointWithoutOutputFunction):
+            original = cls.forward
+
+            def counted(ctx, *args, _original=original):
+                self.calls += 1
+                return _original(ctx, *args)
+
+            cls.forward = staticmethod(counted)
+            self._undo.append((cls, original))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._undo:
+            cls.forward = staticmethod(original)
+
+
+def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False, recompute=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.models.build import build_chunk, global_param_name
@@ -108,7 +145,8 @@ def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False)
     tp = topo.stages[state.stage].tp
     models = []
     for chunk in chunks:
-        gpt = build_chunk(MODEL, chunk, tp, vpp=vpp, num_stages=topo.num_stages)
+        gpt = build_chunk(MODEL, chunk, tp, vpp=vpp, num_stages=topo.num_stages,
+                          **recompute_kwargs(recompute, state.stage))
         load_full_state(gpt, full_state, tp, state.info.tp_rank,
                         rename=lambda n, c=chunk: global_param_name(c, n))
         gpt.config.overlap_p2p_comm = overlap
@@ -174,8 +212,9 @@ def variant_topology(topo, v: dict):
 
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
-    "forward_only": bool, "piece_bytes": int}) in one world. ``piece_bytes``: the relay's
-    piece unit (ldt.boundary.relay), small enough to split this tiny model's messages."""
+    "forward_only": bool, "recompute": see :func:`recompute_kwargs`, "piece_bytes": int}) in
+    one world. ``piece_bytes``: the relay's piece unit (ldt.boundary.relay), small enough to
+    split this tiny model's messages."""
     import ldt
     from ldt import patches
     from ldt.boundary.communicator import VtpCommunicator
@@ -189,14 +228,16 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         default_unit = VtpCommunicator.piece_unit_bytes
         VtpCommunicator.piece_unit_bytes = v.get("piece_bytes", default_unit)
         try:
-            losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
-                                          overlap=v.get("overlap", False),
-                                          forward_only=v.get("forward_only", False))
+            with RecomputeCount() as recomputed:
+                losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
+                                              overlap=v.get("overlap", False),
+                                              forward_only=v.get("forward_only", False),
+                                              recompute=v.get("recompute"))
         finally:
             VtpCommunicator.piece_unit_bytes = default_unit
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
-                        "touched_data": Tripwire.touched})
+                        "touched_data": Tripwire.touched, "recomputed": recomputed.calls})
         patches.revert()
         ldt.destroy_vtp()
     return results

@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from gpt_worlds import (MBS, MODEL, AuditLog, Tripwire, _collect, _setup, make_batches,
-                        variant_topology)
+from gpt_worlds import (MBS, MODEL, AuditLog, RecomputeCount, Tripwire, _collect, _setup,
+                        make_batches, recompute_kwargs, variant_topology)
 
 SP_MODEL = dataclasses.replace(MODEL, sequence_parallel=True)
 
@@ -47,7 +47,7 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def _run(state, topo, full_state, m, *, sp: bool, overlap=False, lengths=None):
+def _run(state, topo, full_state, m, *, sp: bool, overlap=False, lengths=None, recompute=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.models.build import build_chunk, global_param_name
@@ -60,7 +60,7 @@ def _run(state, topo, full_state, m, *, sp: bool, overlap=False, lengths=None):
     models, seen = [], []
     for chunk in chunks:
         gpt = build_chunk(SP_MODEL if sp else MODEL, chunk, tp, vpp=vpp,
-                          num_stages=topo.num_stages)
+                          num_stages=topo.num_stages, **recompute_kwargs(recompute, state.stage))
         load_full_state(gpt, full_state, tp, state.info.tp_rank,
                         rename=lambda n, c=chunk: global_param_name(c, n))
         gpt.config.overlap_p2p_comm = overlap
@@ -101,7 +101,7 @@ def reference(rank, world, m, lengths=None, seed=1234):
 
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Each variant ({"sp": bool, "vpp": int, "overlap": bool, "lengths": list,
-    "host_staging": bool}) in one world."""
+    "host_staging": bool, "recompute": see gpt_worlds.recompute_kwargs}) in one world."""
     import ldt
     from ldt import patches
 
@@ -111,12 +111,15 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         audit = AuditLog()
         state = _setup(t, observers=[audit])
         patches.apply(["sequence_parallel_norms"])
-        losses, grads, seen, marked = _run(state, t, full_state, m, sp=v.get("sp", True),
-                                           overlap=v.get("overlap", False),
-                                           lengths=v.get("lengths"))
+        with RecomputeCount() as recomputed:
+            losses, grads, seen, marked = _run(state, t, full_state, m, sp=v.get("sp", True),
+                                               overlap=v.get("overlap", False),
+                                               lengths=v.get("lengths"),
+                                               recompute=v.get("recompute"))
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "tp": t.stages[state.stage].tp, "losses": losses, "grads": grads,
-                        "sent": audit.sent, "seen": seen, "marked": marked})
+                        "sent": audit.sent, "seen": seen, "marked": marked,
+                        "recomputed": recomputed.calls})
         patches.revert()
         ldt.destroy_vtp()
     return results

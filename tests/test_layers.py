@@ -30,6 +30,7 @@ LAYERS = [
     # 2 pure data and readers (no process groups): schedules as data, routing, the cost model
     #   and planner, model shapes, data files, checkpoint folders
     ["ldt.schedule", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
+     "ldt.models.recompute",
      "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
      "ldt.storage"],
     # 3 validation: every check before the first collective; an elastic world's plan
@@ -44,7 +45,7 @@ LAYERS = [
     ["ldt.schedule.runtime", "ldt.schedule.forward_backward", "ldt.patches.schedules"],
     # 8 one rank's job: optimizer, loop, checkpoints, observation; what runs on top of it
     ["ldt.training", "ldt.models.hf", "ldt.privacy.defence", "ldt.privacy.capture",
-     "ldt.testing"],
+     "ldt.testing", "ldt.memory"],
     # 9 entry points
     ["ldt.train", "ldt.run", "ldt.privacy", "ldt.tools"],
 ]

@@ -92,12 +92,28 @@ FP32_RUNS = {  # name: (TP per stage, dp, U-shape, train overrides)
 }
 
 
+# these runs recompute activations (megatron's, per stage; docs/memory.md): the same run, so
+# the same reference. name: (model-wide settings, {stage: cluster.stages[i].recompute})
+RECOMPUTE = {
+    "vtp_2_1_2_distopt": ({"recompute_granularity": "selective",
+                           "recompute_modules": ["core_attn", "layernorm"]}, {}),
+    "ushape_1_2_1": ({}, {0: {"granularity": "full", "method": "uniform", "num_layers": 1},
+                          1: {"granularity": "full", "method": "block", "num_layers": 1}}),
+    "vdp_ushape_edge1_cloud2_distopt_overlap": ({}, {0: {"granularity": "full",
+                                                         "method": "block", "num_layers": 1}}),
+}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(FP32_RUNS))
 def test_fp32_equals_single_process_reference(name, reference, tmp_path):
     tps, dp, u_shape, train = FP32_RUNS[name]
     model = {"tie_embeddings": True} if name.endswith("tied") else None
     cfg = _cfg(tps, dp=dp, u_shape=u_shape, model=model, **train)
+    model_wide, per_stage = RECOMPUTE.get(name, ({}, {}))
+    cfg["model"].update(model_wide)
+    for i, settings in per_stage.items():
+        cfg["cluster"]["stages"][i]["recompute"] = settings
     if model:  # the reference of a tied model is its own
         ref_rows = _train(reference_config(cfg), tmp_path / "reference")
         ref_weights = _weights(tmp_path / "reference")

@@ -21,13 +21,24 @@ VARIANTS = [
     {"name": "interleaved", "vpp": 2, "overlap": False},
     {"name": "interleaved_overlap", "vpp": 2, "overlap": True},
 ]
+# megatron's activation recomputation, chosen per stage (docs/memory.md): the same run
+# (no mlp: the parity model has biases, which megatron's MLP checkpoint cannot take; refused)
+SELECTIVE_ALL = {"granularity": "selective", "modules": ["core_attn", "layernorm"]}
+FULL_UNIFORM = {"granularity": "full", "method": "uniform", "num_layers": 1}
+FULL_BLOCK = {"granularity": "full", "method": "block", "num_layers": 1}
+RECOMPUTE_VARIANTS = [
+    {"name": "1f1b_recompute_per_stage", "recompute": {0: SELECTIVE_ALL, 1: FULL_UNIFORM,
+                                                       2: FULL_BLOCK}},
+    {"name": "interleaved_recompute_full", "vpp": 2, "recompute": FULL_UNIFORM},
+]
 CASES = {
     "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True},
                                      # every message in pieces (ldt.boundary.relay)
                                      {"name": "interleaved_overlap_pieces", "vpp": 2,
                                       "overlap": True, "piece_bytes": 64},
                                      {"name": "1f1b_host_staged_pieces", "host_staging": True,
-                                      "piece_bytes": 64}]),
+                                      "piece_bytes": 64}]
+              + RECOMPUTE_VARIANTS),
     "tp12_ring": ([1, 2], VARIANTS),
     "tp22_uniform": ([2, 2], VARIANTS),
 }
@@ -77,3 +88,37 @@ def test_loss_and_grads_match_reference(case, ref):
             assert torch.count_nonzero(want) > 0, name  # a gradient that flows at all
             diff = (grads[name] - want).abs().max().item()
             assert diff <= GRAD_ATOL, (v["name"], name, diff)
+
+
+def expected_recomputes(recompute, stage: int, chunk_layers: list[int], m: int) -> int:
+    """Checkpoints megatron enters in forward for ``m`` micro-batches, from the variant's own
+    settings (not through ldt's translation, which is what is under test): one per core
+    attention and two per layer for the norms with selective; one per uniform group or block
+    layer with full."""
+    if recompute and all(isinstance(k, int) for k in recompute):
+        recompute = recompute.get(stage)
+    if not recompute:
+        return 0
+    if recompute["granularity"] == "selective":
+        per_layer = sum({"core_attn": 1, "mlp": 1, "layernorm": 2}[x]
+                        for x in recompute.get("modules") or ["core_attn"])
+        return m * per_layer * sum(chunk_layers)
+    n = recompute["num_layers"]
+    if recompute["method"] == "uniform":
+        return m * sum(c // n for c in chunk_layers)
+    return m * sum(min(c, n) for c in chunk_layers)
+
+
+def test_recompute_variants_recomputed_where_asked(case):
+    """The recompute variants' parity means something: each stage entered exactly the
+    checkpoints its setting asks for, and the variants without recomputation none."""
+    from gpt_worlds import variant_topology
+
+    topo, variants, out = case
+    for i, v in enumerate(variants):
+        t = variant_topology(topo, v)
+        for rank_results in out:
+            r = rank_results[i]
+            layers = [c.num_layers for c in t.split.stage_chunks(r["stage"])]
+            want = expected_recomputes(v.get("recompute"), r["stage"], layers, M)
+            assert r["recomputed"] == want, (v["name"], r["stage"], r["recomputed"], want)

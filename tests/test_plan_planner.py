@@ -146,8 +146,8 @@ def test_edge_min_layers_keeps_that_many_layers_on_each_edge_chunk():
     chunks each keep at least that many decoder layers, whatever would be fastest."""
     inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
     layers = {}
-    for k in (1, 5):
+    for k in (1, 3):  # 5 + 5 layers do not fit the 24 GiB edge (fp32 gradients: #24)
         best = plan(inventory, model, Workload(1, 64, edge_min_layers=k)).best.plan
         assert best.layers[0] >= k and best.layers[-1] >= k, (k, best.layers)
         layers[k] = best.layers
-    assert layers[1][0] + layers[1][-1] < 10  # the fastest plan keeps fewer than 5 + 5 there
+    assert layers[1][0] + layers[1][-1] < 6  # the fastest plan keeps fewer than 3 + 3 there

@@ -27,6 +27,7 @@ from ldt.launch import run_local_world
 from ldt.models.sharding import unshard
 from ldt.topology import Stage, Topology
 from seqpar_worlds import MBS, MODEL, functional_api, reference, vtp_run
+from test_p2p_parity import FULL_BLOCK, FULL_UNIFORM, SELECTIVE_ALL, expected_recomputes
 
 M = 4
 LENGTHS = [16, 10, 6, 12]  # multiples of the TP sizes (sequence parallelism splits them)
@@ -37,7 +38,11 @@ CASES = {
                                       {"name": "1f1b_host_staged", "host_staging": True}]),
     "tp24_interleaved_overlap": ([2, 4], False, [{"name": "interleaved_overlap", "vpp": 2,
                                                   "overlap": True}]),
-    "ushape_edge2_cloud12": ([2, 1, 2], True, [{"name": "ushape"}]),
+    "ushape_edge2_cloud12": ([2, 1, 2], True, [
+        {"name": "ushape"},
+        # recomputation per stage with sequence parallelism (docs/memory.md): the same run
+        {"name": "ushape_recompute", "recompute": {0: FULL_UNIFORM, 1: SELECTIVE_ALL,
+                                                   2: FULL_BLOCK}}]),
     "tp12_variable_lengths": ([1, 2], False, [{"name": "varlen", "lengths": LENGTHS},
                                               {"name": "varlen_no_sp", "lengths": LENGTHS,
                                                "sp": False}]),
@@ -105,9 +110,23 @@ def test_sequence_was_split_and_boundaries_carried_whole_tensors(case):
         assert any(r[i]["sent"] for r in out), v
 
 
+def test_recompute_variant_recomputed(case):
+    from gpt_worlds import variant_topology
+
+    topo, variants, out = case
+    for i, v in enumerate(variants):
+        split = variant_topology(topo, v).split
+        for rank_results in out:
+            r = rank_results[i]
+            layers = [c.num_layers for c in split.stage_chunks(r["stage"])]
+            want = expected_recomputes(v.get("recompute"), r["stage"], layers, M)
+            assert r["recomputed"] == want, (v["name"], r["stage"], r["recomputed"], want)
+
+
 def test_planner_divides_the_activations_by_tp_with_sequence_parallelism():
     """Korthikanti et al.: with sequence parallelism the whole layer's activations divide by
-    TP (``sbh(34/t + 5as/(ht))``); TP 1 is unchanged; weights are the same."""
+    TP (``sbh(34/t + 5as/(ht))``), except RoPE's cos / sin tables (whole sequence, every
+    rank); TP 1 is unchanged; weights are the same."""
     import dataclasses
 
     from ldt.plan import load_model
@@ -119,7 +138,9 @@ def test_planner_divides_the_activations_by_tp_with_sequence_parallelism():
     sp = CostModel(dataclasses.replace(model, sequence_parallel=True), inv, 1)
     assert sp.layer_activation_bytes(1) == plain.layer_activation_bytes(1)
     for tp in (2, 4, 8):
-        assert sp.layer_activation_bytes(tp) == pytest.approx(plain.layer_activation_bytes(1) / tp)
+        tables = 4 * 128 * 2 * 4096  # per layer, s * 4 tables of head_dim bf16 values
+        assert sp.layer_activation_bytes(tp) - tables == pytest.approx(
+            (plain.layer_activation_bytes(1) - tables) / tp)
         assert sp.layer_activation_bytes(tp) < plain.layer_activation_bytes(tp)
     chunks = [ChunkLoad(4, embedding=True, inflight=3), ChunkLoad(4, head=True)]
     a, b = plain.stage_memory(2, chunks), sp.stage_memory(2, chunks)
@@ -144,9 +165,14 @@ def test_a_sequence_length_the_tp_size_does_not_divide_is_refused():
 @pytest.mark.timeout(300)
 def test_ldt_train_verify_with_rmsnorm(tmp_path):
     """End to end through ldt-train (the switch, the norm patch on RMSNorm, the loop's TP sum
-    of the marked gradients): 5 steps on TP 2/1/2 equal the single-process reference."""
+    of the marked gradients): 5 steps on TP 2/1/2 equal the single-process reference; with
+    selective recomputation of every module a bias-free model allows (attention, MLP, norms:
+    the same run) on every stage but the middle one, which recomputes whole layers."""
     cmd = [sys.executable, "-m", "ldt.train", "cluster=cpu_vtp", "model=llama_tiny",
            "model.sequence_parallel=true", "train.steps=5", "train.verify=true",
+           "model.recompute_granularity=selective",
+           "model.recompute_modules=[core_attn,mlp,layernorm]",
+           "cluster.stages.1.recompute={granularity:full,method:block,num_layers:1}",
            f"run_dir={tmp_path}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])

@@ -82,7 +82,10 @@ def test_default_job_trains_and_reports(tmp_path):
     ["cluster=cpu_vtp", "model.tie_embeddings=true"],
     ["cluster=cpu_uniform", "cluster.dp=2"],
     ["cluster=cpu_vtp", "train.schedule=interleaved", "cluster.layout=Et|t|t|t|t|tL",
-     "train.num_microbatches=6", "train.overlap_p2p_comm=true"],
+     "train.num_microbatches=6", "train.overlap_p2p_comm=true",
+     # recomputing every layer (megatron's, docs/memory.md) is the same run
+     "model.recompute_granularity=full", "model.recompute_method=uniform",
+     "model.recompute_num_layers=1"],
 ], ids=["cpu_vtp", "cpu_demo_audit", "cpu_demo_tied", "cpu_vtp_tied_across_stages", "dp2",
         "interleaved_overlap"])
 def test_verify_matches_single_process_reference(tmp_path, overrides):

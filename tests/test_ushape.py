@@ -11,7 +11,7 @@ import pytest
 from gpt_worlds import reference, vtp_run
 from ldt.launch import run_local_world
 from ldt.topology import Stage, Topology
-from test_p2p_parity import GRAD_ATOL, LOSS_RTOL, _assemble
+from test_p2p_parity import FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, _assemble, expected_recomputes
 
 CASES = {"tp121": [1, 2, 1], "ring_tp21": [2, 1], "tp1111": [1, 1, 1, 1]}
 MS = (2, 5)  # below and above every P here
@@ -28,6 +28,9 @@ def case(request, ref):
     topo = Topology(tuple(Stage(i, "edge" if i == 0 else f"cloud{i}", "cpu", t)
                           for i, t in enumerate(tps)), u_shape=True)
     variants = [{"name": f"m{m}", "m": m} for m in MS]
+    # the edge (both chunks) recomputes everything, the cloud only its attention, then none
+    variants.append({"name": "recompute", "m": MS[1], "recompute": {
+        **{s: {"granularity": "selective"} for s in range(1, len(tps))}, 0: FULL_UNIFORM}})
     variants.append({"name": "eval", "m": MS[1], "forward_only": True})  # last: see test_eval
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], MS[0], variants),
                           timeout_s=240)
@@ -37,7 +40,10 @@ def case(request, ref):
 @pytest.mark.timeout(400)
 def test_ushape_matches_reference(case, ref):
     topo, variants, out = case
-    for i, (v, m) in enumerate(zip(variants, MS)):
+    for i, v in enumerate(variants):
+        if v.get("forward_only"):
+            continue
+        m = v["m"]
         losses, grads = _assemble(topo, out, i)
         want = ref[m]
         assert losses is not None and len(losses) == m, v
@@ -87,3 +93,16 @@ def test_only_activations_and_gradients_cross_boundaries(case):
     for rank in out:
         for r in rank:
             assert r["touched_data"] is False
+
+
+def test_recompute_ran_on_both_edge_chunks_and_the_cloud(case):
+    from gpt_worlds import variant_topology
+
+    topo, variants, out = case
+    i = next(j for j, v in enumerate(variants) if v.get("recompute"))
+    split = variant_topology(topo, variants[i]).split
+    for rank_results in out:
+        r = rank_results[i]
+        layers = [c.num_layers for c in split.stage_chunks(r["stage"])]
+        want = expected_recomputes(variants[i]["recompute"], r["stage"], layers, variants[i]["m"])
+        assert want > 0 and r["recomputed"] == want, (r["stage"], r["recomputed"], want)

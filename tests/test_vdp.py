@@ -162,9 +162,10 @@ class _RefData:
         return self.batches[self.dp_rank * M + j]
 
 
-def vdp_worker(rank, world, topo, full_state, prefetch=0):
+def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None):
     import ldt
-    from gpt_worlds import MBS, MODEL, AuditLog, Tripwire, _setup, forward_step, make_batches
+    from gpt_worlds import (MBS, MODEL, AuditLog, RecomputeCount, Tripwire, _setup, forward_step,
+                            make_batches, recompute_kwargs)
     from ldt import patches
     from ldt.models.build import build_chunk, global_param_name
     from ldt.models.sharding import load_full_state
@@ -181,7 +182,8 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0):
     tp = topo.stages[state.stage].tp
     models = []
     for chunk in chunks:
-        gpt = build_chunk(MODEL, chunk, tp, num_stages=topo.num_stages)
+        gpt = build_chunk(MODEL, chunk, tp, num_stages=topo.num_stages,
+                          **recompute_kwargs(recompute, state.stage))
         load_full_state(gpt, full_state, tp, state.info.tp_rank,
                         rename=lambda n, c=chunk: global_param_name(c, n))
         models.append(gpt)
@@ -191,15 +193,17 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0):
     else:
         data = Tripwire()
     comm = VtpCommunicator(models[0].config, state, [audit])
-    res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
-                   num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
-                   comm=comm, state=state, config=models[0].config, prefetch=prefetch)
+    with RecomputeCount() as recomputed:
+        res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
+                       num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
+                       comm=comm, state=state, config=models[0].config, prefetch=prefetch)
     params = list({id(p): p for g in models for p in g.parameters()}.values())
     average_dp_grads(params, state)  # what DDP + the step's gradient factor do
     grads = {global_param_name(c, n): p.grad.detach().clone()
              for c, g in zip(chunks, models) for n, p in g.named_parameters() if p.grad is not None}
     out = {"stage": state.stage, "tp_rank": state.info.tp_rank, "dp_rank": state.info.dp_rank,
-           "grads": grads, "sent": audit.sent, "touched_data": Tripwire.touched}
+           "grads": grads, "sent": audit.sent, "touched_data": Tripwire.touched,
+           "recomputed": recomputed.calls}
     if state.stage == topo.loss_stage():
         # losses come in the lane's order (ascending g): the reference's index v * M + j
         refs = [virtual_of(g, topo.dp)[0] * M + virtual_of(g, topo.dp)[1] for g in mbs]
@@ -217,6 +221,12 @@ CASES = {  # name: (dp per stage, tp per stage, u_shape)
     "ushape_edge2_cloud1": ([2, 1], [1, 1], True),
     "ushape_edge1_cloud2_prefetch1": ([1, 2], [1, 1], True),
 }
+# these cases run with activation recomputation (the same run; docs/memory.md): the edge
+# recomputes whole layers, the cloud replicas their attention and norms
+RECOMPUTE = {"ushape_edge2_cloud1": {0: {"granularity": "full", "method": "uniform",
+                                        "num_layers": 1},
+                                    1: {"granularity": "selective",
+                                        "modules": ["core_attn", "layernorm"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +248,8 @@ def case(request, ref):
                        layout=None if u_shape else even_layout(MODEL.num_layers, len(dps)))
     topo = validate(cluster, MODEL, train={}, check_devices=False)
     prefetch = 1 if request.param.endswith("prefetch1") else 0
-    out = run_local_world(topo.world_size, vdp_worker, (topo, ref["full"], prefetch),
+    out = run_local_world(topo.world_size, vdp_worker,
+                          (topo, ref["full"], prefetch, RECOMPUTE.get(request.param)),
                           timeout_s=240)
     return request.param, topo, out
 
@@ -269,6 +280,12 @@ def test_vdp_matches_uniform_dp_reference(case, ref):
         assert diff <= GRAD_ATOL, (name, stage, dp_rank, pname, diff)
         covered.add(pname)
     assert covered == set(want["grads"]), name
+    from test_p2p_parity import expected_recomputes
+
+    for r in out:  # each replica ran its own micro-batches: D*M/dp of them, recomputing
+        layers = [c.num_layers for c in topo.split.stage_chunks(r["stage"])]
+        m = topo.dp * M // topo.dp_of(r["stage"])
+        assert r["recomputed"] == expected_recomputes(RECOMPUTE.get(name), r["stage"], layers, m)
     # the logged grad norm with megatron's optimizer: tests/test_optimizer.py's vdp_* runs
 
 

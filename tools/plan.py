@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="plan without activation recomputation (by default a stage that does "
+                        "not fit otherwise recomputes, priced as the extra forward)")
     p.add_argument("--max-stages", type=count(1), default=None, help="cap on pipeline stages")
     p.add_argument("--objective", choices=["time", "cost"], default="time",
                    help="time (default): the fastest plan, a cheaper one within --max-slowdown "
@@ -87,7 +90,7 @@ def _run(args) -> int:
     if args.sequence_parallel:
         model = dataclasses.replace(model, sequence_parallel=True)
     workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
-                        args.u_shape, args.edge_min_layers)
+                        args.u_shape, args.edge_min_layers, args.recompute)
     _check_size(args, inventory, model)
     _check_shape(args, inventory, model)
     result = plan(inventory, model, workload, PlannerOptions(max_stages=args.max_stages),

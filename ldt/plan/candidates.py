@@ -85,8 +85,12 @@ def kind_options(cost: CostModel, kind: str, devices: int, max_stages: int,
 def _layer_capacity(cost: CostModel, kind: str, tp: int, fixed: list[ChunkLoad]) -> int:
     """Decoder layers one stage can hold next to ``fixed`` with a single micro-batch in flight:
     an optimistic bound (the split's real caps count the schedule's in-flight micro-batches)."""
+    from ldt.plan.evaluate import recompute_levels
+
     room = cost.memory_limit(kind) - cost.stage_memory(tp, fixed).total
-    per = cost.stage_memory(tp, [ChunkLoad(1)]).total
+    # with recomputation allowed, a layer costs what it costs fully recomputed (as in the split)
+    rc = recompute_levels(cost)[-1] if cost.recompute else None
+    per = cost.stage_memory(tp, [ChunkLoad(1, recompute=rc)]).total
     return -1 if room < 0 else int(room // per)
 
 

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig, to_cluster
 from ldt.layout import split_layers
+from ldt.models.recompute import stage_recompute
+from ldt.plan.cost import Recompute
 from ldt.plan.evaluate import Evaluation, Plan, StageSpec
 from ldt.plan.inventory import Inventory, _load_plain, _resolve
 from ldt.plan.schedule_api import to_chrome_trace, to_png
@@ -63,8 +65,10 @@ def cluster_to_plan(cluster, model: ModelConfig, inventory: Inventory, num_micro
     names = stage_kinds(cluster, inventory, kinds)
     stages = tuple(StageSpec(k, int(s.tp)) for k, s in zip(names, cluster.stages))
     dps = tuple(int(cluster.dp if s.dp is None else s.dp) for s in cluster.stages)
+    recompute = tuple(Recompute.of(stage_recompute(model, s)) for s in cluster.stages)
     return Plan(stages, layers, bool(cluster.u_shape), max(dps), num_microbatches,
-                stage_dp=dps if len(set(dps)) > 1 else ())
+                stage_dp=dps if len(set(dps)) > 1 else (),
+                recompute=recompute if any(recompute) else ())
 
 
 def export_timeline(ev: Evaluation, trace: Optional[str] = None, png: Optional[str] = None,

@@ -11,21 +11,30 @@ assumptions live in one file (and in ``docs/planner.md``):
 * Time on kind K with TP t: ``flops / (t * peak * mfu * tp_efficiency**log2 t)`` plus the TP
   all-reduces (2 per layer forward, 2 backward, of ``b*s*h`` elements) priced as a ring,
   ``2(t-1)/t * bytes / intra_bw``.
-* Memory per rank: weights (dtype) + gradients (dtype) + Adam state; 16-bit training keeps an fp32
-  master copy and m, v (12 bytes/param), fp32 training keeps m, v (8 bytes/param): 16 bytes/param
-  either way. No distributed optimizer, no recomputation.
+* Memory per rank, as ldt configures megatron-core: weights (dtype), gradients in fp32
+  (DDP's buffer), Adam state (16-bit training: fp32 main params + m, v = 12 bytes/param; fp32:
+  m, v = 8): 18 bytes/param with 16-bit weights, 16 with fp32. No distributed optimizer.
   Parameters follow the family: biases only where the model has them (``add_bias_linear``,
   ``add_qkv_bias``), LayerNorm weight + bias or RMSNorm weight, a position table only for
   learned absolute positions.
-  Activations per layer (Korthikanti et al. 2022, generalised to any f and dtype d bytes):
-  ``s*b*(d*(4h + (2h + 2hg/a + f1 + f)/t) + 2h)`` bytes (fc1's output f1 and fc2's input f;
-  f1 = f without a gate, so 2f as in the paper), plus ``s*b*(2d+1)*a*s/t`` when attention
-  scores are materialised (no flash attention); times the micro-batches a chunk holds in flight.
-  With sequence parallelism (``model.sequence_parallel``) on a stage of TP t > 1 the part outside
-  attention and the MLP (``d*4h + 2h``: the norms' inputs, the dropout masks) is split along the
-  sequence too, so the whole layer is divided by t (the paper's ``sbh(34/t + 5as/(ht))``), as
-  are the embedding's dropout mask and the head's norm and input; the logits stay ``4V/t``.
-  The TP all-reduces become an all-gather plus a reduce-scatter of the same volume: same time.
+  Activations per layer: what megatron-core's local layers keep for backward at dropout 0,
+  part by part (:meth:`CostModel.layer_parts`), checked against the estimator's measurement
+  of megatron's own code (``ldt.memory``; within 1% over GPT / Llama families, fp32 / bf16,
+  TP 1 / 2, sequence parallelism, flash / local attention: tests/test_plan_cost.py). With 16-bit
+  activations (d = 2), a GPT layer (f = 4h, no gate, MHA) keeps ``32 sbh`` bytes with flash
+  attention and ``+ sb(6a + 1)s`` without it, where Korthikanti et al. (2022) count
+  ``34 sbh + 5 as^2 b``: ldt trains at dropout 0 (no masks, no dropout output) and megatron's
+  local softmax runs in fp32 (4 + 2 bytes per score). A Llama layer adds RMSNorm's fp32
+  products, RoPE's rotated q, k and tables, and SwiGLU's activation and product.
+  Recomputation (megatron's, per stage): ``full`` keeps only each recomputed group's input
+  (``s*b*h*d``), ``selective`` drops the recomputed modules' own tensors; the recomputed
+  forward is added to the backward time. Times the micro-batches a chunk holds in flight;
+  each chunk also holds its received input.
+  With sequence parallelism (``model.sequence_parallel``) on a stage of TP t > 1 the norms'
+  part is split along the sequence too (megatron's column-parallel layers save their local
+  slice and gather it again in backward), so the layer is divided by t except RoPE's tables;
+  the logits stay ``4V/t``. The TP all-reduces become an all-gather plus a reduce-scatter of
+  the same volume: same time.
 * Attention with an explicit head size d (``model.kv_channels``, Qwen3) uses ``a*d`` in place of
   ``h`` for the queries, the output projection's input and the attention core.
 * Mixture of experts (``model.num_moe_experts``; the functions at the end of this file): a MoE
@@ -46,12 +55,48 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Optional
+
 from ldt.config import ModelConfig
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
 
 GB = 1e9
 GIB = 2**30
 OPTIMIZER_BYTES = {2: 12, 4: 8}  # per param: fp32 master + m + v (16-bit) / m + v (fp32)
+GRAD_BYTES = 4  # megatron's DDP accumulates and reduces gradients in fp32 (fp32 main params)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """A stage's activation recomputation (megatron's; ``cluster.stages[i].recompute``)."""
+
+    granularity: str
+    """``selective`` or ``full``."""
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: tuple[str, ...] = ()
+    """``selective``: the recomputed modules (empty: megatron's default, the core attention)."""
+
+    @classmethod
+    def of(cls, rc) -> Optional["Recompute"]:
+        """From a RecomputeConfig (or None, or a granularity ``none``)."""
+        if rc is None or rc.granularity in (None, "none"):
+            return None
+        return cls(rc.granularity, rc.method, rc.num_layers, tuple(rc.modules or ()))
+
+    def config(self) -> dict:
+        """The ``cluster.stages[i].recompute`` fields."""
+        out = {"granularity": self.granularity}
+        if self.granularity == "full":
+            out.update(method=self.method, num_layers=self.num_layers)
+        elif self.modules:
+            out["modules"] = list(self.modules)
+        return out
+
+    def describe(self) -> str:
+        if self.granularity == "full":
+            return f"full/{self.method}/{self.num_layers}"
+        return "selective" + (f"({','.join(self.modules)})" if self.modules else "")
 
 
 @dataclass(frozen=True)
@@ -62,6 +107,8 @@ class ChunkLoad:
     embedding: bool = False
     head: bool = False
     inflight: int = 1
+    recompute: Optional[Recompute] = None
+    """This chunk's stage's recomputation (None: none)."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +119,15 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    buffers: float = 0.0
+    """Received tensors waiting in boundary buffers."""
+    transient: float = 0.0
+    """The peak above all that while one micro-batch's backward runs."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return (self.weights + self.grads + self.optimizer + self.activations + self.buffers
+                + self.transient)
 
 
 def ring_allreduce_time(nbytes: float, n: int, bw_gbps: float) -> float:
@@ -87,11 +139,14 @@ class CostModel:
     """Prices layers, chunks and boundaries of one model/workload on an inventory's kinds."""
 
     def __init__(self, model: ModelConfig, inventory: Inventory, micro_batch_size: int,
-                 dtype: str | None = None, flash_attention: bool = True) -> None:
+                 dtype: str | None = None, flash_attention: bool = True,
+                 recompute: bool = False) -> None:
         self.model, self.inventory, self.b = model, inventory, micro_batch_size
         self.dtype = dtype or model.params_dtype
         self.d = DTYPE_BYTES[self.dtype]
         self.flash_attention = flash_attention
+        self.recompute = recompute
+        """Whether plans may recompute activations on stages that would not fit otherwise."""
         m = model
         self.h, self.a, self.s, self.V = m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size
         self.f = m.ffn_hidden_size or 4 * m.hidden_size
@@ -149,36 +204,122 @@ class CostModel:
         """Over how many ranks the sequence outside attention and the MLP is split."""
         return tp if self.sequence_parallel and tp > 1 else 1
 
-    def layer_activation_bytes(self, tp: int) -> float:
-        s, b, h, d = self.s, self.b, self.h, self.d
-        per_token = ((d * 4 * h + 2 * h) / self.sequence_shards(tp)
-                     + d * (2 * h + self.qkv + self.fc1 + self.f) / tp)
-        if self.moe is not None:
-            per_token = moe_activation_per_token(self, per_token, tp)
-        if not self.flash_attention:
-            per_token += (2 * d + 1) * self.a * s / tp
-        return s * b * per_token
+    def _upcast(self) -> int:
+        """Bytes per element a 16-bit run adds where megatron's local code works in fp32 and
+        keeps a 16-bit copy (softmax, RMSNorm): 4 + d for 16-bit, 4 for fp32."""
+        return 4 + (self.d if self.d < 4 else 0)
+
+    def _norm_bytes(self) -> float:
+        """Per token, one norm's internals beyond its input: RMSNorm keeps an fp32 product
+        (and its 16-bit copy), torch's LayerNorm only per-token statistics."""
+        return self._upcast() * self.h if self.model.normalization == "RMSNorm" else 0.0
+
+    def _rope(self) -> bool:
+        return self.model.position_embedding_type == "rope"
+
+    def layer_parts(self, tp: int) -> dict[str, float]:
+        """Bytes per token one decoder layer keeps for backward, by part (what megatron-core's
+        local layers save with dropout 0, as the estimator measures them: ``ldt.memory``).
+
+        ``norms``: the two norm inputs, the QKV and fc1 inputs, the norms' internals (all on
+        the sequence slice with sequence parallelism); ``qkv``: the fused QKV output, a
+        contiguous copy of q with grouped-query heads (no RoPE), RoPE's rotated q and k and its
+        cos / sin tables; ``core_attn``: flash's log-sum-exp, or the local attention's fp32
+        softmax, its 16-bit copy and the mask; ``attn_out``: the projection's input; ``mlp``:
+        fc1's output, fc2's input, a gated MLP's activation and product. Korthikanti et al.
+        (2022) count ``34 sbh + 5 as^2 b`` bytes with 16-bit activations: they add dropout
+        masks (none at dropout 0) and a second copy of the attention probabilities (dropout's
+        output), and leave out RMSNorm's and RoPE's tensors and the fp32 softmax."""
+        h, d, a, s = self.h, self.d, self.a, self.s
+        sp = self.sequence_shards(tp)
+        head_dim = self.hd // a
+        q_width = self.hd
+        k_width = self.hd * self.g // a
+        qkv = self.qkv
+        if self.g < a and not self._rope():
+            qkv += q_width  # megatron reshapes q out of the grouped QKV: a copy
+        if self._rope():
+            qkv += q_width + k_width
+        rope_tables = 4 * int(head_dim * self.model.rotary_percent) * d if self._rope() else 0
+        if self.flash_attention:
+            core = 4 * a / tp  # log-sum-exp, fp32
+        else:
+            core = (self._upcast() * a + 1) * s / tp
+        mlp = d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit else 0)) / tp
+        if self.moe is not None:  # a MoE layer's router and dispatched tokens (#25's count)
+            mlp = moe_activation_per_token(self, mlp, tp)
+        return {"norms": (d * 4 * h + 2 * self._norm_bytes()) / sp,
+                "qkv": d * qkv / tp + rope_tables, "core_attn": core,
+                "attn_out": d * self.hd / tp, "mlp": mlp}
+
+    def layer_activation_bytes(self, tp: int, recompute=None) -> float:
+        """One decoder layer, one micro-batch: without recomputation, or with a selective one
+        (the recomputed modules keep only their inputs, which other parts keep anyway)."""
+        parts = self.layer_parts(tp)
+        for module in _selective_modules(recompute):
+            if module == "core_attn":
+                parts["core_attn"] = 0.0
+            elif module == "mlp":
+                parts["mlp"] = 0.0
+            elif module == "layernorm":  # the norm outputs (QKV, fc1 inputs) and internals
+                parts["norms"] -= (2 * self.d * self.h + 2 * self._norm_bytes()) / \
+                    self.sequence_shards(tp)
+        return self.s * self.b * sum(parts.values())
+
+    def boundary_activation_bytes(self, tp: int) -> float:
+        """A ``[s, b, h]`` tensor of this stage (its sequence slice with sequence parallelism):
+        a chunk's input, an embedding's output, a fully recomputed group's kept input."""
+        return self.s * self.b * self.h * self.d / self.sequence_shards(tp)
 
     def embedding_activation_bytes(self, tp: int = 1) -> float:
-        return self.s * self.b * self.h / self.sequence_shards(tp)  # embedding dropout mask
+        return self.boundary_activation_bytes(tp)  # its output
 
     def head_activation_bytes(self, tp: int) -> float:
-        # LN in, head in (a sequence slice each with sequence parallelism), fp32 logits
-        return self.s * self.b * (2 * self.d * self.h / self.sequence_shards(tp) + 4 * self.V / tp)
+        # the final norm's input and internals, the head's input (the whole sequence), the
+        # cross entropy's fp32 logits
+        norm = (self.d * self.h + self._norm_bytes()) / self.sequence_shards(tp)
+        return self.s * self.b * (norm + self.d * self.h + 4 * self.V / tp)
+
+    def decoder_activation_bytes(self, tp: int, layers: int, recompute=None) -> float:
+        """``layers`` decoder layers of one chunk under megatron's recomputation: full keeps
+        only each group's input (uniform: every ``num_layers`` layers; block: the first
+        ``num_layers`` layers one by one, the rest whole)."""
+        granularity = getattr(recompute, "granularity", None)
+        if granularity != "full":
+            return layers * self.layer_activation_bytes(tp, recompute)
+        n = recompute.num_layers
+        if recompute.method == "uniform":
+            return math.ceil(layers / n) * self.boundary_activation_bytes(tp)
+        kept = min(n, layers)
+        return (kept * self.boundary_activation_bytes(tp)
+                + (layers - kept) * self.layer_activation_bytes(tp))
 
     def chunk_activation_bytes(self, tp: int, chunk: ChunkLoad) -> float:
-        act = chunk.layers * self.layer_activation_bytes(tp)
-        if chunk.embedding:
-            act += self.embedding_activation_bytes(tp)
+        act = self.decoder_activation_bytes(tp, chunk.layers, chunk.recompute)
+        act += (self.embedding_activation_bytes(tp) if chunk.embedding
+                else self.boundary_activation_bytes(tp))  # the received input
         if chunk.head:
             act += self.head_activation_bytes(tp)
         return act * chunk.inflight
 
-    def stage_memory(self, tp: int, chunks: list[ChunkLoad]) -> Memory:
+    def stage_memory(self, tp: int, chunks: list[ChunkLoad], recv_buffers: int = 0) -> Memory:
+        """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
+        (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
+        copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
+        transient is what the estimator measures for the chunk run backward: about 4 bytes per
+        parameter of it (its weight gradients on their way into DDP's fp32 buffer), two
+        ``[s, b, h]`` tensors, and with the head the logits' gradient (``s*b*V/t``)."""
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
-        params = sum(self.chunk_params(tp, c, shares) for c in chunks)
-        act = sum(self.chunk_activation_bytes(tp, c) for c in chunks)
-        return Memory(params * self.d, params * self.d, params * OPTIMIZER_BYTES[self.d], act)
+        boundary = self.boundary_activation_bytes(1)  # whole sequence: the leader's buffer
+        params, act, transient = 0.0, 0.0, 0.0
+        for c in chunks:
+            own = self.chunk_params(tp, c, shares)
+            params += own
+            act += self.chunk_activation_bytes(tp, c)
+            logits = self.d * self.s * self.b * self.V / tp if c.head else 0.0
+            transient = max(transient, GRAD_BYTES * own + 2 * boundary + logits)
+        return Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
+                      act, recv_buffers * boundary, transient)
 
     def memory_limit(self, kind: str) -> float:
         k = self.inventory.kind(kind)
@@ -214,9 +355,25 @@ class CostModel:
         fwd = self.head_flops() / self._speed(k, tp)
         return fwd, 2 * fwd + self._tp_allreduce(k, tp)
 
+    def recompute_time(self, kind: str, tp: int, layers: int, recompute) -> float:
+        """The forward a chunk's recomputation repeats during its backward, seconds: every
+        recomputed layer (full), or the recomputed modules' FLOPs (selective: the attention
+        core's ``4bs^2h``, the MLP's; the norms are negligible)."""
+        granularity = getattr(recompute, "granularity", None)
+        if granularity == "full":
+            n = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
+            return n * self.layer_time(kind, tp)[0]
+        b, s, h = self.b, self.s, self.h
+        flops = {"core_attn": 4 * b * s * s * h,
+                 "mlp": 2 * b * s * h * self.fc1 + 2 * b * s * self.f * h}
+        per_layer = sum(flops.get(m, 0.0) for m in _selective_modules(recompute))
+        return layers * per_layer / self._speed(self.inventory.kind(kind), tp)
+
     def chunk_time(self, kind: str, tp: int, chunk: ChunkLoad) -> tuple[float, float]:
         lf, lb = self.layer_time(kind, tp)
         f, b = chunk.layers * lf, chunk.layers * lb
+        if chunk.recompute is not None:
+            b += self.recompute_time(kind, tp, chunk.layers, chunk.recompute)
         if chunk.embedding:
             ef, eb = self.embedding_time(kind, tp)
             f, b = f + ef, b + eb
@@ -244,6 +401,12 @@ class CostModel:
         """Gradient all-reduce across replicas (not overlapped with the pipeline: conservative)."""
         return ring_allreduce_time(params_per_rank * self.d, dp,
                                    self.inventory.link(kind, kind).bandwidth_gbps)
+
+
+def _selective_modules(recompute) -> list[str]:
+    if getattr(recompute, "granularity", None) != "selective":
+        return []
+    return list(recompute.modules or ("core_attn",))
 
 
 # ---- mixture of experts: what a MoE layer adds to a layer's price ------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Optional
 
-from ldt.plan.cost import ChunkLoad, CostModel, Memory
+from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
 from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class Plan:
     stage_dp: tuple[int, ...] = ()
     """Per-stage DP (VDP, docs/vdp.md): replicas of each stage, ``dp`` = the largest; empty:
     every stage has ``dp``. ``num_microbatches`` stays per uniform replica."""
+    recompute: tuple[Optional[Recompute], ...] = ()
+    """Per stage, its activation recomputation (None: none); empty: none anywhere
+    (:func:`fit_recompute` chooses it where a stage would not fit otherwise)."""
+
+    def recompute_of(self, stage: int) -> Optional[Recompute]:
+        return self.recompute[stage] if self.recompute else None
 
     @property
     def num_stages(self) -> int:
@@ -52,13 +58,27 @@ class Plan:
         (edge: (start chunk, end chunk)), e.g. with the simulator's peaks."""
         p, m, last = self.num_stages, self.num_microbatches, len(self.layers) - 1
         d = self.prefetch if self.u_shape else 0
+        rc = self.recompute_of(stage)
         if self.u_shape and stage == 0:
             start, end = inflight or (min(p + 1 + 2 * d, m), 1)
-            return [ChunkLoad(self.layers[0], embedding=True, inflight=start),
-                    ChunkLoad(self.layers[last], head=True, inflight=end)]
+            return [ChunkLoad(self.layers[0], embedding=True, inflight=start, recompute=rc),
+                    ChunkLoad(self.layers[last], head=True, inflight=end, recompute=rc)]
         held = inflight[0] if inflight else min(p + (1 if self.u_shape else 0) - stage + d, m)
         return [ChunkLoad(self.layers[stage], embedding=stage == 0,
-                          head=not self.u_shape and stage == last, inflight=held)]
+                          head=not self.u_shape and stage == last, inflight=held, recompute=rc)]
+
+    def recv_buffers(self, stage: int) -> int:
+        """Receives a stage keeps posted at once (``ldt.schedule.lower``): one per incoming
+        channel, ``1 + 2 * prefetch`` on the U-shape's links to and from the edge."""
+        p = self.num_stages
+        if p == 1:
+            return 0
+        deep = 1 + 2 * self.prefetch if self.u_shape else 1
+        if self.u_shape:
+            if stage == 0:
+                return 2 * deep
+            return (deep if stage == 1 else 1) + (deep if stage == p - 1 else 1)
+        return 1 if stage in (0, p - 1) else 2
 
     def layout(self) -> str:
         """The cluster.layout string of this split (ldt.layout grammar)."""
@@ -80,7 +100,9 @@ class Plan:
         return names
 
     def describe(self) -> str:
-        st = " ".join(f"{s.kind}/tp{s.tp}" for s in self.stages)
+        st = " ".join(f"{s.kind}/tp{s.tp}" + (f"/{self.recompute_of(i).describe()}"
+                                               if self.recompute_of(i) else "")
+                      for i, s in enumerate(self.stages))
         extra = f" prefetch={self.prefetch}" if self.prefetch else ""
         dp = f"dp={list(self.stage_dp)}" if self.stage_dp else f"dp={self.dp}"
         return f"{dp} m={self.num_microbatches}{extra} [{st}] layout={self.layout()}"
@@ -174,6 +196,7 @@ def dp_allreduce(plan: Plan, cost: CostModel) -> float:
 
 def closed_form(plan: Plan, cost: CostModel) -> float:
     """1F1B estimate: fill + drain through every (logical) stage, then (m-1) bottleneck cycles."""
+    plan = fit_recompute(plan, cost)
     times = chunk_times(plan, cost)
     comm = comm_table(plan, cost)
     logical = [f + b for chunks in times for f, b in chunks]
@@ -181,8 +204,42 @@ def closed_form(plan: Plan, cost: CostModel) -> float:
     return (sum(logical) + sum(comm.values()) + (plan.num_microbatches - 1) * max(per_stage)
             + dp_allreduce(plan, cost))
 
+def recompute_levels(cost: CostModel) -> list[Recompute]:
+    """What the planner tries on a stage that does not fit, cheapest in time first:
+    megatron's selective recomputation of what is cheap to redo and worth keeping out (the
+    norms' outputs and internals; the attention scores without flash attention), then also
+    the MLP (a model without biases: megatron cannot recompute a biased MLP), then full
+    recomputation of every layer (``uniform``, 1 layer per group)."""
+    cheap = ("layernorm",) if cost.flash_attention else ("core_attn", "layernorm")
+    levels = [Recompute("selective", modules=cheap)]
+    if not cost.model.add_bias_linear:
+        levels.append(Recompute("selective", modules=(*cheap, "mlp")))
+    return levels + [Recompute("full", "uniform", 1)]
+
+
+def fit_recompute(plan: Plan, cost: CostModel) -> Plan:
+    """``plan`` with recomputation on each stage that does not fit without it: the first of
+    :func:`recompute_levels` that fits (the last, if none does). Stages that fit keep what
+    they have; with ``cost.recompute`` off, the plan is returned as it is."""
+    if not cost.recompute:
+        return plan
+    chosen = list(plan.recompute) or [None] * plan.num_stages
+    for i, st in enumerate(plan.stages):
+        limit = cost.memory_limit(st.kind)
+        if cost.stage_memory(st.tp, plan.stage_chunks(i), plan.recv_buffers(i)).total <= limit:
+            continue
+        for level in recompute_levels(cost):
+            chosen[i] = level
+            trial = replace(plan, recompute=tuple(chosen))
+            if cost.stage_memory(st.tp, trial.stage_chunks(i),
+                                 plan.recv_buffers(i)).total <= limit:
+                break
+    return replace(plan, recompute=tuple(chosen) if any(chosen) else ())
+
+
 def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     """Simulate one iteration; memory uses the simulator's peak in-flight micro-batches."""
+    plan = fit_recompute(plan, cost)
     if plan.stage_dp:
         return _simulate_vdp(plan, cost)
     sim = simulate_times(op_table(plan, cost), comm_table(plan, cost), plan.num_microbatches,
@@ -230,6 +287,7 @@ def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
 
 def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     """Closed-form evaluation (no simulation); busy = m * (fwd + bwd)."""
+    plan = fit_recompute(plan, cost)
     t = closed_form(plan, cost) - dp_allreduce(plan, cost)
     m = plan.num_microbatches
     busy = {i: m * sum(f + b for f, b in ch) for i, ch in enumerate(chunk_times(plan, cost))}
@@ -250,7 +308,8 @@ def _evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: d
         reports.append(StageReport(
             i, names[i], st.kind, cost.inventory.kind(st.kind).device, st.tp, split.describe(i),
             sum(f for f, _ in fb), sum(b for _, b in fb), busy[i],
-            cost.stage_memory(st.tp, chunks), cost.memory_limit(st.kind), inflight[i]))
+            cost.stage_memory(st.tp, chunks, plan.recv_buffers(i)), cost.memory_limit(st.kind),
+            inflight[i]))
     ar = dp_allreduce(plan, cost)
     return Evaluation(plan, pipe + ar, pipe, ar, bubble, reports, sim)
 

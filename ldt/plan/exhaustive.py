@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 from ldt.config import ModelConfig
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, choose_prefetch,
-                               chunk_times, dp_allreduce, simulate_plan)
+                               chunk_times, dp_allreduce, fit_recompute, simulate_plan)
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
 from ldt.plan.planner import make_cost, wants_ushape
@@ -144,5 +144,6 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
 
 
 def _fits(plan: Plan, cost: CostModel) -> bool:
+    plan = fit_recompute(plan, cost)  # with recomputation where the planner would use it
     return all(cost.stage_memory(st.tp, plan.stage_chunks(i)).total <= cost.memory_limit(st.kind)
                for i, st in enumerate(plan.stages))

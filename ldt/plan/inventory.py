@@ -159,6 +159,9 @@ class Workload:
     edge_min_layers: int = 1
     """Decoder layers the edge keeps in *each* of its chunks: with 0 the cloud would receive raw
     embeddings (trivially invertible to tokens) and send back the head's input."""
+    recompute: bool = True
+    """Let a stage recompute activations (megatron's, priced as the extra forward) where it
+    would not fit otherwise (docs/memory.md); False: only plans that fit without it."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1 or self.global_batch_size < self.micro_batch_size:

@@ -101,7 +101,7 @@ class PlanResult:
 
 def make_cost(inventory: Inventory, model: ModelConfig, workload: Workload) -> CostModel:
     return CostModel(model, inventory, workload.micro_batch_size, workload.dtype,
-                     workload.flash_attention)
+                     workload.flash_attention, workload.recompute)
 
 
 def wants_ushape(inventory: Inventory, workload: Workload) -> bool:
@@ -335,8 +335,9 @@ def _nothing_fits(inventory: Inventory, model: ModelConfig, workload: Workload, 
     return (f"no plan fits: {n} stage sets of inventory {inventory.name!r} ({mem}) were tried for "
             f"model {model.name!r} ({model.num_layers} layers, hidden {model.hidden_size}) with "
             f"micro_batch_size={workload.micro_batch_size}, global_batch_size="
-            f"{workload.global_batch_size}; lower micro_batch_size, use flash_attention, or add "
-            "devices / memory")
+            f"{workload.global_batch_size}; lower micro_batch_size, use flash_attention, "
+            + ("" if workload.recompute else "let stages recompute (drop --no-recompute), ")
+            + "or add devices / memory")
 
 
 def _neighbours(plan: Plan, edge_min: int) -> list[tuple[int, ...]]:

@@ -22,12 +22,21 @@ FRONT_ROWS = 8
 others spread between); ``--json`` lists them all."""
 
 
+def _usable_gib(inventory: Inventory, kind: str) -> float:
+    """What a rank of ``kind`` may fill: its memory less what the planner never fills."""
+    k = inventory.kind(kind)
+    return round(k.memory_gib - k.reserved_gib, 3)
+
+
 def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
     """The ClusterConfig fields of a plan (stages, u_shape, layout, dp)."""
     names = plan.stage_names()
     return {
         "stages": [{"name": n, "device": inventory.kind(s.kind).device, "tp": s.tp,
-                    **({"dp": plan.dp_of(i)} if plan.stage_dp else {})}
+                    **({"dp": plan.dp_of(i)} if plan.stage_dp else {}),
+                    **({"recompute": plan.recompute_of(i).config()}
+                       if plan.recompute_of(i) else {}),
+                    "memory_gib": _usable_gib(inventory, s.kind)}
                    for i, (n, s) in enumerate(zip(names, plan.stages))],
         "u_shape": plan.u_shape,
         "layout": plan.layout(),
@@ -51,7 +60,11 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
         f"bubble {ev.bubble_fraction:.1%}.",
     ]
     head += [f"#   stage {s.index} {s.name}: {s.kind} tp={s.tp} layers {s.layers}, "
-             f"{s.memory.total / GIB:.1f}/{s.memory_limit / GIB:.1f} GiB" for s in ev.stages]
+             f"{s.memory.total / GIB:.1f}/{s.memory_limit / GIB:.1f} GiB"
+             + (f", recomputes ({p.recompute_of(s.index).describe()})"
+                if p.recompute_of(s.index) else "") for s in ev.stages]
+    head.append("# memory_gib: the inventory's memory less reserved_gib; ldt-train estimates "
+                "every rank against it before it starts (docs/memory.md).")
     head += [f"# {devices(p)} devices, cost per step {step_cost(ev, inventory):.4g} "
              f"({_cost_unit(inventory)})."] + ([f"# {reason}."] if reason else [])
     body = OmegaConf.to_yaml(OmegaConf.create(cluster_dict(p, inventory)))
@@ -108,6 +121,9 @@ def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
         "busy_ms": s.busy * 1e3, "inflight": list(s.inflight),
         "memory_gib": s.memory.total / GIB, "memory_limit_gib": s.memory_limit / GIB,
         "weights_gib": s.memory.weights / GIB, "activations_gib": s.memory.activations / GIB,
+        "grads_gib": s.memory.grads / GIB, "optimizer_gib": s.memory.optimizer / GIB,
+        "recompute": ev.plan.recompute_of(s.index).config() if ev.plan.recompute_of(s.index)
+        else None,
     } for s in ev.stages]
 
 
@@ -188,13 +204,17 @@ def front_table(front: list[Evaluation], inventory: Inventory, pick: Evaluation,
 def table(ev: Evaluation) -> str:
     """Per-stage table plus a summary line."""
     head = ("stage", "kind", "dev", "tp", "layers", "fwd ms", "bwd ms", "busy ms", "inflight",
-            "mem GiB", "limit")
+            "recompute", "weights", "grads", "optim", "act", "mem GiB", "limit")
     rows = [head]
     for s in ev.stages:
+        rc = ev.plan.recompute_of(s.index)
+        mem = s.memory
         rows.append((f"{s.index}:{s.name}", s.kind, s.device, str(s.tp), s.layers,
                      f"{s.fwd * 1e3:.2f}", f"{s.bwd * 1e3:.2f}", f"{s.busy * 1e3:.1f}",
-                     "/".join(map(str, s.inflight)),
-                     f"{s.memory.total / GIB:.2f}" + ("" if s.fits else " !"),
+                     "/".join(map(str, s.inflight)), rc.describe() if rc else "-",
+                     *(f"{v / GIB:.2f}" for v in (mem.weights, mem.grads, mem.optimizer,
+                                                    mem.activations)),
+                     f"{mem.total / GIB:.2f}" + ("" if s.fits else " !"),
                      f"{s.memory_limit / GIB:.1f}"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ldt.plan.cost import ChunkLoad, CostModel
-from ldt.plan.evaluate import StageSpec
+from ldt.plan.evaluate import StageSpec, recompute_levels
 
 EPS = 1e-9
 
@@ -54,7 +54,10 @@ def stage_units(stages: tuple[StageSpec, ...], ushape: bool, m: int, cost: CostM
         overhead = sum(sum(cost.chunk_time(st.kind, st.tp, c)) for c in fixed)
         inflight = 1 if edge else min(p + ushape - i, m)  # edge: layers go to the end chunk first
         room = cost.memory_limit(st.kind) - cost.stage_memory(st.tp, fixed).total
-        per = cost.stage_memory(st.tp, [ChunkLoad(1, inflight=inflight)]).total
+        # with recomputation allowed, a layer costs what it costs fully recomputed (the
+        # evaluation then recomputes only the stages that need it: evaluate.fit_recompute)
+        rc = recompute_levels(cost)[-1] if cost.recompute else None
+        per = cost.stage_memory(st.tp, [ChunkLoad(1, inflight=inflight, recompute=rc)]).total
         cap = -1 if room < 0 else min(num_layers, int(room // per))
         units.append(Unit(lf + lb, overhead, 2 * edge_min if edge else 1, cap))
         if memo is not None:
@@ -133,9 +136,10 @@ def best_counts(units: list[Unit], num_layers: int, m: int, tries: int = 4) -> O
 def edge_chunks(stage: StageSpec, total: int, num_stages: int, m: int, cost: CostModel,
                 edge_min: int = 1) -> int:
     """Layers of the edge's start chunk: half of ``total`` if memory allows, else fewer."""
+    rc = recompute_levels(cost)[-1] if cost.recompute else None
     for start in range(total // 2, edge_min - 1, -1):
-        chunks = [ChunkLoad(start, embedding=True, inflight=min(num_stages + 1, m)),
-                  ChunkLoad(total - start, head=True, inflight=1)]
+        chunks = [ChunkLoad(start, embedding=True, inflight=min(num_stages + 1, m), recompute=rc),
+                  ChunkLoad(total - start, head=True, inflight=1, recompute=rc)]
         if cost.stage_memory(stage.tp, chunks).total <= cost.memory_limit(stage.kind):
             return start
     return edge_min

@@ -62,7 +62,8 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         if observe is not None:
             observers += observe(rank, topo, run_dir)
         cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
-        names = cpu + ["schedules", "sequence_parallel_norms", "moe_without_te"]
+        names = cpu + ["schedules", "sequence_parallel_norms", "recompute_norms",
+                       "moe_without_te"]
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)

@@ -36,17 +36,20 @@ def build_stage_models(c, topo, state) -> list:
 
     from ldt.models.init import init_chunk
     from ldt.models.build import build_chunk, param_names
+    from ldt.models.recompute import stage_recompute, transformer_kwargs
     from ldt.models.vocab import model_vocab_size
 
     tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
     chunks = topo.split.stage_chunks(state.stage)
     vpp = len(chunks) if len(chunks) > 1 and not topo.u_shape else None
     stage = topo.stages[state.stage]
+    recompute = transformer_kwargs(stage_recompute(c.model, c.cluster.stages[state.stage]))
     models = []
     for chunk in chunks:
         gpt = build_chunk(c.model, chunk, stage.tp, device=stage.device, vpp=vpp,
                           num_stages=topo.num_stages, pg_collection=state.pg_collection(),
-                          vocab_size=model_vocab_size(c.model, topo), ep=stage.ep)
+                          vocab_size=model_vocab_size(c.model, topo), ep=stage.ep,
+                          **recompute)
         init_chunk(gpt, seed=c.train.seed, num_layers=c.model.num_layers, tp=stage.tp,
                    tp_rank=state.info.tp_rank, rename=param_names(chunk, gpt).__getitem__,
                    vocab_size=c.model.vocab_size, ep=stage.ep)

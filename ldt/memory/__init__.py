@@ -1,0 +1,154 @@
+"""The memory estimate: what each rank of a config holds at its peak, before anything runs.
+
+:func:`estimate` answers "does this config fit, and where does the memory go?" at real size
+on any machine, in seconds, without allocating the model: one helper process becomes, in
+turn, the first rank of every stage of the real world (:mod:`ldt.memory.fake`: torch's fake
+tensors and fake process group), builds that stage with the code that trains it, counts its
+resident memory and runs two micro-batches through megatron-core (:mod:`ldt.memory.measure`),
+and multiplies the activations by the micro-batches the run's schedule really keeps in flight
+(:mod:`ldt.memory.inflight`). Every rank of a stage holds the same (TP shards and replicas are
+alike), so one per stage is measured. Per rank::
+
+    peak = max(weights + grads + main params + optimizer states          (resident)
+               + sum over chunks of activations per micro-batch x in flight
+               + receive buffers x one boundary tensor
+               + the largest transient of one micro-batch's forward and backward,
+               resident + the optimizer step's transient)
+
+``ldt-memory`` prints it (:mod:`ldt.tools.memory`), ``ldt-train`` prints it with the rank map
+and refuses a config that exceeds a stage's ``memory_gib`` (:func:`ldt.memory.report.refusal`);
+docs/memory.md says what is counted and how it compares with real allocations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+GIB = 2**30
+
+
+@dataclass
+class StageEstimate:
+    """One stage's per-rank estimate, bytes."""
+
+    index: int
+    name: str
+    device: str
+    tp: int
+    dp: int
+    ranks: list[int]
+    recompute: str
+    attention: str
+    weights: int
+    grads: int
+    main_params: int
+    optimizer: int
+    activations: list[int]
+    """Per chunk: bytes one micro-batch leaves alive after the forward."""
+    inflight: tuple[int, ...]
+    """Per chunk: micro-batches held at the schedule's peak."""
+    transient: int
+    recv_buffers: int
+    boundary_tensor: int
+    step_transient: int
+    limit: Optional[float] = None
+    """``cluster.stages[i].memory_gib`` in bytes (None: not stated)."""
+    distributed_optimizer: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def resident(self) -> int:
+        return self.weights + self.grads + self.main_params + self.optimizer
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(a * n for a, n in zip(self.activations, self.inflight))
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.recv_buffers * self.boundary_tensor
+
+    @property
+    def peak_transient(self) -> int:
+        """The transient at the rank's peak: one micro-batch's forward and backward on top of
+        everything in flight, or the optimizer step's on top of the resident part."""
+        pipeline = self.activation_bytes + self.buffer_bytes + self.transient
+        return self.transient if pipeline >= self.step_transient else self.step_transient
+
+    @property
+    def peak(self) -> int:
+        during_pipeline = (self.resident + self.activation_bytes + self.buffer_bytes
+                           + self.transient)
+        return max(during_pipeline, self.resident + self.step_transient)
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.peak <= self.limit
+
+    def components(self) -> dict[str, int]:
+        return {"weights": self.weights, "gradients": self.grads,
+                "fp32 main params": self.main_params, "optimizer states": self.optimizer,
+                "activations": self.activation_bytes, "receive buffers": self.buffer_bytes,
+                "transient": self.peak_transient}
+
+
+def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
+             ) -> list[StageEstimate]:
+    """Per-stage estimates of a validated config (a plain dict with ``cluster``, ``model``,
+    ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
+    ``flash`` or ``local`` for every stage. A MoE model is refused (ConfigError)."""
+    from ldt.errors import ConfigError
+    from ldt.launch import run_local_world
+
+    experts = cfg["model"].get("num_moe_experts")
+    if experts:  # measured: aten.masked_select raises DynamicOutputShapeException
+        raise ConfigError(f"model.num_moe_experts={experts}: the memory estimate does not cover "
+                          "MoE models (megatron's token dispatch has data-dependent shapes, "
+                          "which fake tensors cannot run); ldt-plan prices their memory "
+                          "analytically")
+    return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
+                           init_dist=False)[0]
+
+
+def needs_estimate(cfg: dict) -> bool:
+    """``train.estimate_memory``, or (unset) whether some stage states its memory."""
+    asked = cfg["train"].get("estimate_memory")
+    if asked is not None:
+        return bool(asked)
+    return any(st.get("memory_gib") is not None for st in cfg["cluster"]["stages"])
+
+
+def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
+    import ldt
+    from ldt.memory.fake import fake_rank
+    from ldt.memory.inflight import stage_inflight
+    from ldt.memory.measure import cpu_topology, measure_stage
+    from ldt.models.recompute import describe, stage_recompute
+    from ldt.training.loop import parse
+    from ldt.validate import validate
+
+    c = parse(cfg)
+    topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
+    inflight = stage_inflight(topo, c.train)
+    out = []
+    on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)
+    for st in topo.stages:
+        leader = topo.leader(st.index, 0)
+        with fake_rank(topo.world_size, leader):
+            state = ldt.initialize_vtp(on_cpu)
+            try:
+                got = measure_stage(c, on_cpu, state, st.device, attention)
+            finally:
+                ldt.destroy_vtp()
+        cluster_stage = c.cluster.stages[st.index]
+        limit = cluster_stage.memory_gib
+        out.append(StageEstimate(
+            st.index, st.name, st.device, st.tp, topo.dp_of(st.index),
+            [r for d in range(topo.dp_of(st.index)) for r in topo.stage_ranks(st.index, d)],
+            describe(stage_recompute(c.model, cluster_stage)), got.attention, got.weights,
+            got.grads, got.main_params, got.optimizer, [ch.activations for ch in got.chunks],
+            inflight[st.index].chunks, max(ch.transient for ch in got.chunks),
+            inflight[st.index].recv_buffers, got.boundary_tensor, got.step_transient,
+            None if limit is None else limit * GIB, c.train.distributed_optimizer))
+    return out

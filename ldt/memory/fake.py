@@ -1,0 +1,66 @@
+"""One rank of a real-size world, in one process, without memory: fake tensors and a fake
+process group.
+
+torch's ``FakeTensorMode`` gives every tensor its shape, dtype and storage size but no data,
+and torch's fake process group (``torch.testing._internal.distributed.fake_pg``, the one
+torchtitan's memory estimator uses) accepts every collective and does nothing. Inside
+:func:`fake_rank` this process is rank ``r`` of a world of ``world_size``: ldt builds its
+groups, its chunks and megatron-core's optimizer exactly as on the real machine, and
+megatron-core's own code runs a forward and backward on them, at full size, on a CPU, in
+seconds. What it takes, beyond torch's two tools (each measured with megatron-core 0.16.1 and
+torch 2.13 here):
+
+- ``new_group(ranks, backend=...)``: ldt asks for gloo / the device's backend by name; in a
+  fake world every group is the fake backend's (the backend argument is dropped);
+- ``all_gather_object``: megatron's optimizer aligns its parameter groups over the world with
+  it, which needs real values; every rank of a stage builds the same groups, so each slot gets
+  this rank's own object;
+- the ``fake_tensors`` patch (megatron's RNG tracker checks a value in ``fork``) and the CPU
+  shims (megatron allocates some buffers on ``cuda``);
+- ``Module._apply`` cannot swap fake parameters ("Cannot swap t1 because it has weakref"):
+  the chunks are built in their training dtype already, so Float16Module's cast is the
+  identity, and the caller lets the chunks answer ``.bfloat16()`` / ``.half()`` with themselves.
+
+Call it in a process of its own (``ldt.memory.estimate`` starts one): it replaces
+``torch.distributed``'s default group and two of its functions until it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
+           "recompute_norms", "moe_without_te", "fake_tensors"]
+
+
+@contextlib.contextmanager
+def fake_rank(world_size: int, rank: int) -> Iterator[object]:
+    """This process as ``rank`` of a fake world; yields the FakeTensorMode to build under."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ldt import patches
+    from ldt.patches.registry import swap_attr
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    new_group = dist.new_group
+
+    def fake_group(*args, backend=None, **kwargs):
+        return new_group(*args, **kwargs)
+
+    def own_object(out: list, obj, group=None) -> None:
+        out[:] = [obj] * len(out)
+
+    undo = [swap_attr(dist, "new_group", fake_group),
+            swap_attr(dist, "all_gather_object", own_object)]
+    applied = patches.apply(PATCHES)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        patches.revert(applied)
+        for u in reversed(undo):
+            u()
+        dist.destroy_process_group()

@@ -1,0 +1,263 @@
+"""One stage's memory, counted on its real chunks and optimizer built from fake tensors.
+
+Inside :func:`ldt.memory.fake.fake_rank` the stage is built by the code that trains it
+(:func:`ldt.training.stage.build_stage_models`, :func:`ldt.training.optim.build_stage_optimizer`:
+megatron-core's GPTModel chunks with the stage's TP, sequence parallelism and recomputation,
+its DDP buffers and optimizer) and then:
+
+- the resident part is read off those objects, each storage once, in this order: weights
+  (parameters and buffers; with the distributed optimizer megatron's parameter buffer they
+  live in), gradients (DDP's grad buffers, buckets and padding included), fp32 main
+  parameters (the optimizer's own copies, this rank's shard), optimizer states (created by one
+  step of the optimizer megatron built, this rank's shard);
+- two micro-batches run forward, then backward, through each chunk, as the schedule calls it,
+  under torch's MemTracker: what the second forward leaves alive (everything saved for
+  backward, the chunk's input and output) is the chunk's activations per micro-batch, and the
+  highest point above the two during forward and backward (recomputed activations, gradients
+  of activations, workspaces, and what the first micro-batch made once per process) its
+  transient;
+- the optimizer step's transient above the resident part (e.g. foreach Adam's temporaries).
+
+Attention: what a stage runs there decides the largest activation at long sequences. A cuda
+stage runs Transformer Engine's fused attention (``transformer_impl: auto``; assumed present on
+the cuda hosts, absent on this machine): it keeps no ``s x s`` scores, which the estimate
+reproduces with a stand-in for megatron's local core attention that keeps what flash
+attention keeps (:class:`FlashAttention`). npu and cpu stages run megatron's
+local attention (ldt's layer spec there), scores and softmax kept, and the estimate counts
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+
+@dataclass
+class ChunkMemory:
+    activations: int
+    """Bytes one micro-batch leaves alive after the chunk's forward."""
+    transient: int
+    """Bytes above that at the highest point of the micro-batch's forward and backward."""
+
+
+@dataclass
+class StageMeasure:
+    weights: int
+    grads: int
+    main_params: int
+    optimizer: int
+    chunks: list[ChunkMemory]
+    step_transient: int
+    boundary_tensor: int
+    """Bytes of one tensor crossing this stage's boundary (a receive buffer)."""
+    attention: str
+    """``flash`` or ``local`` (see the module docstring)."""
+
+
+class _NoModules:
+    """Stands in for MemTracker's ModTracker: no module hooks, never "in backward"."""
+
+    is_bw = False
+    parents: set = set()
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class LivePeak(MemTracker):
+    """torch's MemTracker reduced to what the estimate needs: the bytes of every tensor
+    storage alive in the process (fake or real), and their peak since :meth:`reset_peak`.
+
+    Its module tracker is left out (measured here): its per-module peaks cost modules x ops (a
+    16-layer qwen2.5_32b chunk's backward: 13.6 s with them, 2.4 s without); its backward
+    hooks keep the gradients of every module's inputs alive until the step ends (a real
+    pipeline rank then "holds" 128 KiB more per micro-batch of gpt_tiny, growing with the
+    micro-batch count); it refuses a module called twice from the top level (a pipeline chunk
+    runs once per micro-batch) and calls ``module.buffers()``, which megatron's
+    DistributedDataParallel replaces with a list. Storages are still tracked by MemTracker
+    itself (creation through the dispatcher, release through weak references,
+    ``track_external`` for what existed before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModules()
+
+    def _update_peak_stats(self, peak_state) -> None:
+        total = self.current()
+        if total > self._peak_mem.get("all", 0):
+            self._peak_mem["all"] = total
+
+    def current(self) -> int:
+        """Bytes alive now."""
+        return sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values())
+
+    def reset_peak(self) -> int:
+        self._peak_mem = {"all": self.current()}
+        return self._peak_mem["all"]
+
+    def peak(self) -> int:
+        return max(self._peak_mem.get("all", 0), self.current())
+
+
+def attention_of(model, device: str, attention: str = "auto") -> str:
+    """``flash`` where the stage runs fused attention (cuda: Transformer Engine), else
+    ``local``; ``attention`` forces one for every stage."""
+    if attention != "auto":
+        return attention
+    return "flash" if device == "cuda" and model.transformer_impl != "local" else "local"
+
+
+def measure_stage(c, topo, state, device: str, attention: str = "auto") -> StageMeasure:
+    """Build this rank's stage under fake tensors and count it (see the module docstring)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from ldt.models.build import DTYPES, causal_mask
+    from ldt.training.optim import build_stage_optimizer
+    from ldt.training.stage import build_stage_models
+
+    attn = attention_of(c.model, device, attention)
+    models = build_stage_models(c, topo, state)
+    if attn == "flash":
+        for gpt in models:
+            for layer in gpt.decoder.layers:
+                layer.self_attention.core_attention = FlashAttention()
+    dtype = DTYPES[c.model.params_dtype]
+    for gpt in models:  # Float16Module's cast, done here: Module._apply cannot swap fake
+        if dtype != torch.float32:  # parameters (ldt.memory.fake); the position table and
+            for t in (*gpt.parameters(), *gpt.buffers()):  # RoPE buffers are made in fp32
+                if t.is_floating_point() and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
+        gpt.bfloat16 = gpt.half = (lambda g=gpt: g)
+    shared = len({id(p) for g in models for p in g.parameters()}) < \
+        sum(1 for g in models for _ in g.parameters())
+    opt = build_stage_optimizer(c, topo, state, models, shared_chunks=shared)
+    inner = _inner_optimizers(opt.optimizer)
+
+    seen: dict = {}
+    weights = _new_bytes(seen, [t for g in models for t in (*g.parameters(), *g.buffers())])
+    grads = _new_bytes(seen, [b.grad_data for d in opt.ddp for b in _ddp_buffers(d)])
+    weights += _new_bytes(seen, [b.param_data for d in opt.ddp for b in _ddp_buffers(d)
+                                 if b.param_data is not None])
+    main_params = _new_bytes(seen, [p for o in inner for g in o.param_groups
+                                    for p in g["params"]])
+
+    m, tp = c.model, topo.stages[state.stage].tp
+    b, s, h = c.train.micro_batch_size, m.seq_length, m.hidden_size
+    sp = 1 if not (m.sequence_parallel and tp > 1) else tp
+    chunks = topo.split.stage_chunks(state.stage)
+    mask = causal_mask(s)
+    tokens = torch.zeros(b, s, dtype=torch.long)
+    position_ids = torch.arange(s).repeat(b, 1)
+    tracker = LivePeak()
+    tracker.track_external(*models)
+    measured = []
+    with tracker:
+        for chunk, run in zip(chunks, opt.chunks):
+            def forward():
+                inp = None
+                if not chunk.has_embedding:
+                    inp = torch.zeros(s // sp, b, h, dtype=dtype, requires_grad=True)
+                get_attr_wrapped_model(run, "set_input_tensor")(inp)
+                return inp, run(tokens if chunk.has_embedding else None,
+                                position_ids if chunk.has_embedding else None, mask,
+                                labels=tokens if chunk.has_head else None)
+
+            # Two micro-batches, the second run while the first is alive: the first also makes
+            # what a process makes once (megatron's global buffer for local attention's scores:
+            # b*a/tp*s*s*4 bytes, 64 KiB on a TP 2 gpt_tiny rank), so the second says what each
+            # micro-batch in flight keeps, and the once-made part goes to the transient.
+            base = tracker.reset_peak()
+            first = forward()
+            mid = tracker.current()
+            second = forward()
+            held = tracker.current() - mid
+            for _, out in (second, first):  # as a pipeline does: the last forward first
+                out.backward(torch.ones_like(out))
+            peak = tracker.peak() - base
+            del first, second
+            gc.collect()
+            measured.append(ChunkMemory(held, max(peak - 2 * held, 0)))
+        for o in inner:  # the gradients megatron hands its optimizer are views of DDP's buffer
+            for g in o.param_groups:
+                g["foreach"] = device != "cpu"  # torch's default off CPU
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+        base = tracker.reset_peak()
+        for o in inner:
+            o.step()
+        optimizer = tracker.current() - base
+        step_transient = tracker.peak() - tracker.current()
+    return StageMeasure(weights, grads, main_params, optimizer, measured, step_transient,
+                        s * b * h * dtype.itemsize, attn)
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers megatron's (chained) optimizer steps."""
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chained]
+
+
+def _ddp_buffers(ddp) -> list:
+    return [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]
+
+
+def _new_bytes(seen: dict, tensors) -> int:
+    """Bytes of the storages of ``tensors`` not in ``seen`` (which then holds them too)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    total = 0
+    for t in tensors:
+        for st in get_untyped_storages(t):
+            if st not in seen:
+                seen[st] = True
+                total += st.nbytes()
+    return total
+
+
+class _FlashMemory(torch.autograd.Function):
+    """What fused (flash) attention keeps for backward: q, k, v, its output and the log-sum-
+    exp per query and head, nothing of ``s x s``; its backward makes dq, dk, dv. It computes
+    nothing: the estimate runs on fake tensors, where only shapes and storages exist."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        s, b, heads, d = q.shape
+        out = q.new_empty(s, b, heads * d)
+        lse = q.new_empty(b, heads, s, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class FlashAttention(torch.nn.Module):
+    """Megatron's core-attention interface with the memory of Transformer Engine's fused
+    attention (the estimate of cuda stages): ``[s, b, heads, d]`` in, ``[s, b, h / tp]`` out."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        return _FlashMemory.apply(query, key, value)
+
+
+def cpu_topology(topo):
+    """``topo`` with every stage on ``cpu``: the fake world builds every chunk on this machine
+    (sizes do not depend on the device type)."""
+    return dataclasses.replace(topo, stages=tuple(dataclasses.replace(st, device="cpu")
+                                                  for st in topo.stages))

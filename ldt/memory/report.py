@@ -1,0 +1,93 @@
+"""The memory estimate as a user sees it: a per-stage table, and the one-line refusal.
+
+The refusal names the stage, the estimate, the limit, the largest component and the levers
+that would bring it down, most effective first where the estimate can tell: recomputation on
+that stage (activations), more TP (everything on the stage but the data-parallel copies),
+the distributed optimizer (main params and optimizer states, when the stage has replicas to
+shard over), fewer micro-batches in flight (prefetch, stages after it, the micro-batch size).
+"""
+
+from __future__ import annotations
+
+from ldt.memory import GIB, StageEstimate
+
+MIB = 2**20
+
+
+def _unit(stages: list[StageEstimate]) -> tuple[float, str]:
+    return (GIB, "GiB") if max(s.peak for s in stages) >= GIB else (MIB, "MiB")
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def table(stages: list[StageEstimate]) -> str:
+    """Per stage (every rank of a stage holds the same): each component and the peak."""
+    div, unit = _unit(stages)
+    head = ("stage", "ranks", "tp", "recompute", "weights", "grads", "main", "optim",
+            "act/mb x in flight", "buffers", "transient", "peak", "limit")
+    rows = [head]
+    for s in stages:
+        acts = " + ".join(f"{a / div:.2f}x{n}" for a, n in zip(s.activations, s.inflight))
+        rows.append((
+            f"{s.index}:{s.name}", _ranks(s.ranks), str(s.tp), s.recompute,
+            *(f"{v / div:.2f}" for v in (s.weights, s.grads, s.main_params, s.optimizer)),
+            acts, f"{s.buffer_bytes / div:.2f}",
+            f"{s.peak_transient / div:.2f}",
+            f"{s.peak / div:.2f}" + ("" if s.fits else " !"),
+            "-" if s.limit is None else f"{s.limit / div:.2f}"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    attention = sorted({s.attention for s in stages})
+    lines.append(f"memory per rank, {unit} (estimate: the stages' real chunks on fake tensors, "
+                 f"two micro-batches through megatron-core; attention {'/'.join(attention)}); "
+                 "'!' exceeds the stage's memory_gib")
+    return "\n".join(lines)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
+
+
+def refusal(stage: StageEstimate, topo, train) -> str:
+    """One line: the stage, estimate, limit, largest component, the levers."""
+    parts = stage.components()
+    largest = max(parts, key=parts.get)
+    what = f"{largest} {_size(parts[largest])}"
+    if largest == "activations":
+        what += " (" + " + ".join(
+            f"{n} micro-batch{'es' if n != 1 else ''} x {_size(a)}"
+            for a, n in zip(stage.activations, stage.inflight)) + " in flight)"
+    where = f"cluster.stages[{stage.index}]"
+    levers = []
+    if not stage.recompute.startswith("full"):
+        levers.append(f"recompute that stage ({where}.recompute.granularity="
+                      + ("full with method uniform, num_layers 1" if stage.recompute != "-"
+                         else "selective, or full with method uniform, num_layers 1") + ")")
+    levers.append(f"more TP ({where}.tp={2 * stage.tp})")
+    if stage.dp > 1 and not stage.distributed_optimizer:
+        levers.append("the distributed optimizer (train.distributed_optimizer=true)")
+    fewer = ["a smaller train.micro_batch_size"]
+    if getattr(train, "prefetch", 0):
+        fewer.insert(0, f"train.prefetch < {train.prefetch}")
+    if topo.u_shape and stage.index == 0 or not topo.u_shape and stage.index < topo.num_stages - 1:
+        fewer.insert(0, "fewer stages after it")
+    levers.append("fewer micro-batches in flight (" + ", ".join(fewer) + ")")
+    return (f"stage {stage.index} ({stage.name}, ranks {_ranks(stage.ranks)}) needs "
+            f"{_size(stage.peak)} per rank (estimate) but {where}.memory_gib="
+            f"{stage.limit / GIB:g}; the largest part is {what}; levers: " + "; ".join(levers))
+
+
+def check(cfg: dict, topo) -> tuple[str, str | None]:
+    """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
+    refusal (of the first stage that does not fit) None when every stage fits."""
+    from ldt.config import to_train
+    from ldt.memory import estimate
+
+    stages = estimate(cfg)
+    over = next((s for s in stages if not s.fits), None)
+    return table(stages), None if over is None else refusal(over, topo, to_train(cfg["train"]))

@@ -1,0 +1,136 @@
+"""Activation recomputation per stage, the memory estimate and the refusal before an
+out-of-memory (issue #24; docs/memory.md).
+
+Recomputation's parity (the same losses and gradients as without it, on every topology the
+suite checks) runs in the existing worlds: test_p2p_parity, test_ushape, test_seqpar, test_vdp,
+test_optimizer and test_train each have a recompute variant. This file holds what needs no
+world of its own: megatron's rules refused before any process starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ldt.config import ClusterConfig, ConfigError, ModelConfig, RecomputeConfig, StageConfig
+from ldt.validate import validate
+
+MODEL = ModelConfig(name="m", num_layers=6, hidden_size=64, num_attention_heads=4,
+                    ffn_hidden_size=128, vocab_size=256, seq_length=16)
+
+
+def _cluster(*recompute, layout="Et|tt|tt|tL"):
+    stages = [StageConfig(f"s{i}", "cpu", 1, recompute=r or RecomputeConfig())
+              for i, r in enumerate(recompute)]
+    return ClusterConfig(stages=stages, u_shape=True, layout=layout)
+
+
+@pytest.mark.parametrize("model,stage,match", [
+    ({"recompute_granularity": "full"}, None,
+     r"model.recompute_granularity=full needs model.recompute_method"),
+    ({"recompute_granularity": "full", "recompute_method": "uniform"}, None,
+     r"model.recompute_num_layers >= 1"),
+    ({"recompute_granularity": "selective", "recompute_num_layers": 2}, None,
+     r"model.recompute_num_layers=2 with model.recompute_granularity='selective'"),
+    ({"recompute_granularity": "partial"}, None, r"'partial' is not a recompute granularity"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, None,
+     r"'moe' is not a recomputable module.*core_attn, mlp, layernorm"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, None,
+     r"stage 0 \(s0\) with model.add_bias_linear=true.*drop mlp"),
+    ({}, RecomputeConfig("full", "block"),
+     r"cluster.stages\[1\].recompute.granularity=full needs.*num_layers >= 1"),
+    ({}, RecomputeConfig(None, "block", 1),
+     r"cluster.stages\[1\].recompute sets method / num_layers / modules without a granularity"),
+    ({}, RecomputeConfig("full", "uniform", 2, None),
+     r"cluster.stages\[1\].recompute.num_layers=2 with method uniform does not divide the 1 "
+     r"decoder layers of stage 1 \(s1\)"),
+])
+def test_recompute_megatron_refuses_is_refused_before_anything_starts(model, stage, match):
+    import dataclasses
+
+    cluster = _cluster(None, stage, None,
+                       layout="Et|t|tt|ttL" if stage and stage.method == "uniform" else
+                       "Et|tt|tt|tL")
+    with pytest.raises(ConfigError, match=match):
+        validate(cluster, dataclasses.replace(MODEL, **model) if model else MODEL,
+                 check_devices=False)
+
+
+def test_stage_recompute_overrides_the_model_and_none_turns_it_off():
+    import dataclasses
+
+    from ldt.models.recompute import stage_recompute, transformer_kwargs
+
+    model = dataclasses.replace(MODEL, recompute_granularity="selective")
+    cluster = _cluster(RecomputeConfig("full", "block", 1), None, RecomputeConfig("none"))
+    validate(cluster, model, check_devices=False)
+    got = [transformer_kwargs(stage_recompute(model, s)) for s in cluster.stages]
+    assert got == [{"recompute_granularity": "full", "recompute_method": "block",
+                    "recompute_num_layers": 1},
+                   {"recompute_granularity": "selective", "recompute_method": None,
+                    "recompute_num_layers": None},
+                   {}]
+
+
+def test_a_moe_model_is_refused_by_the_estimate_without_a_process():
+    from ldt.memory import estimate
+
+    with pytest.raises(ConfigError, match=r"model.num_moe_experts=8: the memory estimate does "
+                                          r"not cover MoE models.*ldt-plan prices"):
+        estimate({"model": {"num_moe_experts": 8}, "cluster": {}, "train": {}})
+
+
+# gpt_tiny's edge on cpu_demo (h 64, f 256, V 256, s 64, learned positions, biases, untied
+# head), counted by hand: embedding V*h + positions s*h, two layers of 2 LayerNorms (2h each),
+# QKV h*3h + 3h, projection h*h + h, fc1 h*f + f, fc2 f*h + h, the final LayerNorm 2h, head V*h
+H, F, V, S = 64, 256, 256, 64
+LAYER = 2 * 2 * H + H * 3 * H + 3 * H + H * H + H + H * F + F + F * H + H
+EDGE_PARAMS = V * H + S * H + 2 * LAYER + 2 * H + V * H
+
+
+@pytest.mark.timeout(120)
+def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, capsys,
+                                                                     monkeypatch):
+    """ldt-memory on cpu_demo: fp32 weights, gradients and Adam's two moments of the edge's
+    parameters counted by hand, and the U-shape edge holding its start chunk for all 4
+    micro-batches and its end chunk for one; a stated limit above the estimate fits."""
+    import ldt.memory
+    from ldt.tools.memory import main
+
+    got = []
+    real = ldt.memory.estimate
+    monkeypatch.setattr(ldt.memory, "estimate", lambda cfg: got.append(real(cfg)) or got[-1])
+    assert main(["cluster=cpu_demo", "cluster.stages.0.memory_gib=0.5",
+                 f"hydra.run.dir={tmp_path}"]) == 0
+    edge = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("0:edge"))
+    assert edge.split()[-1] == "512.00" and "!" not in edge  # the limit, MiB; fits
+    st = got[0][0]
+    assert st.weights == 4 * EDGE_PARAMS
+    # Adam: two fp32 moments and torch's fp32 step counter per parameter tensor (embedding 2,
+    # 12 per layer, final norm 2, head 1)
+    assert st.grads == st.weights and st.optimizer == 2 * st.weights + 4 * (2 + 2 * 12 + 2 + 1)
+    assert st.main_params == 0  # fp32 training: the parameters are the main parameters
+    assert st.inflight == (4, 1)
+
+
+@pytest.mark.timeout(120)
+def test_ldt_train_refuses_a_stage_over_its_memory_before_anything_starts(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", "cluster=cpu_demo",
+                           "cluster.stages.0.memory_gib=0.005", f"run_dir={run}"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert re.match(r"ldt: does not fit: stage 0 \(edge, ranks 0\) needs [\d.]+ MiB per rank "
+                    r"\(estimate\) but cluster.stages\[0\].memory_gib=0.005; the largest part "
+                    r"is activations [\d.]+ MiB \(4 micro-batches x .* \+ 1 micro-batch x .* in "
+                    r"flight\); levers: recompute that stage \(cluster.stages\[0\].recompute"
+                    r".*more TP \(cluster.stages\[0\].tp=2\).*fewer micro-batches in flight",
+                    lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr and not run.exists()
+    assert "step" not in proc.stdout  # nothing trained

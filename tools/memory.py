@@ -1,0 +1,60 @@
+"""``ldt-memory [hydra flags] [overrides]``: does this config fit, and where does the memory go?
+
+A Hydra app over the same ``conf/`` as ``ldt-train``: it validates the config (not the
+devices: a GPU/NPU cluster is estimated on any machine), prints the rank map and every stage's
+memory per rank (:mod:`ldt.memory`: the stages' real chunks on fake tensors, two micro-batches
+through megatron-core, times what the schedule keeps in flight), and starts nothing. Exit
+status 2 when a stage's estimate exceeds its ``cluster.stages[i].memory_gib`` (the line
+``ldt-train`` would refuse with), else 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from ldt.hydra_app import EXIT_CONFIG, run_app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_app(_estimate, argv, run_folder=False)
+
+
+def _estimate(cfg) -> int:
+    import time
+
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from ldt.config import to_train
+    from ldt.errors import one_line
+    from ldt.memory import estimate
+    from ldt.memory.report import refusal, table
+    from ldt.validate import validate
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        topo = validate(plain["cluster"], plain["model"], train=plain["train"],
+                        check_devices=False)
+    except ValueError as exc:  # ConfigError, LayoutError
+        print(f"ldt: invalid config: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG
+    choices = HydraConfig.get().runtime.choices
+    print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
+    print(topo.rank_map())
+    t0 = time.perf_counter()
+    try:
+        stages = estimate(plain)
+    except ValueError as exc:  # what the estimate cannot cover (a MoE model)
+        print(f"ldt: cannot estimate: {one_line(exc)}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(table(stages))
+    print(f"(estimated in {time.perf_counter() - t0:.1f} s)")
+    over = [s for s in stages if not s.fits]
+    for s in over:
+        print(f"ldt: does not fit: {refusal(s, topo, to_train(plain['train']))}", file=sys.stderr)
+    return EXIT_CONFIG if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
