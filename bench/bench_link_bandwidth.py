@@ -7,11 +7,12 @@ stage 1 and waits until every rank of stage 1 has it (between two world barriers
 
 * megatron-core's own ``P2PCommunicator`` on ``initialize_model_parallel(2, 2)``: every TP rank
   sends its copy to its peer on the other host, so TP copies share the link;
-* ldt's ``VtpCommunicator``: the leader sends one copy, stage 1's leader broadcasts it to its
-  TP peer over host 1's loopback.
+* ldt's ``VtpCommunicator``: the leader sends one copy, stage 1's leader relays it to its
+  TP peer over host 1's loopback, piece by piece as the pieces arrive (``ldt.boundary.relay``);
+* *ldt whole*: the same, one piece (the relay starts when the whole message arrived).
 
-Both paths run in the same world, alternating, on the same link; the same world runs once
-with the link limited and once unlimited (bare veth), so the table shows where the boundary
+All paths run in one world, alternating, on the same link; such a world runs per link (host
+0 limited to 400 and to 2000 Mbit/s, and a bare veth), so the table shows where the boundary
 transfer dominates. Prints a table and one JSON line (``link_bandwidth``).
 """
 
@@ -25,6 +26,7 @@ import tempfile
 
 SHAPE = (1024, 1, 1024)  # seq, mbs, hidden: 4 MiB of fp32
 RATE_MBIT = 400
+FAST_MBIT = 2000  # a link where host 1's relay is a large share of the transfer
 REPS = 12
 TP = 2
 
@@ -56,7 +58,8 @@ def _worker(out_path: str) -> None:
     topo = Topology.from_config(ClusterConfig(stages=[StageConfig("a", "cpu", TP),
                                                       StageConfig("b", "cpu", TP)]))
     state = ldt.initialize_vtp(topo, timeout_s=120)
-    vcomm = VtpCommunicator(cfg, state)
+    vcomm, whole = VtpCommunicator(cfg, state), VtpCommunicator(cfg, state)
+    whole.piece_unit_bytes = 1 << 62  # every message one piece
     got = {}
 
     def megatron_step():
@@ -65,21 +68,23 @@ def _worker(out_path: str) -> None:
         else:
             got["m"] = mcomm.recv_forward(SHAPE, is_first_stage=False)
 
-    def ldt_step():
+    def ldt_step(comm, key):
         if state.stage == 0:
-            vcomm.send_forward(act, is_last_stage=False)
+            comm.send_forward(act, is_last_stage=False)
         else:
-            got["l"] = vcomm.recv_forward(SHAPE, is_first_stage=False)
+            got[key] = comm.recv_forward(SHAPE, is_first_stage=False)
 
-    steps = {"megatron": megatron_step, "ldt": ldt_step}
+    steps = {"megatron": megatron_step, "ldt": lambda: ldt_step(vcomm, "l"),
+             "ldt whole": lambda: ldt_step(whole, "w")}
     for fn in steps.values():  # warm-up: connections, TCP windows
         timed_step(fn)
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(REPS):
-        for name in (("megatron", "ldt") if i % 2 == 0 else ("ldt", "megatron")):
+        for name in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
             times[name].append(timed_step(steps[name]))
-    if not first:  # both paths delivered the same tensor to every rank of stage 1
+    if not first:  # every path delivered the same tensor to every rank of stage 1
         assert torch.equal(got["m"], got["l"]), "megatron and ldt received different data"
+        assert torch.equal(got["m"], got["w"]), "megatron and ldt whole received different data"
     ldt.destroy_vtp()
     ps.destroy_model_parallel()
     patches.revert()
@@ -107,7 +112,8 @@ def _run(rate_mbit) -> dict:
             times = json.load(f)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"rate_mbit": rate_mbit, "megatron_s": med["megatron"], "ldt_s": med["ldt"],
-            "ratio": med["ldt"] / med["megatron"],
+            "ratio": med["ldt"] / med["megatron"], "whole_s": med["ldt whole"],
+            "ratio_whole": med["ldt whole"] / med["megatron"],
             "pair_ratios": [a / b for a, b in zip(times["ldt"], times["megatron"])],
             "ratio_spread": spread(a / b for a, b in zip(times["ldt"], times["megatron"]))}
 
@@ -121,28 +127,32 @@ def main() -> dict:
         print(f"skipped: {reason}")
         return {"bench": "link_bandwidth", "skipped": reason}
     load = machine_load()
-    rows = [_run(RATE_MBIT), _run(None)]
+    rows = [_run(RATE_MBIT), _run(FAST_MBIT), _run(None)]
     nbytes = SHAPE[0] * SHAPE[1] * SHAPE[2] * 4
     print(f"one activation {SHAPE} fp32 ({nbytes / 2**20:.0f} MiB), stage 0 (host 0, TP {TP}) "
           f"-> stage 1 (host 1, TP {TP}); median of {REPS}, alternating")
     print(f"{'host 0 link':>14} {'megatron ms':>12} {'ldt ms':>9} {'ldt/megatron':>13} "
-          f"{'megatron MB/s':>14} {'ldt MB/s':>9}")
+          f"{'megatron MB/s':>14} {'ldt MB/s':>9} {'whole ms':>9} {'whole/megatron':>15}")
     for r in rows:
         link = f"{r['rate_mbit']} Mbit/s" if r["rate_mbit"] else "unlimited"
         print(f"{link:>14} {r['megatron_s'] * 1e3:12.1f} {r['ldt_s'] * 1e3:9.1f} "
               f"{r['ratio']:13.3f} {TP * nbytes / r['megatron_s'] / 1e6:14.1f} "
-              f"{nbytes / r['ldt_s'] / 1e6:9.1f}")
-    limited, free = rows
+              f"{nbytes / r['ldt_s'] / 1e6:9.1f} {r['whole_s'] * 1e3:9.1f} "
+              f"{r['ratio_whole']:15.3f}")
+    limited, fast, free = rows
     wire = nbytes / (RATE_MBIT * 1e6 / 8)
     print(f"  limited link: megatron moves {TP} copies ({TP * wire * 1e3:.0f} ms at line rate), "
-          f"ldt one ({wire * 1e3:.0f} ms) plus host 1's loopback broadcast; ideal ratio 1/{TP}")
+          f"ldt one ({wire * 1e3:.0f} ms) plus host 1's loopback relay; ideal ratio 1/{TP}")
     out = {"bench": "link_bandwidth", "ratio": round(limited["ratio"], 3), "tp": TP,
            "rate_mbit": RATE_MBIT, "mib": round(nbytes / 2**20, 2),
            "megatron_ms": round(limited["megatron_s"] * 1e3, 1),
            "ldt_ms": round(limited["ldt_s"] * 1e3, 1),
            "ratio_unlimited": round(free["ratio"], 3),
+           "ratio_whole": round(limited["ratio_whole"], 3),
+           "ratio_fast": round(fast["ratio"], 3), "ratio_fast_whole": round(fast["ratio_whole"], 3),
            "ratio_spread": limited["ratio_spread"],
-           "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]}}
+           "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]},
+           "ratio_whole_unlimited": round(free["ratio_whole"], 3)}
     print(json.dumps(out))
     return out
 

@@ -7,12 +7,20 @@ world holding both: megatron-core's groups (``initialize_model_parallel(2, 2)``,
 [seq, mbs, hidden] from stage 0 to stage 1 and waits until every rank of stage 1 has it (timed
 between two world barriers: the slowest rank). Per size: WARMUP rounds of both paths discarded
 (gloo connections, buffers), then REPS rounds alternating which path goes first (ABBA), so load
-drift hits both; the figure is the median of the per-round ratios ldt / megatron, with its
+drift hits both (more rounds for the small sizes, whose rounds are short and spread
+widely); the figure is the median of the per-round ratios ldt / megatron, with its
 quartiles and each path's median. Every rank of stage 1 checks it received the sent tensor, on
-both paths. Prints a table and one JSON line (with the machine's load before and after).
+every path. Prints a table and one JSON line (with the machine's load before and after).
+
+A third path, *ldt whole*, is ldt with the relay unpipelined (every message one piece, as
+before issue #27): ldt / megatron is the figure, whole / megatron what pieces changed.
+``--units 32768,131072`` adds one ldt path per piece unit (``VtpCommunicator.piece_unit_bytes``),
+the measurement its default was chosen from.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -20,9 +28,14 @@ from bench.common import abba, emit, machine_load, spread, timed_step
 
 SIZES = [(128, 1, 256), (512, 1, 512), (1024, 2, 1024), (2048, 2, 2048)]  # seq, mbs, hidden
 REPS, WARMUP = 15, 2
+SMALL_REPS = 61  # below 8 MiB a round takes ~1-3 ms and its ratio spreads 0.5-3x on 2 shared
+#                  cores: 4x the rounds for a stable median, at a cost of well under a second
 
 
-def _worker(rank, world, sizes, reps, warmup):
+WHOLE = 1 << 62  # a piece unit no message reaches: one piece
+
+
+def _worker(rank, world, sizes, reps, warmup, units=()):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -46,7 +59,10 @@ def _worker(rank, world, sizes, reps, warmup):
     mcomm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), cfg)
     first = ps.is_pipeline_first_stage()
     state = ldt.initialize_vtp(topo, timeout_s=120)
-    vcomm = VtpCommunicator(cfg, state)
+    vcomms = {"ldt": VtpCommunicator(cfg, state)}
+    for name, unit in [("ldt whole", WHOLE)] + [(f"ldt unit {u}", u) for u in units]:
+        vcomms[name] = VtpCommunicator(cfg, state)
+        vcomms[name].piece_unit_bytes = unit
     assert (state.stage == 0) == first, "rank maps differ"
     rows = []
     for shape in sizes:
@@ -54,14 +70,15 @@ def _worker(rank, world, sizes, reps, warmup):
         got = {}
 
         def step(path):
-            comm = mcomm if path == "megatron" else vcomm
+            comm = mcomm if path == "megatron" else vcomms[path]
             if first:
                 comm.send_forward(act, is_last_stage=False)
             else:
                 got[path] = comm.recv_forward(shape, is_first_stage=False)
 
-        rounds = abba(lambda path: timed_step(lambda: step(path)), ["megatron", "ldt"], reps,
-                      warmup)
+        small = act.numel() * 4 < 8 * 2**20
+        rounds = abba(lambda path: timed_step(lambda: step(path)), ["megatron", *vcomms],
+                      max(reps, SMALL_REPS) if small else reps, warmup)
         if not first:  # both paths delivered the activation to every rank of stage 1
             for path, tensor in got.items():
                 if not torch.equal(tensor.detach(), act):
@@ -73,30 +90,38 @@ def _worker(rank, world, sizes, reps, warmup):
     return rows
 
 
-def main() -> dict:
+def main(argv=None) -> dict:
     from ldt.launch import run_local_world
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", default="", help="comma-separated piece units to add")
+    units = [int(u) for u in parser.parse_args(argv or []).units.split(",") if u]
     load = machine_load()
-    rows = run_local_world(4, _worker, (SIZES, REPS, WARMUP), timeout_s=300)[0]
+    rows = run_local_world(4, _worker, (SIZES, REPS, WARMUP, units), timeout_s=300)[0]
+    paths = [p for p in rows[0]["rounds"][0] if p != "megatron"]
     print(f"boundary transfer, 2 stages x TP 2 on CPU/gloo, one world; {WARMUP} warm-up rounds "
-          f"discarded, then {REPS} alternating (ABBA); load before {load['loadavg']}")
-    print(f"{'shape':>18} {'MiB':>7} {'megatron ms':>12} {'ldt ms':>9} {'ldt/megatron':>13} "
-          f"{'quartiles':>14}")
+          f"discarded, then {REPS} alternating (ABBA; {SMALL_REPS} below 8 MiB); load before "
+          f"{load['loadavg']}")
+    print(f"{'shape':>18} {'MiB':>7} {'megatron ms':>12} " +
+          " ".join(f"{p + ' ms':>12} {p + '/megatron':>16} {'quartiles':>12}" for p in paths))
     for r in rows:
-        r["megatron"] = spread(x["megatron"] * 1e3 for x in r["rounds"])
-        r["ldt"] = spread(x["ldt"] * 1e3 for x in r["rounds"])
-        r["ratio"] = spread(x["ldt"] / x["megatron"] for x in r["rounds"])
+        r["ms"] = {p: spread(x[p] * 1e3 for x in r["rounds"]) for p in ["megatron", *paths]}
+        r["ratio"] = {p: spread(x[p] / x["megatron"] for x in r["rounds"]) for p in paths}
         print(f"{str(tuple(r['shape'])):>18} {r['bytes'] / 2**20:7.2f} "
-              f"{r['megatron']['median']:12.3f} {r['ldt']['median']:9.3f} "
-              f"{r['ratio']['median']:13.3f} {r['ratio']['q1']:6.3f}-{r['ratio']['q3']:.3f}")
+              f"{r['ms']['megatron']['median']:12.3f} " +
+              " ".join(f"{r['ms'][p]['median']:12.3f} {r['ratio'][p]['median']:16.3f} "
+                       f"{r['ratio'][p]['q1']:5.3f}-{r['ratio'][p]['q3']:.3f}" for p in paths))
     name = lambda r: "x".join(map(str, r["shape"]))  # noqa: E731
     return emit({"bench": "p2p_boundary", "method": f"one world, {WARMUP} warm-up rounds "
-                 f"discarded, {REPS} ABBA rounds, median of per-round ratios",
-                 "ratios": {name(r): r["ratio"]["median"] for r in rows},
+                 f"discarded, {REPS} ABBA rounds ({SMALL_REPS} below 8 MiB), median of "
+                 "per-round ratios",
+                 "ratios": {name(r): r["ratio"]["ldt"]["median"] for r in rows},
+                 "ratios_whole": {name(r): r["ratio"]["ldt whole"]["median"] for r in rows},
                  "ratio_spread": {name(r): r["ratio"] for r in rows},
-                 "megatron_ms": {name(r): r["megatron"] for r in rows},
-                 "ldt_ms": {name(r): r["ldt"] for r in rows}}, load_before=load)
+                 "ms": {name(r): r["ms"] for r in rows}}, load_before=load)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(sys.argv[1:])

@@ -212,9 +212,12 @@ def variant_topology(topo, v: dict):
 
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
-    "forward_only": bool, "recompute": see :func:`recompute_kwargs`}) in one world."""
+    "forward_only": bool, "recompute": see :func:`recompute_kwargs`, "piece_bytes": int}) in
+    one world. ``piece_bytes``: the relay's piece unit (ldt.boundary.relay), small enough to
+    split this tiny model's messages."""
     import ldt
     from ldt import patches
+    from ldt.boundary.communicator import VtpCommunicator
 
     results = []
     for v in variants:
@@ -222,11 +225,16 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         audit = AuditLog()
         state = _setup(t, observers=[audit])
         Tripwire.touched = False
-        with RecomputeCount() as recomputed:
-            losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
-                                          overlap=v.get("overlap", False),
-                                          forward_only=v.get("forward_only", False),
-                                          recompute=v.get("recompute"))
+        default_unit = VtpCommunicator.piece_unit_bytes
+        VtpCommunicator.piece_unit_bytes = v.get("piece_bytes", default_unit)
+        try:
+            with RecomputeCount() as recomputed:
+                losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
+                                              overlap=v.get("overlap", False),
+                                              forward_only=v.get("forward_only", False),
+                                              recompute=v.get("recompute"))
+        finally:
+            VtpCommunicator.piece_unit_bytes = default_unit
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
                         "touched_data": Tripwire.touched, "recomputed": recomputed.calls})

@@ -32,7 +32,12 @@ RECOMPUTE_VARIANTS = [
     {"name": "interleaved_recompute_full", "vpp": 2, "recompute": FULL_UNIFORM},
 ]
 CASES = {
-    "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True}]
+    "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True},
+                                     # every message in pieces (ldt.boundary.relay)
+                                     {"name": "interleaved_overlap_pieces", "vpp": 2,
+                                      "overlap": True, "piece_bytes": 64},
+                                     {"name": "1f1b_host_staged_pieces", "host_staging": True,
+                                      "piece_bytes": 64}]
               + RECOMPUTE_VARIANTS),
     "tp12_ring": ([1, 2], VARIANTS),
     "tp22_uniform": ([2, 2], VARIANTS),

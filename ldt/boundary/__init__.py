@@ -10,6 +10,8 @@ A boundary transfer, in the order it happens:
    broadcast; :class:`~ldt.boundary.communicator.VtpCommunicator` is megatron-core's
    ``P2PCommunicator`` with that ``_communicate``, and the reference implementation's
    functional API (``vtp_send_forward`` and its siblings) sits on it.
+   A large message crosses in pieces, relayed in the receiving stage (and gathered in a
+   sequence-parallel sending one) piece by piece as they arrive: :mod:`ldt.boundary.relay`.
 3. :mod:`ldt.boundary.work`: the handles a transfer returns (``wait()`` = leader receive, then
    the broadcast or scatter), the emulated link delay, and the error that names the boundary.
 4. :mod:`ldt.boundary.lanes`: with per-stage data parallelism, which replica of the

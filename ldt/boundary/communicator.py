@@ -16,6 +16,7 @@ schedules run unmodified on top of it.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Optional, Protocol
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
+from ldt.boundary.relay import PIECE_UNIT_BYTES, PieceGather, PieceRelay, flat, pieces
 from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
 from ldt.device import torch_device
@@ -47,6 +49,10 @@ class BoundaryObserver(Protocol):
 
 class VtpCommunicator(P2PCommunicator):
     """Megatron's P2PCommunicator with VTP stage boundaries underneath."""
+
+    # a large message crosses in pieces of about sqrt(bytes * this) (ldt.boundary.relay);
+    # both ends of a boundary must use the same value (benchmarks change it on every rank)
+    piece_unit_bytes = PIECE_UNIT_BYTES
 
     def __init__(self, config, state: Optional[VtpState] = None,
                  observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
@@ -99,33 +105,57 @@ class VtpCommunicator(P2PCommunicator):
         """Send to ``peer_stage`` (activations forward, gradients backward); None off-leader.
         Every rank of the stage calls it: a sequence-parallel stage gathers on the leader.
         ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
-        whole = self.layout.gather(tensor, self.state.tp_group, self.state.stage_ranks[0],
-                                   self.state.is_leader)
-        if not self.state.is_leader:
+        state, layout = self.state, self.layout
+        full_shape = layout.full_shape(tensor.shape)
+        bounds = pieces(math.prod(full_shape), tensor.element_size(), self.piece_unit_bytes)
+        # piece by piece, a sequence-parallel leader sends while it still gathers; the send
+        # transforms (noise) need the whole tensor first
+        gather = (PieceGather(bounds, layout, tensor, state.tp_group, state.stage_ranks,
+                              state.stage_ranks.index(state.info.rank))
+                  if layout.sharded and len(bounds) > 1 and not self.send_transforms else None)
+        whole = gather.whole if gather is not None else layout.gather(
+            tensor, state.tp_group, state.stage_ranks[0], state.is_leader)
+        if not state.is_leader:
             return None
-        src, dst = self.state.stage, peer_stage
-        mine = self.state.info.dp_rank
+        src, dst = state.stage, peer_stage
+        mine = state.info.dp_rank
         peer = mine if peer_replica is None else peer_replica
         plan, group = self._boundary(src, dst, direction, (mine, peer))
         payload = whole.detach()
         for transform in self.send_transforms:
             payload = transform(payload, src, dst, direction)
-        if plan.host_staged:
+        if plan.host_staged and gather is None:
             payload = payload.to("cpu", copy=True)
         payload = payload.contiguous()
-        for obs in self.observers:
-            obs.on_send(src, dst, direction, payload)
-        dst_rank = self.state.topology.leader(peer_stage, peer)
+        if gather is None:
+            for obs in self.observers:
+                obs.on_send(src, dst, direction, payload)
+        dst_rank = state.topology.leader(peer_stage, peer)
         what = self._describe("send", src, dst, direction, dst_rank)
         works, keep = [], [payload]
         try:
-            if self.layout.variable_seq_lengths:  # the shape first, as megatron does
-                work, buf = send_shape(payload.shape, dst_rank, group, direction, payload.device)
+            if layout.variable_seq_lengths:  # the shape first, as megatron does
+                work, buf = send_shape(payload.shape, dst_rank, group, direction,
+                                       "cpu" if plan.host_staged else payload.device)
                 works.append(work)
                 keep.append(buf)
-            works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
+            if len(bounds) == 1:
+                works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
+            else:  # in pieces (ldt.boundary.relay), each as soon as it is gathered
+                for k, (a, b) in enumerate(bounds):
+                    part = flat(payload)[a:b]
+                    if gather is not None:
+                        gather.wait_piece(k)
+                        if plan.host_staged:
+                            part = part.to("cpu", copy=True)
+                            keep.append(part)
+                    works.append(dist.isend(part, dst=dst_rank, group=group,
+                                            tag=_TAGS[direction]))
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
+        if gather is not None:  # the whole tensor is there now
+            for obs in self.observers:
+                obs.on_send(src, dst, direction, payload)
         return SendWork(works, keep, what)
 
     def recv(self, shape, peer_stage: int, direction: str,
@@ -158,6 +188,7 @@ class VtpCommunicator(P2PCommunicator):
                 raise boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
             shape = layout.local_shape(whole_shape)
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
+        bounds = pieces(math.prod(whole_shape), tensor.element_size(), self.piece_unit_bytes)
         if leader:
             target = tensor.detach()
             if layout.sharded:
@@ -165,11 +196,18 @@ class VtpCommunicator(P2PCommunicator):
             if plan.host_staged:
                 staged = torch.empty(whole_shape, dtype=dtype, device="cpu")
                 target = staged
+            parts = [target] if len(bounds) == 1 else [flat(target)[a:b] for a, b in bounds]
             try:
-                works.append(dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction]))
+                works += [dist.irecv(part, src=src_rank, group=group, tag=_TAGS[direction])
+                          for part in parts]
             except Exception as exc:
                 raise boundary_error(what, time.monotonic(), exc) from exc
             delay_s = plan.delay_ms / 1e3
+        relay = None
+        if len(bounds) > 1:  # relayed piece by piece as the pieces arrive
+            relay = PieceRelay(bounds, layout, tensor, full, staged, self.state.tp_group,
+                               self.state.stage_ranks,
+                               self.state.stage_ranks.index(self.state.info.rank))
         src, dst = peer_stage, self.state.stage
 
         def on_ready(t: torch.Tensor) -> None:
@@ -180,7 +218,7 @@ class VtpCommunicator(P2PCommunicator):
             tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
             stage_size=len(self.state.stage_ranks), staged=staged,
             on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
-            layout=layout, full=full)
+            layout=layout, full=full, relay=relay)
 
     def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
         """Activations travel along a boundary's arrow (src -> dst), gradients against it.

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ldt.boundary.layout import SequenceLayout
+from ldt.boundary.relay import PieceRelay
 
 
 class BoundaryError(RuntimeError):
@@ -49,13 +50,16 @@ class RecvWork:
     On the leader, ``wait()`` first waits its irecv(s) (and copies host-staged data to the
     device); then every rank of the stage joins the broadcast from the leader, skipped for a
     one-rank stage. Ranks of a stage run the same schedule, so they wait in the same order.
+    A message in pieces (``relay``, :mod:`ldt.boundary.relay`): ``works`` are its pieces'
+    irecvs, and the leader relays each piece as soon as it arrived.
     """
 
     def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
                  stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
                  what: str = "receive", delay_s: float = 0.0,
-                 layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None):
-        self.tensor = tensor
+                 layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None,
+                 relay: Optional[PieceRelay] = None):
+        self.tensor, self._relay = tensor, relay
         # a sequence-parallel stage: the leader receives ``full`` and scatters it
         self._layout, self._full = layout, full
         self._works, self._tp_group, self._leader = works, tp_group, leader
@@ -67,24 +71,35 @@ class RecvWork:
         if self._done:
             return
         try:
-            if self._delay is not None:
-                self._delay.wait()  # it waited the works (a gloo work must be waited once)
+            if self._relay is not None:
+                self._relay.run(self._arrivals())
             else:
-                for w in self._works:
-                    w.wait()
-            buf = self.tensor.detach()
-            whole = buf if self._full is None else self._full
-            if self._staged is not None:
-                whole.copy_(self._staged)
-            if self._layout is not None:  # broadcast, or the sequence scatter
-                self._layout.distribute(self._full, buf, self._tp_group, self._leader)
-            elif self._stage_size > 1:  # a non-leader's receive is this broadcast
-                dist.broadcast(buf, src=self._leader, group=self._tp_group)
+                self._receive_whole()
         except Exception as exc:
             raise boundary_error(self._what, self._posted, exc) from exc
         self._done = True
         if self._on_ready is not None:
             self._on_ready(self.tensor if self._full is None else self._full)
+
+    def _arrivals(self) -> list:
+        """The pieces' irecvs to wait (None: the link delay's helper waited them already)."""
+        if self._delay is None:
+            return self._works
+        self._delay.wait()  # it waited the works (a gloo work must be waited once)
+        return [None] * len(self._works)
+
+    def _receive_whole(self) -> None:
+        for w in self._arrivals():
+            if w is not None:
+                w.wait()
+        buf = self.tensor.detach()
+        whole = buf if self._full is None else self._full
+        if self._staged is not None:
+            whole.copy_(self._staged)
+        if self._layout is not None:  # broadcast, or the sequence scatter
+            self._layout.distribute(self._full, buf, self._tp_group, self._leader)
+        elif self._stage_size > 1:  # a non-leader's receive is this broadcast
+            dist.broadcast(buf, src=self._leader, group=self._tp_group)
 
     def is_completed(self) -> bool:
         return self._done
