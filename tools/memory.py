@@ -23,25 +23,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _estimate(cfg) -> int:
     import time
 
-    from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from ldt.config import to_train
     from ldt.errors import one_line
     from ldt.memory import estimate
     from ldt.memory.report import refusal, table
-    from ldt.validate import validate
+    from tools.rankmap import show_rank_map
 
-    try:
-        plain = OmegaConf.to_container(cfg, resolve=True)
-        topo = validate(plain["cluster"], plain["model"], train=plain["train"],
-                        check_devices=False)
-    except ValueError as exc:  # ConfigError, LayoutError
-        print(f"ldt: invalid config: {one_line(exc)}", file=sys.stderr)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    topo = show_rank_map(cfg)
+    if topo is None:
         return EXIT_CONFIG
-    choices = HydraConfig.get().runtime.choices
-    print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
-    print(topo.rank_map())
     t0 = time.perf_counter()
     try:
         stages = estimate(plain)

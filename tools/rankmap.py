@@ -19,18 +19,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _print_rank_map(cfg) -> int:
+    return 0 if show_rank_map(cfg) is not None else EXIT_CONFIG
+
+
+def show_rank_map(cfg):
+    """Validate ``cfg`` (not the devices) and print which config it is and its rank map; the
+    Topology, or None after printing the refusal in one line. (ldt-memory starts the same way.)"""
     from hydra.core.hydra_config import HydraConfig
+
+    from ldt.errors import one_line
 
     try:
         topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,
                         check_devices=False)
     except ValueError as exc:  # ConfigError, LayoutError
-        print(f"ldt: invalid config: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        print(f"ldt: invalid config: {one_line(exc)}", file=sys.stderr)
+        return None
     choices = HydraConfig.get().runtime.choices
     print(f"cluster={choices.get('cluster')} model={choices.get('model')}")
     print(topo.rank_map())
-    return 0
+    return topo
 
 
 if __name__ == "__main__":
