@@ -29,7 +29,7 @@ def _estimate(cfg) -> int:
     from ldt.errors import one_line
     from ldt.memory import estimate
     from ldt.memory.report import refusal, table
-    from tools.rankmap import show_rank_map
+    from ldt.tools.rankmap import show_rank_map
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     topo = show_rank_map(cfg)
