@@ -12,9 +12,12 @@ widely); the figure is the median of the per-round ratios ldt / megatron, with i
 quartiles and each path's median. Every rank of stage 1 checks it received the sent tensor, on
 every path. Prints a table and one JSON line (with the machine's load before and after).
 
-A third path, *ldt whole*, is ldt with the relay unpipelined (every message one piece, as
-before issue #27): ldt / megatron is the figure, whole / megatron what pieces changed.
-``--units 32768,131072`` adds one ldt path per piece unit (``VtpCommunicator.piece_unit_bytes``),
+*ldt* is what ``ldt-train`` does here (``cluster.boundary_fanout=auto``: both stages on one
+node, so stage 0's leader sends its copy straight to both TP ranks of stage 1). Two more
+paths show what the alternatives cost: *ldt relay* (``never``: one copy to stage 1's leader,
+which relays it in pieces as they arrive, as between nodes) and *ldt whole* (the relay
+unpipelined, every message one piece, as before issue #27).
+``--units 32768,131072`` adds one relay path per piece unit (``VtpCommunicator.piece_unit_bytes``),
 the measurement its default was chosen from.
 """
 
@@ -27,9 +30,16 @@ import torch
 from bench.common import abba, emit, machine_load, spread, timed_step
 
 SIZES = [(128, 1, 256), (512, 1, 512), (1024, 2, 1024), (2048, 2, 2048)]  # seq, mbs, hidden
-REPS, WARMUP = 15, 2
-SMALL_REPS = 61  # below 8 MiB a round takes ~1-3 ms and its ratio spreads 0.5-3x on 2 shared
-#                  cores: 4x the rounds for a stable median, at a cost of well under a second
+REPS, WARMUP = 31, 2
+ROUND_BYTES = 32 * 2**20  # a round moves about this much: small messages back to back
+
+
+def transfers_per_round(nbytes: int) -> int:
+    """Transfers timed together in one round (one after the other, each waited, as a pipeline
+    sends one per micro-batch): a lone transfer of a small message takes ~1 ms, and the two
+    world barriers around a round wake 4 processes on 2 cores with a spread of the same size
+    (measured: per-round ratios 0.17-7.1 at 0.12 MiB with one transfer per round)."""
+    return max(1, min(64, ROUND_BYTES // nbytes))
 
 
 WHOLE = 1 << 62  # a piece unit no message reaches: one piece
@@ -60,30 +70,35 @@ def _worker(rank, world, sizes, reps, warmup, units=()):
     first = ps.is_pipeline_first_stage()
     state = ldt.initialize_vtp(topo, timeout_s=120)
     vcomms = {"ldt": VtpCommunicator(cfg, state)}
-    for name, unit in [("ldt whole", WHOLE)] + [(f"ldt unit {u}", u) for u in units]:
+    for name, unit in ([("ldt relay", None), ("ldt whole", WHOLE)]
+                       + [(f"ldt unit {u}", u) for u in units]):
         vcomms[name] = VtpCommunicator(cfg, state)
-        vcomms[name].piece_unit_bytes = unit
+        vcomms[name].boundary_fanout = "never"
+        vcomms[name].piece_unit_bytes = unit or vcomms[name].piece_unit_bytes
     assert (state.stage == 0) == first, "rank maps differ"
     rows = []
     for shape in sizes:
         act = torch.randn(shape, generator=torch.Generator().manual_seed(len(rows)))
         got = {}
 
+        burst = transfers_per_round(act.numel() * 4)
+
         def step(path):
             comm = mcomm if path == "megatron" else vcomms[path]
-            if first:
-                comm.send_forward(act, is_last_stage=False)
-            else:
-                got[path] = comm.recv_forward(shape, is_first_stage=False)
+            for _ in range(burst):
+                if first:
+                    comm.send_forward(act, is_last_stage=False)
+                else:
+                    got[path] = comm.recv_forward(shape, is_first_stage=False)
 
-        small = act.numel() * 4 < 8 * 2**20
-        rounds = abba(lambda path: timed_step(lambda: step(path)), ["megatron", *vcomms],
-                      max(reps, SMALL_REPS) if small else reps, warmup)
+        rounds = abba(lambda path: timed_step(lambda: step(path)) / burst,
+                      ["megatron", *vcomms], reps, warmup)
         if not first:  # both paths delivered the activation to every rank of stage 1
             for path, tensor in got.items():
                 if not torch.equal(tensor.detach(), act):
                     raise RuntimeError(f"{path}: rank {rank} received a different tensor")
-        rows.append({"shape": list(shape), "bytes": act.numel() * 4, "rounds": rounds})
+        rows.append({"shape": list(shape), "bytes": act.numel() * 4, "burst": burst,
+                     "rounds": rounds})
     patches.revert()
     ldt.destroy_vtp()
     dist.barrier()
@@ -100,7 +115,8 @@ def main(argv=None) -> dict:
     rows = run_local_world(4, _worker, (SIZES, REPS, WARMUP, units), timeout_s=300)[0]
     paths = [p for p in rows[0]["rounds"][0] if p != "megatron"]
     print(f"boundary transfer, 2 stages x TP 2 on CPU/gloo, one world; {WARMUP} warm-up rounds "
-          f"discarded, then {REPS} alternating (ABBA; {SMALL_REPS} below 8 MiB); load before "
+          f"discarded, then {REPS} alternating (ABBA), a round "
+          f"of {ROUND_BYTES >> 20} MiB (small messages back to back); load before "
           f"{load['loadavg']}")
     print(f"{'shape':>18} {'MiB':>7} {'megatron ms':>12} " +
           " ".join(f"{p + ' ms':>12} {p + '/megatron':>16} {'quartiles':>12}" for p in paths))
@@ -113,9 +129,11 @@ def main(argv=None) -> dict:
                        f"{r['ratio'][p]['q1']:5.3f}-{r['ratio'][p]['q3']:.3f}" for p in paths))
     name = lambda r: "x".join(map(str, r["shape"]))  # noqa: E731
     return emit({"bench": "p2p_boundary", "method": f"one world, {WARMUP} warm-up rounds "
-                 f"discarded, {REPS} ABBA rounds ({SMALL_REPS} below 8 MiB), median of "
+                 f"discarded, {REPS} ABBA rounds of ~{ROUND_BYTES >> 20} MiB (small messages back "
+                 "to back, at most 64), median of "
                  "per-round ratios",
                  "ratios": {name(r): r["ratio"]["ldt"]["median"] for r in rows},
+                 "ratios_relay": {name(r): r["ratio"]["ldt relay"]["median"] for r in rows},
                  "ratios_whole": {name(r): r["ratio"]["ldt whole"]["median"] for r in rows},
                  "ratio_spread": {name(r): r["ratio"] for r in rows},
                  "ms": {name(r): r["ms"] for r in rows}}, load_before=load)

@@ -71,7 +71,9 @@ def _worker(out_path: str) -> None:
         """This rank's state with ``ms`` on the edge's links (what cluster.link_delay_ms sets)."""
         groups = {key: (dataclasses.replace(plan, delay_ms=ms if 0 in key else 0.0), group)
                   for key, (plan, group) in state.boundary_groups.items()}
-        return dataclasses.replace(state, boundary_groups=groups)
+        fanout = {key: (dataclasses.replace(plan, delay_ms=ms if 0 in key else 0.0), *rest)
+                  for key, (plan, *rest) in state.fanout_groups.items()}
+        return dataclasses.replace(state, boundary_groups=groups, fanout_groups=fanout)
 
     def run(prefetch: int, st, record: bool = False):
         zero_grads(models)

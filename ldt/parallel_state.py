@@ -9,6 +9,9 @@
   boundary is host-staged). One group per *directed* boundary means a two-stage ring, where
   prev == next, still has one FIFO channel per (group, direction): a forward activation can
   never match a backward gradient, even on NCCL which ignores tags;
+- where a leader may send straight to every TP rank across a boundary
+  (:meth:`~ldt.topology.Topology.fanout_boundaries`), one group per directed boundary holding
+  every rank of both stages, and whether those ranks share one node (gathered once);
 - a gloo group of all leaders of a replica (the cross-stage channel for scalars, and for the
   cross-stage groups below);
 - the groups megatron-core runs collectives on that span stages (:mod:`ldt.cross_stage`): the
@@ -28,6 +31,8 @@ functions, so the active :class:`VtpState` is kept here; new code should pass th
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence
@@ -67,6 +72,11 @@ class VtpState:
     pp_group: StagePipelineGroup
     # directed boundary (src_stage, dst_stage) -> (plan, group); only on the two leaders
     boundary_groups: dict[tuple[int, int], tuple[BoundaryPlan, dist.ProcessGroup]] = field(
+        default_factory=dict)
+    # directed boundary -> (plan, group of every rank of both stages, whether they share one
+    # node), on those ranks, where a leader may send to every TP rank across
+    # (Topology.fanout_boundaries)
+    fanout_groups: dict[tuple[int, int], tuple[BoundaryPlan, dist.ProcessGroup, bool]] = field(
         default_factory=dict)
     # megatron's embedding / position-embedding groups (None where this rank has no copy) and
     # their members as this rank sees them (also set on ranks outside, as megatron does)
@@ -201,6 +211,9 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
         if g is not None:
             mine["tp_dp"] = g
     boundary_groups: dict = {}
+    fanout_groups: dict = {}
+    fanout = topology.fanout_boundaries()
+    nodes = _node_ids(world) if fanout and topology.boundary_fanout == "auto" else [""] * world
     if topology.is_vdp:  # per-stage DP: its own leader and boundary groups
         _vdp_leader_groups(topology, new_group, mine, boundary_groups)
     for d in range(0 if topology.is_vdp else topology.dp):  # leaders: all-leader gloo group,
@@ -221,6 +234,13 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
             g = new_group(pair, plan.backend)
             if g is not None:
                 boundary_groups[(plan.src_stage, plan.dst_stage)] = (plan, g)
+        for plan in fanout:
+            both = sorted({*topology.stage_ranks(plan.src_stage, d),
+                           *topology.stage_ranks(plan.dst_stage, d)})
+            g = new_group(both, plan.backend)
+            if g is not None:
+                fanout_groups[(plan.src_stage, plan.dst_stage)] = (
+                    plan, g, len({nodes[r] for r in both}) == 1)
 
     tp_dp_group = mine.get("tp_dp", mine["tp"])
     cross = _cross_stage_groups(topology, info, mine, tp_dp_group, emb_stages, pos_stages)
@@ -228,7 +248,7 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
         topology=topology, rank=rank, info=info,
         tp_group=mine["tp"], cp_group=mine["cp"], dp_group=mine["dp"], dp_group_gloo=mine["dp_gloo"],
         tp_dp_group=tp_dp_group, leader_group=mine.get("leaders"),
-        boundary_groups=boundary_groups, owned_groups=owned,
+        boundary_groups=boundary_groups, fanout_groups=fanout_groups, owned_groups=owned,
         ep_group=mine.get("ep", mine["cp"]),
         expt_tp_group=mine.get("expt_tp", mine["cp"] if topology.stages[info.stage].etp == 1
                                else mine["tp"]),
@@ -239,6 +259,16 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
     megatron_state.install(state)
     _STATE = state
     return state
+
+
+def _node_ids(world: int) -> list[str]:
+    """Every rank's node: its host name and torchrun's node rank (network namespaces on one
+    machine share a host name), gathered over the world; a launcher without torchrun's
+    environment runs every rank on this host."""
+    mine = f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
+    out: list = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
 
 
 def _expert_groups(topology: Topology, new_group, mine: dict) -> None:

@@ -27,6 +27,8 @@ from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
 from ldt.device import BoundaryPlan, plan_boundary
 from ldt.layout import LayerSplit
 
+FANOUT_MODES = ("auto", "never", "always")  # cluster.boundary_fanout
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -64,6 +66,8 @@ class Topology:
     stage_dp: tuple[int, ...] = ()
     """Per-stage DP sizes when they differ (VDP); empty: every stage has ``dp`` replicas.
     ``dp`` is then the largest of them (the uniform-DP run with the same global batch)."""
+    boundary_fanout: str = "auto"
+    """``cluster.boundary_fanout``: ``auto``, ``never`` or ``always``."""
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -89,6 +93,9 @@ class Topology:
                 "cluster.u_shape=true needs at least 2 stages (an edge and a cloud stage), "
                 f"got {len(self.stages)}; add a stage or set cluster.u_shape=false"
             )
+        if self.boundary_fanout not in FANOUT_MODES:
+            raise ConfigError(f"cluster.boundary_fanout={self.boundary_fanout!r}; use one of "
+                              f"{', '.join(FANOUT_MODES)}")
         if self.stage_dp:
             self._check_stage_dp()
         if self.split is not None and self.split.num_stages != len(self.stages):
@@ -159,7 +166,7 @@ class Topology:
                    force_host_staging=cluster.host_staging == "always",
                    link_delay_ms=_link_delays(cluster.link_delay_ms, len(stages),
                                               bool(cluster.u_shape)),
-                   stage_dp=stage_dp)
+                   stage_dp=stage_dp, boundary_fanout=str(cluster.boundary_fanout))
         if model is None:
             return topo
         from ldt.layout import split_layers
@@ -168,7 +175,7 @@ class Topology:
                              layout=cluster.layout, min_chunk_layers=1,
                              num_mtp=getattr(model, "mtp_num_layers", 0))
         return cls(stages, topo.dp, topo.u_shape, split, topo.force_host_staging,
-                   topo.link_delay_ms, stage_dp)
+                   topo.link_delay_ms, stage_dp, topo.boundary_fanout)
 
     # ---- sizes ----------------------------------------------------------------------------
     @property
@@ -287,6 +294,15 @@ class Topology:
                           self.force_host_staging, delay)
             for (a, b), delay in zip(pairs, delays)
         ]
+
+    def fanout_boundaries(self) -> list[BoundaryPlan]:
+        """The boundaries where a leader may send straight to every TP rank of the stage
+        across (``cluster.boundary_fanout`` not ``never``; one side has TP > 1; one replica
+        per stage pair, i.e. not per-stage DP, whose replicas route through the leaders)."""
+        if self.boundary_fanout == "never" or self.is_vdp:
+            return []
+        return [b for b in self.boundaries()
+                if max(self.stages[b.src_stage].tp, self.stages[b.dst_stage].tp) > 1]
 
     def boundary(self, src_stage: int, dst_stage: int) -> BoundaryPlan:
         for b in self.boundaries():

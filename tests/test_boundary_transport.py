@@ -140,7 +140,8 @@ def state(rank, tps=(1, 2, 1), u_shape=True, dps=None):
                            tp_group=TP_GROUP,
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages,
                                                        topo.leaders()),
-                           boundary_groups=groups)
+                           boundary_groups=groups,
+                           fanout_groups={})  # the relay (fan-out: tests/test_p2p_handles.py)
 
 
 def config(**kw):

@@ -36,7 +36,7 @@ def _state(rank, delay_ms, tps=(1, 2, 1)):
                            stage_ranks=topo.stage_ranks(info.stage), tp_group=object(),
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages,
                                                        topo.leaders()),
-                           boundary_groups=groups)
+                           boundary_groups=groups, fanout_groups={})
 
 
 class FakeNet:

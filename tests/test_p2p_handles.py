@@ -39,16 +39,20 @@ class Recorder:
         self.calls.append(("broadcast", src, float(tensor.flatten()[0])))
 
 
-def _state(rank, tps=(1, 2, 1), host_staging=False):
+def _state(rank, tps=(1, 2, 1), host_staging=False, fanout="never", same_node=True):
+    """One rank's VtpState as the communicator reads it; ``fanout``: cluster.boundary_fanout
+    (``never``: the relay through the receiving leader, which most tests here pin down)."""
     topo = Topology.from_config(ClusterConfig(
         stages=[StageConfig(f"s{i}", "cpu", t) for i, t in enumerate(tps)], u_shape=True,
-        host_staging="always" if host_staging else "auto"))
+        host_staging="always" if host_staging else "auto", boundary_fanout=fanout))
     info = topo.rank_info(rank)
     groups = {(b.src_stage, b.dst_stage): (b, object()) for b in topo.boundaries()}
+    fan = {(b.src_stage, b.dst_stage): (b, object(), same_node)
+           for b in topo.fanout_boundaries()}
     return SimpleNamespace(topology=topo, info=info, stage=info.stage, is_leader=info.is_leader,
                            stage_ranks=topo.stage_ranks(info.stage), tp_group=object(),
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages, topo.leaders()),
-                           boundary_groups=groups)
+                           boundary_groups=groups, fanout_groups=fan)
 
 
 CONFIG = SimpleNamespace(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,
@@ -88,6 +92,51 @@ def test_one_rank_stage_skips_broadcast(rec):
     _, work = comm.recv((2, 1, 4), comm.prev_stage, p2p.FORWARD)
     work.wait()
     assert [c[0] for c in rec.calls] == ["irecv", "irecv.wait"]
+
+
+@pytest.mark.parametrize("mode,same_node,numel,fans", [
+    ("auto", True, 2**22, True),  # one node: straight to every TP rank at any size
+    ("auto", False, 2**14, True),  # between nodes, 64 KiB: latency-bound, copies pay
+    ("auto", False, 2**14 + 1, False),  # one element more: one copy and the relay
+    ("never", True, 4, False), ("always", False, 2**22, True)])
+def test_fanout_sends_to_every_tp_rank_and_skips_the_relay(rec, mode, same_node, numel, fans):
+    """Stage 0 (TP 1) -> stage 1 (TP 2, ranks 1-2): with fan-out the sending leader sends its
+    one payload to both ranks of stage 1 and each receives it itself (no broadcast); without,
+    one copy goes to the leader, which broadcasts it."""
+    sender = p2p.VtpCommunicator(CONFIG, _state(0, fanout=mode, same_node=same_node))
+    sender.send(torch.ones(numel), 1, p2p.FORWARD)
+    sent = [c for c in rec.calls if c[0] == "isend"]
+    assert [c[1] for c in sent] == ([1, 2] if fans else [1])
+    assert len({t.data_ptr() for t in rec.tensors}) == 1  # one payload, the same bytes
+    rec.calls.clear()
+    receiver = p2p.VtpCommunicator(CONFIG, _state(2, fanout=mode, same_node=same_node))
+    tensor, work = receiver.recv((numel,), 0, p2p.FORWARD)
+    work.wait()
+    ops = [c[0] for c in rec.calls]
+    assert ops == (["irecv", "irecv.wait"] if fans else ["broadcast"])
+    assert rec.calls[0][1] == (0 if fans else 1)  # from stage 0's leader / its own leader
+    if fans:
+        assert torch.all(tensor == 7.0)
+
+
+def test_fanout_into_a_sequence_parallel_stage_keeps_the_slice(rec):
+    """The sender cannot know the receiving stage splits the sequence (its own config says
+    TP 1): it sends the whole tensor, and each rank of the receiving stage keeps its slice."""
+    sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
+    comm = p2p.VtpCommunicator(sp, _state(2, fanout="always"))  # TP rank 1 of stage 1
+    seen = []
+    comm.observers = [SimpleNamespace(on_recv=lambda *a: seen.append(a[-1].shape))]
+
+    def irecv(tensor, src, group=None, tag=0):
+        rec.tensors.append(tensor)
+        return SimpleNamespace(wait=lambda: tensor.copy_(torch.arange(8.0).view(4, 1, 2)))
+
+    p2p.dist.irecv = irecv
+    tensor, work = comm.recv((2, 1, 2), 0, p2p.FORWARD)
+    assert rec.tensors[0].shape == (4, 1, 2)  # the whole tensor arrives
+    work.wait()
+    assert tensor.flatten().tolist() == [4.0, 5.0, 6.0, 7.0]  # the second half of the sequence
+    assert seen == [(4, 1, 2)]  # observers see what crossed
 
 
 def test_two_stage_ring_separates_directions(rec):

@@ -10,6 +10,8 @@ distributed-optimizer instance) and the reference implementation's API, used the
 own callers use it, run in the same worlds.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -193,6 +195,8 @@ def _observe(rank, world, topo):
         ps.initialize_model_parallel(topo.tp_sizes[0], topo.num_stages)
         megatron_answers = _answers()
         ps.destroy_model_parallel()
+    # the last stage's ranks play another node (torchrun's node rank), the others one node
+    os.environ["GROUP_RANK"] = "1" if topo.rank_info(rank).stage == topo.num_stages - 1 else "0"
     state = ldt.initialize_vtp(topo, timeout_s=60)
     obs = {
         "tp_members": dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()),
@@ -229,6 +233,8 @@ def _observe(rank, world, topo):
             dist.recv(buf, src_rank, group=group)
             got[f"{src}->{dst}"] = buf.item()
     obs["boundary_msgs"] = got
+    obs["fanout"] = {f"{a}->{b}": [dist.get_process_group_ranks(group), same_node]
+                     for (a, b), (_, group, same_node) in state.fanout_groups.items()}
     obs["getters"], obs["megatron_getters"] = _answers(), megatron_answers
     obs["collectives"] = _collectives(state, topo)
     obs["reference"] = _reference_api(state, topo)
@@ -339,6 +345,24 @@ def test_collectives_in_tp_dp_and_boundary_groups(world):
             src = (stage - 1) % hand.num_stages
             expected[f"{src}->{stage}"] = float(100 * src + stage)
         assert o["boundary_msgs"] == expected
+
+
+@pytest.mark.timeout(180)
+def test_fanout_groups_hold_both_stages_and_know_their_nodes(world):
+    """Every boundary next to a TP > 1 stage has a group of both stages' ranks (the sending
+    leader may send to every TP rank across); it knows whether those ranks share a node
+    (here the last stage plays another node); per replica."""
+    hand, obs = world
+    last = hand.num_stages - 1
+    for rank, o in enumerate(obs):
+        stage, _, d = hand.info(rank)
+        expected = {}
+        for a in range(hand.num_stages):
+            b = (a + 1) % hand.num_stages
+            if stage in (a, b) and max(hand.tp_sizes[a], hand.tp_sizes[b]) > 1:
+                expected[f"{a}->{b}"] = [sorted(hand.stage_ranks(a, d) + hand.stage_ranks(b, d)),
+                                         last not in (a, b)]
+        assert o["fanout"] == expected, rank
 
 
 def _stage_of(hand, value):

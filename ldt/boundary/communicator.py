@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
-from ldt.boundary.relay import PIECE_UNIT_BYTES, PieceGather, PieceRelay, flat, pieces
+from ldt.boundary.relay import (PIECE_UNIT_BYTES, PieceGather, PieceRelay, fans_out, flat,
+                                pieces)
 from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
 from ldt.device import torch_device
@@ -53,6 +54,9 @@ class VtpCommunicator(P2PCommunicator):
     # a large message crosses in pieces of about sqrt(bytes * this) (ldt.boundary.relay);
     # both ends of a boundary must use the same value (benchmarks change it on every rank)
     piece_unit_bytes = PIECE_UNIT_BYTES
+    # None: the topology's cluster.boundary_fanout (benchmarks compare modes in one world:
+    # ``never`` on every rank; other modes need the groups the topology's mode created)
+    boundary_fanout: Optional[str] = None
 
     def __init__(self, config, state: Optional[VtpState] = None,
                  observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
@@ -107,19 +111,22 @@ class VtpCommunicator(P2PCommunicator):
         ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
         state, layout = self.state, self.layout
         full_shape = layout.full_shape(tensor.shape)
+        mine = state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        fanout = self._fanout(state.stage, peer_stage, direction, peer,
+                              math.prod(full_shape) * tensor.element_size())
         bounds = pieces(math.prod(full_shape), tensor.element_size(), self.piece_unit_bytes)
         # piece by piece, a sequence-parallel leader sends while it still gathers; the send
         # transforms (noise) need the whole tensor first
         gather = (PieceGather(bounds, layout, tensor, state.tp_group, state.stage_ranks,
                               state.stage_ranks.index(state.info.rank))
-                  if layout.sharded and len(bounds) > 1 and not self.send_transforms else None)
+                  if layout.sharded and len(bounds) > 1 and not self.send_transforms
+                  and fanout is None else None)
         whole = gather.whole if gather is not None else layout.gather(
             tensor, state.tp_group, state.stage_ranks[0], state.is_leader)
         if not state.is_leader:
             return None
         src, dst = state.stage, peer_stage
-        mine = state.info.dp_rank
-        peer = mine if peer_replica is None else peer_replica
         plan, group = self._boundary(src, dst, direction, (mine, peer))
         payload = whole.detach()
         for transform in self.send_transforms:
@@ -139,7 +146,11 @@ class VtpCommunicator(P2PCommunicator):
                                        "cpu" if plan.host_staged else payload.device)
                 works.append(work)
                 keep.append(buf)
-            if len(bounds) == 1:
+            if fanout is not None:  # straight to every TP rank across (ldt.boundary.relay)
+                _, fan_group, targets = fanout
+                works += [dist.isend(payload, dst=r, group=fan_group, tag=_TAGS[direction])
+                          for r in targets]
+            elif len(bounds) == 1:
                 works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
             else:  # in pieces (ldt.boundary.relay), each as soon as it is gathered
                 for k, (a, b) in enumerate(bounds):
@@ -178,6 +189,10 @@ class VtpCommunicator(P2PCommunicator):
         plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
                        if leader else (None, None))
         whole_shape = layout.full_shape(shape)
+        fanout = self._fanout(peer_stage, self.state.stage, direction, mine,
+                              math.prod(whole_shape) * dtype.itemsize)
+        if fanout is not None:
+            return self._recv_fanout(shape, fanout, src_rank, peer_stage, direction)
         if layout.variable_seq_lengths:
             try:
                 got = recv_shape(src_rank, group, direction,
@@ -220,6 +235,54 @@ class VtpCommunicator(P2PCommunicator):
             on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
             layout=layout, full=full, relay=relay)
 
+    def _fanout(self, src: int, dst: int, direction: str, replica: int, nbytes: int):
+        """``(plan, group, receiving ranks)`` where a message from stage ``src`` to stage ``dst``
+        goes from the sending leader straight to every TP rank of the receiving stage
+        (:func:`ldt.boundary.relay.fans_out`), else None. Both ends decide alike from the same
+        facts. ``replica``: the receiving stage's."""
+        key = (src, dst) if direction == FORWARD else (dst, src)
+        entry = self.state.fanout_groups.get(key)
+        if entry is None or self.layout.variable_seq_lengths:
+            return None
+        plan, group, same_node = entry
+        topo = self.state.topology
+        receiving = topo.stages[dst]
+        mode = self.boundary_fanout or topo.boundary_fanout
+        if receiving.tp == 1 or not fans_out(mode, same_node, nbytes):
+            return None
+        return plan, group, topo.stage_ranks(dst, replica)
+
+    def _recv_fanout(self, shape, fanout, src_rank: int, peer_stage: int, direction: str):
+        """Every rank's own receive of the sending leader's copy, no relay: the whole tensor
+        (the sender does not know the layout here), of which a sequence-parallel rank keeps
+        its slice."""
+        plan, group, _ = fanout
+        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank,
+                              direct=True)
+        dtype, layout = self.config.pipeline_dtype, self.layout
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
+        whole_shape = layout.full_shape(shape)
+        full = (torch.empty(whole_shape, dtype=dtype, device=self.device) if layout.sharded
+                else None)
+        staged = torch.empty(whole_shape, dtype=dtype, device="cpu") if plan.host_staged else None
+        target = staged if staged is not None else full if full is not None else tensor.detach()
+        try:
+            works = [dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction])]
+        except Exception as exc:
+            raise boundary_error(what, time.monotonic(), exc) from exc
+        src, dst = peer_stage, self.state.stage
+
+        def on_ready(t: torch.Tensor) -> None:
+            for obs in self.observers:
+                obs.on_recv(src, dst, direction, t)
+
+        return tensor, RecvWork(
+            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
+            stage_size=1, staged=staged, on_ready=on_ready if self.observers else None,
+            what=what, delay_s=plan.delay_ms / 1e3, full=full,
+            keep_slice=(layout.tp, self.state.stage_ranks.index(self.state.info.rank))
+            if full is not None else None)
+
     def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
         """Activations travel along a boundary's arrow (src -> dst), gradients against it.
         ``replicas``: the message's (source, destination) replicas; with per-stage DP every
@@ -229,7 +292,8 @@ class VtpCommunicator(P2PCommunicator):
             key += replicas if direction == FORWARD else replicas[::-1]
         return self.state.boundary_groups[key]
 
-    def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int) -> str:
+    def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int,
+                  direct: bool = False) -> str:
         """E.g. "boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2
         'cloud1' (rank 3)"; ``src``/``dst``: the stages the message leaves and reaches."""
         stages = self.state.topology.stages
@@ -237,7 +301,7 @@ class VtpCommunicator(P2PCommunicator):
         what = "an activation" if direction == FORWARD else "a gradient"
         peer, prep = (dst, "to") if verb == "send" else (src, "from")
         me = self.state.stage
-        if not self.state.is_leader:
+        if not self.state.is_leader and not direct:
             verb += f" (through its stage leader, rank {self.state.stage_ranks[0]})"
         return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
                 f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "

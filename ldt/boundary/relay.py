@@ -1,4 +1,5 @@
-"""The second hop of a boundary transfer, pipelined with the first: a large tensor in pieces.
+"""The second hop of a boundary transfer: none where it costs more than a copy per TP rank
+(fan-out), else pipelined with the first (a large tensor in pieces).
 
 A transfer into a stage of TP > 1 has two hops: the leader link (one copy, leader to leader)
 and the receiving stage's relay (the leader's broadcast or, with sequence parallelism, its
@@ -16,6 +17,14 @@ carries the same bytes in the same order as one message would; both leaders (and
 of a stage) compute the same pieces from the element count alone. A small message stays one
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
 transfer makes exactly the calls it made before pieces existed.
+
+Fan-out (``cluster.boundary_fanout``, :func:`fans_out`): the sending leader sends its copy
+(the same bytes: the send transforms ran once) straight to every TP rank of the receiving
+stage, which then needs no relay, at the price of a copy per TP rank on the link. Where the
+two stages share a node the link is memory (or the node's accelerator fabric) as the relay
+is, so one hop wins at every size (bench/RESULTS.md, p2p_boundary); between nodes only a small
+message, whose time is latency rather than bytes, is worth the copies. A sequence-parallel
+receiver keeps the relay (its leader must hold the whole tensor for the observers).
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from ldt.boundary.layout import SequenceLayout
 # pay on loopback gloo (bench/RESULTS.md, p2p_boundary); MAX_PIECES bounds the messages.
 PIECE_UNIT_BYTES = 128 * 1024
 MAX_PIECES = 16
+# between nodes, a message this small costs about a message's latency on a datacenter link
+# (64 KiB: ~50 us at 10 Gbit/s), so a copy per TP rank beats a relay hop there
+CROSS_NODE_FANOUT_BYTES = 64 * 1024
 # p2p tags inside a stage's TP group (gloo keeps p2p slots apart from collectives' slots)
 RELAY_TAG, GATHER_TAG = 5, 6
 
@@ -43,6 +55,14 @@ def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES
     count = max(1, min(MAX_PIECES, round(math.sqrt(numel * element_size / unit_bytes))))
     step = -(-numel // count) if numel else 1
     return [(a, min(a + step, numel)) for a in range(0, max(numel, 1), step)]
+
+
+def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
+    """Whether a message of ``nbytes`` goes straight to every TP rank across a boundary whose
+    stages do (``same_node``) or do not share a node, under ``cluster.boundary_fanout``."""
+    if mode == "always":
+        return True
+    return mode == "auto" and (same_node or nbytes <= CROSS_NODE_FANOUT_BYTES)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -58,10 +58,14 @@ class RecvWork:
                  stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
                  what: str = "receive", delay_s: float = 0.0,
                  layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None,
-                 relay: Optional[PieceRelay] = None):
+                 relay: Optional[PieceRelay] = None,
+                 keep_slice: Optional[tuple[int, int]] = None):
         self.tensor, self._relay = tensor, relay
         # a sequence-parallel stage: the leader receives ``full`` and scatters it
         self._layout, self._full = layout, full
+        # (TP size, TP rank): a sequence-parallel rank that received the whole tensor itself
+        # (ldt.boundary.relay's fan-out) keeps its slice of ``full``
+        self._keep_slice = keep_slice
         self._works, self._tp_group, self._leader = works, tp_group, leader
         self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
         self._done, self._what, self._posted = False, what, time.monotonic()
@@ -96,7 +100,10 @@ class RecvWork:
         whole = buf if self._full is None else self._full
         if self._staged is not None:
             whole.copy_(self._staged)
-        if self._layout is not None:  # broadcast, or the sequence scatter
+        if self._keep_slice is not None:
+            tp, tp_rank = self._keep_slice
+            buf.copy_(whole.chunk(tp, dim=0)[tp_rank])
+        elif self._layout is not None:  # broadcast, or the sequence scatter
             self._layout.distribute(self._full, buf, self._tp_group, self._leader)
         elif self._stage_size > 1:  # a non-leader's receive is this broadcast
             dist.broadcast(buf, src=self._leader, group=self._tp_group)
