@@ -4,7 +4,9 @@ Stage 0 has TP 1, stage 1 TP 3 (4 ranks). Per case, stage 0 sends ``whole`` forw
 relays it: broadcast, or with sequence parallelism a scatter in slices of a third, whose edges
 do not fall on the pieces' edges) and stage 1 sends back ``2 * what it got`` (with sequence
 parallelism gathered on its leader piece by piece), with or without host staging, with or
-without a send transform (noise needs the whole tensor: the gather is not pipelined then).
+without a send transform (noise needs the whole tensor: the gather is not pipelined then), and
+with ``cluster.boundary_fanout`` never (the relay) and always (stage 0's leader sends to
+each rank of stage 1 itself, which keeps its slice with sequence parallelism).
 Every rank returns what it found wrong (an empty list: all bytes arrived where they should).
 """
 
@@ -79,16 +81,17 @@ def relay_cases(rank, world) -> list[str]:
     from ldt.topology import Topology
 
     wrong = []
-    for staged in (False, True):
+    for staged, fanout in [(s, f) for f in ("never", "always") for s in (False, True)]:
         topo = Topology.from_config(ClusterConfig(
             stages=[StageConfig(f"s{i}", "cpu", tp) for i, tp in enumerate(TPS)],
-            host_staging="always" if staged else "auto"))
+            host_staging="always" if staged else "auto", boundary_fanout=fanout))
         state = ldt.initialize_vtp(topo, timeout_s=60)
         try:
             for shape in SHAPES:
                 for sp in (False, True):
                     for transform in ((False, True) if sp and not staged else (False,)):
-                        wrong += _case(state, shape, sp, transform, staged)
+                        wrong += [f"fanout={fanout} {w}"
+                                  for w in _case(state, shape, sp, transform, staged)]
         finally:
             ldt.destroy_vtp()
     return wrong

@@ -146,10 +146,14 @@ def test_transfers_by_hand():
     cost = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=2)
     nbytes = 2 * 32 * 64 * 4  # b*s*h fp32
     assert cost.boundary_bytes() == nbytes == 16384
-    # same device type: the link (8 GB/s, 10 us); TP 2 on the receiving side: its broadcast
+    # same device type: the link (8 GB/s, 10 us); TP 2 on the receiving side: 16 KiB is at
+    # most 64 KiB, so the sender sends a copy to each of its 2 ranks (no relay)
     assert cost.boundary_time("gpu", "gpu", 1) == pytest.approx(nbytes / 8e9 + 10e-6)
-    assert cost.boundary_time("gpu", "gpu", 2) == pytest.approx(nbytes / 8e9 + 10e-6
-                                                                + nbytes / 4e9)
+    assert cost.boundary_time("gpu", "gpu", 2) == pytest.approx(2 * nbytes / 8e9 + 10e-6)
+    # 8x the micro-batch: 128 KiB crosses once, whole (one piece), and the leader relays it
+    big = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=16)
+    assert big.boundary_time("gpu", "gpu", 2) == pytest.approx(8 * nbytes / 8e9 + 10e-6
+                                                               + 8 * nbytes / 4e9)
     # cuda -> npu: host-staged, a copy off the GPU and one onto the NPU at 2 GB/s each
     assert cost.boundary_time("gpu", "npu", 1) == pytest.approx(nbytes / 1e9 + 100e-6
                                                                 + 2 * nbytes / 2e9)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from ldt.boundary.relay import MAX_PIECES, owners, pieces
+from ldt.boundary.relay import owners, pieces
+from ldt.device import MAX_PIECES
 from ldt.launch import run_local_world
 from relay_worlds import SHAPES, relay_cases
 

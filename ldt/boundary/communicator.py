@@ -26,11 +26,10 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
-from ldt.boundary.relay import (PIECE_UNIT_BYTES, PieceGather, PieceRelay, fans_out, flat,
-                                pieces)
+from ldt.boundary.relay import PIECE_UNIT_BYTES, PieceGather, PieceRelay, flat, pieces
 from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
-from ldt.device import torch_device
+from ldt.device import fans_out, torch_device
 from ldt.parallel_state import VtpState, get_vtp_state
 
 __all__ = ["BoundaryError", "BoundaryObserver", "VtpCommunicator", "vtp_recv_backward",
@@ -238,7 +237,7 @@ class VtpCommunicator(P2PCommunicator):
     def _fanout(self, src: int, dst: int, direction: str, replica: int, nbytes: int):
         """``(plan, group, receiving ranks)`` where a message from stage ``src`` to stage ``dst``
         goes from the sending leader straight to every TP rank of the receiving stage
-        (:func:`ldt.boundary.relay.fans_out`), else None. Both ends decide alike from the same
+        (:func:`ldt.device.fans_out`), else None. Both ends decide alike from the same
         facts. ``replica``: the receiving stage's."""
         key = (src, dst) if direction == FORWARD else (dst, src)
         entry = self.state.fanout_groups.get(key)

@@ -18,33 +18,27 @@ of a stage) compute the same pieces from the element count alone. A small messag
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
 transfer makes exactly the calls it made before pieces existed.
 
-Fan-out (``cluster.boundary_fanout``, :func:`fans_out`): the sending leader sends its copy
+Fan-out (``cluster.boundary_fanout``, :func:`ldt.device.fans_out`): the sending leader sends its copy
 (the same bytes: the send transforms ran once) straight to every TP rank of the receiving
 stage, which then needs no relay, at the price of a copy per TP rank on the link. Where the
 two stages share a node the link is memory (or the node's accelerator fabric) as the relay
 is, so one hop wins at every size (bench/RESULTS.md, p2p_boundary); between nodes only a small
-message, whose time is latency rather than bytes, is worth the copies. A sequence-parallel
-receiver keeps the relay (its leader must hold the whole tensor for the observers).
+message, whose time is latency rather than bytes, is worth the copies. The sender does not
+know whether the receiving stage splits the sequence (a TP 1 stage's config says no), so it
+sends the whole tensor; a sequence-parallel rank keeps its slice
+(:class:`ldt.boundary.work.RecvWork`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ldt.boundary.layout import SequenceLayout
+from ldt.device import PIECE_UNIT_BYTES, piece_count
 
-# Relaying n bytes in k pieces costs about link(n) + relay(n) / k + k * (one message's
-# overhead); the best k grows as sqrt(n). PIECE_UNIT_BYTES is where a second piece starts to
-# pay on loopback gloo (bench/RESULTS.md, p2p_boundary); MAX_PIECES bounds the messages.
-PIECE_UNIT_BYTES = 128 * 1024
-MAX_PIECES = 16
-# between nodes, a message this small costs about a message's latency on a datacenter link
-# (64 KiB: ~50 us at 10 Gbit/s), so a copy per TP rank beats a relay hop there
-CROSS_NODE_FANOUT_BYTES = 64 * 1024
 # p2p tags inside a stage's TP group (gloo keeps p2p slots apart from collectives' slots)
 RELAY_TAG, GATHER_TAG = 5, 6
 
@@ -52,17 +46,9 @@ RELAY_TAG, GATHER_TAG = 5, 6
 def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES
            ) -> list[tuple[int, int]]:
     """The element ranges ``[(start, stop)]`` a message of ``numel`` elements crosses in."""
-    count = max(1, min(MAX_PIECES, round(math.sqrt(numel * element_size / unit_bytes))))
+    count = piece_count(numel * element_size, unit_bytes)
     step = -(-numel // count) if numel else 1
     return [(a, min(a + step, numel)) for a in range(0, max(numel, 1), step)]
-
-
-def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` goes straight to every TP rank across a boundary whose
-    stages do (``same_node``) or do not share a node, under ``cluster.boundary_fanout``."""
-    if mode == "always":
-        return True
-    return mode == "auto" and (same_node or nbytes <= CROSS_NODE_FANOUT_BYTES)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
