@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ldt.boundary import communicator as comm_mod
+from ldt.boundary import functional
 from ldt.boundary import layout as layout_mod
 from ldt.boundary import work as work_mod
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
@@ -352,37 +353,37 @@ def test_what_cannot_be_received_is_refused(wire):
 
 def test_functional_sends_use_the_stage_boundary_by_default(wire, monkeypatch):
     monkeypatch.setattr(comm_mod, "get_vtp_state", lambda: state(1))
-    handles = comm_mod.vtp_send_forward(torch.ones(2))
+    handles = functional.vtp_send_forward(torch.ones(2))
     assert len(handles) == 1 and wire.calls[0][:4] == ("isend", 3, G(1, 2), 1)
-    handles = comm_mod.vtp_send_backward(torch.ones(2))
+    handles = functional.vtp_send_backward(torch.ones(2))
     assert len(handles) == 1 and wire.calls[1][:4] == ("isend", 0, G(0, 1), 2)
-    t = comm_mod.vtp_recv_forward((2,), config())
+    t = functional.vtp_recv_forward((2,), config())
     assert torch.all(t == 1.0)  # waited: from rank 0, an activation
-    t, handles = comm_mod.vtp_recv_backward((2,), config(), async_op=True)
+    t, handles = functional.vtp_recv_backward((2,), config(), async_op=True)
     assert list(handles) == ["recv_next"] and wire.calls[-1][:4] == ("irecv", 3, G(1, 2), 2)
     monkeypatch.setattr(comm_mod, "get_vtp_state", lambda: state(2))
-    assert comm_mod.vtp_send_forward(torch.ones(2)) is None  # not a leader
+    assert functional.vtp_send_forward(torch.ones(2)) is None  # not a leader
 
 
 def test_functional_calls_over_groups_the_caller_built(wire, monkeypatch):
     monkeypatch.setattr(comm_mod, "get_vtp_state", lambda: state(1))
     g_a, g_b = Group("user a"), Group("user b")
-    handles = comm_mod.vtp_send_forward(torch.full((2,), 4.0), group=[g_a, g_b],
+    handles = functional.vtp_send_forward(torch.full((2,), 4.0), group=[g_a, g_b],
                                         next_rank=[3, 0])
     assert [c[:4] for c in wire.calls] == [("isend", 3, g_a, 1), ("isend", 0, g_b, 1)]
     assert len(handles) == 2 and all(torch.all(c[4] == 4.0) for c in wire.calls)
     wire.calls.clear()
-    comm_mod.vtp_send_backward(torch.ones(2), group=g_a, prev_rank=[0, 3])  # one group, twice
+    functional.vtp_send_backward(torch.ones(2), group=g_a, prev_rank=[0, 3])  # one group, twice
     assert [c[:4] for c in wire.calls] == [("isend", 0, g_a, 2), ("isend", 3, g_a, 2)]
     wire.calls.clear()
-    t, handles = comm_mod.vtp_recv_forward((2,), config(), async_op=True, group=[g_a, g_b],
+    t, handles = functional.vtp_recv_forward((2,), config(), async_op=True, group=[g_a, g_b],
                                            prev_rank=[0, 3])
     assert [c[:4] for c in wire.calls] == [("irecv", 0, g_a, 1), ("irecv", 3, g_b, 1)]
     handles["recv_prev"].wait()
     assert wire.calls[-1] == ("broadcast", 1, TP_GROUP, (2,))
     wire.calls.clear()
     pp = state(1).pp_group  # megatron's pipeline group means "ldt's own boundary"
-    comm_mod.vtp_send_forward(torch.ones(2), group=pp, next_rank=3)
+    functional.vtp_send_forward(torch.ones(2), group=pp, next_rank=3)
     assert wire.calls[0][:4] == ("isend", 3, G(1, 2), 1)
 
 
@@ -390,24 +391,24 @@ def test_functional_calls_that_cannot_work_are_refused(wire, monkeypatch):
     monkeypatch.setattr(comm_mod, "get_vtp_state", lambda: state(1))
     with pytest.raises(ConfigError, match=r"^group= has 2 groups but the peer ranks are "
                                           r"\[3, 0, 3\]; give one rank per group$"):
-        comm_mod.vtp_send_forward(torch.ones(2), group=[Group("a"), Group("b")],
+        functional.vtp_send_forward(torch.ones(2), group=[Group("a"), Group("b")],
                                   next_rank=[3, 0, 3])
     with pytest.raises(ConfigError, match=r"^rank 2 is not a stage leader; stage boundaries run "
                                           r"between leaders \(get_vtp_stage_ranks\(\)\[stage\]"
                                           r"\[0\]\)$"):
-        comm_mod.vtp_send_forward(torch.ones(2), next_rank=2)
+        functional.vtp_send_forward(torch.ones(2), next_rank=2)
     with pytest.raises(ConfigError, match="^mix of ldt's pipeline group and other groups in "
                                           "group=; give only groups you built, or none$"):
-        comm_mod.vtp_recv_forward((2,), config(), group=[None, Group("a")], prev_rank=[0, 0])
+        functional.vtp_recv_forward((2,), config(), group=[None, Group("a")], prev_rank=[0, 0])
     sp = config(sequence_parallel=True)
     with pytest.raises(ConfigError, match="^sequence_parallel=True with group=: ldt gathers the "
                                           "sequence only on its own stage boundaries; leave "
                                           "group= out$"):
-        comm_mod.vtp_send_forward(torch.ones(2, 1, 4), sp, group=[Group("a")], next_rank=[3])
+        functional.vtp_send_forward(torch.ones(2, 1, 4), sp, group=[Group("a")], next_rank=[3])
     with pytest.raises(ConfigError, match=r"^sequence_parallel / variable_seq_lengths with "
                                           r"group=: ldt reshards and exchanges shapes only on its "
                                           r"own stage boundaries; leave group= out$"):
-        comm_mod.vtp_recv_forward((2,), config(variable_seq_lengths=True), group=[Group("a")],
+        functional.vtp_recv_forward((2,), config(variable_seq_lengths=True), group=[Group("a")],
                                   prev_rank=[0])
     assert wire.calls == []
 
@@ -539,16 +540,16 @@ def test_receives_that_fail_say_so_and_why(wire):
 def test_functional_details(wire, monkeypatch):
     """``state=`` reaches the communicator; a blocking receive returns the tensor alone; a
     non-leader never sends, over any group; a sequence-parallel send needs the config."""
-    t = comm_mod.vtp_recv_backward((2,), config(), state=state(0))
+    t = functional.vtp_recv_backward((2,), config(), state=state(0))
     assert isinstance(t, torch.Tensor) and torch.all(t == 102.0)
     wire.calls.clear()
-    assert comm_mod.vtp_send_forward(torch.ones(2), state=state(2), group=[Group("u")],
+    assert functional.vtp_send_forward(torch.ones(2), state=state(2), group=[Group("u")],
                                      next_rank=[3]) is None
     assert wire.calls == []
-    assert comm_mod.vtp_send_backward(torch.ones(2, 1, 4), config(sequence_parallel=True),
+    assert functional.vtp_send_backward(torch.ones(2, 1, 4), config(sequence_parallel=True),
                                       state=state(2)) is None
     assert wire.calls == [("gather", 1, TP_GROUP, (2, 1, 4))]  # its slice, to the leader
-    handles = comm_mod.vtp_send_forward(torch.ones(2), state=state(0), group=[Group("u")],
+    handles = functional.vtp_send_forward(torch.ones(2), state=state(0), group=[Group("u")],
                                         next_rank=[1])
     assert handles[0]._keep_alive is wire.sent[-1]
 
@@ -558,7 +559,7 @@ def test_functional_receive_over_groups_fills_the_stages_own_tensor(wire):
     the pipeline dtype, ready for autograd (nothing staged: the host is the device)."""
     cfg = config(pipeline_dtype=torch.bfloat16)
     with torch.device("meta"):
-        t, handles = comm_mod.vtp_recv_forward((2, 3), cfg, async_op=True, state=state(1),
+        t, handles = functional.vtp_recv_forward((2, 3), cfg, async_op=True, state=state(1),
                                                group=[Group("u"), Group("v")], prev_rank=[0, 0])
     assert (t.dtype, t.device.type, t.requires_grad) == (torch.bfloat16, "cpu", True)
     assert all(target.data_ptr() == t.data_ptr() for target in wire.targets)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ldt.boundary import communicator as p2p
+from ldt.boundary import functional
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.parallel_state import StagePipelineGroup
 from ldt.topology import Topology
@@ -181,13 +182,13 @@ def test_host_staging_copies_through_cpu(rec, staged):
 
 def test_functional_api_async_keys(rec, monkeypatch):
     monkeypatch.setattr(p2p, "get_vtp_state", lambda: _state(rank=1))
-    t, handles = p2p.vtp_recv_forward((2,), CONFIG, async_op=True)
+    t, handles = functional.vtp_recv_forward((2,), CONFIG, async_op=True)
     assert set(handles) == {"recv_prev"}
-    t, handles = p2p.vtp_recv_backward((2,), CONFIG, async_op=True)
+    t, handles = functional.vtp_recv_backward((2,), CONFIG, async_op=True)
     assert set(handles) == {"recv_next"}
-    assert p2p.vtp_send_forward(torch.ones(2)) is not None  # leader
+    assert functional.vtp_send_forward(torch.ones(2)) is not None  # leader
     monkeypatch.setattr(p2p, "get_vtp_state", lambda: _state(rank=2))
-    assert p2p.vtp_send_backward(torch.ones(2)) is None  # non-leader
+    assert functional.vtp_send_backward(torch.ones(2)) is None  # non-leader
 
 
 def test_sequence_parallel_on_a_tp1_stage_is_refused():
