@@ -401,6 +401,8 @@ ROWS = [
     (T, "hydra.output_subdir=/proc/ldt", 2, r"hydra.output_subdir=/proc/ldt: cannot make"),
     (T, "train.prefetch=100000", 2, r"train.prefetch=100000 exceeds train.num_microbatches=4"),
     (T, "cluster.link_delay_ms=nan", 2, r"link_delay_ms entry 0 \(nan\) must be a finite"),
+    (T, "cluster.boundary_fanout=sometimes", 2,
+     r"cluster.boundary_fanout='sometimes'; use one of auto, never, always"),
 ]
 
 

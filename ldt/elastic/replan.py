@@ -42,7 +42,7 @@ PLANNER = PlannerOptions(simulate_min=6, simulate_max=64, refine_top=2, refine_s
 class WorldPlan:
     cluster: dict
     """The planned ClusterConfig fields (stages, u_shape, layout, dp) plus the configured
-    ``inventory``, ``host_staging`` and ``link_delay_ms``."""
+    ``inventory``, ``host_staging``, ``boundary_fanout`` and ``link_delay_ms``."""
     num_microbatches: int
     prefetch: int
     placement: tuple[tuple[int, int], ...]
@@ -130,7 +130,7 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig, 
         kind = kind_of[spec.kind]
         stage["name"] = "edge" if u_shape and i == 0 else f"{kind}{counts.get(kind, 0)}"
         counts[kind] = counts.get(kind, 0) + 1
-    for key in ("inventory", "host_staging", "link_delay_ms"):
+    for key in ("inventory", "host_staging", "boundary_fanout", "link_delay_ms"):
         if key in cluster:
             planned[key] = cluster[key]
     placement = _place(planned, [s.kind for s in best.plan.stages], groups, nodes)
