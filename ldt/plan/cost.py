@@ -214,6 +214,17 @@ class CostModel:
         (and its 16-bit copy), torch's LayerNorm only per-token statistics."""
         return self._upcast() * self.h if self.model.normalization == "RMSNorm" else 0.0
 
+    def _qk_norm_bytes(self) -> float:
+        """Per token at TP 1, what ``qk_layernorm`` adds (measured on megatron's layers with
+        the estimator, tests/test_plan_cost.py's ``qwen3`` family): each norm's output (RoPE's
+        input then, a view of the QKV output before) and RMSNorm's internals per element, and
+        its fp32 inverse RMS per head. In fp32 a key element costs 4 bytes, not 8 (measured;
+        one of its tensors is not a new one there)."""
+        q, k = self.hd, self.hd * self.g // self.a
+        per_q = self.d + self._upcast()
+        per_k = per_q if self.d < 4 else 4
+        return per_q * q + per_k * k + 4 * (self.a + self.g)
+
     def _rope(self) -> bool:
         return self.model.position_embedding_type == "rope"
 
@@ -224,7 +235,7 @@ class CostModel:
         ``norms``: the two norm inputs, the QKV and fc1 inputs, the norms' internals (all on
         the sequence slice with sequence parallelism); ``qkv``: the fused QKV output, a
         contiguous copy of q with grouped-query heads (no RoPE), RoPE's rotated q and k and its
-        cos / sin tables; ``core_attn``: flash's log-sum-exp, or the local attention's fp32
+        cos / sin tables, Qwen3's q / k norms; ``core_attn``: flash's log-sum-exp, or the local attention's fp32
         softmax, its 16-bit copy and the mask; ``attn_out``: the projection's input; ``mlp``:
         fc1's output, fc2's input, a gated MLP's activation and product. Korthikanti et al.
         (2022) count ``34 sbh + 5 as^2 b`` bytes with 16-bit activations: they add dropout
@@ -246,6 +257,8 @@ class CostModel:
         else:
             core = (self._upcast() * a + 1) * s / tp
         mlp = d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit else 0)) / tp
+        if self.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
+            qkv += self._qk_norm_bytes() / d
         if self.moe is not None:  # a MoE layer's router and dispatched tokens (#25's count)
             mlp = moe_activation_per_token(self, mlp, tp)
         return {"norms": (d * 4 * h + 2 * self._norm_bytes()) / sp,
