@@ -319,9 +319,12 @@ class CostModel:
         """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
         (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
         copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
-        transient is what the estimator measures for the chunk run backward: about 4 bytes per
-        parameter of it (its weight gradients on their way into DDP's fp32 buffer), two
-        ``[s, b, h]`` tensors, and with the head the logits' gradient (``s*b*V/t``)."""
+        transient: 4 bytes per parameter of the chunk, two ``[s, b, h]`` tensors, and with the
+        head the logits' gradient (``s*b*V/t``). The 4 bytes per parameter were fitted to the
+        estimator when it counted DDP's fp32 grad buffer a second time (#24): the estimate's
+        transient is now a few hundred MiB on a 7B stage, so this over-prices plain pipelines
+        (planner/estimate up to 1.17); it under-prices a U-shape, whose sent tensors ldt's
+        runtime holds until the step ends (ldt.memory.inflight; not priced here yet)."""
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
         boundary = self.boundary_activation_bytes(1)  # whole sequence: the leader's buffer
         params, act, transient = 0.0, 0.0, 0.0
