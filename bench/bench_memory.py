@@ -61,11 +61,29 @@ def config(cluster: str, recompute: bool = False, sp: bool = False, *extra: str)
 
 
 def measured_worker(rank: int, world: int, cfg: dict, run_dir: str) -> int:
-    """Train inside MemTracker (real mode); the process's peak of live tensor bytes."""
+    """Train inside MemTracker (real mode); the process's peak of live tensor bytes, the
+    corpus left out (a data stage holds it as int64 tokens in host memory: 160000 bytes at
+    ``data.max_bytes=20000``, which a device's memory never holds and the estimate does not
+    count; the tracker sees its storage at the first slice of a batch)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    from ldt.data.bytes import TextData
     from ldt.memory.measure import LivePeak
     from ldt.training.loop import train_worker
 
-    tracker = LivePeak()
+    corpus: list = []
+    init = TextData.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        corpus.extend(get_untyped_storages(self.tokens))
+
+    class DeviceOnly(LivePeak):
+        def current(self) -> int:
+            return super().current() - sum(st.nbytes() for st in corpus if st in self._WINFO)
+
+    TextData.__init__ = keep
+    tracker = DeviceOnly()
     with tracker:
         train_worker(rank, world, cfg, run_dir)
     return tracker.peak()

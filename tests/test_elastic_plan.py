@@ -252,3 +252,42 @@ def test_a_ranks_failed_check_stops_all_and_only_a_finished_run_frees_the_idle(t
     assert not store.check(["done"])
     ElasticWorld(0, plan, {}, store).finish(0)
     assert store.check(["done"])
+
+
+class _World:
+    """What the elastic job's memory check needs of ldt.elastic.world.World: the rank, and
+    settle (the first rank's error stops every rank)."""
+
+    def __init__(self, rank):
+        self.rank, self.settled = rank, []
+
+    def settle(self, error):
+        self.settled.append(error)
+        if error:
+            raise ElasticError(f"rank 0: {error}")
+
+
+@pytest.mark.timeout(120)
+def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
+    """The plan states each stage's memory_gib (the planner's limit for its kind), so the
+    elastic job's rank 0 estimates the planned world as ldt-train estimates a configured one
+    and a stage over its limit stops every rank before any group forms; the other ranks do
+    not estimate (the same plan everywhere), they take rank 0's verdict."""
+    from omegaconf import OmegaConf
+
+    from ldt.elastic.job import check_memory
+    from ldt.hydra_app import compose
+
+    plan = plan_world(WORLDS["three hosts"], inventory, model, CLUSTER, TRAIN)
+    assert all(st["memory_gib"] for st in plan.cluster["stages"])
+    plain = OmegaConf.to_container(compose(["cluster=cpu_demo"]), resolve=True)
+    plain["cluster"] = plan.cluster
+    plain["train"].update(num_microbatches=plan.num_microbatches, prefetch=plan.prefetch)
+    topo = Topology.from_config(plan.cluster, model)
+    other = _World(1)
+    assert check_memory(plain, topo, other) == "" and other.settled == [None]
+    plain["cluster"]["stages"][0]["memory_gib"] = 0.001  # as if the planner had mispriced it
+    with pytest.raises(ElasticError, match=r"rank 0: does not fit: stage 0 \(\w+, ranks 0\) "
+                                           r"needs [\d.]+ MiB per rank \(estimate\) but "
+                                           r"cluster.stages\[0\].memory_gib=0.001"):
+        check_memory(plain, topo, _World(0))

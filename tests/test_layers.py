@@ -47,7 +47,7 @@ LAYERS = [
     ["ldt.training", "ldt.models.hf", "ldt.privacy.defence", "ldt.privacy.capture",
      "ldt.testing", "ldt.memory"],
     # 9 entry points
-    ["ldt.train", "ldt.run", "ldt.privacy", "ldt.tools"],
+    ["ldt.train", "ldt.job", "ldt.elastic.job", "ldt.run", "ldt.privacy", "ldt.tools"],
 ]
 
 

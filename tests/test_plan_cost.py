@@ -80,6 +80,13 @@ FAMILIES = {
                   num_query_groups=4, ffn_hidden_size=2816, vocab_size=4096, seq_length=512,
                   position_embedding_type="rope", normalization="RMSNorm",
                   gated_linear_unit=True, activation="swiglu", add_bias_linear=False),
+    # Qwen3's attention: q and k RMS-normalized per head (qk_layernorm), head size 128 apart
+    # from hidden / heads
+    "qwen3": dict(name="q", num_layers=4, hidden_size=1024, num_attention_heads=16,
+                  num_query_groups=4, kv_channels=128, qk_layernorm=True,
+                  ffn_hidden_size=2816, vocab_size=4096, seq_length=512,
+                  position_embedding_type="rope", normalization="RMSNorm",
+                  gated_linear_unit=True, activation="swiglu", add_bias_linear=False),
 }
 MEASURED_LAYER_BYTES = {
     ("gpt", "bfloat16", 1, False, "local", None): 41947136,
@@ -106,6 +113,11 @@ MEASURED_LAYER_BYTES = {
     ("llama", "bfloat16", 2, True, "local", ("core_attn", "layernorm", "mlp")): 3276804,
     ("llama", "bfloat16", 2, True, "flash", ("layernorm",)): 10502144,
     ("llama", "bfloat16", 2, True, "local", "full"): 524288,
+    ("qwen3", "bfloat16", 1, False, "flash", None): 43855872,
+    ("qwen3", "bfloat16", 1, False, "local", None): 69513216,
+    ("qwen3", "float32", 1, False, "flash", None): 67710976,
+    ("qwen3", "bfloat16", 2, True, "flash", None): 22190080,
+    ("qwen3", "bfloat16", 2, False, "local", None): 40263680,
 }
 
 

@@ -6,12 +6,14 @@ turn, the first rank of every stage of the real world (:mod:`ldt.memory.fake`: t
 tensors and fake process group), builds that stage with the code that trains it, counts its
 resident memory and runs two micro-batches through megatron-core (:mod:`ldt.memory.measure`),
 and multiplies the activations by the micro-batches the run's schedule really keeps in flight
-(:mod:`ldt.memory.inflight`). Every rank of a stage holds the same (TP shards and replicas are
-alike), so one per stage is measured. Per rank::
+at its fullest moment (:mod:`ldt.memory.inflight`: held micro-batches, posted receives and
+sent tensors counted at the same computation, not each at its own maximum). Every rank of a
+stage holds the same (TP shards and replicas are alike), so one per stage is measured. Per
+rank::
 
     peak = max(weights + grads + main params + optimizer states          (resident)
                + sum over chunks of activations per micro-batch x in flight
-               + receive buffers x one boundary tensor
+               + (receive buffers + sent tensors still held) x one boundary tensor
                + the largest transient of one micro-batch's forward and backward,
                resident + the optimizer step's transient)
 
@@ -55,6 +57,12 @@ class StageEstimate:
     limit: Optional[float] = None
     """``cluster.stages[i].memory_gib`` in bytes (None: not stated)."""
     distributed_optimizer: bool = False
+    sent: int = 0
+    """Sent tensors ldt's runtime still holds at the peak (it waits for sends at the step's
+    end), one boundary tensor each."""
+    shards: int = 1
+    """Sequence-parallel slices of the stage (1 without): a posted receive holds the leader's
+    whole tensor and the slice it scatters into."""
     extra: dict = field(default_factory=dict)
 
     @property
@@ -67,7 +75,14 @@ class StageEstimate:
 
     @property
     def buffer_bytes(self) -> int:
-        return self.recv_buffers * self.boundary_tensor
+        return self.recv_buffers * self.recv_tensor + self.sent * self.boundary_tensor
+
+    @property
+    def recv_tensor(self) -> int:
+        """One posted receive: the whole tensor (the leader's), and with sequence parallelism
+        the slice that is scattered into, posted with it (measured: cpu_demo's TP 2 leader)."""
+        slice_ = self.boundary_tensor // self.shards if self.shards > 1 else 0
+        return self.boundary_tensor + slice_
 
     @property
     def peak_transient(self) -> int:
@@ -119,6 +134,14 @@ def needs_estimate(cfg: dict) -> bool:
     return any(st.get("memory_gib") is not None for st in cfg["cluster"]["stages"])
 
 
+def _transients(chunks) -> list[int]:
+    """Each chunk's transient, with what the process makes once (in the first chunk's measure)
+    counted for every chunk: an edge's end chunk runs its micro-batches with megatron's global
+    attention buffer and the causal mask already there."""
+    once = sum(ch.once for ch in chunks)
+    return [ch.transient - ch.once + once for ch in chunks]
+
+
 def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
     import ldt
     from ldt.memory.fake import fake_rank
@@ -130,7 +153,7 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
 
     c = parse(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
-    inflight = stage_inflight(topo, c.train)
+    schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)
     out = []
     on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)
     for st in topo.stages:
@@ -142,13 +165,20 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
             finally:
                 ldt.destroy_vtp()
         cluster_stage = c.cluster.stages[st.index]
+        activations = [ch.activations for ch in got.chunks]
+        # one moment of the schedule: what is held while one computation runs (held
+        # micro-batches, posted receives, sent tensors), its chunk's transient on top
+        transients = _transients(got.chunks)
+        shards = st.tp if c.model.sequence_parallel and st.tp > 1 else 1
+        recv = got.boundary_tensor + (got.boundary_tensor // shards if shards > 1 else 0)
+        at = schedule[st.index].peak(activations, transients, recv, got.boundary_tensor)
         limit = cluster_stage.memory_gib
         out.append(StageEstimate(
             st.index, st.name, st.device, st.tp, topo.dp_of(st.index),
             [r for d in range(topo.dp_of(st.index)) for r in topo.stage_ranks(st.index, d)],
             describe(stage_recompute(c.model, cluster_stage)), got.attention, got.weights,
-            got.grads, got.main_params, got.optimizer, [ch.activations for ch in got.chunks],
-            inflight[st.index].chunks, max(ch.transient for ch in got.chunks),
-            inflight[st.index].recv_buffers, got.boundary_tensor, got.step_transient,
-            None if limit is None else limit * GIB, c.train.distributed_optimizer))
+            got.grads, got.main_params, got.optimizer, activations, at.chunks,
+            transients[at.chunk], at.recv_buffers, got.boundary_tensor,
+            got.step_transient, None if limit is None else limit * GIB,
+            c.train.distributed_optimizer, at.sent, shards))
     return out

@@ -1,16 +1,21 @@
-"""How many micro-batches each chunk of a stage keeps alive, and how many received tensors
-wait in boundary buffers, under the schedule a run really uses.
+"""What a stage holds while each of its computations runs, under the schedule a run really
+uses: micro-batches per chunk, posted receives, sent tensors the runtime still holds. The
+estimate's peak is the fullest of these moments with that chunk's transient on top (each
+count at its own maximum overshot: cpu_vtp's middle stage by a receive buffer it never holds
+while backwarding).
 
-The count is read off the action lists the runtime walks (:mod:`ldt.schedule.forward_backward`:
+The moments are read off the action lists the runtime walks (:mod:`ldt.schedule.forward_backward`:
 the U-shape, per-stage DP lanes, ``train.runtime=ldt``): a micro-batch's activations live from
 its forward (F, FS; FE for the edge's end chunk) to its backward (B, BE; BS), so the U-shape's
 edge holds its start chunk for the whole trip round the ring and its end chunk for one FE->BS,
-``train.prefetch`` adds micro-batches in flight, and a VDP stage counts its busiest lane. A
+``train.prefetch`` adds micro-batches in flight, and a VDP stage's lanes each count. A
 received tensor occupies a buffer from its RECV (posted early, ``1 + 2 * prefetch`` ahead on
 the edge's links) to its WAIT, after which it is the chunk's input (counted with the chunk).
-Megatron's own 1F1B (a plain pipeline's default runtime) keeps ``min(P - stage, m)`` in flight,
-which is what ldt's 1F1B lists hold too; its interleaved schedule keeps megatron's warm-up
-count, ``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
+ldt's runtime waits for its sends when the step ends, and a send's work holds its tensor
+until then. Megatron's own 1F1B (a plain pipeline's default runtime) keeps ``min(P - stage,
+m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and keeps one stale
+tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
+``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
 """
 
 from __future__ import annotations
@@ -21,30 +26,58 @@ from ldt.schedule import Op
 
 
 @dataclass(frozen=True)
-class StageInflight:
+class Moment:
+    """What a stage holds while one of its computations runs (its transient on top)."""
+
     chunks: tuple[int, ...]
-    """Micro-batches whose activations each chunk of the stage holds at its peak."""
+    """Micro-batches whose activations each chunk holds (one being backwarded included)."""
     recv_buffers: int
-    """Received tensors waiting at once (posted receives not yet consumed), at the peak."""
+    """Posted receives not yet waited."""
+    sent: int = 0
+    """Sent tensors nothing else keeps: ldt's runtime waits for its sends at the end of the
+    step, and until then each send's work holds its tensor (a forward's output after that
+    micro-batch's backward, every input gradient sent back)."""
+    chunk: int = 0
+    """The chunk computing (its transient is on top)."""
 
 
-def stage_inflight(topo, train) -> dict[int, StageInflight]:
-    """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch)."""
+@dataclass(frozen=True)
+class StageInflight:
+    moments: tuple[Moment, ...]
+    """Every computation of the stage's busiest lane(s); the peak is at one of them."""
+
+    def peak(self, activations, transients, buffer: int, sent: int) -> Moment:
+        """The moment holding the most bytes, with ``activations[c]`` bytes per micro-batch
+        of chunk ``c``, ``buffer`` bytes per posted receive, ``sent`` per sent tensor and the
+        transient of the computing chunk, ``transients[c]``, on top."""
+        return max(self.moments, key=lambda mo: (
+            sum(a * n for a, n in zip(activations, mo.chunks))
+            + mo.recv_buffers * buffer + mo.sent * sent + transients[mo.chunk]))
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """Per chunk, the most micro-batches it ever holds."""
+        return tuple(max(n) for n in zip(*(mo.chunks for mo in self.moments)))
+
+
+def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, StageInflight]:
+    """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch);
+    ``sequence_parallel``: the model's (a stage with TP > 1 then gathers what it sends)."""
+    from ldt.schedule.size import runs_on_ldt_runtime
+
     m = train.num_microbatches
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
     if vpp > 1:
         return {s: _interleaved(topo.num_stages, s, vpp, m) for s in range(topo.num_stages)}
     schedule, stage_of = _lists(topo, train)
-    out: dict[int, StageInflight] = {}
+    ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
+    out: dict[int, list[Moment]] = {}
     for lane, actions in schedule.items():
         stage = stage_of(lane)
-        start, end, buffers = _walk(actions)
-        chunks = (start, end) if topo.u_shape and stage == 0 else (start,)
-        mine = StageInflight(chunks, buffers)
-        old = out.get(stage)
-        if old is None or sum(mine.chunks) + mine.recv_buffers > sum(old.chunks) + old.recv_buffers:
-            out[stage] = mine
-    return out
+        two = topo.u_shape and stage == 0
+        gathers = sequence_parallel and topo.stages[stage].tp > 1
+        out.setdefault(stage, []).extend(_walk(actions, two, ldt_runtime, gathers))
+    return {stage: StageInflight(tuple(moments)) for stage, moments in out.items()}
 
 
 def _lists(topo, train):
@@ -62,26 +95,63 @@ def _lists(topo, train):
                            prefetch=prefetch), lambda stage: stage
 
 
-def _walk(actions) -> tuple[int, int, int]:
-    """Peak held micro-batches (all chunks / the end chunk) and peak outstanding receives."""
-    held = end = buffers = 0
-    peak_held = peak_end = peak_buffers = 0
+def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
+          gathers: bool = False) -> list[Moment]:
+    """The moment of every computation in one lane's action list. A forward's moment counts
+    its own micro-batch; a backward's still counts the micro-batch it backwards (its
+    activations go as the backward proceeds; the transient measured the same way).
+
+    ldt's runtime posts receives ahead (RECV .. WAIT) and waits for its sends at the step's
+    end; megatron's own 1F1B (a plain pipeline's default runtime) receives right before the
+    computation that needs the tensor and waits for each send before it goes on, so neither
+    buffers nor sent tensors outlive an exchange there: the one being consumed is the
+    chunk's input (in its activations) or its output gradient (in the transient). Its loop
+    keeps one tensor of the last exchange, though (measured: cpu_vtp's three stages): after
+    the first backward of a step, a forward runs while the loop's ``output_tensor`` still
+    names the output it last backwarded, and a backward while ``input_tensor_grad`` names
+    the input gradient it last sent (each is reassigned when the call returns).
+
+    A sequence-parallel stage's leader (``gathers``) sends a whole ``[s, b, h]`` it gathered
+    from the slices, so each of its forward sends is a new tensor from the start (its
+    backward sends are gathered wholes too, as every input gradient is counted)."""
+    held = end = buffers = sent = backwards = 0
+    out_sent: set = set()
+    moments = []
+    sends = {a.op for a in actions if a.op in (Op.SEND_F, Op.SEND_B)}
+
+    def moment(stale_op, chunk=0):
+        if ldt_runtime:
+            extra = (buffers, sent)
+        else:
+            extra = (0, int(backwards > 0 and stale_op in sends))
+        moments.append(Moment((held, end) if two_chunks else (held,), *extra, chunk))
+
     for a in actions:
         if a.op in (Op.F, Op.FS):
             held += 1
-        elif a.op in (Op.B, Op.BE):
-            held -= 1
+            moment(Op.SEND_F)
         elif a.op is Op.FE:
             end += 1
+            moment(Op.SEND_F, 1)
+        elif a.op in (Op.B, Op.BE):
+            moment(Op.SEND_B)
+            held -= 1
+            backwards += 1
+            sent += a.mb in out_sent  # its output, sent forward, outlives it
         elif a.op is Op.BS:
+            moment(Op.SEND_B, 1)
             end -= 1
+        elif a.op is Op.SEND_F and gathers:
+            sent += 1  # a sequence-parallel leader sends the whole it gathered: a new tensor
+        elif a.op is Op.SEND_F:
+            out_sent.add(a.mb)
+        elif a.op is Op.SEND_B:
+            sent += 1
         elif a.op in (Op.RECV_F, Op.RECV_B):
             buffers += 1
         elif a.op in (Op.WAIT_F, Op.WAIT_B):
             buffers -= 1
-        peak_held, peak_end = max(peak_held, held), max(peak_end, end)
-        peak_buffers = max(peak_buffers, buffers)
-    return peak_held, peak_end, peak_buffers
+    return moments
 
 
 def _interleaved(p: int, stage: int, vpp: int, m: int) -> StageInflight:
@@ -91,4 +161,4 @@ def _interleaved(p: int, stage: int, vpp: int, m: int) -> StageInflight:
     chunks = [0] * vpp
     for k in range(total):
         chunks[(k // p) % vpp] += 1
-    return StageInflight(tuple(chunks), 2)
+    return StageInflight((Moment(tuple(chunks), 2),))

@@ -43,6 +43,10 @@ class ChunkMemory:
     """Bytes one micro-batch leaves alive after the chunk's forward."""
     transient: int
     """Bytes above that at the highest point of the micro-batch's forward and backward."""
+    once: int = 0
+    """Of the transient, what the process makes once and keeps (megatron's global buffer for
+    local attention's scores, the causal mask): made by whichever chunk runs first, it is
+    there during every chunk's micro-batches."""
 
 
 @dataclass
@@ -125,9 +129,9 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     """Build this rank's stage under fake tensors and count it (see the module docstring)."""
     from megatron.core.utils import get_attr_wrapped_model
 
-    from ldt.models.build import DTYPES, causal_mask
+    from ldt.models.build import DTYPES
     from ldt.training.optim import build_stage_optimizer
-    from ldt.training.stage import build_stage_models
+    from ldt.training.stage import build_stage_models, make_forward_step
 
     attn = attention_of(c.model, device, attention)
     models = build_stage_models(c, topo, state)
@@ -159,22 +163,40 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     b, s, h = c.train.micro_batch_size, m.seq_length, m.hidden_size
     sp = 1 if not (m.sequence_parallel and tp > 1) else tp
     chunks = topo.split.stage_chunks(state.stage)
-    mask = causal_mask(s)
-    tokens = torch.zeros(b, s, dtype=torch.long)
-    position_ids = torch.arange(s).repeat(b, 1)
+    # gloo's reduce-scatter (a cpu stage with sequence parallelism: megatron's linear
+    # backward) returns a slice of a whole [s, b, h] copy it keeps until the wait returns;
+    # the fake process group makes no copy (measured: cpu_vtp's last stage at TP 2, 32 KiB)
+    gloo_copy = s * b * h * dtype.itemsize if device == "cpu" and sp > 1 else 0
+    step_func: list = []  # the function that trains the stage; its causal mask is made once
     tracker = LivePeak()
-    tracker.track_external(*models)
+    # Everything counted above is known to the tracker before anything runs: a storage it has
+    # not seen counts as new when an operation first touches it, so DDP's gradient hooks
+    # (``main_grad.add_``, a view of the grad buffer) put the whole grad buffer into the
+    # backward's transient (4 bytes per parameter counted twice, measured: cpu_vtp s1 399872
+    # bytes, +10% of its peak) and the step would count the main parameters as states.
+    tracker.track_external(*models, *_storages_of(seen))
     measured = []
     with tracker:
         for chunk, run in zip(chunks, opt.chunks):
             def forward():
+                # what a data stage's batch holds (ldt.data.bytes), made per micro-batch
+                if not step_func:
+                    step_func.append(make_forward_step(s))
+                batch = None
+                if chunk.has_embedding or chunk.has_head:
+                    tokens = torch.zeros(b, s, dtype=torch.long)
+                    batch = {"tokens": tokens, "labels": tokens.clone(),
+                             "loss_mask": torch.ones(b, s),
+                             "position_ids": torch.arange(s).repeat(b, 1)}
                 inp = None
                 if not chunk.has_embedding:
                     inp = torch.zeros(s // sp, b, h, dtype=dtype, requires_grad=True)
                 get_attr_wrapped_model(run, "set_input_tensor")(inp)
-                return inp, run(tokens if chunk.has_embedding else None,
-                                position_ids if chunk.has_embedding else None, mask,
-                                labels=tokens if chunk.has_head else None)
+                out, loss = step_func[0](iter([batch]) if batch else None, run)
+                # the batch lives with its micro-batch: ldt's runtime keeps it from the start
+                # chunk's forward to the end chunk's (labels, loss mask: 4.6 KiB over cpu_vdp's
+                # edge); megatron's keeps less, a few bytes per token
+                return inp, loss(out)[0] if chunk.has_head else out, batch
 
             # Two micro-batches, the second run while the first is alive: the first also makes
             # what a process makes once (megatron's global buffer for local attention's scores:
@@ -185,12 +207,13 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
             mid = tracker.current()
             second = forward()
             held = tracker.current() - mid
-            for _, out in (second, first):  # as a pipeline does: the last forward first
+            for _, out, _ in (second, first):  # as a pipeline does: the last forward first
                 out.backward(torch.ones_like(out))
             peak = tracker.peak() - base
             del first, second
             gc.collect()
-            measured.append(ChunkMemory(held, max(peak - 2 * held, 0)))
+            measured.append(ChunkMemory(held, max(peak - 2 * held, 0) + gloo_copy,
+                                        max(tracker.current() - base, 0)))
         for o in inner:  # the gradients megatron hands its optimizer are views of DDP's buffer
             for g in o.param_groups:
                 g["foreach"] = device != "cpu"  # torch's default off CPU
@@ -213,6 +236,11 @@ def _inner_optimizers(optimizer) -> list:
 
 def _ddp_buffers(ddp) -> list:
     return [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]
+
+
+def _storages_of(seen: dict) -> list:
+    """One tensor over each storage in ``seen`` (what :meth:`MemTracker.track_external` takes)."""
+    return [torch.empty(0, dtype=torch.uint8, device=st.device).set_(st) for st in seen]
 
 
 def _new_bytes(seen: dict, tensors) -> int:

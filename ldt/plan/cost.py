@@ -215,6 +215,17 @@ class CostModel:
         (and its 16-bit copy), torch's LayerNorm only per-token statistics."""
         return self._upcast() * self.h if self.model.normalization == "RMSNorm" else 0.0
 
+    def _qk_norm_bytes(self) -> float:
+        """Per token at TP 1, what ``qk_layernorm`` adds (measured on megatron's layers with
+        the estimator, tests/test_plan_cost.py's ``qwen3`` family): each norm's output (RoPE's
+        input then, a view of the QKV output before) and RMSNorm's internals per element, and
+        its fp32 inverse RMS per head. In fp32 a key element costs 4 bytes, not 8 (measured;
+        one of its tensors is not a new one there)."""
+        q, k = self.hd, self.hd * self.g // self.a
+        per_q = self.d + self._upcast()
+        per_k = per_q if self.d < 4 else 4
+        return per_q * q + per_k * k + 4 * (self.a + self.g)
+
     def _rope(self) -> bool:
         return self.model.position_embedding_type == "rope"
 
@@ -225,7 +236,7 @@ class CostModel:
         ``norms``: the two norm inputs, the QKV and fc1 inputs, the norms' internals (all on
         the sequence slice with sequence parallelism); ``qkv``: the fused QKV output, a
         contiguous copy of q with grouped-query heads (no RoPE), RoPE's rotated q and k and its
-        cos / sin tables; ``core_attn``: flash's log-sum-exp, or the local attention's fp32
+        cos / sin tables, Qwen3's q / k norms; ``core_attn``: flash's log-sum-exp, or the local attention's fp32
         softmax, its 16-bit copy and the mask; ``attn_out``: the projection's input; ``mlp``:
         fc1's output, fc2's input, a gated MLP's activation and product. Korthikanti et al.
         (2022) count ``34 sbh + 5 as^2 b`` bytes with 16-bit activations: they add dropout
@@ -247,6 +258,8 @@ class CostModel:
         else:
             core = (self._upcast() * a + 1) * s / tp
         mlp = d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit else 0)) / tp
+        if self.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
+            qkv += self._qk_norm_bytes() / d
         if self.moe is not None:  # a MoE layer's router and dispatched tokens (#25's count)
             mlp = moe_activation_per_token(self, mlp, tp)
         return {"norms": (d * 4 * h + 2 * self._norm_bytes()) / sp,
@@ -307,9 +320,12 @@ class CostModel:
         """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
         (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
         copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
-        transient is what the estimator measures for the chunk run backward: about 4 bytes per
-        parameter of it (its weight gradients on their way into DDP's fp32 buffer), two
-        ``[s, b, h]`` tensors, and with the head the logits' gradient (``s*b*V/t``)."""
+        transient: 4 bytes per parameter of the chunk, two ``[s, b, h]`` tensors, and with the
+        head the logits' gradient (``s*b*V/t``). The 4 bytes per parameter were fitted to the
+        estimator when it counted DDP's fp32 grad buffer a second time (#24): the estimate's
+        transient is now a few hundred MiB on a 7B stage, so this over-prices plain pipelines
+        (planner/estimate up to 1.17); it under-prices a U-shape, whose sent tensors ldt's
+        runtime holds until the step ends (ldt.memory.inflight; not priced here yet)."""
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
         boundary = self.boundary_activation_bytes(1)  # whole sequence: the leader's buffer
         params, act, transient = 0.0, 0.0, 0.0

@@ -1,0 +1,96 @@
+"""The elastic job: ``ldt-train`` with ``cluster.inventory`` under torchrun's elastic agent
+(docs/elastic.md). Each start plans the world from the nodes that are there
+(:mod:`ldt.elastic.world`), checks the plan as the configured job checks a config (files, and
+the memory estimate against the ``memory_gib`` the planner wrote for every stage), then trains
+in it, continuing from the run folder's newest checkpoint."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ldt.errors import one_line
+from ldt.hydra_app import EXIT_CONFIG
+from ldt.job import (check, check_run_dir_given, discard_run_folder, join_torchrun,
+                     memory_estimate, resolve, world_backend)
+from ldt.storage.checkpoint_files import resume_auto
+
+def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
+    """Under torchrun's elastic agent (docs/elastic.md): plan the world that is there from the
+    nodes' descriptions, then train in it, continuing from the run folder's newest checkpoint.
+    Errors are one line per node (its local rank 0 prints it)."""
+    from ldt.config import to_model
+    from ldt.elastic.nodes import ElasticError
+
+    env = os.environ
+    speak = env.get("LOCAL_RANK", "0") == "0"
+    try:
+        check_run_dir_given(hydra_cfg)
+        plain = resolve(cfg, hydra_cfg.runtime.output_dir)
+        run = None
+        if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
+            try:
+                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True)
+                run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
+                       "load": plain["train"]["load"], "complete": complete}
+            except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
+                run = {"error": one_line(exc)}
+        import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+        from ldt.elastic.world import form_world
+
+        timeout = max(120.0, 4 * plain["train"]["comm_timeout_s"])  # the nodes' start-up skew
+        world = form_world(plain, to_model(plain["model"]), run, env, timeout)
+        if world.run["complete"]:
+            if speak:
+                print(f"ldt-train: {world.run['complete']}", flush=True)
+            return 0
+        if save_hydra_files is not None:  # torchrun's rank 0, whose folder the run continues
+            save_hydra_files()
+        if world.rank is None:  # the plan leaves this process out of this world
+            print(f"ldt-train: node {env['GROUP_RANK']} local rank {env['LOCAL_RANK']} is idle "
+                  f"in this world: {world.plan.describe()}", flush=True)
+            return world.wait_idle()
+        plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
+        plain["train"].update(num_microbatches=world.plan.num_microbatches,
+                              prefetch=world.plan.prefetch, resume=world.run["resume"],
+                              load=world.run["load"])
+        try:  # what only some ranks read (data, checkpoint files): all stop if one cannot
+            topo, warnings = check(plain, world.rank, world.plan.world_size)
+        except ValueError as exc:
+            world.settle(one_line(exc))
+        memory = check_memory(plain, topo, world)
+    except ValueError as exc:  # ElasticError, ConfigError, LayoutError
+        if speak:
+            what = "" if isinstance(exc, ElasticError) else "invalid config: "
+            print(f"ldt: {what}{one_line(exc)}", file=sys.stderr, flush=True)
+        if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
+            discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+        return EXIT_CONFIG
+    for warning in warnings:
+        print(f"ldt: warning: {warning}", file=sys.stderr)
+    world.init_process_group(world_backend(plain), plain["train"]["comm_timeout_s"])
+    world.record(env)
+    if world.rank == 0:
+        start = plain["train"]["resume"] or "a fresh start"
+        print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)
+    code = 1
+    try:
+        code = join_torchrun(plain, topo, memory=memory)
+        return code
+    finally:
+        world.finish(code)  # a finished run releases the idle processes
+
+
+def check_memory(plain: dict, topo, world) -> str:
+    """The planned world's memory, as the configured job checks a cluster's: the plan states
+    each stage's ``memory_gib`` (the planner's limit for its kind: memory_gib - reserved_gib),
+    so the estimate runs, and a stage over it stops every rank of the world (``world.settle``:
+    one line, exit status 2) before any process group forms. The planner prices memory with
+    its analytic model, the estimate with megatron-core's own code; they differ (e.g. by the
+    sent tensors ldt's runtime holds until a step ends, docs/memory.md), so the plan is
+    checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates (one
+    helper process per start, not one per rank) and its verdict reaches every rank. Returns
+    the estimate to print under the rank map (rank 0 prints it)."""
+    text, refused = memory_estimate(plain, topo) if world.rank == 0 else ("", None)
+    world.settle(None if refused is None else f"does not fit: {refused}")
+    return text

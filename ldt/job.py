@@ -1,0 +1,198 @@
+"""What both of ``ldt-train``'s jobs do (the configured world, :mod:`ldt.train`, and the elastic
+one, :mod:`ldt.elastic.job`): the config resolved and checked, the memory estimate's refusal, the
+run folder named or discarded, joining torchrun's world and printing the summary."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from typing import Optional
+
+from ldt.storage.checkpoint_files import AUTO
+
+def check_run_dir_given(hydra_cfg) -> None:
+    """train.resume=auto and elastic runs continue a run folder: it must be named, the same at
+    every start (Hydra's default is a new time-stamped folder each time)."""
+    from ldt.config import ConfigError
+
+    task, hydra = list(hydra_cfg.overrides.task), list(hydra_cfg.overrides.hydra)
+    if any(o.startswith("run_dir=") for o in task) or any(
+            o.startswith("hydra.run.dir=") and o != "hydra.run.dir=." for o in hydra):
+        return
+    raise ConfigError("train.resume=auto (the default of an elastic run, cluster.inventory) "
+                      "continues from the run folder's newest checkpoint, so the folder must be "
+                      "the same at every start: give run_dir=DIR (on a filesystem every node "
+                      "shares)")
+
+
+def discard_run_folder(path: str, cwd: str) -> None:
+    """A refused config leaves no run folder behind: Hydra made it before the job could
+    validate (empty: ``.hydra/`` is written only once the config is accepted). Removed only
+    when empty, with the parents it leaves empty below the working directory
+    (``outputs/<date>``)."""
+    import shutil
+
+    if not os.path.isdir(path) or os.listdir(path) or not _made_by_this_process(path):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    parent = os.path.dirname(path)
+    while parent.startswith(cwd + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
+        os.rmdir(parent)
+        parent = os.path.dirname(parent)
+
+
+def _made_by_this_process(path: str) -> bool:
+    """Hydra made ``path`` in this process (an empty folder the user had is left alone)."""
+    import psutil
+
+    return os.stat(path).st_ctime >= psutil.Process().create_time()  # (rounded down)
+
+
+def resolve(cfg, run_dir: str) -> dict:
+    """The composed config as a plain dict, run folder and paths made absolute."""
+    from hydra.utils import to_absolute_path
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ldt.config import ConfigError
+
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{exc}".strip()) from None
+    plain["run_dir"] = os.path.abspath(run_dir)
+    # relative to where ldt-train was started, also under hydra.job.chdir=true
+    for group, key in (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+                       ("train", "resume"), ("train", "load")):
+        value = plain[group].get(key)
+        if value and not (key == "tokenizer" and value == "bytes") \
+                and not (key == "resume" and value == AUTO):
+            plain[group][key] = to_absolute_path(value)
+    if plain["data"].get("blend") is not None:
+        from ldt.data.files import format_blend, parse_blend
+
+        plain["data"]["blend"] = format_blend(*parse_blend(plain["data"]["blend"],
+                                                           base=to_absolute_path(".")))
+    return plain
+
+
+def check(plain: dict, rank: Optional[int], world: Optional[int]):
+    """Validate a resolved config for a world of ``world`` processes: (topology, warnings)."""
+    from ldt.validate import check_files, validate
+
+    topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
+    warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
+    return topo, warnings
+
+
+def save_config(cfg: dict, run_dir: str) -> None:
+    from omegaconf import OmegaConf
+
+    from ldt.storage.atomic import replace_file
+
+    os.makedirs(run_dir, exist_ok=True)
+    replace_file(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(cfg)))
+
+
+def join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None,
+                   memory: str = "") -> int:
+    """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
+    rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more). A failure
+    is one line from each failing rank (and its exit status), not a traceback: no launcher of
+    ldt's sees the whole world to name the rank that failed first (ldt.training.failure)."""
+    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    from ldt.training import failure
+
+    rank = int(os.environ["RANK"])
+    doing = failure.track_progress()
+    try:
+        return _train_in_torchrun_world(cfg, topo, auto, complete, memory)
+    except (Exception, KeyboardInterrupt) as exc:
+        return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
+
+
+def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str],
+                             memory: str = "") -> int:
+    import torch.distributed as dist
+
+    from ldt.training.loop import train_worker
+
+    if not dist.is_initialized():  # an elastic world joined in ldt.elastic.world
+        dist.init_process_group(world_backend(cfg),
+                                timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
+    # rank 0's run folder (only it kept Hydra's) and what train.resume=auto found there
+    holder = [cfg["run_dir"], (cfg["train"]["resume"], cfg["train"]["load"], complete)]
+    dist.broadcast_object_list(holder, src=0)
+    cfg["run_dir"] = holder[0]
+    if auto:
+        cfg["train"]["resume"], cfg["train"]["load"], complete = holder[1]
+    if complete:
+        if dist.get_rank() == 0:
+            print(f"ldt-train: {complete}", flush=True)
+        dist.destroy_process_group()
+        return 0
+    if dist.get_rank() == 0:
+        print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
+        save_config(cfg, holder[0])
+    summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
+    code = 0
+    if summary is not None and summary.get("stopped"):
+        print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)
+        code = summary["stopped"].exit_code
+    elif summary is not None:
+        print(summary_line(summary), flush=True)
+    dist.destroy_process_group()
+    return code
+
+
+def world_backend(cfg: dict) -> str:
+    """The default group's backend: native when every stage has one device type, else gloo."""
+    from ldt.device import backend_for
+
+    devices = {s["device"] for s in cfg["cluster"]["stages"]}
+    return backend_for(devices.pop()) if len(devices) == 1 else "gloo"
+
+
+def summary_line(summary: dict) -> str:
+    from ldt.training.outputs import summary_json
+
+    return summary_json(_public(summary))
+
+
+def _public(summary: dict) -> dict:
+    keys = ("steps", "first_step", "final_loss", "first_loss", "eval_loss", "moe_aux_loss",
+            "final_mtp_loss",
+            "tokens_per_s", "step_time_s", "parity_max_abs_diff", "run_dir")
+    return {k: summary[k] for k in keys if k in summary}
+
+
+def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
+    """With ``train.estimate_memory`` (by default: when a stage states ``memory_gib``), the
+    per-stage estimate to print under the rank map; None (after saying why) when a stage does
+    not fit. Every rank of a torchrun world estimates alike, so all refuse together."""
+    text, refused = memory_estimate(plain, topo)
+    if refused is not None:
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"ldt: does not fit{where}: {refused}", file=sys.stderr)
+        return None
+    return text
+
+
+def memory_estimate(plain: dict, topo) -> tuple[str, Optional[str]]:
+    """``(text, refusal)``: the estimate to print under the rank map ("" when not asked for, or
+    when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
+    first stage over its ``memory_gib`` (None when every stage fits)."""
+    from ldt.memory import needs_estimate
+
+    if not needs_estimate(plain):
+        return "", None
+    from ldt.memory.report import check
+
+    try:
+        text, refused = check(plain, topo)
+    except Exception as exc:
+        print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
+              "starting without it", file=sys.stderr)
+        return "", None
+    return "\n" + text, refused
