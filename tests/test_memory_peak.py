@@ -21,23 +21,28 @@ def _topo(*over):
     return validate(c.cluster, c.model, train=c.train, check_devices=False), c
 
 
-def test_ldt_runtime_holds_what_it_sent_until_the_step_ends():
-    """cpu_demo's cloud1 (U-shape, m 4): at its last backwards it holds 2 micro-batches, one
-    posted receive, and 4 sent tensors (two outputs whose backward is done, two input
-    gradients: ldt's runtime waits for its sends at the step's end); an SP TP-2 stage's leader
-    sends gathered wholes, so its forward outputs count at once."""
+def test_ldt_runtime_holds_a_sent_tensor_through_two_computations_only():
+    """cpu_demo's cloud1 (U-shape, m 4; computations F0 F1 B0 F2 B1 F3 B2 B3): at F2 it holds
+    2 micro-batches (1, 2), two posted receives (F3's activation, B1's gradient) and B0's
+    input gradient, sent before it and perhaps still crossing; B1's gradient, sent before
+    F3, still counts at B2 (two computations) and no longer at B3 (ldt's runtime waits a
+    completed send at its next action), where B2's does. A forward's output never counts as
+    sent: its backward comes long after its send. A sequence-parallel TP-2 stage's leader
+    sends a whole it gathered, a new tensor: counted at the computation after the send."""
     topo, c = _topo("cluster=cpu_demo")
     cloud1 = stage_inflight(topo, c.train)[2]
-    assert cloud1.moments[-2] == Moment((2,), 1, 4, 0)  # B2 (the last, B3, holds one)
-    assert cloud1.peak([1000], [0], 10, 10) == Moment((2,), 1, 4, 0)
+    assert cloud1.moments[3] == Moment((2,), 2, 1, 0)  # F2
+    assert cloud1.moments[6] == Moment((2,), 1, 1, 0)  # B2
+    assert cloud1.moments[7] == Moment((1,), 0, 1, 0)  # B3
+    assert cloud1.peak([1000], [0], 10, 10) == Moment((2,), 2, 1, 0)
     assert cloud1.chunks == (2,)
     edge = stage_inflight(topo, c.train)[0]
     assert edge.chunks == (4, 1)
     assert edge.peak([1000, 0], [0, 0], 0, 0).chunks == (4, 0)  # a BE of the start chunk
     assert edge.peak([0, 1000], [0, 0], 0, 0).chunks[1] == 1
-    sp = stage_inflight(topo, c.train, sequence_parallel=True)[1]  # cloud0, TP 2
-    assert max(mo.sent for mo in sp.moments) > max(
-        mo.sent for mo in stage_inflight(topo, c.train)[1].moments)
+    plain = stage_inflight(topo, c.train)[1]  # cloud0, TP 2: F0 F1 ...
+    sp = stage_inflight(topo, c.train, sequence_parallel=True)[1]
+    assert (plain.moments[1].sent, sp.moments[1].sent) == (0, 1)  # F0's output, at F1
 
 
 def test_megatrons_1f1b_keeps_no_buffers_and_one_stale_tensor():

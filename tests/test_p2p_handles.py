@@ -196,3 +196,37 @@ def test_sequence_parallel_on_a_tp1_stage_is_refused():
     cfg = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
     with pytest.raises(ConfigError, match="sequence_parallel=True on a stage of TP 1"):
         p2p.VtpCommunicator(cfg, _state(rank=0))
+
+
+def test_the_runtime_lets_a_completed_send_go_before_its_next_action():
+    """ldt's runtime holds a sent tensor only while its send is in flight (held to the step's
+    end, the edge of llama3_8b's U-shape plan kept 7.6 GiB of sent tensors): a completed
+    send is waited, and its tensor freed, before the next action; one in flight stays."""
+    import gc
+    import weakref
+
+    from ldt.boundary.work import SendWork
+    from ldt.schedule.runtime import PendingSends
+
+    done = {"a": False, "b": False}
+    waited = []
+
+    def work(name):
+        return SimpleNamespace(is_completed=lambda: done[name],
+                               wait=lambda: waited.append(name))
+
+    a, b = torch.ones(4), torch.ones(4)
+    alive = [weakref.ref(a), weakref.ref(b)]
+    sends = PendingSends()
+    sends.add(SendWork([work("a")], a))
+    sends.add(SendWork([work("b")], b))
+    del a, b
+    sends.let_go_completed()
+    assert waited == [] and len(sends.works) == 2  # both in flight: both held
+    done["a"] = True
+    sends.let_go_completed()
+    gc.collect()
+    assert waited == ["a"] and alive[0]() is None and alive[1]() is not None
+    sends.wait_all()  # the step's end: the rest
+    gc.collect()
+    assert waited == ["a", "b"] and alive[1]() is None and sends.works == []

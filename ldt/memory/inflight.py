@@ -11,8 +11,8 @@ edge holds its start chunk for the whole trip round the ring and its end chunk f
 ``train.prefetch`` adds micro-batches in flight, and a VDP stage's lanes each count. A
 received tensor occupies a buffer from its RECV (posted early, ``1 + 2 * prefetch`` ahead on
 the edge's links) to its WAIT, after which it is the chunk's input (counted with the chunk).
-ldt's runtime waits for its sends when the step ends, and a send's work holds its tensor
-until then. Megatron's own 1F1B (a plain pipeline's default runtime) keeps ``min(P - stage,
+ldt's runtime lets a send go at the first action after it completed, and a send's work
+holds its tensor until then: counted through the stage's next computation. Megatron's own 1F1B (a plain pipeline's default runtime) keeps ``min(P - stage,
 m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and keeps one stale
 tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
 ``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from ldt.schedule import Op
 
 
+SENDS_OUTLIVE = 2
+"""Computations a sent tensor may still be held through on ldt's runtime: a send completes
+once the peer posted its receive and took the data, and a peer posts it ahead of the
+computation that needs it, so within about two of the peer's computations (a peer with k
+times this stage's replicas runs k times fewer: k times as many of this stage's)."""
+
+
 @dataclass(frozen=True)
 class Moment:
     """What a stage holds while one of its computations runs (its transient on top)."""
@@ -34,9 +41,9 @@ class Moment:
     recv_buffers: int
     """Posted receives not yet waited."""
     sent: int = 0
-    """Sent tensors nothing else keeps: ldt's runtime waits for its sends at the end of the
-    step, and until then each send's work holds its tensor (a forward's output after that
-    micro-batch's backward, every input gradient sent back)."""
+    """Sent tensors nothing else keeps, still held by their send's work: on ldt's runtime
+    those sent since the stage's last computation (an input gradient sent back, or a
+    sequence-parallel leader's gathered whole), which may still be crossing."""
     chunk: int = 0
     """The chunk computing (its transient is on top)."""
 
@@ -76,7 +83,11 @@ def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, St
         stage = stage_of(lane)
         two = topo.u_shape and stage == 0
         gathers = sequence_parallel and topo.stages[stage].tp > 1
-        out.setdefault(stage, []).extend(_walk(actions, two, ldt_runtime, gathers))
+        # a peer with more replicas runs fewer computations a step each: a send to it waits
+        # that many more of this lane's computations for its receive
+        faster = max(topo.dp_of(p) for p in _peers(topo, stage)) / topo.dp_of(stage)
+        outlive = SENDS_OUTLIVE * max(1, round(faster))
+        out.setdefault(stage, []).extend(_walk(actions, two, ldt_runtime, gathers, outlive))
     return {stage: StageInflight(tuple(moments)) for stage, moments in out.items()}
 
 
@@ -95,14 +106,21 @@ def _lists(topo, train):
                            prefetch=prefetch), lambda stage: stage
 
 
+def _peers(topo, stage: int) -> set[int]:
+    return {b for a, b in topo.activation_boundaries() if a == stage} | {
+        a for a, b in topo.activation_boundaries() if b == stage} or {stage}
+
+
 def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
-          gathers: bool = False) -> list[Moment]:
+          gathers: bool = False, outlive: int = 2) -> list[Moment]:
     """The moment of every computation in one lane's action list. A forward's moment counts
     its own micro-batch; a backward's still counts the micro-batch it backwards (its
     activations go as the backward proceeds; the transient measured the same way).
 
-    ldt's runtime posts receives ahead (RECV .. WAIT) and waits for its sends at the step's
-    end; megatron's own 1F1B (a plain pipeline's default runtime) receives right before the
+    ldt's runtime posts receives ahead (RECV .. WAIT) and lets a send go at its first action
+    after the send completed, so a tensor only its send holds (an input gradient; a forward
+    output is the chunk's until its backward, long after its send) is counted through the
+    next computation, which the transfer may overlap, and not after; megatron's own 1F1B (a plain pipeline's default runtime) receives right before the
     computation that needs the tensor and waits for each send before it goes on, so neither
     buffers nor sent tensors outlive an exchange there: the one being consumed is the
     chunk's input (in its activations) or its output gradient (in the transient). Its loop
@@ -115,13 +133,18 @@ def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
     from the slices, so each of its forward sends is a new tensor from the start (its
     backward sends are gathered wholes too, as every input gradient is counted)."""
     held = end = buffers = sent = backwards = 0
-    out_sent: set = set()
     moments = []
     sends = {a.op for a in actions if a.op in (Op.SEND_F, Op.SEND_B)}
 
+    recent = [0] * outlive  # sent before each of the last computations
+
     def moment(stale_op, chunk=0):
+        nonlocal sent
         if ldt_runtime:
-            extra = (buffers, sent)
+            recent.append(sent)
+            del recent[0]
+            extra = (buffers, sum(recent))
+            sent = 0
         else:
             extra = (0, int(backwards > 0 and stale_op in sends))
         moments.append(Moment((held, end) if two_chunks else (held,), *extra, chunk))
@@ -137,14 +160,11 @@ def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
             moment(Op.SEND_B)
             held -= 1
             backwards += 1
-            sent += a.mb in out_sent  # its output, sent forward, outlives it
         elif a.op is Op.BS:
             moment(Op.SEND_B, 1)
             end -= 1
         elif a.op is Op.SEND_F and gathers:
             sent += 1  # a sequence-parallel leader sends the whole it gathered: a new tensor
-        elif a.op is Op.SEND_F:
-            out_sent.add(a.mb)
         elif a.op is Op.SEND_B:
             sent += 1
         elif a.op in (Op.RECV_F, Op.RECV_B):

@@ -202,9 +202,9 @@ def _padded_vocab_gpt_class():
             def compute_language_model_loss(self, labels, logits):
                 local = logits.shape[-1]
                 first = self.tp_group.rank() * local  # this TP rank's vocabulary slice
-                padded = torch.arange(first, first + local, device=logits.device) \
-                    >= self.real_vocab_size
-                if bool(padded.any()):
+                if first + local > self.real_vocab_size:  # decided on ints: no device sync
+                    padded = torch.arange(first, first + local, device=logits.device) \
+                        >= self.real_vocab_size
                     logits = logits.masked_fill(padded, float("-inf"))
                 return super().compute_language_model_loss(labels, logits)
 

@@ -320,12 +320,10 @@ class CostModel:
         """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
         (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
         copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
-        transient: 4 bytes per parameter of the chunk, two ``[s, b, h]`` tensors, and with the
-        head the logits' gradient (``s*b*V/t``). The 4 bytes per parameter were fitted to the
-        estimator when it counted DDP's fp32 grad buffer a second time (#24): the estimate's
-        transient is now a few hundred MiB on a 7B stage, so this over-prices plain pipelines
-        (planner/estimate up to 1.17); it under-prices a U-shape, whose sent tensors ldt's
-        runtime holds until the step ends (ldt.memory.inflight; not priced here yet)."""
+        transient: two ``[s, b, h]`` tensors, two more that sends may still hold (ldt's
+        runtime lets a send go once it completed, ldt.memory.inflight), and with the head the
+        logits' gradient (``s*b*V/t``). (Until #24's correction it also held 4 bytes per
+        parameter, fitted to an estimator that counted DDP's fp32 grad buffer twice.)"""
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
         boundary = self.boundary_activation_bytes(1)  # whole sequence: the leader's buffer
         params, act, transient = 0.0, 0.0, 0.0
@@ -334,7 +332,7 @@ class CostModel:
             params += own
             act += self.chunk_activation_bytes(tp, c)
             logits = self.d * self.s * self.b * self.V / tp if c.head else 0.0
-            transient = max(transient, GRAD_BYTES * own + 2 * boundary + logits)
+            transient = max(transient, 4 * boundary + logits)
         return Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
                       act, recv_buffers * boundary, transient)
 
