@@ -221,16 +221,10 @@ class VtpCommunicator(P2PCommunicator):
             relay = PieceRelay(bounds, layout, tensor, full, staged, self.state.tp_group,
                                self.state.stage_ranks,
                                self.state.stage_ranks.index(self.state.info.rank))
-        src, dst = peer_stage, self.state.stage
-
-        def on_ready(t: torch.Tensor) -> None:
-            for obs in self.observers:
-                obs.on_recv(src, dst, direction, t)
-
         return tensor, RecvWork(
             tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
             stage_size=len(self.state.stage_ranks), staged=staged,
-            on_ready=on_ready if self.observers else None, what=what, delay_s=delay_s,
+            on_ready=self._on_ready(peer_stage, direction), what=what, delay_s=delay_s,
             layout=layout, full=full, relay=relay)
 
     def _fanout(self, src: int, dst: int, direction: str, replica: int, nbytes: int):
@@ -268,18 +262,24 @@ class VtpCommunicator(P2PCommunicator):
             works = [dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction])]
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
+        return tensor, RecvWork(
+            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
+            stage_size=1, staged=staged, on_ready=self._on_ready(peer_stage, direction),
+            what=what, delay_s=plan.delay_ms / 1e3, full=full,
+            keep_slice=(layout.tp, self.state.stage_ranks.index(self.state.info.rank))
+            if full is not None else None)
+
+    def _on_ready(self, peer_stage: int, direction: str):
+        """What a completed receive from ``peer_stage`` tells the observers (None: none)."""
+        if not self.observers:
+            return None
         src, dst = peer_stage, self.state.stage
 
         def on_ready(t: torch.Tensor) -> None:
             for obs in self.observers:
                 obs.on_recv(src, dst, direction, t)
 
-        return tensor, RecvWork(
-            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
-            stage_size=1, staged=staged, on_ready=on_ready if self.observers else None,
-            what=what, delay_s=plan.delay_ms / 1e3, full=full,
-            keep_slice=(layout.tp, self.state.stage_ranks.index(self.state.info.rank))
-            if full is not None else None)
+        return on_ready
 
     def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
         """Activations travel along a boundary's arrow (src -> dst), gradients against it.
