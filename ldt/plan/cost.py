@@ -158,6 +158,8 @@ class CostModel:
         self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
         self.sequence_parallel = bool(getattr(m, "sequence_parallel", False))
         self.moe = moe_shape(m)
+        self._boundary_times: dict[tuple[str, str, int], float] = {}  # the planner asks ~40k
+        self._memories: dict[tuple, Memory] = {}  # and ~28k stage memories, a few hundred distinct
         self._cache: dict[tuple, tuple[float, float]] = {}
 
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
@@ -324,6 +326,9 @@ class CostModel:
         runtime lets a send go once it completed, ldt.memory.inflight), and with the head the
         logits' gradient (``s*b*V/t``). (Until #24's correction it also held 4 bytes per
         parameter, fitted to an estimator that counted DDP's fp32 grad buffer twice.)"""
+        key = (tp, tuple(chunks), recv_buffers)
+        if key in self._memories:
+            return self._memories[key]
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
         boundary = self.boundary_activation_bytes(1)  # whole sequence: the leader's buffer
         params, act, transient = 0.0, 0.0, 0.0
@@ -333,8 +338,10 @@ class CostModel:
             act += self.chunk_activation_bytes(tp, c)
             logits = self.d * self.s * self.b * self.V / tp if c.head else 0.0
             transient = max(transient, 4 * boundary + logits)
-        return Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
-                      act, recv_buffers * boundary, transient)
+        memory = Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
+                        act, recv_buffers * boundary, transient)
+        self._memories[key] = memory
+        return memory
 
     def memory_limit(self, kind: str) -> float:
         k = self.inventory.kind(kind)
@@ -405,6 +412,9 @@ class CostModel:
         as ``cluster.boundary_fanout=auto`` moves it between nodes (:func:`ldt.device.fans_out`;
         the planner places stages on separate nodes): a small message as a copy per TP rank,
         a larger one as one copy whose last piece the receiving leader relays."""
+        key = (src_kind, dst_kind, dst_tp)
+        if key in self._boundary_times:
+            return self._boundary_times[key]
         nbytes = self.boundary_bytes()
         src, dst = self.inventory.kind(src_kind), self.inventory.kind(dst_kind)
         link = self.inventory.link(src_kind, dst_kind)
@@ -414,6 +424,7 @@ class CostModel:
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
         if dst_tp > 1 and copies == 1:  # the relay of the last piece inside the TP group
             t += nbytes / piece_count(nbytes) / (dst.intra_bw_gbps * GB)
+        self._boundary_times[key] = t
         return t
 
     def dp_allreduce_time(self, kind: str, params_per_rank: float, dp: int) -> float:
