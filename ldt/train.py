@@ -28,7 +28,16 @@ from ldt.storage.checkpoint_files import AUTO, resume_auto
 def main(argv: Sequence[str] | None = None) -> int:
     from ldt.hydra_app import run_app
 
-    return run_app(_job, argv)
+    code = run_app(_job, argv)
+    if code and "RANK" in os.environ:
+        # A failed torchrun rank has said why in one line. Its process groups may hold work
+        # on a pair whose peer is gone, and their C++ destructors at interpreter exit can
+        # then abort with a second stderr line ("terminate called without an active
+        # exception": seen on a rank whose peer host was cut off): leave without them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _job(cfg, save_hydra_files=None) -> int:
