@@ -12,8 +12,9 @@ edge holds its start chunk for the whole trip round the ring and its end chunk f
 received tensor occupies a buffer from its RECV (posted early, ``1 + 2 * prefetch`` ahead on
 the edge's links) to its WAIT, after which it is the chunk's input (counted with the chunk).
 ldt's runtime lets a send go at the first action after it completed, and a send's work
-holds its tensor until then: counted through the stage's next computation. Megatron's own 1F1B (a plain pipeline's default runtime) keeps ``min(P - stage,
-m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and keeps one stale
+holds its tensor until then: counted through the stage's next :data:`SENDS_OUTLIVE`
+computations. Megatron's own 1F1B (a plain pipeline's default runtime) keeps
+``min(P - stage, m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and keeps one stale
 tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
 ``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
 """
@@ -42,8 +43,8 @@ class Moment:
     """Posted receives not yet waited."""
     sent: int = 0
     """Sent tensors nothing else keeps, still held by their send's work: on ldt's runtime
-    those sent since the stage's last computation (an input gradient sent back, or a
-    sequence-parallel leader's gathered whole), which may still be crossing."""
+    those sent within its last :data:`SENDS_OUTLIVE` computations (an input gradient
+    sent back, or a sequence-parallel leader's gathered whole), which may still be crossing."""
     chunk: int = 0
     """The chunk computing (its transient is on top)."""
 
