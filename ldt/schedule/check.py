@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections import deque
 from math import inf
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Optional, Union
 
 from ldt.schedule.ir import (
     COMPUTE_OPS,
@@ -195,14 +196,88 @@ class Played:
     end: dict[int, list[float]]
 
 
+Price = Union[Callable[[Action], float], Mapping[tuple, float]]
+"""An action's time: a function of the action, or a table read without a call per action (the
+planner's case), keyed ``(stage, op.value)`` for a compute and ``(stage, peer)`` for a send."""
+
+_COMPUTE, _WAIT, _SEND, _RECV = range(4)
+
+
+@dataclass(frozen=True, eq=False)
+class Program:
+    """A checked schedule in the form :func:`play` runs: per stage and action, what it is and
+    which message it sends, waits for or posts (messages numbered by their SEND). Compiled once
+    per schedule: the planner plays one schedule under hundreds of costs."""
+
+    codes: dict[int, list[int]]
+    message: dict[int, list[int]]
+    """The message a SEND sends, a WAIT waits for, a RECV posts; -1 for a compute."""
+    keys: dict[int, list[tuple[int, str]]]
+    """Per action, ``(stage, op.value)``: a compute's key in a :data:`Price` table."""
+    sends: list[Action]
+
+    def own_times(self, schedule: Schedule, duration: Price,
+                  local_time: Optional[Callable[[Action], float]]) -> dict[int, list[float]]:
+        """Per action, the time it takes itself: a compute its ``duration``, the others their
+        ``local_time`` (0 without)."""
+        out = {}
+        for stage, actions in schedule.items():
+            codes, keys = self.codes[stage], self.keys[stage]
+            if isinstance(duration, Mapping) and local_time is None:
+                out[stage] = [duration[k] if c == _COMPUTE else 0 for c, k in zip(codes, keys)]
+                continue
+            price = duration.__getitem__ if isinstance(duration, Mapping) else None
+            out[stage] = [(price(k) if price else duration(a)) if c == _COMPUTE  # type: ignore
+                          else local_time(a) if local_time else 0
+                          for a, c, k in zip(actions, codes, keys)]
+        return out
+
+    def transfer_times(self, comm_time: Price) -> list[float]:
+        """Per message, its time on the wire (``comm_time`` of its SEND)."""
+        if isinstance(comm_time, Mapping):
+            return [comm_time[(a.stage, a.peer)] for a in self.sends]
+        return [comm_time(a) for a in self.sends]
+
+
+def compile_play(schedule: Schedule, matches: dict[Slot, Slot]) -> Program:
+    """``schedule`` (checked, with ``matches`` from :func:`match_messages`) as a :class:`Program`."""
+    number = {slot: n for n, slot in enumerate(
+        (stage, index) for stage, actions in schedule.items()
+        for index, action in enumerate(actions) if action.op in SEND_OPS)}
+    codes, message, keys = {}, {}, {}
+    for stage, actions in schedule.items():
+        codes[stage], message[stage], keys[stage] = [], [], []
+        posted: dict[tuple, int] = {}  # a RECV's (channel, mb) -> its index, until its WAIT
+        for index, action in enumerate(actions):
+            op = action.op
+            code = (_COMPUTE if op in COMPUTE_OPS else _WAIT if op in WAIT_OPS
+                    else _SEND if op in SEND_OPS else _RECV)
+            msg = -1
+            if code == _WAIT:
+                msg = number[matches[(stage, index)]]
+                recv = posted.pop((action.channel, action.mb), None)
+                if recv is not None:
+                    message[stage][recv] = msg
+            elif code == _SEND:
+                msg = number[(stage, index)]
+            elif code == _RECV:
+                posted[(action.channel, action.mb)] = index
+            codes[stage].append(code)
+            message[stage].append(msg)
+            keys[stage].append((stage, op.value))
+    sends = [schedule[stage][index] for stage, index in number]
+    return Program(codes, message, keys, sends)
+
+
 def play(
     schedule: Schedule,
     matches: dict[Slot, Slot],
-    duration: Callable[[Action], float] = lambda a: 0,
-    comm_time: Callable[[Action], float] = lambda a: 0,
-    local_time: Callable[[Action], float] = lambda a: 0,
+    duration: Price = lambda a: 0,
+    comm_time: Price = lambda a: 0,
+    local_time: Optional[Callable[[Action], float]] = None,
     start_at: dict[int, float] | None = None,
     handshake: Callable[[Action], float] | None = None,
+    program: Optional[Program] = None,
 ) -> Played:
     """Run all stages against each other; raise a deadlock report if they stop progressing.
 
@@ -214,44 +289,49 @@ def play(
     ``handshake(recv)``: a rendezvous transport (gloo's TCP) sends a message only once the
     receiver's "ready" notice, sent when the RECV was posted, has reached the sender: the
     message leaves at ``max(send time, recv post + handshake(recv))``. None: eager messages.
+    ``program``: the schedule compiled by :func:`compile_play` (compiled here if not given).
     """
+    program = program or compile_play(schedule, matches)
+    own = program.own_times(schedule, duration, local_time)
+    wire = program.transfer_times(comm_time)
     start: dict[int, list[float]] = {s: [] for s in schedule}
     end: dict[int, list[float]] = {s: [] for s in schedule}
     clock: dict[int, float] = {s: (start_at or {}).get(s, 0) for s in schedule}
-    sent_at: dict[Slot, float] = {}
-    posted: dict[tuple, float] = {}  # (channel, mb) -> when its RECV's notice reaches the sender
-    parked: dict[Slot, int] = {}  # send slot -> stage waiting for it
+    sent_at: list[Optional[float]] = [None] * len(wire)
+    posted: list[float] = [-inf] * len(wire)  # when a RECV's notice reaches the sender
+    parked: dict[int, int] = {}  # message -> the stage waiting for it
     ready = deque(sorted(schedule))
     while ready:
         stage = ready.popleft()
-        actions, starts, ends, now = schedule[stage], start[stage], end[stage], clock[stage]
-        index = len(starts)
-        while index < len(actions):
-            action = actions[index]
-            op = action.op
-            if op in COMPUTE_OPS:
+        codes, message, times = program.codes[stage], program.message[stage], own[stage]
+        starts, ends, now = start[stage], end[stage], clock[stage]
+        index, count = len(starts), len(codes)
+        while index < count:
+            code = codes[index]
+            if code == _COMPUTE:
                 starts.append(now)
-                now = now + duration(action)
+                now = now + times[index]
                 ends.append(now)
-            elif op in WAIT_OPS:
-                source = matches[(stage, index)]
-                if source not in sent_at:
-                    parked[source] = stage
+            elif code == _WAIT:
+                msg = message[index]
+                sent = sent_at[msg]
+                if sent is None:
+                    parked[msg] = stage
                     break
                 starts.append(now)
-                leaves = max(sent_at[source], posted.get((action.channel, action.mb), -inf))
-                now = max(now, leaves + comm_time(_at(schedule, source)))
-                now = now + local_time(action)
+                now = max(now, max(sent, posted[msg]) + wire[msg])
+                now = now + times[index]
                 ends.append(now)
             else:
                 starts.append(now)
-                if handshake is not None and op in RECV_OPS:
-                    posted[(action.channel, action.mb)] = now + handshake(action)
-                now = now + local_time(action)
+                if code == _RECV and handshake is not None and message[index] >= 0:
+                    posted[message[index]] = now + handshake(schedule[stage][index])
+                now = now + times[index]
                 ends.append(now)
-                if op in SEND_OPS:
-                    sent_at[(stage, index)] = starts[-1]
-                    waiter = parked.pop((stage, index), None)
+                if code == _SEND:
+                    msg = message[index]
+                    sent_at[msg] = starts[-1]
+                    waiter = parked.pop(msg, None)
                     if waiter is not None:
                         ready.append(waiter)
             index += 1

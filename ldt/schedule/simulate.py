@@ -14,7 +14,7 @@ from functools import cached_property
 from fractions import Fraction
 from numbers import Rational
 
-from ldt.schedule.check import Played, Slot, check_structure, play
+from ldt.schedule.check import Played, Price, Program, Slot, check_structure, compile_play, play
 from ldt.schedule.ir import Action, Op, Schedule
 
 # Ops that open / close a micro-batch's stay on a stage (the activations it keeps alive).
@@ -84,6 +84,7 @@ class Prepared:
     computes: dict[int, list[int]]
     peak_inflight: dict[int, int]
     peak_inflight_end: dict[int, int]
+    program: Program
 
 
 def prepare(schedule: Schedule) -> Prepared:
@@ -91,19 +92,20 @@ def prepare(schedule: Schedule) -> Prepared:
     matches = check_structure(schedule)
     computes = {stage: [i for i, a in enumerate(actions) if a.is_compute]
                 for stage, actions in schedule.items()}
-    return Prepared(schedule, matches, computes, *_peak_inflight(schedule))
+    return Prepared(schedule, matches, computes, *_peak_inflight(schedule),
+                    compile_play(schedule, matches))
 
 
 def simulate(
     schedule: Schedule | Prepared,
-    duration: Callable[[Action], float],
-    comm_time: Callable[[Action], float] = lambda a: 0,
-    local_time: Callable[[Action], float] = lambda a: 0,
+    duration: Price,
+    comm_time: Price = lambda a: 0,
+    local_time: Callable[[Action], float] | None = None,
     start_at: dict[int, float] | None = None,
     handshake: Callable[[Action], float] | None = None,
 ) -> SimResult:
-    """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``;
-    ``local_time`` (communication actions' own time) and ``start_at`` (stage start offsets) are
+    """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``
+    (or tables of them, :data:`ldt.schedule.check.Price`); ``local_time`` (communication actions' own time) and ``start_at`` (stage start offsets) are
     for replaying measurements, ``handshake`` models a rendezvous transport; see
     :func:`ldt.schedule.check.play`.
 
@@ -113,7 +115,8 @@ def simulate(
     """
     prepared = schedule if isinstance(schedule, Prepared) else prepare(schedule)
     schedule = prepared.schedule
-    played = play(schedule, prepared.matches, duration, comm_time, local_time, start_at, handshake)
+    played = play(schedule, prepared.matches, duration, comm_time, local_time, start_at, handshake,
+                  prepared.program)
     busy: dict[int, float] = {}
     for stage in sorted(schedule):
         starts, ends = played.start[stage], played.end[stage]
