@@ -161,6 +161,9 @@ class CostModel:
         self._boundary_times: dict[tuple[str, str, int], float] = {}  # the planner asks ~40k
         self._memories: dict[tuple, Memory] = {}  # and ~28k stage memories, a few hundred distinct
         self._cache: dict[tuple, tuple[float, float]] = {}
+        self.memo: dict[tuple, object] = {}
+        """What callers derive from these prices and ask again (ldt.plan.evaluate's per-stage
+        terms); a key starts with the caller's tag."""
 
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
     def layer_flops(self) -> float:
