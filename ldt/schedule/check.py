@@ -28,6 +28,7 @@ from ldt.schedule.ir import (
     WAIT_OPS,
     Action,
     Channel,
+    Op,
     Schedule,
     format_grid,
     num_microbatches,
@@ -51,8 +52,9 @@ def check_structure(schedule: Schedule) -> dict[Slot, Slot]:
     _check_stage_keys(schedule)
     # a schedule without any backward is an evaluation schedule: it needs the forwards only
     training = any(a.op in COMPUTE_OPS - FORWARD_OPS for acts in schedule.values() for a in acts)
+    count = num_microbatches(schedule)
     for stage in sorted(schedule):
-        _check_compute(schedule, stage, training)
+        _check_compute(schedule, stage, training, count)
         _check_recv_wait_pairs(schedule, stage)
     return match_messages(schedule)
 
@@ -66,7 +68,7 @@ def _check_stage_keys(schedule: Schedule) -> None:
                              f"{action.stage}; a stage's list holds only its own actions")
 
 
-def _check_compute(schedule: Schedule, stage: int, training: bool) -> None:
+def _check_compute(schedule: Schedule, stage: int, training: bool, count: int) -> None:
     """Each micro-batch runs each required compute op exactly once, in data-flow order."""
     actions = schedule[stage]
     ops = {a.op for a in actions if a.op in COMPUTE_OPS}
@@ -96,11 +98,11 @@ def _check_compute(schedule: Schedule, stage: int, training: bool) -> None:
     if extra:
         raise _error(schedule, None, f"lane {stage} runs micro-batches {sorted(extra)} that "
                      f"routing gives to other lanes (its own: {expected[stage]})")
-    for mb in expected[stage] if expected is not None else range(num_microbatches(schedule)):
+    for mb in expected[stage] if expected is not None else range(count):
         for op in required:
             if (mb, op) not in seen:
                 raise _error(schedule, None, f"stage {stage} never runs {Action(stage, op, mb)}; "
-                             f"every micro-batch 0..{num_microbatches(schedule) - 1} needs it"
+                             f"every micro-batch 0..{count - 1} needs it"
                              if expected is None else f"lane {stage} never runs "
                              f"{Action(stage, op, mb)}; its micro-batches {expected[stage]} "
                              "need it")
@@ -246,27 +248,27 @@ def compile_play(schedule: Schedule, matches: dict[Slot, Slot]) -> Program:
         for index, action in enumerate(actions) if action.op in SEND_OPS)}
     codes, message, keys = {}, {}, {}
     for stage, actions in schedule.items():
-        codes[stage], message[stage], keys[stage] = [], [], []
-        posted: dict[tuple, int] = {}  # a RECV's (channel, mb) -> its index, until its WAIT
-        for index, action in enumerate(actions):
-            op = action.op
-            code = (_COMPUTE if op in COMPUTE_OPS else _WAIT if op in WAIT_OPS
-                    else _SEND if op in SEND_OPS else _RECV)
-            msg = -1
+        codes[stage] = [_CODE[a.op] for a in actions]
+        keys[stage] = [(stage, _VALUE[a.op]) for a in actions]
+        message[stage] = msgs = [-1] * len(actions)
+        posted: dict[tuple, int] = {}  # a RECV's (peer, direction, mb) -> its index, until its WAIT
+        for index, (action, code) in enumerate(zip(actions, codes[stage])):
             if code == _WAIT:
-                msg = number[matches[(stage, index)]]
-                recv = posted.pop((action.channel, action.mb), None)
+                msgs[index] = number[matches[(stage, index)]]
+                recv = posted.pop((action.peer, _VALUE[action.op][-1], action.mb), None)
                 if recv is not None:
-                    message[stage][recv] = msg
+                    msgs[recv] = msgs[index]
             elif code == _SEND:
-                msg = number[(stage, index)]
+                msgs[index] = number[(stage, index)]
             elif code == _RECV:
-                posted[(action.channel, action.mb)] = index
-            codes[stage].append(code)
-            message[stage].append(msg)
-            keys[stage].append((stage, op.value))
+                posted[(action.peer, _VALUE[action.op][-1], action.mb)] = index
     sends = [schedule[stage][index] for stage, index in number]
     return Program(codes, message, keys, sends)
+
+
+_CODE = {op: _COMPUTE if op in COMPUTE_OPS else _WAIT if op in WAIT_OPS else
+         _SEND if op in SEND_OPS else _RECV for op in Op}
+_VALUE = {op: op.value for op in Op}  # an Enum's .value is a descriptor call
 
 
 def play(

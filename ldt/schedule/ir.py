@@ -51,6 +51,7 @@ SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 WAIT_OPS = frozenset({Op.WAIT_F, Op.WAIT_B})
 COMM_OPS = SEND_OPS | RECV_OPS | WAIT_OPS
+_DIRECTION = {op: op.value[-1] for op in COMM_OPS}  # "F" or "B"; read per action, so a dict
 
 Channel = tuple[int, int, str]
 """``(src_stage, dst_stage, direction)`` with direction ``"F"`` or ``"B"``."""
@@ -79,11 +80,12 @@ class Action(NamedTuple):
     @property
     def channel(self) -> Channel | None:
         """The channel a communication action uses, ``None`` for compute."""
+        direction = _DIRECTION.get(self.op)
+        if direction is None:
+            return None
         if self.op in SEND_OPS:
-            return (self.stage, _peer(self), self.op.value[-1])
-        if self.op in RECV_OPS or self.op in WAIT_OPS:
-            return (_peer(self), self.stage, self.op.value[-1])
-        return None
+            return (self.stage, _peer(self), direction)
+        return (_peer(self), self.stage, direction)
 
     @classmethod
     def parse(cls, text: str) -> Action:
