@@ -120,7 +120,7 @@ def test_fanout_sends_to_every_tp_rank_and_skips_the_relay(rec, mode, same_node,
         assert torch.all(tensor == 7.0)
 
 
-def test_fanout_into_a_sequence_parallel_stage_keeps_the_slice(rec):
+def test_fanout_into_a_sequence_parallel_stage_keeps_the_slice(rec, monkeypatch):
     """The sender cannot know the receiving stage splits the sequence (its own config says
     TP 1): it sends the whole tensor, and each rank of the receiving stage keeps its slice."""
     sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
@@ -132,7 +132,7 @@ def test_fanout_into_a_sequence_parallel_stage_keeps_the_slice(rec):
         rec.tensors.append(tensor)
         return SimpleNamespace(wait=lambda: tensor.copy_(torch.arange(8.0).view(4, 1, 2)))
 
-    p2p.dist.irecv = irecv
+    monkeypatch.setattr(p2p.dist, "irecv", irecv)
     tensor, work = comm.recv((2, 1, 2), 0, p2p.FORWARD)
     assert rec.tensors[0].shape == (4, 1, 2)  # the whole tensor arrives
     work.wait()

@@ -182,15 +182,15 @@ class VtpCommunicator(P2PCommunicator):
         mine = self.state.info.dp_rank
         peer = mine if peer_replica is None else peer_replica
         src_rank = self.state.topology.leader(peer_stage, peer)
-        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
         leader, layout = self.state.is_leader, self.layout
-        plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
-                       if leader else (None, None))
         whole_shape = layout.full_shape(shape)
         fanout = self._fanout(peer_stage, self.state.stage, direction, mine,
                               math.prod(whole_shape) * dtype.itemsize)
         if fanout is not None:
             return self._recv_fanout(shape, fanout, src_rank, peer_stage, direction)
+        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
+        plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
+                       if leader else (None, None))
         if layout.variable_seq_lengths:
             try:
                 got = recv_shape(src_rank, group, direction,
