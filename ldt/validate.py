@@ -42,6 +42,7 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
     if topo.is_vdp:
         _check_vdp(topo, model, to_train(train) if train is not None else None)
     if train is not None:
+        _check_host_memory(topo, model)
         _check_train(topo, to_train(train))
         _check_precision(topo, model, to_train(train))
         _check_checkpoint(to_train(train), model)
@@ -323,6 +324,42 @@ def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
     check_fits("train.num_microbatches x train.micro_batch_size", samples, samples * per_sample,
                "each micro-batch's draw of the step's sample order (dp x that many indices, in "
                f"{processes} processes)", unit_bytes=per_sample)
+
+
+def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
+    """A world of cpu stages that ldt-train starts on this host holds the whole model in its
+    memory: refuse a model whose weights and fp32 gradients alone (a lower bound: no optimizer
+    state, no activation, each parameter on the fewest replicas any stage has) exceed what the
+    host has available, before any process starts. Without it a typo such as ``model.vocab_size=1e11``
+    fails inside megatron's allocation on one rank."""
+    from math import prod
+
+    from ldt.models.arch import full_shapes
+    from ldt.schedule.size import available_bytes, gib
+
+    if any(s.device != "cpu" for s in topo.stages) or "LOCAL_WORLD_SIZE" in os.environ:
+        # device memory is the estimate's (train.estimate_memory); a rank of a started world
+        # leaves it to its launcher: its siblings' models already take what it would measure
+        return
+    shapes = full_shapes(model)
+    if model.tie_embeddings:
+        shapes.pop("output_layer.weight")
+    embedding = 2 * prod(shapes["embedding.word_embeddings.weight"])
+    if "output_layer.weight" not in shapes:
+        embedding //= 2
+    params = sum(prod(shape) for shape in shapes.values())
+    per_param = (4 if model.params_dtype == "float32" else 2) + 4  # weights + fp32 gradients
+    need, have = params * per_param * min(topo.dp_sizes), available_bytes()
+    if need <= have:
+        return
+    raise ConfigError(
+        f"model {model.name!r} has {params:.3g} parameters ({embedding:.3g} of them in "
+        f"model.vocab_size={model.vocab_size} x model.hidden_size={model.hidden_size} "
+        f"embedding{'' if model.tie_embeddings else ' and output layer'}, the rest in "
+        f"model.num_layers={model.num_layers} layers): their weights and fp32 gradients alone "
+        f"take {gib(need)} in this world's cpu processes, and this machine has {gib(have)} "
+        "available; lower model.vocab_size / hidden_size / num_layers, or give the stages to "
+        "several hosts (docs/torchrun.md)")
 
 
 def _check_train(topo: Topology, train: TrainConfig) -> None:

@@ -379,6 +379,8 @@ ROWS = [
     (T, "train.micro_batch_size=1000000000", 2, r"train.num_microbatches x "
                                                 r"train.micro_batch_size=4000000000"),
     (T, "cluster=cpu_uniform train.num_microbatches=1000000000", 2, r"use at most"),
+    (T, "model.vocab_size=100000000000", 2, r"model.vocab_size=100000000000 x "
+     r"model.hidden_size=64 .* GiB in this world's cpu processes.* lower model.vocab_size"),
     (T, "train.comm_timeout_s=1e300", 2, r"train.comm_timeout_s=1e\+300 must be .* at most"),
     (T, "hydra.run.dir=run_old", 2, r"hydra.run.dir=.*run_old already holds files .*"
                                     r"train.resume="),
