@@ -48,6 +48,22 @@ def test_the_base_schedule_passes_and_plays_by_hand():
     assert played.end == {0: [0, 1, 1, 8, 10], 1: [0, 1, 4, 8, 8]}
 
 
+def test_tables_play_as_the_functions_they_stand_for():
+    """The planner hands play tables, (stage, op) -> duration and (stage, peer) -> wire time;
+    they must time every action as the same costs given as functions do."""
+    schedule = S(**GOOD)
+    from ldt.schedule.check import match_messages
+
+    compute = {(0, "F"): 1, (0, "B"): 2, (1, "F"): 3, (1, "B"): 4}
+    wire = {(0, 1): 0.5, (1, 0): 0.25}
+    tables = play(schedule, match_messages(schedule), duration=compute, comm_time=wire)
+    functions = play(schedule, match_messages(schedule),
+                     duration=lambda a: compute[(a.stage, a.op.value)],
+                     comm_time=lambda a: wire[(a.stage, a.peer)])
+    assert tables == functions
+    assert tables.end[1][1] == 1.5 and tables.end[0][3] == 8.75  # F0 + 0.5; B1 ends 8.5, + 0.25
+
+
 def test_a_rendezvous_handshake_is_per_receive():
     """play's ``handshake(recv)`` is asked about the RECV it delays: stage 1's receive of the
     activation is slow to announce (5), stage 0's receive of the gradient is not (0)."""
