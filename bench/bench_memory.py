@@ -33,11 +33,13 @@ from bench.common import emit
 MIB, GIB = 2**20, 2**30
 RECOMPUTE = {0: {"granularity": "full", "method": "uniform", "num_layers": 1},
              "*": {"granularity": "selective", "modules": ["core_attn", "layernorm"]}}
-REAL_CASES = [  # (cluster, recompute, sequence parallel)
+REAL_CASES = [  # (cluster, recompute, sequence parallel[, model: gpt_tiny])
     ("cpu_demo", False, False), ("cpu_demo", True, False), ("cpu_demo", False, True),
     ("cpu_demo", True, True), ("cpu_vtp", False, False), ("cpu_vtp", True, False),
     ("cpu_vtp", False, True), ("cpu_vtp", True, True), ("cpu_vdp", False, False),
     ("cpu_vdp", True, False),
+    # MoE (8 experts, top 2): the estimate routes evenly, the real router as it learns
+    ("cpu_demo", False, True, "qwen3_moe_tiny"), ("cpu_vtp", False, True, "qwen3_moe_tiny"),
 ]
 PLANS = [  # (model, inventory, micro-batch size)
     ("llama_7b", "edge_one_card", 2), ("llama3_8b", "edge_one_card", 1),
@@ -101,8 +103,8 @@ def real_allocations() -> list[dict]:
     from ldt.validate import validate
 
     rows = []
-    for cluster, rc, sp in REAL_CASES:
-        cfg = config(cluster, rc, sp)
+    for cluster, rc, sp, *model in REAL_CASES:
+        cfg = config(cluster, rc, sp, *[f"model={m}" for m in model])
         topo = validate(cfg["cluster"], cfg["model"], check_devices=False)
         stages = estimate(cfg)
         cfg["run_dir"] = tempfile.mkdtemp(prefix="ldt-bench-memory-")
@@ -110,10 +112,11 @@ def real_allocations() -> list[dict]:
                                 timeout_s=600)
         for rank, real in enumerate(peaks):
             st = stages[topo.rank_info(rank).stage]
-            rows.append({"cluster": cluster, "recompute": rc, "sp": sp, "rank": rank,
+            rows.append({"cluster": cluster, "model": (model or ["gpt_tiny"])[0],
+                         "recompute": rc, "sp": sp, "rank": rank,
                          "stage": st.name, "estimate_mib": st.peak / MIB,
                          "real_mib": real / MIB, "ratio": st.peak / real})
-            print(f"{cluster:9s} recompute={str(rc):5s} sp={str(sp):5s} rank {rank} "
+            print(f"{cluster:9s} {(model or ['gpt_tiny'])[0]:14s} recompute={str(rc):5s} sp={str(sp):5s} rank {rank} "
                   f"({st.name:6s}): estimate {st.peak / MIB:7.3f} MiB, real {real / MIB:7.3f} "
                   f"MiB, estimate/real {st.peak / real:.3f}", flush=True)
     return rows

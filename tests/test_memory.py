@@ -71,12 +71,47 @@ def test_stage_recompute_overrides_the_model_and_none_turns_it_off():
                    {}]
 
 
-def test_a_moe_model_is_refused_by_the_estimate_without_a_process():
+def test_balanced_routing_gives_each_expert_its_even_share():
+    """Under fake tensors megatron's dispatch cannot know which tokens go where: the estimate
+    routes 16 tokens with top-2 of 8 experts as 16 * 2 / 8 = 4 per expert, through megatron's
+    own permute and the experts' tolist()."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import permute
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ldt.memory.fake import BalancedRouting
+
+    with FakeTensorMode(), BalancedRouting(topk=2, experts=8):
+        tokens = torch.empty(16, 64)
+        routing = torch.zeros(16, 8, dtype=torch.bool)  # the router's top-2 map
+        counts = routing.sum(dim=0).long()
+        permuted, probs, _ = permute(tokens, routing, probs=torch.empty(16, 8),
+                                     num_out_tokens=32)
+        assert tuple(permuted.shape) == (32, 64) and tuple(probs.shape) == (32,)
+        assert counts.tolist() == [4] * 8
+    assert torch.tensor([3, 5]).tolist() == [3, 5]  # outside the estimate nothing changes
+
+
+@pytest.mark.timeout(120)
+def test_a_moe_model_is_estimated():
+    """qwen3_moe_tiny on cpu_demo: its last cloud stage holds two MoE layers (8 experts of
+    fc1 64 -> 2 x 32 and fc2 32 -> 64, a router 64 -> 8, no biases) and two Qwen3 attention
+    blocks (QKV 64 -> (4 + 2 * 2) * 16, projection 64 -> 64, q/k norms 16, two RMSNorms 64):
+    fp32 weights counted by hand."""
+    from omegaconf import OmegaConf
+
+    from ldt.hydra_app import compose
     from ldt.memory import estimate
 
-    with pytest.raises(ConfigError, match=r"model.num_moe_experts=8: the memory estimate does "
-                                          r"not cover MoE models.*ldt-plan prices"):
-        estimate({"model": {"num_moe_experts": 8}, "cluster": {}, "train": {}})
+    cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=qwen3_moe_tiny"]),
+                                 resolve=True)
+    stages = estimate(cfg)
+    h, fm, experts, d = 64, 32, 8, 16
+    attention = h * (4 + 2 * 2) * d + h * h + 2 * d + 2 * h
+    moe = experts * (h * 2 * fm + fm * h) + experts * h
+    last = stages[2]
+    assert last.weights == 4 * 2 * (attention + moe)
+    assert all(s.peak > s.weights + s.grads + s.optimizer for s in stages)  # it ran through
 
 
 # gpt_tiny's edge on cpu_demo (h 64, f 256, V 256, s 64, learned positions, biases, untied

@@ -38,7 +38,7 @@ def _estimate(cfg) -> int:
     t0 = time.perf_counter()
     try:
         stages = estimate(plain)
-    except ValueError as exc:  # what the estimate cannot cover (a MoE model)
+    except ValueError as exc:  # what the estimate cannot cover
         print(f"ldt: cannot estimate: {one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG
     print(table(stages))

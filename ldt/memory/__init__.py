@@ -112,16 +112,10 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
              ) -> list[StageEstimate]:
     """Per-stage estimates of a validated config (a plain dict with ``cluster``, ``model``,
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
-    ``flash`` or ``local`` for every stage. A MoE model is refused (ConfigError)."""
-    from ldt.errors import ConfigError
+    ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
+    (:class:`ldt.memory.fake.BalancedRouting`)."""
     from ldt.launch import run_local_world
 
-    experts = cfg["model"].get("num_moe_experts")
-    if experts:  # measured: aten.masked_select raises DynamicOutputShapeException
-        raise ConfigError(f"model.num_moe_experts={experts}: the memory estimate does not cover "
-                          "MoE models (megatron's token dispatch has data-dependent shapes, "
-                          "which fake tensors cannot run); ldt-plan prices their memory "
-                          "analytically")
     return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
                            init_dist=False)[0]
 
@@ -148,6 +142,7 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
     from ldt.memory.inflight import stage_inflight
     from ldt.memory.measure import cpu_topology, measure_stage
     from ldt.models.recompute import describe, stage_recompute
+    from ldt.training import moe
     from ldt.training.loop import parse
     from ldt.validate import validate
 
@@ -156,9 +151,12 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
     schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)
     out = []
     on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)
+    m = c.model
+    experts = (m.moe_router_topk, m.num_moe_experts) if m.num_moe_experts else None
     for st in topo.stages:
         leader = topo.leader(st.index, 0)
-        with fake_rank(topo.world_size, leader):
+        with fake_rank(topo.world_size, leader, experts):
+            moe.reset(m)  # megatron's aux-loss tracker, sized for the model's global layers
             state = ldt.initialize_vtp(on_cpu)
             try:
                 got = measure_stage(c, on_cpu, state, st.device, attention)

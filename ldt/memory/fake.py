@@ -21,6 +21,13 @@ torch 2.13 here):
   the chunks are built in their training dtype already, so Float16Module's cast is the
   identity, and the caller lets the chunks answer ``.bfloat16()`` / ``.half()`` with themselves.
 
+A MoE model needs one more stand-in. megatron's token dispatch asks for shapes that only the
+routing knows: which tokens each expert gets (``masked_select`` over the routing map) and how
+many (``tokens_per_expert.tolist()``), and fake tensors hold no routing. :class:`BalancedRouting`
+answers both as if the router spread the tokens evenly, ``tokens * topk / experts`` per expert:
+what the load-balancing loss drives toward, and the expected load of an expert. A skewed
+routing puts more on the busiest expert's rank than the estimate says.
+
 Call it in a process of its own (``ldt.memory.estimate`` starts one): it replaces
 ``torch.distributed``'s default group and two of its functions until it exits.
 """
@@ -28,15 +35,48 @@ Call it in a process of its own (``ldt.memory.estimate`` starts one): it replace
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
            "recompute_norms", "moe_without_te", "fake_tensors"]
 
 
+class BalancedRouting(TorchDispatchMode):
+    """Under fake tensors, megatron's MoE dispatch as if every expert got ``topk / experts`` of
+    the tokens (see the module docstring). It answers the two data-dependent questions only:
+    a ``masked_select`` (the dispatch's selection of tokens and of their routing weights by
+    the routing map ``[experts here, tokens]``) with that many elements, and an integer
+    ``item`` after it (``tokens_per_expert.tolist()``, one expert at a time) with that many
+    tokens per expert. Everything else, and an integer ``item`` before any selection, goes on
+    to the fake mode as it is."""
+
+    def __init__(self, topk: int, experts: int) -> None:
+        super().__init__()
+        self.topk, self.experts = topk, experts
+        self.per_expert: Optional[int] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import torch
+
+        aten = torch.ops.aten
+        if func is aten.masked_select.default:
+            values, routing = args
+            selected = routing.numel() * self.topk // self.experts
+            self.per_expert = selected // routing.shape[0]
+            return values.new_empty((selected,))
+        if (func is aten._local_scalar_dense.default and self.per_expert is not None
+                and not args[0].is_floating_point()):
+            return self.per_expert
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
-def fake_rank(world_size: int, rank: int) -> Iterator[object]:
-    """This process as ``rank`` of a fake world; yields the FakeTensorMode to build under."""
+def fake_rank(world_size: int, rank: int,
+              experts: Optional[tuple[int, int]] = None) -> Iterator[object]:
+    """This process as ``rank`` of a fake world; yields the FakeTensorMode to build under.
+    ``experts``: a MoE model's ``(topk, experts)``, routed evenly (:class:`BalancedRouting`)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -57,7 +97,10 @@ def fake_rank(world_size: int, rank: int) -> Iterator[object]:
             swap_attr(dist, "all_gather_object", own_object)]
     applied = patches.apply(PATCHES)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with contextlib.ExitStack() as stack:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            if experts is not None:
+                stack.enter_context(BalancedRouting(*experts))
             yield mode
     finally:
         patches.revert(applied)
