@@ -45,6 +45,7 @@ PLANS = [  # (model, inventory, micro-batch size)
     ("llama_7b", "edge_one_card", 2), ("llama3_8b", "edge_one_card", 1),
     ("qwen2.5_7b", "a100_910b", 1), ("llama_7b", "a100_910b", 1),
     ("qwen2.5_32b", "a100_910b", 1),
+    ("qwen3_30b_a3b", "a100_910b", 1),  # MoE: 128 experts a layer, ~190 s to estimate
 ]
 
 
