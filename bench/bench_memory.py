@@ -117,7 +117,8 @@ def real_allocations() -> list[dict]:
                          "recompute": rc, "sp": sp, "rank": rank,
                          "stage": st.name, "estimate_mib": st.peak / MIB,
                          "real_mib": real / MIB, "ratio": st.peak / real})
-            print(f"{cluster:9s} {(model or ['gpt_tiny'])[0]:14s} recompute={str(rc):5s} sp={str(sp):5s} rank {rank} "
+            print(f"{cluster:9s} {(model or ['gpt_tiny'])[0]:14s} recompute={str(rc):5s} "
+                  f"sp={str(sp):5s} rank {rank} "
                   f"({st.name:6s}): estimate {st.peak / MIB:7.3f} MiB, real {real / MIB:7.3f} "
                   f"MiB, estimate/real {st.peak / real:.3f}", flush=True)
     return rows

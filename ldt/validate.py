@@ -330,8 +330,8 @@ def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
     """A world of cpu stages that ldt-train starts on this host holds the whole model in its
     memory: refuse a model whose weights and fp32 gradients alone (a lower bound: no optimizer
     state, no activation, each parameter on the fewest replicas any stage has) exceed what the
-    host has available, before any process starts. Without it a typo such as ``model.vocab_size=1e11``
-    fails inside megatron's allocation on one rank."""
+    host has available, before any process starts. Without it a typo such as
+    ``model.vocab_size=1e11`` fails inside megatron's allocation on one rank."""
     from math import prod
 
     from ldt.models.arch import full_shapes
@@ -344,9 +344,8 @@ def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
     shapes = full_shapes(model)
     if model.tie_embeddings:
         shapes.pop("output_layer.weight")
-    embedding = 2 * prod(shapes["embedding.word_embeddings.weight"])
-    if "output_layer.weight" not in shapes:
-        embedding //= 2
+    embedding = prod(shapes["embedding.word_embeddings.weight"]) * (1 if model.tie_embeddings
+                                                                   else 2)
     params = sum(prod(shape) for shape in shapes.values())
     per_param = (4 if model.params_dtype == "float32" else 2) + 4  # weights + fp32 gradients
     need, have = params * per_param * min(topo.dp_sizes), available_bytes()

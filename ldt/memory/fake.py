@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
@@ -58,9 +59,7 @@ class BalancedRouting(TorchDispatchMode):
         self.per_expert: Optional[int] = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import torch
-
-        aten = torch.ops.aten
+        aten = torch.ops.aten  # every operation of the estimate comes through here
         if func is aten.masked_select.default:
             values, routing = args
             selected = routing.numel() * self.topk // self.experts

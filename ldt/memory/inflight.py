@@ -14,8 +14,8 @@ the edge's links) to its WAIT, after which it is the chunk's input (counted with
 ldt's runtime lets a send go at the first action after it completed, and a send's work
 holds its tensor until then: counted through the stage's next :data:`SENDS_OUTLIVE`
 computations. Megatron's own 1F1B (a plain pipeline's default runtime) keeps
-``min(P - stage, m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and keeps one stale
-tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
+``min(P - stage, m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and
+keeps one stale tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
 ``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
 """
 

@@ -197,10 +197,8 @@ def closed_form(plan: Plan, cost: CostModel) -> float:
     terms = [_stage_terms(plan, i, cost) for i in range(plan.num_stages)]  # recompute fitted
     logical = [f + b for t in terms for f, b in t.times]
     per_stage = [sum(f + b for f, b in t.times) for t in terms]
-    ar = 0.0 if plan.dp <= 1 else max((t.allreduce for i, t in enumerate(terms)
-                                       if plan.dp_of(i) > 1), default=0.0)
     return (sum(logical) + sum(comm_table(plan, cost).values())
-            + (plan.num_microbatches - 1) * max(per_stage) + ar)
+            + (plan.num_microbatches - 1) * max(per_stage) + dp_allreduce(plan, cost))
 
 
 @dataclass(frozen=True)

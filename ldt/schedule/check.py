@@ -242,7 +242,7 @@ class Program:
 
 
 def compile_play(schedule: Schedule, matches: dict[Slot, Slot]) -> Program:
-    """``schedule`` (checked, with ``matches`` from :func:`match_messages`) as a :class:`Program`."""
+    """``schedule`` (checked, ``matches`` from :func:`match_messages`) as a :class:`Program`."""
     number = {slot: n for n, slot in enumerate(
         (stage, index) for stage, actions in schedule.items()
         for index, action in enumerate(actions) if action.op in SEND_OPS)}

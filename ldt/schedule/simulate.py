@@ -105,9 +105,9 @@ def simulate(
     handshake: Callable[[Action], float] | None = None,
 ) -> SimResult:
     """Play a lowered schedule with ``duration(compute action)`` and ``comm_time(send action)``
-    (or tables of them, :data:`ldt.schedule.check.Price`); ``local_time`` (communication actions' own time) and ``start_at`` (stage start offsets) are
-    for replaying measurements, ``handshake`` models a rendezvous transport; see
-    :func:`ldt.schedule.check.play`.
+    (or tables of them, :data:`ldt.schedule.check.Price`); ``local_time`` (communication
+    actions' own time) and ``start_at`` (stage start offsets) are for replaying measurements,
+    ``handshake`` models a rendezvous transport; see :func:`ldt.schedule.check.play`.
 
     Integer or ``fractions.Fraction`` costs give exact results. Raises ``ScheduleError`` on a
     malformed or deadlocking schedule, like ``check_schedule``; a :class:`Prepared` schedule
