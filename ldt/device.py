@@ -14,7 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 from ldt.config import DEVICE_TYPES, ConfigError
 
@@ -75,6 +75,36 @@ def torch_device(device_type: str, local_rank: int = 0) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, local_rank)
+
+
+def local_device_index(devices: Sequence[str], rank: int, local_rank: int) -> int:
+    """Which of its node's accelerators ``rank`` computes on: its place among the node's ranks
+    of its own device type. ``devices``: every rank's device type. A node runs the contiguous
+    ranks ``rank - local_rank ..`` (torchrun and ldt's launcher start them so), so a node of one
+    device type gets ``local_rank``, and a node that mixes types (a CUDA stage beside CPU
+    stages on one GPU) numbers its accelerators from 0, whatever its CPU ranks took."""
+    first = rank - local_rank
+    if first < 0 or rank >= len(devices):  # not a contiguous node: trust LOCAL_RANK
+        return local_rank
+    return sum(1 for r in range(first, rank) if devices[r] == devices[rank])
+
+
+def rank_device(topology, rank: int, local_rank: Optional[int] = None) -> torch.device:
+    """The torch device of global ``rank`` of ``topology`` (:func:`local_device_index`);
+    ``local_rank``: default ``LOCAL_RANK``, else ``rank`` (every rank on this machine)."""
+    devices = [topology.rank_info(r).device for r in range(topology.world_size)]
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    return torch_device(devices[rank], local_device_index(devices, rank, local_rank))
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator (what megatron-core allocates on:
+    ``torch.cuda.current_device()``); nothing for the CPU."""
+    if device.type != "cpu":
+        import torch
+
+        getattr(torch, device.type).set_device(device)
 
 
 def available_device_types() -> frozenset[str]:

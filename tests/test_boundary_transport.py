@@ -502,13 +502,28 @@ def test_a_delayed_link_delivers_late_on_the_leader_only(wire):
     assert work._delay is None
 
 
-def test_a_stage_on_a_gpu_uses_its_local_rank(monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    stages = [StageConfig("gpu", "cuda", 1), StageConfig("cpu", "cpu", 1)]
-    topo = Topology.from_config(ClusterConfig(stages=stages))
-    st = state(0, tps=(1, 1), u_shape=False)
-    st.topology = topo
-    assert VtpCommunicator(config(), st).device == torch.device("cuda", 3)
+@pytest.mark.parametrize("devices,tps,rank,local_rank,index", [
+    # one GPU under ldt's launcher (LOCAL_RANK = rank): a CPU edge and cloud feed a CUDA
+    # stage, rank 3, whose GPU is the node's first
+    (("cpu", "cpu", "cuda"), (1, 2, 1), 3, "3", 0),
+    # a CUDA edge (rank 0) and a CUDA stage after two CPU ranks: the node's second GPU
+    (("cuda", "cpu", "cuda"), (1, 2, 1), 3, "3", 1),
+    # torchrun, a node of 4 GPUs running ranks 4-7 of two TP-4 CUDA stages
+    (("cuda", "cuda"), (4, 4), 6, "2", 2),
+    # no LOCAL_RANK: every rank on this machine
+    (("cpu", "cuda"), (1, 1), 1, None, 0)])
+def test_a_stage_on_a_gpu_uses_its_nodes_accelerator(monkeypatch, devices, tps, rank,
+                                                     local_rank, index):
+    """The accelerator index is the rank's place among its node's ranks of its device type
+    (CPU ranks take no GPU), worked out by hand from the rank map."""
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    stages = [StageConfig(f"s{i}", d, t) for i, (d, t) in enumerate(zip(devices, tps))]
+    st = state(rank, tps=tps, u_shape=False)
+    st.topology = Topology.from_config(ClusterConfig(stages=stages))
+    assert VtpCommunicator(config(), st).device == torch.device("cuda", index)
 
 
 def test_waits_that_fail_name_the_transfer(wire):

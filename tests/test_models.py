@@ -66,6 +66,29 @@ def test_mtp_spec_is_megatrons_for_the_last_stage(monkeypatch):
         config, layer, use_transformer_engine=False)
 
 
+def test_the_forward_step_feeds_a_stage_on_its_device():
+    """The data come from the host; a stage on an accelerator gets its batch, the causal mask
+    and the loss mask on its own device (the meta device stands for one here: a tensor left
+    on the CPU would show as ``cpu``)."""
+    from ldt.training.stage import make_forward_step
+
+    seen = {}
+
+    def model(tokens, position_ids, mask, labels=None):
+        seen.update(tokens=tokens, position_ids=position_ids, mask=mask, labels=labels)
+        return torch.zeros(2, 4, device="meta")
+
+    batch = {"tokens": torch.zeros(2, 4, dtype=torch.long), "labels": torch.ones(2, 4).long(),
+             "loss_mask": torch.ones(2, 4), "position_ids": torch.arange(4).repeat(2, 1)}
+    out, loss_func = make_forward_step(4, torch.device("meta"))(iter([batch]), model)
+    assert {k: v.device.type for k, v in seen.items()} == dict.fromkeys(seen, "meta")
+    assert seen["mask"].shape == (1, 1, 4, 4) and seen["tokens"].dtype == torch.long
+    loss, _ = loss_func(out)
+    assert loss.device.type == "meta"
+    make_forward_step(4)(iter([batch]), model)
+    assert seen["tokens"] is batch["tokens"]  # on the CPU the batch is used as it is
+
+
 def test_layer_spec_choice():
     from ldt.models.spec import LOCAL, TE, transformer_impl
 

@@ -17,7 +17,6 @@ schedules run unmodified on top of it.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Optional, Protocol
 
@@ -29,7 +28,7 @@ from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
 from ldt.boundary.relay import PIECE_UNIT_BYTES, PieceGather, PieceRelay, flat, pieces
 from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
-from ldt.device import fans_out, torch_device
+from ldt.device import fans_out, rank_device
 from ldt.parallel_state import VtpState, get_vtp_state
 
 __all__ = ["BoundaryError", "BoundaryObserver", "VtpCommunicator"]
@@ -71,7 +70,7 @@ class VtpCommunicator(P2PCommunicator):
         self.prev_stage = topo.prev_stage(state.stage)
         leaders = topo.leaders(state.info.dp_rank)  # per-stage DP: replica d of the uniform run
         self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
-        self.device = torch_device(topo.stages[state.stage].device, _local_index(state))
+        self.device = rank_device(topo, state.info.rank)  # this node's accelerator index
         self.observers = list(observers or [])
         # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
         # observers and the peer see what actually crossed (e.g. ldt.privacy.defence's noise)
@@ -314,7 +313,3 @@ def check_boundary_config(config) -> None:
                           "boundaries reshard the sequence over TP only; set "
                           "context_parallel_size=1")
 
-
-def _local_index(state: VtpState) -> int:
-    """Accelerator index on this node: torchrun's LOCAL_RANK (0 on CPU)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))

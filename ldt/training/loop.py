@@ -47,6 +47,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     boundary observers (ldt-audit's)."""
     import ldt
     from ldt import patches
+    from ldt.device import rank_device, use_device
     from ldt.quiet import set_log_level
     from ldt.validate import validate
 
@@ -54,6 +55,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
     set_log_level(c.train.log_level, rank)  # the same under torchrun as in a bare launch
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     _record_pid(run_dir, rank)
+    use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
         state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
         guard = StepGuard(state, signals, StepGuard.world_group())
@@ -124,7 +126,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     models = opt.chunks  # what the schedule runs: DDP (and Float16Module) wrapped
     data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
     reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    forward_step = make_forward_step(c.model.seq_length)
+    forward_step = make_forward_step(c.model.seq_length, rank_device(topo, rank))
     tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
     rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
     ldt_runtime = uses_ldt_runtime(t, topo)

@@ -6,16 +6,18 @@ from __future__ import annotations
 import torch
 
 
-def make_forward_step(seq_length: int):
-    """Megatron-style forward_step_func; stages without data get ``data_iterator=None``."""
+def make_forward_step(seq_length: int, device="cpu"):
+    """Megatron-style forward_step_func; stages without data get ``data_iterator=None``.
+    ``device``: the stage's (the data come from the host; the mask and the batch go there)."""
     from ldt.models.build import causal_mask
 
-    mask = causal_mask(seq_length)
+    mask = causal_mask(seq_length, device)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator) if data_iterator is not None else None
         if batch is None:
             return model(None, None, mask), _loss_func(None)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         out = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
         return out, _loss_func(batch["loss_mask"])
 
