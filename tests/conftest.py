@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests run on CPU/gloo; keep each process to one thread on this 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -18,3 +20,21 @@ def pytest_terminal_summary(terminalreporter):
                                 f"{len(failed)} failed, {len(skipped)} skipped")
     for r in skipped:
         terminalreporter.write_line(f"  skipped {r.longrepr[2].removeprefix('Skipped: ')}")
+
+
+GPU_SKIP = ("needs a CUDA device, which this machine lacks; `make device-check` runs it on one "
+            "(docs/device_check.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` exercise what only a device shows (host staging of a device
+    tensor); without CUDA each is skipped and ``-ra`` prints why."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in gpu:
+        item.add_marker(pytest.mark.skip(reason=GPU_SKIP))

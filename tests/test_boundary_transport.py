@@ -121,9 +121,11 @@ def G(*key):
 TP_GROUP = Group("tp")
 
 
-def state(rank, tps=(1, 2, 1), u_shape=True, dps=None):
-    """A rank's VTP state as ldt.parallel_state builds it, with named groups (no world)."""
-    stages = [StageConfig(f"s{i}", "cpu", t, None if dps is None else dps[i])
+def state(rank, tps=(1, 2, 1), u_shape=True, dps=None, devices=None):
+    """A rank's VTP state as ldt.parallel_state builds it, with named groups (no world);
+    ``devices``: the stages' device types (default: every stage on the CPU)."""
+    devices = devices or ["cpu"] * len(tps)
+    stages = [StageConfig(f"s{i}", devices[i], t, None if dps is None else dps[i])
               for i, t in enumerate(tps)]
     topo = Topology.from_config(ClusterConfig(stages=stages, u_shape=u_shape))
     info = topo.rank_info(rank)
@@ -580,3 +582,105 @@ def test_functional_receive_over_groups_fills_the_stages_own_tensor(wire):
     assert all(target.data_ptr() == t.data_ptr() for target in wire.targets)
     handles["recv_prev"].wait()
     assert torch.all(t == 1.0) and wire.calls[-1] == ("broadcast", 1, TP_GROUP, (2, 3))
+
+
+# ---- on a GPU: the host staging a CPU-only machine cannot show (`pytest -m gpu`) ------------
+# A stage on cuda next to a CPU stage crosses a host-staged boundary: gloo takes host tensors
+# only, so a send hands it a host copy of the device tensor and a receive lands in a host
+# buffer that wait() copies to the device (docs/testing.md: the mutants only a device kills).
+# Each test also checks the copy is a copy (values after the source changed), which holds on
+# any device.
+
+GPU = torch.device("cuda", 0)
+EDGE_ON_GPU = ("cuda", "cpu", "cpu")  # ranks: 0 edge (cuda), 1-2 cloud0 (TP 2), 3 cloud1
+
+
+@pytest.mark.gpu
+def test_a_gpu_stage_sends_host_copies_across_a_host_staged_boundary(wire):
+    comm = VtpCommunicator(config(variable_seq_lengths=True), state(0, devices=EDGE_ON_GPU))
+    assert comm.device == GPU
+    t = torch.full((5, 1, 4), 3.0, device=GPU)
+    work = comm.send(t, 1, FORWARD)  # the activation to cloud0 (rank 1), boundary 0->1
+    shape_buf, payload = wire.sent
+    assert [c[:4] for c in wire.calls] == [("isend", 1, G(0, 1), layout_mod.SHAPE_TAGS[FORWARD]),
+                                           ("isend", 1, G(0, 1), 1)]
+    assert shape_buf.device.type == "cpu" and shape_buf.tolist() == [5, 1, 4]
+    assert payload.device.type == "cpu" and payload.is_contiguous()
+    t.fill_(5.0)  # the caller reuses its device tensor once the send is posted
+    assert torch.all(payload == 3.0)
+    assert work._keep_alive[0] is payload  # the host copy lives until the send is waited
+    comm.send(t, 2, BACKWARD)  # the gradient back along the wraparound 2->0
+    assert wire.sent[-1].device.type == "cpu" and torch.all(wire.sent[-1] == 5.0)
+
+
+@pytest.mark.gpu
+def test_a_gpu_stage_receives_into_a_host_buffer_copied_to_the_device(wire):
+    cfg = config(pipeline_dtype=torch.bfloat16, variable_seq_lengths=True)
+    wire.shape_in = [6, 1, 4]
+    tensor, work = VtpCommunicator(cfg, state(0, devices=EDGE_ON_GPU)).recv((2, 1, 4), 2,
+                                                                            FORWARD)
+    assert wire.calls[0] == ("recv", 3, G(2, 0), layout_mod.SHAPE_TAGS[FORWARD], "cpu")
+    target = wire.targets[0]
+    assert (target.device.type, target.dtype, tuple(target.shape)) == ("cpu", torch.bfloat16,
+                                                                       (6, 1, 4))
+    assert (tensor.device, tensor.dtype, tensor.requires_grad) == (GPU, torch.bfloat16, True)
+    assert target.data_ptr() != tensor.data_ptr()
+    work.wait()
+    assert torch.all(tensor == 301.0)  # rank 3's activation, copied from the host buffer
+
+
+@pytest.mark.gpu
+def test_a_gpu_stage_relays_and_gathers_in_pieces_across_a_host_staged_boundary(wire,
+                                                                                monkeypatch):
+    """Stage 1 on cuda (TP 2, ranks 1-2) between CPU stages, a message in 4 pieces: each
+    piece arrives in the leader's host buffer and is copied to the device before the leader
+    relays it inside the stage; with sequence parallelism the leader gathers its stage's
+    slices on the device and puts each piece on the link as a host copy."""
+    monkeypatch.setattr(VtpCommunicator, "piece_unit_bytes", 16)  # 256 bytes: 4 pieces
+    devices = ("cpu", "cuda", "cpu")
+    tensor, work = VtpCommunicator(config(), state(1, devices=devices)).recv((16, 1, 4), 0,
+                                                                             FORWARD)
+    arrivals = [c for c in wire.calls if c[0] == "irecv"]
+    assert len(arrivals) == 4 and all(t.device.type == "cpu" for t in wire.targets)
+    assert tensor.device == GPU
+    work.wait()
+    relayed = wire.sent  # to TP rank 1 (rank 2), inside the stage: device tensors
+    assert len(relayed) == 4 and all(t.device == GPU for t in relayed)
+    assert torch.all(tensor == 1.0)  # from rank 0, an activation
+    wire.calls.clear()
+    wire.sent.clear()
+    sp = config(sequence_parallel=True)
+    local = torch.full((8, 1, 4), 2.0, device=GPU)  # the leader's slice; rank 2's arrives
+    VtpCommunicator(sp, state(1, devices=devices)).send(local, 2, FORWARD)
+    on_link = list(wire.sent)
+    assert len(on_link) == 4 and all(t.device.type == "cpu" for t in on_link)
+    local.fill_(9.0)  # the pieces on the link are copies
+    whole = torch.cat(on_link).view(16, 1, 4)
+    assert whole[:8].eq(2.0).all() and whole[8:].eq(206.0).all()  # rank 2's: 100*2 + tag 6
+
+
+@pytest.mark.gpu
+def test_the_functional_api_stages_a_gpu_tensor_through_the_host_over_a_gloo_group(
+        wire, monkeypatch):
+    """Groups the caller built: over a gloo group a cuda stage sends a host copy and receives
+    into a host buffer copied to the device after the wait; over an nccl group the device
+    tensors themselves cross."""
+    backends = {"gloo": "gloo", "nccl": "nccl"}
+    monkeypatch.setattr(comm_mod.dist, "get_backend", lambda g: backends[g.name])
+    gloo, nccl = Group("gloo"), Group("nccl")
+    st = state(0, devices=EDGE_ON_GPU)
+    t = torch.full((2, 3), 4.0, device=GPU)
+    functional.vtp_send_forward(t, state=st, group=[gloo], next_rank=[1])
+    t.fill_(6.0)
+    assert wire.sent[-1].device.type == "cpu" and torch.all(wire.sent[-1] == 4.0)
+    functional.vtp_send_forward(t, state=st, group=[nccl], next_rank=[1])
+    assert wire.sent[-1].device == GPU
+    got, handles = functional.vtp_recv_backward((2, 3), config(), async_op=True, state=st,
+                                                group=[gloo], next_rank=[1])
+    assert wire.targets[-1].device.type == "cpu" and got.device == GPU
+    assert wire.targets[-1].data_ptr() != got.data_ptr()
+    handles["recv_next"].wait()
+    assert torch.all(got == 102.0)  # rank 1's gradient, copied from the host buffer
+    got, handles = functional.vtp_recv_backward((2, 3), config(), async_op=True, state=st,
+                                                group=[nccl], next_rank=[1])
+    assert wire.targets[-1].data_ptr() == got.data_ptr()  # straight into the device tensor

@@ -40,11 +40,15 @@ class Recorder:
         self.calls.append(("broadcast", src, float(tensor.flatten()[0])))
 
 
-def _state(rank, tps=(1, 2, 1), host_staging=False, fanout="never", same_node=True):
+def _state(rank, tps=(1, 2, 1), host_staging=False, fanout="never", same_node=True,
+           devices=None):
     """One rank's VtpState as the communicator reads it; ``fanout``: cluster.boundary_fanout
-    (``never``: the relay through the receiving leader, which most tests here pin down)."""
+    (``never``: the relay through the receiving leader, which most tests here pin down);
+    ``devices``: the stages' device types (default: the CPU)."""
+    devices = devices or ["cpu"] * len(tps)
     topo = Topology.from_config(ClusterConfig(
-        stages=[StageConfig(f"s{i}", "cpu", t) for i, t in enumerate(tps)], u_shape=True,
+        stages=[StageConfig(f"s{i}", d, t) for i, (d, t) in enumerate(zip(devices, tps))],
+        u_shape=True,
         host_staging="always" if host_staging else "auto", boundary_fanout=fanout))
     info = topo.rank_info(rank)
     groups = {(b.src_stage, b.dst_stage): (b, object()) for b in topo.boundaries()}
@@ -178,6 +182,24 @@ def test_host_staging_copies_through_cpu(rec, staged):
     assert (target.data_ptr() != tensor.data_ptr()) == staged
     work.wait()
     assert torch.all(tensor == 7.0)  # staged buffer copied into the device tensor
+
+
+@pytest.mark.gpu
+def test_a_gpu_stage_receives_a_fanned_out_message_through_a_host_buffer(rec):
+    """Fan-out into a TP-2 stage on cuda from a CPU edge: each rank of the stage receives the
+    sender's copy itself, into a host buffer (gloo), which its wait() copies to the device;
+    no broadcast. (The CPU twin, test_fanout_sends_to_every_tp_rank_and_skips_the_relay,
+    cannot tell a host buffer from the device tensor.)"""
+    gpu = torch.device("cuda", 0)
+    comm = p2p.VtpCommunicator(CONFIG, _state(2, fanout="always",
+                                              devices=("cpu", "cuda", "cpu")))
+    tensor, work = comm.recv((64,), 0, p2p.FORWARD)
+    target = rec.tensors[0]
+    assert target.device.type == "cpu" and tensor.device == gpu
+    assert target.data_ptr() != tensor.data_ptr()
+    work.wait()
+    assert [c[0] for c in rec.calls] == ["irecv", "irecv.wait"] and rec.calls[0][1] == 0
+    assert torch.all(tensor == 7.0)
 
 
 def test_functional_api_async_keys(rec, monkeypatch):
