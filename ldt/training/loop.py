@@ -99,6 +99,7 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.data import build_training_data
+    from ldt.device import rank_device
     from ldt.privacy.defence import send_transforms
     from ldt.training.optim import build_stage_optimizer, skip_to
     from ldt.schedule.forward_backward import run_step
