@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ldt-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean device-check device-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all $(ARGS)
+
+# One NVIDIA GPU: every check of docs/device_check.md in under 8 minutes, results in OUT
+# (a machine without a GPU: one line, exit 0). device-wheels: what that machine lacks.
+OUT ?= outputs/device-check
+device-check:
+	bash tools/device_check.sh $(OUT)
+
+device-wheels: $(STAMP)
+	PY=$(PY) bash tools/device_wheels.sh .device-wheels
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
