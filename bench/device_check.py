@@ -77,19 +77,28 @@ def run_check(check: Check, out_dir: str, timeout_s: float, rehearse: bool,
             _kill_group(proc)
             return {"check": check.name, "status": TIMEOUT,
                     "seconds": round(time.monotonic() - t0, 1),
+                    **{k: v for k, v in _read(result_path).items() if k != "status"},
                     "error": f"killed after its budget of {timeout_s:.0f} s",
                     "log_tail": _tail(log.name)}
     seconds = round(time.monotonic() - t0, 1)
-    try:
-        with open(result_path) as f:
-            result = json.load(f)
-    except (OSError, ValueError):
-        result = {"status": FAIL, "error": f"exited {code} without a result",
+    result = _read(result_path)
+    if result.get("status") in (None, "partial"):
+        result = {**result, "status": FAIL, "error": f"exited {code} without a result",
                   "log_tail": _tail(log.name)}
-    if code != 0 and result.get("status") in (PASS, REHEARSED):
+    elif code != 0 and result.get("status") in (PASS, REHEARSED):
         result = dict(result, status=FAIL, error=f"exited {code} after its result")
     return {"check": check.name, "status": result.pop("status", FAIL), "seconds": seconds,
             **result}
+
+
+def _read(path: str) -> dict:
+    """A check's result file: its final result, what it had saved so far (status
+    ``partial``: a check that was stopped keeps its finished parts), or nothing."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -166,9 +175,11 @@ def summarize(lines: list[dict], rehearse: bool, seconds: float) -> str:
 def _figure(x: dict) -> str:
     """The one figure of a check's line worth reading first."""
     keys = {"gpu_tests": ("passed", "failed", "skipped"),
-            "mixed_edge_on_gpu": ("parity_max_abs_diff",), "mixed_cloud_on_gpu":
-            ("parity_max_abs_diff",), "mixed_bf16": ("parity_max_abs_diff", "loss_fell"),
-            "memory": ("estimate_over_allocated", "estimate_over_reserved"),
+            "mixed_edge_on_gpu": ("parity_max_abs_diff", "gpu_stage_estimate_over_peak"),
+            "mixed_cloud_on_gpu": ("parity_max_abs_diff", "gpu_stage_estimate_over_peak"),
+            "mixed_bf16": ("parity_max_abs_diff", "loss_fell", "gpu_stage_estimate_over_peak"),
+            "memory": ("estimate_over_allocated", "estimate_over_reserved",
+                       "estimate_over_resident"),
             "speed": ("ldt_over_megatron", "mfu_ldt", "mfu_megatron"),
             "gpu_mutants": ("killed", "mutants")}.get(x["check"], ())
     shown = [f"{k} {x[k]}" for k in keys if k in x]

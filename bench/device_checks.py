@@ -40,6 +40,20 @@ def fresh(path: str) -> str:
     return path
 
 
+RESULT_PATH = None  # set by main()
+
+
+def save(result: dict) -> None:
+    """Write the check's result file (whole, by a rename); a check that runs long calls it
+    with ``status="partial"`` as its parts finish, so a timeout keeps them."""
+    if RESULT_PATH is None:
+        return
+    tmp = RESULT_PATH + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, default=str)
+    os.replace(tmp, RESULT_PATH)
+
+
 def status(ok: bool) -> str:
     return FAIL if not ok else REHEARSED if REHEARSE else PASS
 
@@ -198,6 +212,8 @@ def check_gpu_mutants() -> dict:
             _write_source(path, original)
         rows.append({"mutant": f"{path}: {what}", "killed": got["failed"] > 0,
                      "passed": got["passed"], "skipped": got["skipped"]})
+        save({"status": "partial", "killed": sum(r["killed"] for r in rows),
+              "mutants": len(rows), "rows": rows})
     killed = sum(r["killed"] for r in rows)
     ok = killed == 0 if REHEARSE else killed == len(rows)  # rehearsal: skipped, none killed
     return {"status": status(ok), "killed": killed, "mutants": len(rows), "rows": rows}
@@ -226,7 +242,9 @@ def mixed(gpu_stage: int, dtype: str = "float32") -> dict:
     summary = ldt_train(run_dir, over)
     with open(os.path.join(run_dir, "metrics.csv")) as f:
         rows = list(csv.DictReader(f))
-    peak = max(float(r[f"peak_mem_gib_stage{gpu_stage}"]) for r in rows)
+    # ldt's own per-step peak of the stage: the allocator's max_memory_allocated on cuda
+    peak = max(float(r[f"peak_mem_gib_stage{gpu_stage}"]) for r in rows) * 2**30
+    estimate = stage_estimate(over, gpu_stage)
     parity = summary["parity_max_abs_diff"]
     fell = summary["final_loss"] < summary["first_loss"]
     bound = PARITY_FP32 if dtype == "float32" else PARITY_BF16
@@ -234,7 +252,23 @@ def mixed(gpu_stage: int, dtype: str = "float32") -> dict:
             "parity_bound": bound, "first_loss": summary["first_loss"],
             "final_loss": summary["final_loss"], "loss_fell": fell,
             "step_time_s": summary["step_time_s"], "gpu_stage": gpu_stage,
-            "gpu_stage_peak_gib": peak, "overrides": over}
+            "gpu_stage_peak_mib": peak / 2**20, "gpu_stage_estimate_mib": estimate / 2**20,
+            "gpu_stage_estimate_over_peak": round(estimate / peak, 4), "overrides": over}
+
+
+def stage_estimate(overrides: list, stage: int) -> int:
+    """ldt-memory's estimate of one stage of a config (bytes), with the attention the stage
+    runs on this machine (local layers without Transformer Engine)."""
+    from omegaconf import OmegaConf
+
+    from ldt.config import to_model
+    from ldt.hydra_app import compose
+    from ldt.memory import estimate
+    from ldt.models.spec import TE, transformer_impl
+
+    cfg = OmegaConf.to_container(compose(overrides), resolve=True)
+    impl = transformer_impl(to_model(cfg["model"]), GPU)
+    return estimate(cfg, attention="flash" if impl == TE else "local")[stage].peak
 
 
 def check_mixed_edge_on_gpu() -> dict:
@@ -264,7 +298,8 @@ def check_speed() -> dict:
 
 
 def main(argv=None) -> int:
-    name, result_path = argv if argv is not None else sys.argv[1:]
+    global RESULT_PATH
+    name, RESULT_PATH = argv if argv is not None else sys.argv[1:]
     # the driver's timeout sends SIGTERM first: leave through the finally blocks (a mutant's
     # source is restored) before its SIGKILL
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -272,10 +307,7 @@ def main(argv=None) -> int:
         result = globals()[f"check_{name}"]()
     except Exception:
         result = {"status": FAIL, "error": traceback.format_exc()[-3000:]}
-    tmp = result_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, default=str)
-    os.replace(tmp, result_path)
+    save(result)
     return 0
 
 

@@ -241,7 +241,7 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 def speed(device: str, rehearse: bool, out_dir: str, status, peak, gpu_gib: float) -> dict:
-    from bench.device_checks import fresh
+    from bench.device_checks import fresh, save
     from ldt.config import to_model
     from ldt.launch import run_local_world
     from ldt.training.outputs import model_flops_per_step
@@ -257,6 +257,7 @@ def speed(device: str, rehearse: bool, out_dir: str, status, peak, gpu_gib: floa
             got = run_local_world(1, megatron_worker, (cfg,), timeout_s=600, init_dist=False,
                                   env={"TORCHELASTIC_USE_AGENT_STORE": "True"})[0]
         runs.append(dict(got, path=path, median_s=statistics.median(got["times"][WARMUP:])))
+        save({"status": "partial", "runs": runs})
         print(f"speed: run {i} {path}: step times {[round(x, 4) for x in got['times']]}",
               flush=True)
     t = cfg["train"]

@@ -1,6 +1,6 @@
 """``make device-check`` itself, on a machine without a GPU (docs/device_check.md): the
-driver's JSON lines, timeouts, deadline and summary with stand-in checks (each a tiny
-process), the peaks MFU is computed against, and the mutants the GPU run applies. The
+driver's JSON lines, timeouts (with the parts a stopped check had finished), deadline and
+summary with stand-in checks (each a tiny process), the peaks MFU is computed against, and the mutants the GPU run applies. The
 script's CPU-only path (one line, exit 0) runs in docs/device_check.md's first block
 (tests/test_docs.py); the full CPU rehearsal is `LDT_DEVICE_CHECK_REHEARSE=1 make
 device-check` (minutes, not in the suite)."""
@@ -32,6 +32,7 @@ STAND_INS = textwrap.dedent('''
     elif name == "slow":  # leaves a grandchild that only a process-group kill ends
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         open(path + ".pid", "w").write(str(child.pid))
+        result(status="partial", runs_done=1)  # what a timeout keeps
         time.sleep(60)
 ''')
 
@@ -69,6 +70,7 @@ def test_every_check_writes_its_line_whatever_it_does(stand_ins, tmp_path):
     assert "a traceback's last line" in lines[2]["log_tail"]
     assert lines[3]["error"] == "exited 1 after its result"
     assert lines[4]["error"] == "killed after its budget of 2 s"
+    assert lines[4]["runs_done"] == 1  # the parts it had finished
     grandchild = int((out / "logs" / "slow.json.pid").read_text())
     deadline = time.monotonic() + 5
     while _alive(grandchild) and time.monotonic() < deadline:

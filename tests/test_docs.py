@@ -387,6 +387,14 @@ def check_help(result, scratch: Scratch):
     assert "cluster: " in result.stdout and "model: " in result.stdout, result.stdout[:2000]
 
 
+def check_no_device(result, scratch: Scratch):
+    """make device-check on a machine without a GPU: that, in one line, and nothing run."""
+    lines = [x for x in result.stdout.splitlines() if not x.startswith(("bash ", "make"))]
+    assert lines == ["device-check: no CUDA device here (python3 sees none through torch); "
+                     "nothing to check"], result.stdout
+    assert not os.path.exists(os.path.join(scratch.root, "outputs", "device-check"))
+
+
 # (document, pattern in the command as written, check); every command must also exit 0
 CHECKS: list[tuple[str, str, Callable]] = [
     ("README.md", r"^make demo\b", check_training),
@@ -404,6 +412,7 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("docs/planner.md", r"ldt-sim --cluster plans/cluster/qwen\.yaml", check_sim_of_front_pick),
     ("docs/privacy.md", r"ldt-audit", check_audit),
     ("docs/torchrun.md", r"torchrun .*-m ldt\.train", check_torchrun),
+    ("docs/device_check.md", r"^make device-check\b", check_no_device),
     ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),
 ]
 
