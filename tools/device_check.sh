@@ -51,6 +51,7 @@ else
     } >>"$LOG" 2>&1 || { say "cannot make a venv with $PY (see $LOG)"; exit 2; }
     VPY=$VENV/bin/python
 fi
+VPY=$("$VPY" -c 'import sys; print(sys.executable)')  # absolute: used from other folders
 if "$VPY" -m pip --version >/dev/null 2>&1; then
     PIP=("$VPY" -m pip)
 else
