@@ -115,7 +115,17 @@ def check_environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         out.update(gpus=torch.cuda.device_count(), memory_gib=round(props.total_memory / 2**30, 1),
                    capability=f"{props.major}.{props.minor}",
-                   bf16=torch.cuda.is_bf16_supported())
+                   bf16=torch.cuda.is_bf16_supported(),
+                   # TF32 in fp32 matmuls would move the fp32 parity well above 1e-5
+                   tf32_matmul=torch.backends.cuda.matmul.allow_tf32,
+                   float32_matmul_precision=torch.get_float32_matmul_precision())
+        try:
+            out["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,power.limit",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            out["nvidia_smi"] = None
     out["status"] = status(REHEARSE or torch.cuda.is_available())
     return out
 
