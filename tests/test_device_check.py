@@ -108,3 +108,21 @@ def test_every_mutant_of_the_gpu_run_still_matches_its_source():
         with open(os.path.join(ROOT, path)) as f:
             assert f.read().count(text) == 1, (path, what)
         assert mutated != text
+
+
+def test_the_hooks_of_the_gpu_run_are_there():
+    """What the memory and speed checks reach into: ldt's per-step peak reader (recorded
+    before it resets the allocator's peaks), the rank worker, the runs' metrics columns and
+    the model FLOPs; a rename would break the GPU run, not the suite."""
+    import inspect
+
+    from ldt.training import loop
+    from ldt.training.outputs import REPORT_KEYS, memory_keys, model_flops_per_step
+
+    assert callable(loop.peak_memory_gib) and "peak_memory_gib(device)" in inspect.getsource(
+        loop._train)
+    assert list(inspect.signature(loop.train_worker).parameters)[:4] == [
+        "rank", "world", "cfg", "run_dir"]
+    assert {"step_time_s", "loss"} <= set(REPORT_KEYS)
+    assert memory_keys(1) == ["peak_mem_gib_stage0"]
+    assert callable(model_flops_per_step)
