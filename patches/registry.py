@@ -7,7 +7,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-from ldt.patches import versions
+import ldt.patches.versions as versions
 
 # The megatron-core releases these patches are written and tested for (ldt.patches.versions).
 MEGATRON_RANGE = versions.SUPPORTED
