@@ -127,6 +127,9 @@ class VtpState:
         pgs.tp_ep_pp = self.replica_group
         pgs.expt_dp = pgs.intra_expt_dp = self.dp_group
         pgs.intra_dist_opt = self.dist_opt_group
+        from ldt.patches import megatron_state
+
+        megatron_state.complete_pg_collection(pgs, alone=self.cp_group)  # newer releases' fields
         return pgs
 
 

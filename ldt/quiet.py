@@ -27,8 +27,30 @@ for _pattern in (
     r".*`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated.*",
     # a MoE expert whole on its rank (expert TP 1) under sequence parallelism: expected
     r".*`sequence_parallel` is set to `True`, but tensor model parallel size is 1.*",
+    # megatron-core 0.19 warns on importing its multimodal models' config, which ldt never uses
+    r".*MimoModelConfig is experimental.*",
 ):
     warnings.filterwarnings("ignore", message=_pattern)
+
+# Log records that say nothing a user of ldt can act on: logger -> the message's start.
+_DROPPED_RECORDS = {
+    # megatron-core 0.19 deprecates GPTModel for HybridModel; ldt builds GPTModel on every
+    # supported release (docs/megatron_versions.md)
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    # torch's CUDA build on a machine without CUDA (it still runs on CPU)
+    "torch.utils.cpp_extension": "No CUDA runtime is found",
+}
+
+
+def _dropping(start: str):
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(start)
+
+    return keep
+
+
+for _name, _start in _DROPPED_RECORDS.items():
+    logging.getLogger(_name).addFilter(_dropping(_start))
 
 
 class _RankHandler(logging.StreamHandler):

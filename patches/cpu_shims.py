@@ -11,12 +11,17 @@ is. One proxy, :data:`TORCH_ON_CPU`, serves every module: ``device="cuda"`` in `
 - ``pipeline_parallel.p2p_communication``: megatron's own communicator (the uniform baseline in
   the benchmarks): receive buffers and ``torch.cuda.synchronize()``;
 - ``utils``: ``GlobalMemoryBuffer`` allocates on ``torch.cuda.current_device()``;
-- ``distributed.param_and_grad_buffer``: DDP's grad (and param) buffers, same;
+- ``distributed.param_and_grad_buffer``: DDP's grad (and param) buffers, same; from
+  megatron-core 0.19 its gradient reduce also waits on ``torch.cuda.current_stream()`` for
+  CUDA-graph events (a stream that waits for nothing on CPU);
 - ``dist_checkpointing.strategies.{state_dict_saver,filesystem_async}``: a flag tensor on
   ``'cuda'`` and ``torch.cuda.synchronize()`` after the device-to-host copy;
 - ``dist_checkpointing.strategies.filesystem_async``: the writer's results queue lives in a
   multiprocessing Manager started with ``spawn``, which re-imports the launching script in a
-  fresh interpreter (~6 s per rank and save on this CPU); on CPU ranks it is forked instead;
+  fresh interpreter (~6 s per rank and save on this CPU); on CPU ranks it is forked instead
+  (megatron-core 0.17+ takes the start method as ``get_write_results_queue(mp_mode=)``, so
+  the shim only passes ``"fork"``; 0.16's ``_get_write_results_queue()`` has no such
+  argument and the shim makes the queue itself);
 - ``tensor_parallel.{mappings,layers}``: the buffers of sequence parallelism's all-gather and
   reduce-scatter (``torch.cuda.current_device()``);
 - ``transformer.multi_token_prediction``: the tracker of the MTP losses
@@ -30,6 +35,7 @@ is. One proxy, :data:`TORCH_ON_CPU`, serves every module: ``device="cuda"`` in `
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import types
@@ -37,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ldt.patches import versions
 from ldt.patches.registry import register, swap_attr
 
 
@@ -69,8 +76,20 @@ def _on_cpu(factory):
     return make
 
 
+class _HostStream:
+    """What ``torch.cuda.current_stream()`` answers on CPU: work is already in order, so
+    waiting for an event or another stream does nothing."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
 _CUDA_ON_CPU = ModuleProxy(torch.cuda, current_device=lambda: "cpu",
-                           synchronize=lambda *a, **k: None)
+                           synchronize=lambda *a, **k: None,
+                           current_stream=lambda *a, **k: _HostStream())
 TORCH_ON_CPU = ModuleProxy(torch, cuda=_CUDA_ON_CPU, zeros=_on_cpu(torch.zeros),
                            empty=_on_cpu(torch.empty), tensor=_on_cpu(torch.tensor))
 
@@ -99,7 +118,7 @@ _cuda_rng_on_cpu = ModuleProxy(
 _RNG_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
-def _forked_results_queue():
+def _forked_results_queue():  # megatron-core 0.16
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 
     if fa._results_queue is None:
@@ -121,7 +140,12 @@ def install(ctx) -> Any:
 
     undos = [swap_attr(importlib.import_module(name), "torch", TORCH_ON_CPU)
              for name in _MODULES]
-    undos.append(swap_attr(filesystem_async, "_get_write_results_queue", _forked_results_queue))
+    if versions.holds("results_queue_mp_mode"):
+        forked = functools.partial(filesystem_async.get_write_results_queue, mp_mode="fork")
+        undos.append(swap_attr(filesystem_async, "get_write_results_queue", forked))
+    else:
+        undos.append(swap_attr(filesystem_async, "_get_write_results_queue",
+                               _forked_results_queue))
     undos += [
         swap_attr(mrandom, "torch", ModuleProxy(torch, cuda=_cuda_rng_on_cpu)),
         swap_attr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),

@@ -1,9 +1,9 @@
 """Selective recomputation of the norms (``recompute_modules: [layernorm]``) without
 Transformer Engine.
 
-megatron-core 0.16's ``CheckpointWithoutOutput(fp8=False)`` sets ``self.fp8 = fp8 is not
-None``, i.e. true for every caller (the transformer layer passes no argument), and its forward
-then asks Transformer Engine's ``FP8GlobalStateManager`` whether fp8 is on: a ``NameError``
+megatron-core's ``CheckpointWithoutOutput(fp8=False)`` (0.16 to 0.19) sets
+``self.fp8 = fp8 is not None``, i.e. true for every caller (the transformer layer passes no
+argument), and its forward then asks Transformer Engine's ``FP8GlobalStateManager`` whether fp8 is on: a ``NameError``
 where Transformer Engine is not installed (CPU, NPU). The patch keeps the constructor and
 stores what the argument says (``bool(fp8)``); with Transformer Engine and fp8 off the result
 is the same as before (the branch finds fp8 disabled).

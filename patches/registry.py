@@ -5,43 +5,31 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterator, Optional
 
-# The megatron-core releases these patches were written and tested against.
-MEGATRON_MIN = (0, 16, 0)
-MEGATRON_MAX_EXCLUSIVE = (0, 17, 0)
-MEGATRON_RANGE = ">=0.16.0,<0.17"
+import ldt.patches.versions as versions
+
+# The megatron-core releases these patches are written and tested for (ldt.patches.versions).
+MEGATRON_RANGE = versions.SUPPORTED
 
 
 class PatchError(RuntimeError):
     """A patch cannot be applied (wrong megatron-core version, already applied, ...)."""
 
 
-def _parse(v: str) -> tuple[int, ...]:
-    parts = []
-    for p in v.split(".")[:3]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
 def check_megatron_version(installed: Optional[str] = None) -> str:
-    """Return the installed megatron-core version, or raise if the patches do not target it."""
+    """Return the installed megatron-core version, or refuse it in one line naming the range."""
     if installed is None:
-        try:
-            installed = version("megatron-core")
-        except PackageNotFoundError:
+        installed = versions.installed_version()
+        if installed is None:
             raise PatchError(
                 "megatron-core is not installed; `pip install 'megatron-core"
-                f"{MEGATRON_RANGE}'` (ldt's patches target that range)"
-            ) from None
-    if not MEGATRON_MIN <= _parse(installed) < MEGATRON_MAX_EXCLUSIVE:
+                f"{MEGATRON_RANGE}'` (the releases ldt's patches are written for)")
+    if not versions.in_range(MEGATRON_RANGE, installed):
         raise PatchError(
-            f"megatron-core {installed} is installed but ldt's patches were written for "
-            f"megatron-core{MEGATRON_RANGE}; install a version in that range "
-            f"(`pip install 'megatron-core{MEGATRON_RANGE}'`) or update ldt"
-        )
+            f"megatron-core {installed} is installed but ldt supports megatron-core"
+            f"{MEGATRON_RANGE} (tested: {', '.join(versions.TESTED)}); install one "
+            f"(`pip install 'megatron-core{MEGATRON_RANGE}'`) or an ldt written for yours")
     return installed
 
 
@@ -52,11 +40,18 @@ class Patch:
     name: str
     description: str
     install: Callable[[Any], Callable[[], None]]
+    # the megatron-core releases the patch changes (a version specifier inside MEGATRON_RANGE);
+    # on the others megatron-core does what it patches by itself, and apply() skips it
+    versions: str = MEGATRON_RANGE
     _undo: Optional[Callable[[], None]] = None
 
     @property
     def is_applied(self) -> bool:
         return self._undo is not None
+
+    def targets(self, installed: Optional[str] = None) -> bool:
+        """Whether the installed (or given) megatron-core release needs this patch."""
+        return versions.in_range(self.versions, installed)
 
 
 REGISTRY: dict[str, Patch] = {}
@@ -77,11 +72,12 @@ _PATCH_MODULES = (
 )
 
 
-def register(name: str, description: str) -> Callable:
-    """Decorator for a module-level ``install(ctx) -> undo`` function."""
+def register(name: str, description: str, versions: str = MEGATRON_RANGE) -> Callable:
+    """Decorator for a module-level ``install(ctx) -> undo`` function; ``versions``: the
+    megatron-core releases it is for (a specifier, by default every supported release)."""
 
     def deco(fn: Callable[[Any], Callable[[], None]]):
-        REGISTRY[name] = Patch(name, description, fn)
+        REGISTRY[name] = Patch(name, description, fn, versions)
         return fn
 
     return deco
@@ -97,8 +93,9 @@ def _load_all() -> None:
 
 
 def apply(names: Optional[list[str]] = None, ctx: Any = None) -> list[str]:
-    """Apply the named patches (default: all); returns the names newly applied."""
-    check_megatron_version()
+    """Apply the named patches (default: all); returns the names newly applied. A patch the
+    installed release does not need (:attr:`Patch.versions`) is skipped."""
+    installed = check_megatron_version()
     _load_all()
     todo = list(REGISTRY) if names is None else list(names)
     done = []
@@ -106,7 +103,7 @@ def apply(names: Optional[list[str]] = None, ctx: Any = None) -> list[str]:
         if name not in REGISTRY:
             raise PatchError(f"unknown patch {name!r}; known: {sorted(REGISTRY)}")
         patch = REGISTRY[name]
-        if patch.is_applied:
+        if patch.is_applied or not patch.targets(installed):
             continue
         patch._undo = patch.install(ctx)
         done.append(name)

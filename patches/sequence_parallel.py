@@ -1,7 +1,7 @@
 """Sequence parallelism with megatron-core's local spec (torch norms), as on GPU with TE.
 
-megatron-core 0.16.1's local layer spec builds its norms through ``WrappedTorchNorm``, which
-refuses ``sequence_parallel=True`` (``sequence parallel not supported by torch LayerNorm``),
+megatron-core's local layer spec (0.16 to 0.19) builds its norms through ``WrappedTorchNorm``,
+which refuses ``sequence_parallel=True`` (``sequence parallel not supported by torch LayerNorm``),
 for LayerNorm and RMSNorm alike. A norm works per token, so on a sequence slice it computes
 exactly what it computes on the whole sequence; what sequence parallelism changes is the
 gradient of its weight (and bias): each TP rank sees only its slice of the tokens, so the

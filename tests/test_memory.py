@@ -74,7 +74,7 @@ def test_stage_recompute_overrides_the_model_and_none_turns_it_off():
 def test_balanced_routing_gives_each_expert_its_even_share():
     """Under fake tensors megatron's dispatch cannot know which tokens go where: the estimate
     routes 16 tokens with top-2 of 8 experts as 16 * 2 / 8 = 4 per expert, through megatron's
-    own permute and the experts' tolist()."""
+    own permute and the experts' tolist(), 32 in all."""
     import torch
     from megatron.core.transformer.moe.moe_utils import permute
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -85,10 +85,12 @@ def test_balanced_routing_gives_each_expert_its_even_share():
         tokens = torch.empty(16, 64)
         routing = torch.zeros(16, 8, dtype=torch.bool)  # the router's top-2 map
         counts = routing.sum(dim=0).long()
-        permuted, probs, _ = permute(tokens, routing, probs=torch.empty(16, 8),
-                                     num_out_tokens=32)
+        # (megatron-core 0.16 returns 3 values, 0.17+ 5: the first two are these)
+        permuted, probs = permute(tokens, routing, probs=torch.empty(16, 8),
+                                  num_out_tokens=32)[:2]
         assert tuple(permuted.shape) == (32, 64) and tuple(probs.shape) == (32,)
         assert counts.tolist() == [4] * 8
+        assert counts.sum().item() == 32  # megatron-core 0.17+ asks the total first
     assert torch.tensor([3, 5]).tolist() == [3, 5]  # outside the estimate nothing changes
 
 

@@ -1,19 +1,62 @@
 """The patch registry, the version check and the initialize_model_parallel patch."""
 
+import os
+import tomllib
+
 import pytest
 
 from ldt import patches
 from ldt.config import ClusterConfig, StageConfig
 from ldt.launch import WorldError, run_local_world
-from ldt.patches import PatchError, check_megatron_version
+from ldt.patches import PatchError, check_megatron_version, versions
 from ldt.topology import Topology
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_version_check_refuses_other_releases():
-    assert check_megatron_version("0.16.1") == "0.16.1"
-    for bad in ("0.15.3", "0.17.0", "1.0.0"):
-        with pytest.raises(PatchError, match=r"megatron-core>=0.16.0,<0.17"):
+
+def test_version_check_accepts_the_tested_releases_and_refuses_the_others():
+    for good in versions.TESTED + ("0.19.3", "0.17.0rc1"):
+        assert check_megatron_version(good) == good
+    for bad in ("0.15.3", "0.20.0", "0.20.0rc0", "1.0.0"):
+        with pytest.raises(PatchError) as err:
             check_megatron_version(bad)
+        message = str(err.value)
+        assert "\n" not in message and f"megatron-core {bad} is installed" in message
+        assert "megatron-core>=0.16.0,<0.20" in message  # the range, as pip takes it
+
+
+def test_pyproject_pins_the_range_the_patches_check():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    assert f"megatron-core{versions.SUPPORTED}" in deps
+
+
+def test_every_patch_states_the_releases_it_targets():
+    """A patch's releases lie in the supported range and name at least one tested release;
+    a patch for older releases only is skipped where megatron does the thing itself."""
+    from ldt.patches.registry import REGISTRY, _load_all
+
+    _load_all()
+    for patch in REGISTRY.values():
+        targeted = [v for v in versions.TESTED if patch.targets(v)]
+        assert targeted, patch.name
+        assert all(versions.in_range(versions.SUPPORTED, v) for v in targeted)
+    moe = REGISTRY["moe_without_te"]
+    assert moe.targets("0.16.1") and not moe.targets("0.17.0")
+    assert versions.holds("backward_step_model_type", "0.16.0")
+    assert not versions.holds("backward_step_model_type", "0.17.1")
+    assert [v for v in versions.TESTED if versions.holds("gtp_remat_groups", v)] == [
+        "0.19.0", "0.19.2"]
+
+
+def test_a_patch_the_release_does_not_need_is_not_applied():
+    from megatron.core.transformer.moe import moe_utils
+
+    with patches.applied(["moe_without_te"]) as done:
+        needed = patches.REGISTRY["moe_without_te"].targets()
+        assert done == (["moe_without_te"] if needed else [])
+        assert moe_utils.te_general_gemm is None  # megatron's own on 0.17+, the patch's on 0.16
+    assert hasattr(moe_utils, "te_general_gemm") == (not needed)
 
 
 def test_apply_and_revert_restore_megatron():

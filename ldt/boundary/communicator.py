@@ -182,9 +182,11 @@ class VtpCommunicator(P2PCommunicator):
         peer = mine if peer_replica is None else peer_replica
         src_rank = self.state.topology.leader(peer_stage, peer)
         leader, layout = self.state.is_leader, self.layout
-        whole_shape = layout.full_shape(shape)
-        fanout = self._fanout(peer_stage, self.state.stage, direction, mine,
-                              math.prod(whole_shape) * dtype.itemsize)
+        # with variable_seq_lengths the schedule's shape is a placeholder (megatron-core 0.17+
+        # passes ``()``): the peer's message says it, and such a boundary never fans out
+        whole_shape = None if layout.variable_seq_lengths else layout.full_shape(shape)
+        fanout = None if whole_shape is None else self._fanout(
+            peer_stage, self.state.stage, direction, mine, math.prod(whole_shape) * dtype.itemsize)
         if fanout is not None:
             return self._recv_fanout(shape, fanout, src_rank, peer_stage, direction)
         what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)

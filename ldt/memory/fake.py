@@ -22,10 +22,12 @@ torch 2.13 here):
   identity, and the caller lets the chunks answer ``.bfloat16()`` / ``.half()`` with themselves.
 
 A MoE model needs one more stand-in. megatron's token dispatch asks for shapes that only the
-routing knows: which tokens each expert gets (``masked_select`` over the routing map) and how
-many (``tokens_per_expert.tolist()``), and fake tensors hold no routing. :class:`BalancedRouting`
-answers both as if the router spread the tokens evenly, ``tokens * topk / experts`` per expert:
-what the load-balancing loss drives toward, and the expected load of an expert. A skewed
+routing knows: which tokens each expert gets (``masked_select`` over the routing map), how
+many (``tokens_per_expert.tolist()``) and, from megatron-core 0.17, how many in all
+(``tokens_per_expert.sum().item()``, before any selection), and fake tensors hold no routing.
+:class:`BalancedRouting` answers them as if the router spread the tokens evenly,
+``tokens * topk / experts`` per expert: what the load-balancing loss drives toward, and the
+expected load of an expert. A skewed
 routing puts more on the busiest expert's rank than the estimate says.
 
 Call it in a process of its own (``ldt.memory.estimate`` starts one): it replaces
@@ -35,6 +37,7 @@ Call it in a process of its own (``ldt.memory.estimate`` starts one): it replace
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -46,17 +49,20 @@ PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
 
 class BalancedRouting(TorchDispatchMode):
     """Under fake tensors, megatron's MoE dispatch as if every expert got ``topk / experts`` of
-    the tokens (see the module docstring). It answers the two data-dependent questions only:
-    a ``masked_select`` (the dispatch's selection of tokens and of their routing weights by
-    the routing map ``[experts here, tokens]``) with that many elements, and an integer
-    ``item`` after it (``tokens_per_expert.tolist()``, one expert at a time) with that many
-    tokens per expert. Everything else, and an integer ``item`` before any selection, goes on
-    to the fake mode as it is."""
+    the tokens (see the module docstring). The dispatcher counts each expert's tokens as
+    ``routing_map.sum(dim=0)`` over the boolean map ``[tokens, experts here]``: from its
+    token count this mode knows the even share, and answers the data-dependent questions
+    after it: a ``masked_select`` (the selection of tokens and of their routing weights by the
+    map ``[experts here, tokens]``) with that many elements, an integer ``item`` of the counts'
+    sum with the total, and any other integer ``item`` (``tokens_per_expert.tolist()``, one
+    expert at a time) with the share. Everything else, and an integer ``item`` before any
+    count, goes on to the fake mode as it is."""
 
     def __init__(self, topk: int, experts: int) -> None:
         super().__init__()
         self.topk, self.experts = topk, experts
         self.per_expert: Optional[int] = None
+        self._total: Optional[tuple[weakref.ref, int]] = None  # (the counts' sum, its value)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         aten = torch.ops.aten  # every operation of the estimate comes through here
@@ -65,10 +71,18 @@ class BalancedRouting(TorchDispatchMode):
             selected = routing.numel() * self.topk // self.experts
             self.per_expert = selected // routing.shape[0]
             return values.new_empty((selected,))
-        if (func is aten._local_scalar_dense.default and self.per_expert is not None
-                and not args[0].is_floating_point()):
-            return self.per_expert
-        return func(*args, **(kwargs or {}))
+        if func is aten._local_scalar_dense.default and self.per_expert is not None \
+                and not args[0].is_floating_point():
+            total = self._total
+            return total[1] if total is not None and total[0]() is args[0] else self.per_expert
+        out = func(*args, **(kwargs or {}))
+        if func is aten.sum.dim_IntList and args[0].dtype == torch.bool and args[0].dim() == 2 \
+                and list(args[1]) == [0]:  # tokens_per_expert = routing_map.sum(dim=0)
+            self.per_expert = args[0].shape[0] * self.topk // self.experts
+        elif func is aten.sum.default and self.per_expert is not None and args[0].dim() == 1 \
+                and not args[0].is_floating_point():  # tokens_per_expert.sum()
+            self._total = (weakref.ref(out), self.per_expert * args[0].numel())
+        return out
 
 
 @contextlib.contextmanager

@@ -77,6 +77,11 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
     from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
+    from ldt.patches import versions
+
+    # megatron-core 0.16's backward_step takes the model type before the config
+    model_type = ((ModelType.encoder_or_decoder,) if versions.holds("backward_step_model_type")
+                  else ())
     result = StepResult()
     posted: dict[tuple, Any] = {}  # (direction, mb) -> (tensor, work)
     ready: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> waited tensor
@@ -117,7 +122,7 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
         # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
         # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
         with _no_sync(config, roles, a, last_backward[a.op]):
-            in_grad = backward_step(inp, out, grad, ModelType.encoder_or_decoder, config)
+            in_grad = backward_step(inp, out, grad, *model_type, config)
         if in_grad is not None:
             to_send[(BACKWARD, a.mb)] = in_grad
 

@@ -3,7 +3,9 @@
 megatron-core's router adds the auxiliary loss to the gradients itself (``MoEAuxLossAutoScaler``,
 scaled by the schedule's ``forward_step`` like the language-model loss, on ldt's runtime as
 on megatron's schedules) and records its unweighted value per layer in megatron's tracker
-(``get_moe_layer_wise_logging_tracker``). What megatron's training loop does with the tracker
+(a dict from ``moe_utils.get_moe_layer_wise_logging_tracker()`` up to megatron-core 0.17; from
+0.18 ``moe_logging.get_moe_metrics_tracker()``, whose ``ensure_initialized`` sizes an entry,
+while the old getter returns a copy: ``ldt.patches.versions``, ``moe_metrics_tracker``). What megatron's training loop does with the tracker
 (``track_moe_metrics``) assumes one model per pipeline rank numbered from layer 1; ldt's chunks
 are stand-alone models whose routers carry the model's global layer number
 (:func:`ldt.models.build.build_chunk`), so here the tracker is sized for the whole model before
@@ -31,12 +33,35 @@ def reset(model) -> None:
     """Empty megatron's tracker and size it for every layer of ``model`` (before a step)."""
     if not tracks_aux_loss(model):
         return
+    from ldt.patches import versions
+
+    if versions.holds("moe_metrics_tracker"):
+        from megatron.core.transformer.moe import moe_logging
+
+        moe_logging.destroy_moe_metrics_tracker()
+        moe_logging.get_moe_metrics_tracker().ensure_initialized(AUX, model.num_layers, "cpu")
+        return
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     tracker = get_moe_layer_wise_logging_tracker()
     tracker.clear()
     tracker[AUX] = {"values": torch.zeros(model.num_layers), "reduce_group": None,
                     "avg_group": None, "reduce_group_has_dp": False}
+
+
+def _tracked_values() -> Optional[torch.Tensor]:
+    """The load-balancing loss per layer in megatron's tracker (None if nothing recorded)."""
+    from ldt.patches import versions
+
+    if versions.holds("moe_metrics_tracker"):
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        entry = get_moe_metrics_tracker().metrics.get(AUX)
+        return None if entry is None else entry.values
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    entry = get_moe_layer_wise_logging_tracker().get(AUX)
+    return None if entry is None else entry["values"]
 
 
 def aux_loss(model, micro_batches: int, group=None) -> Optional[float]:
@@ -47,11 +72,9 @@ def aux_loss(model, micro_batches: int, group=None) -> Optional[float]:
     needs sequence parallelism with TP > 1) and a replica its micro-batches."""
     if not tracks_aux_loss(model):
         return None
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    entry = get_moe_layer_wise_logging_tracker().get(AUX)
+    values = _tracked_values()
     total = torch.zeros(1, dtype=torch.float64)
-    if entry is not None:
-        total += entry["values"].double().sum()
+    if values is not None:
+        total += values.double().sum().cpu()
     dist.all_reduce(total, group=group)
     return float(total.item()) / micro_batches / sum(model.moe_layers())
