@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from ldt.storage import atomic
+from ldt.storage import atomic, commit
 from ldt.storage.atomic import OutputError, check_output, check_run_folder, new_files, new_folder
 
 
@@ -73,7 +73,7 @@ def test_a_failure_at_any_point_leaves_the_target_as_it_was(home, monkeypatch):
         assert tree(home) == before
     # at the rename (the kernel cannot swap two names: old aside, new in, old removed)
     real_rename = os.rename
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     for failing_step in ("aside", "in"):
         def rename(src, dst, step=failing_step):
             if (step == "aside" and atomic.OLD_MARK in str(dst)) or \
@@ -87,13 +87,94 @@ def test_a_failure_at_any_point_leaves_the_target_as_it_was(home, monkeypatch):
                 open(os.path.join(tmp, "new"), "w").close()
         monkeypatch.setattr(os, "rename", real_rename)
         assert tree(home) == before
-    # a set of files: the second one fails, the first is not renamed either
-    with pytest.raises(Boom):
-        with new_files([str(home / "a.bin"), str(home / "notes.txt")], flags=["-o", "-o"],
-                       overwrite=True) as (a, notes):
-            open(a, "w").write("a")
-            raise Boom()
-    assert tree(home) == before
+
+
+def _set_of_three(home):
+    """A set's targets: two that exist (one of them not written this time, so the old one
+    must go with the commit) and one that does not."""
+    return [str(home / "notes.txt"), str(home / "input.txt"), str(home / "new.idx")]
+
+
+def test_a_set_appears_whole_or_not_at_all_whichever_rename_fails(home, monkeypatch):
+    """new_files puts a set in place together: the i-th rename of its commit fails (i = 1,
+    2, ... until the commit has no i-th rename), and every byte of the folder is as before;
+    then the set goes in whole. Before #39 the renames went one by one, so with the second
+    failing a new first file sat beside an old second one."""
+    before = tree(home)
+    real_rename = os.rename
+    failed_at = 0
+    for i in range(1, 20):
+        calls = []
+
+        def rename(src, dst):
+            calls.append((src, dst))
+            if len(calls) == i:
+                raise OSError(5, "Input/output error")
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        try:
+            with new_files(_set_of_three(home), flags=["-a", "-b", "-c"], overwrite=True) as (
+                    a, _, c):
+                open(a, "w").write("new notes")
+                open(c, "w").write("new idx")
+        except OSError:
+            failed_at = i
+            assert tree(home) == before, f"rename {i} failed and the set was left half-replaced"
+            continue
+        finally:
+            monkeypatch.setattr(os, "rename", real_rename)
+        break
+    assert failed_at == 4  # notes aside, notes in, input aside (it goes), new.idx in
+    assert (home / "notes.txt").read_text() == "new notes"
+    assert not (home / "input.txt").exists()  # not written this time: the old one went
+    assert (home / "new.idx").read_text() == "new idx"
+    assert not [n for n in os.listdir(home) if ".ldt-" in n]
+
+
+_KILLED_WRITER = """
+import os, sys
+from ldt.storage import atomic, commit
+real, calls = os.rename, []
+def rename(src, dst):
+    calls.append(src)
+    if len(calls) == int(sys.argv[1]):
+        os._exit(9)  # killed here: no exception handler, no cleanup
+    return real(src, dst)
+os.rename = rename
+with atomic.new_files(sys.argv[2:], flags=["-a", "-b", "-c"], overwrite=True) as (a, _, c):
+    open(a, "w").write("new notes")
+    open(c, "w").write("new idx")
+"""
+
+
+def test_a_writer_killed_mid_commit_is_undone_by_the_next_writer(home):
+    """A writer killed at each rename of a set's commit leaves a journal; a reader sees it
+    (set_in_progress: "was killed while it replaced them"), and the next writer to the set
+    first puts every member back as it was, then writes. A killed writer's temporaries of a
+    single target go too; a live owner's stay."""
+    import subprocess
+    import sys
+
+    before = tree(home)
+    targets = _set_of_three(home)
+    for i in (1, 2, 3, 4):
+        code = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(i), *targets],
+                              cwd=home / "elsewhere").returncode
+        assert code == 9
+        assert "was killed while it replaced them" in commit.set_in_progress(targets[0])
+        assert commit.sweep(targets[0])  # what the next writer does first
+        assert tree(home) == before, f"killed at rename {i}: not rolled back"
+    # leftovers of single targets: a dead owner's go, a live owner's (this process) stay
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    mine = commit.sibling(str(home / "notes.txt"), atomic.TMP_MARK)
+    theirs = mine.replace(f"-{os.getpid()}-", f"-{dead}-")
+    for path in (mine, theirs):
+        open(path, "w").write("half")
+    atomic.write_text(str(home / "notes.txt"), "new", flag="--out", overwrite=True)
+    assert os.path.exists(mine) and not os.path.exists(theirs)
+    os.remove(mine)
 
 
 def test_missing_parents_are_made_and_removed_again_on_failure(home):
