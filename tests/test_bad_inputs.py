@@ -212,8 +212,9 @@ SIM = ["--cluster", "cpu_demo", "--model", "gpt_tiny", "--inventory", "cpu_local
 ROWS = [
     # -- ldt-convert import: what is at OUT survives, damaged weights never come in
     (C, "import hf_b ckpt/good", 2, EXISTS),
-    (C, "import hf_b ckpt/good --overwrite", 2, r"gives decoder.layers.1.mlp.linear_fc1.weight "
-                                                r"of shape \(112, 32\).*config.json implies"),
+    (C, "import hf_b ckpt/good --overwrite", 2, r"tensor model.layers.1.mlp.up_proj.weight has "
+                                                r"shape \(48, 32\), but its config.json .*"
+                                                r"implies \(64, 32\)"),
     (C, "import hf_a userdir", 2, r"OUT userdir already exists"),
     (C, "import hf_nan out1", 2, r"tensor model.layers.0.mlp.up_proj.weight holds 1 NaN/Inf"),
     (C, "import hf_trunc out1", 2, r"model.safetensors is not a readable safetensors file .* "
@@ -225,8 +226,9 @@ ROWS = [
     (C, "import hf_index_missing out1", 2, r"is named by the folder's safetensors index but "
                                            r"does not exist"),
     (C, "import hf_index_bad out1", 2, r"safetensors index .*index.json:2:1: invalid JSON"),
-    (C, "import nowhere out1", 2, r"nowhere: no such folder; give a Hugging Face model folder"),
-    (C, "import corpus.txt out1", 2, r"corpus.txt: no such folder"),
+    (C, "import nowhere out1", 2, r"nowhere: no such file or folder; give a Hugging Face model "
+                                 r"folder"),
+    (C, "import corpus.txt out1", 2, r"corpus.txt is a file, not a folder"),
     (C, "import hf_a hf_a", 2, r"OUT hf_a is also the input HF_FOLDER"),
     (C, "import hf_a hf_a/sub", 2, r"lies inside the input HF_FOLDER"),
     (C, "import hf_a . --overwrite", 2, r"holds the input HF_FOLDER"),
@@ -259,9 +261,10 @@ ROWS = [
      r"corpus.bin is also the input --input; an input is never overwritten"),
     (P, "--input corpus.txt --output-prefix corpus", 2, r"--output-prefix .*corpus.bin "
                                                         r"already exists .*--overwrite"),
-    (P, "--input nowhere.txt --output-prefix x", 2, r"--input nowhere.txt: no such file"),
+    (P, "--input nowhere.txt --output-prefix x", 2, r"--input nowhere.txt: no such file or "
+                                                   r"folder"),
     (P, "--input empty.txt --output-prefix x", 2, r"--input empty.txt is empty"),
-    (P, "--input data --output-prefix x", 2, r"--input data: no such file"),
+    (P, "--input data --output-prefix x", 2, r"--input data is a folder, not a file"),
     (P, "--input corpus.txt --output-prefix data/", 2, r"names a folder.*give e.g. data/corpus"),
     (P, "--input corpus.txt --output-prefix data", 2, r"names a folder"),
     (P, "--input corpus.txt --output-prefix nodir/x", 2, r"folder .*nodir does not exist"),
@@ -355,8 +358,8 @@ ROWS = [
     (A, "--noise inf", 2, r"--noise inf: give finite settings > 0"),
     (A, "--noise -1", 2, r"--noise -1: give finite settings > 0"),
     (A, "--noise loud", 2, r"--noise 'loud': give numbers > 0"),
-    (A, "--cloud-text nowhere.txt", 2, r"--cloud-text nowhere.txt: no such readable file"),
-    (A, "--cloud-text data", 2, r"--cloud-text data: no such readable file"),
+    (A, "--cloud-text nowhere.txt", 2, r"--cloud-text nowhere.txt: no such file or folder"),
+    (A, "--cloud-text data", 2, r"--cloud-text data is a folder, not a file"),
     (A, "--cloud-text cloud_small.txt", 2, r"cloud_small.txt has 4 bytes; the shadow runs need"),
     (A, "--checkpoint nowhere", 2, r"--checkpoint='nowhere' does not exist"),
     (A, "--checkpoint ckpt_flip", 2, r"__0_0.distcp is corrupted"),
@@ -397,7 +400,7 @@ ROWS = [
     (T, "--config-dir conf cluster=key", 2, r"Key 'colour' not in 'StageConfig'; remove the key"),
     (T, "cluster.layout=Etq|tt|tt|tL", 2, r"cluster.layout = 'Etq\|tt\|tt\|tL': unexpected "
                                          r"character 'q' at position 2; fix: use the tokens"),
-    (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt' is not a file"),
+    (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt': no such file or folder"),
     (T, "data.path=empty.txt", 2, r"data.path=.*empty.txt"),
     (T, "train.lr=nan", 2, r"train.lr=nan must be a finite number"),
     (T, "hydra.output_subdir=/proc/ldt", 2, r"hydra.output_subdir=/proc/ldt: cannot make"),

@@ -17,7 +17,13 @@ from ldt.hydra_app import EXIT_CONFIG, run_app
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_app(_estimate, argv, run_folder=False)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):  # Hydra's would be ldt-train's (its template)
+        print(__doc__.strip() + "\n\nThe config groups, keys and Hydra flags are ldt-train's "
+              "(ldt-train --help lists them); e.g. ldt-memory cluster=cpu_vtp "
+              "model=llama_tiny train.micro_batch_size=4")
+        return 0
+    return run_app(_estimate, args, run_folder=False)
 
 
 def _estimate(cfg) -> int:
