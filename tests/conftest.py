@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 # Tests run on CPU/gloo; keep each process to one thread on this 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
@@ -18,3 +20,15 @@ def pytest_terminal_summary(terminalreporter):
                                 f"{len(failed)} failed, {len(skipped)} skipped")
     for r in skipped:
         terminalreporter.write_line(f"  skipped {r.longrepr[2].removeprefix('Skipped: ')}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tmp_path_factory):
+    """A tiny Llama (``hf/``), its ldt import (``ckpt/``), ``corpus.txt`` and its indexed
+    pair (``pair.*``), built once for the tests of bad inputs and interrupted writers
+    (tests/tiny_files.py); copy what you change."""
+    from tiny_files import build
+
+    root = tmp_path_factory.mktemp("tiny_model_files")
+    build(root)
+    return root

@@ -240,3 +240,36 @@ def test_a_run_never_writes_into_another_runs_folder(home):
         check_run_folder(str(run), str(home / "model"))  # resuming another run
     check_run_folder(str(run), str(run))  # resuming this one
     check_run_folder(str(run), str(run / "checkpoints" / "step_0000003"))
+
+
+def test_a_run_folder_has_one_owner_and_a_dead_owner_holds_nothing(home):
+    """RunLock: a second owner is refused naming the holder (pid, host, the command as
+    typed); a holder killed with SIGKILL holds nothing (the kernel released its flock), and
+    its stale file is taken over; release removes the file."""
+    import subprocess
+    import sys
+
+    from ldt.storage.runlock import LOCK_NAME, RunFolderInUse, RunLock, holder
+
+    run = home / "run"
+    run.mkdir()
+    code = ("import sys, time\nfrom ldt.storage.runlock import RunLock\n"
+            "RunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run), "--my-flag"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        who = holder(str(run))
+        assert who.startswith(f"pid {proc.pid} on ") and "-c" in who and "--my-flag" in who
+        with pytest.raises(RunFolderInUse, match=rf"run_dir={run} is in use by another run "
+                                                 rf"\(pid {proc.pid} on .* since "):
+            RunLock(str(run)).acquire()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (run / LOCK_NAME).exists() and holder(str(run)) is None  # stale: nobody holds it
+    check_run_folder(str(run), None)  # a folder holding only a stale lock file is empty
+    lock = RunLock(str(run)).acquire()
+    assert holder(str(run)).startswith(f"pid {os.getpid()} ")
+    lock.release()
+    assert os.listdir(run) == []

@@ -148,16 +148,17 @@ def new_folder(path: str, *, flag: str, overwrite: bool = False,
     whole when ``overwrite``); otherwise it is removed and ``path`` is untouched. Verify the
     output inside the block: what leaves it is what the user gets."""
     target = check_output(path, flag=flag, overwrite=overwrite, inputs=inputs)
-    created = _make_parents(target, flag)
-    sweep(target)
+    created: list[str] = []
     tmp = sibling(target, TMP_MARK)
-    _probe(tmp, target, flag, created, folder=True)
     try:
+        created += _make_parents(target, flag)
+        sweep(target)
+        _probe(tmp, target, flag, folder=True)
         yield tmp
         fsync_tree(tmp)
         put_in_place(tmp, target)
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove(tmp)
         _remove_empty(created)
         _disk_full(exc, [(flag, path, target)])
         raise
@@ -177,16 +178,16 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
         raise OutputError(f"{', '.join(flags)} name the same file twice; give distinct paths")
     targets = [check_output(p, flag=f, overwrite=overwrite, inputs=inputs, file=True)
                for p, f in zip(paths, flags)]
-    created = []
-    for t, f in zip(targets, flags):
-        created += _make_parents(t, f)
-    for t in targets:
-        sweep(t)
+    created: list[str] = []
     tmps = [sibling(t, TMP_MARK) for t in targets]
-    for tmp, target, flag in zip(tmps, targets, flags):
-        _probe(tmp, target, flag, created, folder=False)
-        os.remove(tmp)
     try:
+        for t, f in zip(targets, flags):
+            created += _make_parents(t, f)
+        for t in targets:
+            sweep(t)
+        for tmp, target, flag in zip(tmps, targets, flags):
+            _probe(tmp, target, flag, folder=False)
+            os.remove(tmp)
         yield tmps
         for tmp in tmps:
             if os.path.exists(tmp):
@@ -241,7 +242,7 @@ def move_into_place(tmp: str, target: str) -> None:
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _probe(tmp: str, target: str, flag: str, created: list[str], *, folder: bool) -> None:
+def _probe(tmp: str, target: str, flag: str, *, folder: bool) -> None:
     """Create the temporary (a folder, or an empty file): a place that cannot be written is
     refused here, naming the target, before any work is done."""
     try:
@@ -250,7 +251,7 @@ def _probe(tmp: str, target: str, flag: str, created: list[str], *, folder: bool
         else:
             open(tmp, "x").close()
     except OSError as exc:
-        _remove_empty(created)
+        _disk_full(exc, [(flag, target, target)])
         raise OutputError(f"{flag} {target}: cannot write there ({exc.strerror}); give a path "
                           "in a folder you can write to") from None
 

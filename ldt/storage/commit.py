@@ -168,10 +168,14 @@ def commit_set(members: Sequence[tuple[Optional[str], str]]) -> None:
     journal = sibling(plan[0]["target"], SET_MARK, ext=".json")
     folders = sorted({os.path.dirname(m["target"]) for m in plan})
     with signals_held():
-        with open(journal, "w") as f:
-            json.dump({"members": plan}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(journal, "w") as f:
+                json.dump({"members": plan}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            remove(journal)
+            raise
         done: list[tuple[dict, bool]] = []
         try:
             for m in plan:

@@ -50,11 +50,19 @@ class MetricsLog:
         from ldt.storage.atomic import replacing
 
         self.keys = list(keys) + [k for k in old_keys if k not in keys]
-        with replacing(self.path) as tmp, open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.keys, restval="")
-            w.writeheader()
-            w.writerows(kept)
-        self._file = open(self.path, "a", newline="")
+        self._file = None
+        try:
+            with replacing(self.path) as tmp:
+                with open(tmp, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=self.keys, restval="")
+                    w.writeheader()
+                    w.writerows(kept)
+                # opened before it is put in place: nothing can fail after the rows are gone
+                self._file = open(tmp, "a", newline="")
+        except BaseException:
+            if self._file is not None:
+                self._file.close()
+            raise
         self._writer = csv.DictWriter(self._file, fieldnames=self.keys, restval="",
                                       extrasaction="ignore")
 

@@ -126,8 +126,10 @@ def read_hf_config(folder: str):
     load_json_object(path, "config.json")  # a syntax error named with its line and column
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # a user's file: transformers' (and huggingface_hub's strict
+        # dataclass) refusal of a field of the wrong type or value, whatever its class
+        first = ": ".join(ln.strip().rstrip(":") for ln in str(exc).strip().splitlines()[:2]) \
+            or type(exc).__name__
         raise ConfigError(f"{path} is not a config transformers can read ({first}); give the "
                           "config.json of a LlamaForCausalLM or Qwen2ForCausalLM") from None
 
