@@ -570,15 +570,20 @@ def test_export_of_a_run_says_which_incomplete_checkpoint_it_passed_over(guarded
 def test_overwrite_replaces_a_checkpoint_whole(guarded, capsys, tmp_path):
     """--overwrite replaces OUT whole: a user's file in it does not survive into the import,
     and the import is a complete, loadable checkpoint."""
+    import shlex
+
     from ldt.storage import checkpoint_files as files
 
-    out = tmp_path / "userdir"
+    out = tmp_path / "my models" / "userdir"  # and the next command pastes (#39: spaces)
     shutil.copytree(guarded / "userdir", out)
-    code, _, err = _run(C, ["import", "hf_a", str(out), "--overwrite"], capsys)
+    code, stdout, err = _run(C, ["import", "hf_a", str(out), "--overwrite"], capsys)
     assert code == 0, err
     assert not (out / "stage_0" / "keep.txt").exists()
     files.verify(str(out), which=[p for p in files.parts(str(out)) if p.startswith("stage_")])
     assert (out / "conf" / "model" / "userdir.yaml").exists()
+    command = shlex.split(stdout.splitlines()[-1])
+    assert command[:4] == ["ldt-train", f"hydra.searchpath=[file://{out}/conf]", "model=userdir",
+                           f"train.load={out}"], command
 
 
 def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsys,
