@@ -273,3 +273,25 @@ def test_a_run_folder_has_one_owner_and_a_dead_owner_holds_nothing(home):
     assert holder(str(run)).startswith(f"pid {os.getpid()} ")
     lock.release()
     assert os.listdir(run) == []
+
+
+def test_an_output_another_command_wrote_meanwhile_is_not_replaced(home):
+    """Two commands writing one new target at once (two imports, two preprocess runs): both
+    passed the check before either wrote; the one that finishes second is refused in one line
+    and leaves the other's output as it is (before #39 it replaced it silently, exit 0)."""
+    for make in ("folder", "files"):
+        target = home / f"new_{make}"
+        with pytest.raises(OutputError, match=r"was written by another command while"):
+            if make == "folder":
+                with new_folder(str(target), flag="OUT") as tmp:
+                    open(os.path.join(tmp, "mine"), "w").close()
+                    target.mkdir()
+                    (target / "theirs").write_text("theirs")
+            else:
+                with new_files([str(target), str(home / "other")], flags=["-o", "-p"]) as (a, b):
+                    open(a, "w").write("mine")
+                    open(b, "w").write("mine")
+                    target.write_text("theirs")
+        assert (target / "theirs" if make == "folder" else target).read_text() == "theirs"
+        assert not (home / "other").exists()
+        assert not [n for n in os.listdir(home) if ".ldt-" in n]

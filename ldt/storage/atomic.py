@@ -156,11 +156,12 @@ def new_folder(path: str, *, flag: str, overwrite: bool = False,
         _probe(tmp, target, flag, folder=True)
         yield tmp
         fsync_tree(tmp)
-        put_in_place(tmp, target)
+        put_in_place(tmp, target, replace=overwrite)
     except BaseException as exc:
         remove(tmp)
         _remove_empty(created)
         _disk_full(exc, [(flag, path, target)])
+        _appeared(exc, [(flag, path, target)])
         raise
 
 
@@ -193,12 +194,13 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
             if os.path.exists(tmp):
                 fsync_file(tmp)
         commit_set([(tmp if os.path.exists(tmp) else None, target)
-                    for tmp, target in zip(tmps, targets)])
+                    for tmp, target in zip(tmps, targets)], replace=overwrite)
     except BaseException as exc:
         for tmp in tmps:
             remove(tmp)
         _remove_empty(created)
         _disk_full(exc, list(zip(flags, paths, targets)))
+        _appeared(exc, list(zip(flags, paths, targets)))
         raise
 
 
@@ -281,6 +283,18 @@ def _remove_empty(folders: list[str]) -> None:
             os.rmdir(folder)
         except OSError:
             return
+
+
+def _appeared(exc: BaseException, outputs: list) -> None:
+    """A target another command wrote while this one worked (and this one was not told to
+    replace it) as one line naming it."""
+    if not isinstance(exc, FileExistsError):
+        return
+    for flag, path, target in outputs:
+        if exc.filename == target:
+            raise OutputError(f"{flag} {path} was written by another command while this one "
+                              "worked; it is left as that command wrote it: give a new path, "
+                              "or add --overwrite to replace it") from None
 
 
 def _disk_full(exc: BaseException, outputs: list) -> None:

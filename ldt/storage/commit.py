@@ -133,10 +133,14 @@ def set_in_progress(target: str) -> Optional[str]:
 
 
 # ---- putting in place -----------------------------------------------------------------------
-def put_in_place(tmp: str, target: str) -> None:
+def put_in_place(tmp: str, target: str, *, replace: bool = True) -> None:
     """Rename ``tmp`` to ``target``; an existing ``target`` is swapped out and removed:
-    replaced whole, never merged. Stop signals wait until it is done."""
+    replaced whole, never merged. ``replace=False``: a ``target`` that exists now (another
+    command wrote it while this one worked; an empty folder excepted) is a FileExistsError and
+    stays as it is. Stop signals wait until it is done."""
     with signals_held():
+        if not replace:
+            _not_there(tmp, target)
         if not os.path.lexists(target):
             os.rename(tmp, target)
         elif _exchange(tmp, target):  # target now holds the new output, tmp the old one
@@ -153,10 +157,15 @@ def put_in_place(tmp: str, target: str) -> None:
         fsync_dir(os.path.dirname(target))
 
 
-def commit_set(members: Sequence[tuple[Optional[str], str]]) -> None:
+def commit_set(members: Sequence[tuple[Optional[str], str]], *, replace: bool = True) -> None:
     """Put a set of outputs in place together (see the module docstring). ``members``:
     ``(tmp, target)``; a ``tmp`` of None removes an old ``target`` (an output this run does
-    not have, which must not stay beside the new ones)."""
+    not have, which must not stay beside the new ones). ``replace``: as :func:`put_in_place`."""
+    if not replace:
+        with signals_held():
+            for tmp, target in members:
+                if tmp is not None:
+                    _not_there(tmp, target)
     plan = [{"tmp": tmp, "target": target,
              "aside": sibling(target, OLD_MARK) if os.path.lexists(target) else None}
             for tmp, target in members if tmp is not None or os.path.lexists(target)]
@@ -201,6 +210,16 @@ def commit_set(members: Sequence[tuple[Optional[str], str]]) -> None:
         remove(journal)
         for folder in folders:
             fsync_dir(folder)
+
+
+def _not_there(tmp: str, target: str) -> None:
+    """FileExistsError when ``target`` exists (an empty folder may take a folder)."""
+    if os.path.lexists(target) and not (os.path.isdir(tmp) and os.path.isdir(target)
+                                         and not os.path.islink(target)
+                                         and not os.listdir(target)):
+        import errno
+
+        raise FileExistsError(errno.EEXIST, "written by another command meanwhile", target)
 
 
 def _roll_back(journal: str) -> None:
