@@ -211,6 +211,8 @@ def world(tmp_path_factory, tiny_model_files):
         fields[column] = value
         edited[9] = ",".join(fields)
         (w / name / "action_times.csv").write_text("\n".join(edited) + "\n")
+    (w / "measured_twice").mkdir()  # two runs' rows in one file
+    (w / "measured_twice" / "action_times.csv").write_text("\n".join(rows + rows[1:]) + "\n")
     try:
         yield w
     finally:
@@ -397,6 +399,8 @@ ROWS = [
     (S, "--measured measured_inf", 2, r"action_times.csv:10: .*step_start_s inf is not a "
                                       r"finite"),
     (S, "--measured /dev/null", 2, r"/dev/null is not a regular file"),
+    (S, "--measured measured_twice", 2, r"the rows of step 3 are not a schedule a run executes "
+                                        r"\(stage 0 runs 0F0 twice .*more than one run"),
     # -- ldt-audit (refused before any run starts)
     (A, "--clusters 0", 2, r"--clusters: 0 must be >= 2"),
     (A, "--clusters 1", 2, r"--clusters: 1 must be >= 2"),

@@ -168,6 +168,14 @@ def calibrate(rows: Iterable[ActionTime]) -> Calibration:
     for r in rows:
         by_step[r.step].append(r)
     schedule = _action_lists(by_step[min(by_step)])
+    from ldt.schedule.check import ScheduleError, check_structure
+
+    try:  # rows a run wrote form its schedule; rows of two runs, or edited ones, may not
+        check_structure(schedule)
+    except ScheduleError as exc:
+        raise ValueError(f"the rows of step {min(by_step)} are not a schedule a run executes "
+                         f"({str(exc).splitlines()[0]}): the file holds edited rows or the "
+                         "rows of more than one run") from None
     for step, step_rows in by_step.items():
         if _action_lists(step_rows) != schedule:
             raise ValueError(f"step {step} ran other action lists than step {min(by_step)}; "
