@@ -38,7 +38,7 @@ def path_kind(path: str) -> str:
 
 _IS = {"missing": ": no such file or folder", "folder": " is a folder",
        "broken link": " is a broken link", "unreadable": " cannot be looked at (permissions?)",
-       "special": " is not a regular file (a device, a pipe or a socket)"}
+       "special": " is not a regular file or folder (a device, a pipe or a socket)"}
 
 
 def not_a(path: str, named: str, want: str, fix: str) -> Optional[str]:

@@ -252,7 +252,7 @@ ROWS = [
     (C, "import hf_v out1", 2, r"model.layers.0.self_attn.v_proj.weight has shape \(16, 31\)"),
     (C, "import hf_gateup out1", 2, r"model.layers.0.mlp.gate_proj.weight has shape \(72, 32\)"),
     (C, "import hf_emb out1", 2, r"model.embed_tokens.weight has shape \(255, 32\).* vocab 256"),
-    (C, "import /dev/null out1", 2, r"/dev/null is not a regular file \(a device"),
+    (C, "import /dev/null out1", 2, r"/dev/null is not a regular file or folder \(a device"),
     (C, "import hf_trunc out1", 2, r"model.safetensors is not a readable safetensors file .* "
                                    r"restore it"),
     (C, "import hf_badjson out1", 2, r"config.json hf_badjson/config.json:1:24: invalid JSON"),
@@ -486,6 +486,11 @@ ROWS = [
     (T, "train.resume=/dev/null", 2, r"train.resume='/dev/null' is not a regular file"),
     (T, "data.tokenizer=/dev/null data.blend=corpus", 2, r"data.tokenizer='/dev/null' is not a "
                                                          r"regular file"),
+    (T, "data.blend=corpus data.cache_dir=/dev/null", 2, r"data.cache_dir='/dev/null' is not a "
+                                                         r"regular file or folder"),
+    (T, "data.blend=corpus data.cache_dir=corpus.txt/idx", 2, r"data.cache_dir=.*corpus.txt/idx"
+                                                              r"' cannot be made: .*corpus.txt is "
+                                                              r"not a folder"),
 ]
 
 

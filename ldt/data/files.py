@@ -228,6 +228,8 @@ def check_data(data, model, train, topo=None, rank: Optional[int] = None) -> Non
     if rank is not None and topo is not None and \
             topo.rank_info(rank).stage not in topo.data_stages():
         return
+    if data.cache_dir:
+        _check_cache_dir(data.cache_dir)
     tok = load(data.tokenizer)
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(
@@ -236,6 +238,28 @@ def check_data(data, model, train, topo=None, rank: Optional[int] = None) -> Non
             "tokenizer the model was made for)")
     for prefix in prefixes:
         _check_dataset(read_index(prefix), tok, model, train, bookends, data.split)
+
+
+def _check_cache_dir(path: str) -> None:
+    """``data.cache_dir``: a folder megatron-core can write its sample indices into (or make),
+    refused here rather than as megatron's exception on rank 0 inside training."""
+    from ldt.userfiles import not_a
+
+    named, fix = f"data.cache_dir={path!r}", ("give a folder for the sample indices, or leave "
+                                              "data.cache_dir unset")
+    if os.path.exists(path):
+        why = not_a(path, named, "folder", fix)
+        if why is None and not os.access(path, os.W_OK | os.X_OK):
+            why = f"{named} is not writable; {fix}"
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        why = (None if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK) else
+               f"{named} cannot be made: {parent} is not a folder this process can write to; "
+               f"{fix}")
+    if why:
+        raise ConfigError(why)
 
 
 def _check_dataset(info: IndexInfo, tok, model, train, bookends, split: str) -> None:
