@@ -73,7 +73,7 @@ def _job(cfg, save_hydra_files=None) -> int:
                 discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,
                                    ours=True)
             return EXIT_CONFIG
-        except OSError as exc:  # a full disk (or a folder gone) while .hydra/ was written
+        except OSError as exc:  # a full disk while .hydra/ is written, a file it cannot read
             print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}", file=sys.stderr)
             lock.release()
             if fresh:
@@ -97,8 +97,9 @@ def _job(cfg, save_hydra_files=None) -> int:
               f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}",
               flush=True)
         return _launch_local(plain, topo)
-    except OSError as exc:  # writing config.yaml before the world starts
-        print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}", file=sys.stderr)
+    except _Unwritable as exc:  # config.yaml, before the world starts
+        print(f"ldt: {_cannot_write(exc.__cause__, hydra_cfg.runtime.output_dir)}",
+              file=sys.stderr)
         lock.release()
         if fresh:
             discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd, ours=True)
@@ -114,7 +115,10 @@ def _cannot_write(exc: OSError, run_dir: str) -> str:
     if out_of_space(exc, run_dir):
         return (f"run_dir {run_dir}: no space left on its device; the run did not start: free "
                 "space there, or give a run_dir on another disk")
-    return f"run_dir {run_dir}: cannot write {exc.filename or 'there'} ({exc.strerror or exc})"
+    name = str(exc.filename) if exc.filename else None
+    if name is None or os.path.abspath(name).startswith(os.path.abspath(run_dir) + os.sep):
+        return f"run_dir {run_dir}: cannot write {name or 'there'} ({exc.strerror or exc})"
+    return f"cannot use {name} ({exc.strerror or exc}); check the path and its permissions"
 
 
 def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
@@ -140,6 +144,10 @@ def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
     if save_hydra_files is not None:
         save_hydra_files()
     return plain, topo, memory, complete
+
+
+class _Unwritable(Exception):
+    """The run folder could not take config.yaml (its cause: the OSError)."""
 
 
 class _Refused(ValueError):
@@ -182,7 +190,10 @@ def _launch_local(cfg: dict, topo) -> int:
     from ldt.training.loop import reference_config, train_worker
 
     run_dir = os.path.abspath(cfg["run_dir"])
-    save_config(cfg, run_dir)
+    try:
+        save_config(cfg, run_dir)
+    except OSError as exc:
+        raise _Unwritable() from exc
     timeout = cfg["train"]["comm_timeout_s"]
     # prepare() (check_files with every rank local) checked the checkpoint's checksums
     verified = bool(cfg["train"]["resume"] or cfg["train"].get("load"))
