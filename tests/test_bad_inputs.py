@@ -101,6 +101,8 @@ def world(tmp_path_factory, tiny_model_files):
     (w / "hf_type" / "config.json").write_text(json.dumps({**cfg, "model_type": "nosuch"}))
     shutil.copytree(w / "hf_a", w / "hf_fieldtype")  # #39, found by test_tools_property
     (w / "hf_fieldtype" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": True}))
+    shutil.copytree(w / "hf_a", w / "hf_kv0")  # #39, found by test_tools_property too
+    (w / "hf_kv0" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 0}))
     (w / "hf_arch" / "config.json").write_text(json.dumps(
         {**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     os.remove(w / "hf_nosafe" / "model.safetensors")
@@ -258,6 +260,8 @@ ROWS = [
     (C, "import hf_badjson out1", 2, r"config.json hf_badjson/config.json:1:24: invalid JSON"),
     (C, "import hf_type out1", 2, r"not a config transformers can read .*give the config.json"),
     (C, "import hf_arch out1", 2, r"ldt converts LlamaForCausalLM, Qwen2ForCausalLM"),
+    (C, "import hf_kv0 out1", 2, r"num_key_value_heads=0 with num_attention_heads=4; the KV "
+                                 r"heads must be >= 1 and divide"),
     (C, "import hf_fieldtype out1", 2, r"config.json is not a config transformers can read "
                                        r"\(Validation error for field 'num_hidden_layers': "
                                        r"TypeError: .* expected int, got bool"),

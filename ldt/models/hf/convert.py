@@ -171,7 +171,14 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
     family, model = model_config_of(hf_dir)
     source = SafetensorsFolder(hf_dir)
     shapes = full_shapes(model)
-    hf_expected = hf_shapes(read_hf_config(hf_dir))  # each source tensor, before any arithmetic
+    try:  # each source tensor's shape, checked before any arithmetic
+        hf_expected = hf_shapes(read_hf_config(hf_dir))
+    except ConfigError:
+        raise
+    except Exception as exc:  # transformers cannot build the model config.json describes
+        raise ConfigError(f"{hf_dir}/config.json describes a model transformers cannot build "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                          "); fix config.json or restore it from the model's source") from None
     tied_head = model.tie_embeddings and "lm_head.weight" not in source.names()
     used: set[str] = set()
     written, dtype = [], None
