@@ -175,6 +175,13 @@ def test_a_writer_killed_mid_commit_is_undone_by_the_next_writer(home):
     atomic.write_text(str(home / "notes.txt"), "new", flag="--out", overwrite=True)
     assert os.path.exists(mine) and not os.path.exists(theirs)
     os.remove(mine)
+    # killed between moving the old target aside and renaming the new one in: the next
+    # writer finds the old one back in place first (and so refuses to write over it)
+    aside = theirs.replace(atomic.TMP_MARK, atomic.OLD_MARK)
+    os.rename(home / "notes.txt", aside)
+    with pytest.raises(OutputError, match="already exists"):
+        atomic.write_text(str(home / "notes.txt"), "newer", flag="--out")
+    assert (home / "notes.txt").read_text() == "new" and not os.path.exists(aside)
 
 
 def test_missing_parents_are_made_and_removed_again_on_failure(home):

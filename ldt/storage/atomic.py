@@ -147,12 +147,12 @@ def new_folder(path: str, *, flag: str, overwrite: bool = False,
     exception the folder is flushed and renamed to ``path`` (an existing ``path`` is replaced
     whole when ``overwrite``); otherwise it is removed and ``path`` is untouched. Verify the
     output inside the block: what leaves it is what the user gets."""
+    _sweep(path)  # first: a target a killed writer moved aside is back before it is checked
     target = check_output(path, flag=flag, overwrite=overwrite, inputs=inputs)
     created: list[str] = []
     tmp = sibling(target, TMP_MARK)
     try:
         created += _make_parents(target, flag)
-        sweep(target)
         _probe(tmp, target, flag, folder=True)
         yield tmp
         fsync_tree(tmp)
@@ -177,6 +177,8 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
     nothing at ``paths`` changes."""
     if len(set(map(os.path.abspath, paths))) != len(paths):
         raise OutputError(f"{', '.join(flags)} name the same file twice; give distinct paths")
+    for p in paths:  # first: what a killed writer left is rolled back before the checks
+        _sweep(p)
     targets = [check_output(p, flag=f, overwrite=overwrite, inputs=inputs, file=True)
                for p, f in zip(paths, flags)]
     created: list[str] = []
@@ -184,8 +186,6 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
     try:
         for t, f in zip(targets, flags):
             created += _make_parents(t, f)
-        for t in targets:
-            sweep(t)
         for tmp, target, flag in zip(tmps, targets, flags):
             _probe(tmp, target, flag, folder=False)
             os.remove(tmp)
@@ -283,6 +283,13 @@ def _remove_empty(folders: list[str]) -> None:
             os.rmdir(folder)
         except OSError:
             return
+
+
+def _sweep(path) -> None:
+    """:func:`ldt.storage.commit.sweep` of a path as the user gave it (nothing for a path
+    that names no place to write; the checks refuse it)."""
+    if path and str(path).strip():
+        sweep(os.path.abspath(os.path.expanduser(str(path))))
 
 
 def _appeared(exc: BaseException, outputs: list) -> None:
