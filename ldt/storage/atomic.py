@@ -30,7 +30,6 @@ files through this module.
 from __future__ import annotations
 
 import os
-import shutil
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
