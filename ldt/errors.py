@@ -19,3 +19,21 @@ class ConfigError(ValueError):
 def one_line(exc: BaseException) -> str:
     """Any refusal's message on one line (a layout error's caret picture left out)."""
     return exc.one_line() if hasattr(exc, "one_line") else " ".join(str(exc).split())
+
+
+def exception_chain(exc: BaseException):
+    """``exc`` and every exception behind it: its cause and context, and the per-rank
+    failures a ``torch.distributed.checkpoint`` CheckpointException keeps (a Ctrl-C or a
+    full disk inside ``dcp.save`` / ``dcp.load`` arrives wrapped in one), each once."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)

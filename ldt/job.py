@@ -26,20 +26,32 @@ def check_run_dir_given(hydra_cfg) -> None:
                       "shares)")
 
 
-def discard_run_folder(path: str, cwd: str) -> None:
+def discard_run_folder(path: str, cwd: str, ours: bool = False) -> None:
     """A refused config leaves no run folder behind: Hydra made it before the job could
     validate (empty: ``.hydra/`` is written only once the config is accepted). Removed only
-    when empty, with the parents it leaves empty below the working directory
-    (``outputs/<date>``)."""
+    when empty and made by this process, with the parents it leaves empty below the working
+    directory (``outputs/<date>``). ``ours``: the caller knows this process made the folder
+    (:func:`new_run_folder`, asked before anything was written there), so it is removed with
+    whatever this process wrote into it (a ``.hydra/`` a full disk cut short)."""
     import shutil
 
-    if not os.path.isdir(path) or os.listdir(path) or not _made_by_this_process(path):
+    if not os.path.isdir(path) or (not ours and (os.listdir(path)
+                                                 or not _made_by_this_process(path))):
         return
     shutil.rmtree(path, ignore_errors=True)
     parent = os.path.dirname(path)
     while parent.startswith(cwd + os.sep) and os.path.isdir(parent) and not os.listdir(parent):
-        os.rmdir(parent)
+        try:
+            os.rmdir(parent)
+        except OSError:  # a mount point, a folder another process just wrote into
+            return
         parent = os.path.dirname(parent)
+
+
+def new_run_folder(path: str) -> bool:
+    """Is ``path`` an empty folder this process made (Hydra, just now)? Ask it before
+    anything is written there: an entry made later changes the folder's time too."""
+    return os.path.isdir(path) and not os.listdir(path) and _made_by_this_process(path)
 
 
 def _made_by_this_process(path: str) -> bool:
@@ -81,9 +93,23 @@ def check(plain: dict, rank: Optional[int], world: Optional[int]):
     """Validate a resolved config for a world of ``world`` processes: (topology, warnings)."""
     from ldt.validate import check_files, validate
 
+    if rank in (None, 0):
+        _not_a_live_run(plain)
     topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
     warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
     return topo, warnings
+
+
+def _not_a_live_run(plain: dict) -> None:
+    """Refuse ``train.resume`` / ``train.load`` in the folder of another run that is training
+    now (:func:`ldt.storage.runlock.check_not_training`); this run's own folder, which it
+    continues under its own lock, is its own."""
+    from ldt.storage.runlock import check_not_training, run_of
+
+    train = plain["train"]
+    path = train.get("resume") or train.get("load")
+    if path and path != AUTO and run_of(path) != os.path.abspath(plain["run_dir"]):
+        check_not_training(path, f"train.{'resume' if train.get('resume') else 'load'}={path}")
 
 
 def save_config(cfg: dict, run_dir: str) -> None:

@@ -15,13 +15,14 @@ train.eval_every, tokens_per_s, step_time_s, and parity_max_abs_diff with
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Optional, Sequence
 
 from ldt.errors import one_line
 from ldt.hydra_app import EXIT_CONFIG
 from ldt.job import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
-                     resolve, save_config, summary_line)
+                     new_run_folder, resolve, save_config, summary_line)
 from ldt.storage.checkpoint_files import AUTO, resume_auto
 
 
@@ -42,10 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _job(cfg, save_hydra_files=None) -> int:
     """One run (one job of a multirun): validate, say what starts, then launch or join.
-    ``save_hydra_files``: writes Hydra's ``.hydra/`` (rank 0 only; see ``run_app``)."""
+    ``save_hydra_files``: writes Hydra's ``.hydra/`` (rank 0 only; see ``run_app``). The
+    process that keeps the run folder (bare, or torchrun's rank 0) holds its lock for the
+    run's life (:mod:`ldt.storage.runlock`), taken before anything is read or written there."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ldt.storage.atomic import check_run_folder
+    from ldt.storage.runlock import RunLock
 
     hydra_cfg = HydraConfig.get()
     rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
@@ -53,42 +56,108 @@ def _job(cfg, save_hydra_files=None) -> int:
         from ldt.elastic.job import elastic_job
 
         return elastic_job(cfg, hydra_cfg, save_hydra_files)
+    lock = RunLock(hydra_cfg.runtime.output_dir, _run_dir_flag(hydra_cfg))
+    # a run folder this process made (Hydra, just now): a refusal removes it again
+    fresh = save_hydra_files is not None and new_run_folder(hydra_cfg.runtime.output_dir)
     try:
-        if cfg.train.get("resume") == AUTO:
-            check_run_dir_given(hydra_cfg)
-        plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
-        complete = plain.pop("run_complete", None)
-        if complete and rank is None:
-            print(f"ldt-train: {complete}", flush=True)
+        try:
+            if save_hydra_files is not None:  # this process keeps the run folder
+                lock.acquire()
+            checked = _checked(cfg, hydra_cfg, rank, save_hydra_files)
+        except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
+            if not isinstance(exc, _Refused):
+                where = f" (rank {rank})" if rank is not None else ""
+                print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
+            lock.release()
+            if fresh:
+                discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,
+                                   ours=True)
+            return EXIT_CONFIG
+        except OSError as exc:  # a full disk while .hydra/ is written, a file it cannot read
+            print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}", file=sys.stderr)
+            lock.release()
+            if fresh:
+                discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,
+                                   ours=True)
+            return EXIT_CONFIG
+        if checked is None:  # nothing left to train
             return 0
-        if save_hydra_files is not None:  # the folder that keeps the run's files
-            check_run_folder(plain["run_dir"], _resuming(cfg, plain))
-        for warning in warnings:
-            print(f"ldt: warning: {warning}", file=sys.stderr)
-        memory = memory_check(plain, topo, rank)  # before .hydra/: a refusal leaves no folder
-        if memory is not None and save_hydra_files is not None:
-            save_hydra_files()
-    except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
-        where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
-        discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
-        return EXIT_CONFIG
+        plain, topo, memory, complete = checked
+        choices = hydra_cfg.runtime.choices
+        what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
+                f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
+                + (", U-shape" if topo.u_shape else ""))
+        if rank is not None:
+            if rank == 0:
+                print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
+                      "processes", flush=True)
+            return join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
+                                  complete=complete, memory=memory)
+        print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
+              f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}",
+              flush=True)
+        return _launch_local(plain, topo)
+    except _Unwritable as exc:  # config.yaml, before the world starts
+        print(f"ldt: {_cannot_write(exc.__cause__, hydra_cfg.runtime.output_dir)}",
+              file=sys.stderr)
+        lock.release()
+        if fresh:
+            discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd, ours=True)
+        return 1
+    finally:
+        lock.release()
+
+
+def _cannot_write(exc: OSError, run_dir: str) -> str:
+    """A run folder that cannot be written, as one line."""
+    from ldt.storage.commit import out_of_space
+
+    if out_of_space(exc, run_dir):
+        return (f"run_dir {run_dir}: no space left on its device; the run did not start: free "
+                "space there, or give a run_dir on another disk")
+    name = str(exc.filename) if exc.filename else None
+    if name is None or os.path.abspath(name).startswith(os.path.abspath(run_dir) + os.sep):
+        return f"run_dir {run_dir}: cannot write {name or 'there'} ({exc.strerror or exc})"
+    return f"cannot use {name} ({exc.strerror or exc}); check the path and its permissions"
+
+
+def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
+    """The config validated (and ``.hydra/`` written once it is): ``(plain, topology, the
+    memory estimate's text, train.resume=auto's "nothing left" line)``, or None when a bare
+    launch has nothing left to train; raises ValueError for a config that cannot work."""
+    from ldt.storage.atomic import check_run_folder
+
+    if cfg.train.get("resume") == AUTO:
+        check_run_dir_given(hydra_cfg)
+    plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+    complete = plain.pop("run_complete", None)
+    if complete and rank is None:
+        print(f"ldt-train: {complete}", flush=True)
+        return None
+    if save_hydra_files is not None:  # the folder that keeps the run's files
+        check_run_folder(plain["run_dir"], _resuming(cfg, plain))
+    for warning in warnings:
+        print(f"ldt: warning: {warning}", file=sys.stderr)
+    memory = memory_check(plain, topo, rank)  # before .hydra/: a refusal leaves no folder
     if memory is None:
-        discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
-        return EXIT_CONFIG
-    choices = hydra_cfg.runtime.choices
-    what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: {topo.num_stages} "
-            f"stages, TP {topo.tp_sizes}, dp {topo.dp}"
-            + (", U-shape" if topo.u_shape else ""))
-    if rank is not None:
-        if rank == 0:
-            print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} processes",
-                  flush=True)
-        return join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
-                              complete=complete, memory=memory)
-    print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
-          f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}", flush=True)
-    return _launch_local(plain, topo)
+        raise _Refused()
+    if save_hydra_files is not None:
+        save_hydra_files()
+    return plain, topo, memory, complete
+
+
+class _Unwritable(Exception):
+    """The run folder could not take config.yaml (its cause: the OSError)."""
+
+
+class _Refused(ValueError):
+    """A refusal already printed (the memory check's): exit 2 without another line."""
+
+
+def _run_dir_flag(hydra_cfg) -> str:
+    """How the user named the run folder: ``run_dir`` or ``hydra.run.dir``."""
+    return "hydra.run.dir" if any(o.startswith("hydra.run.dir=")
+                                  for o in hydra_cfg.overrides.hydra) else "run_dir"
 
 
 def _resuming(cfg, plain: dict) -> Optional[str]:
@@ -121,7 +190,10 @@ def _launch_local(cfg: dict, topo) -> int:
     from ldt.training.loop import reference_config, train_worker
 
     run_dir = os.path.abspath(cfg["run_dir"])
-    save_config(cfg, run_dir)
+    try:
+        save_config(cfg, run_dir)
+    except OSError as exc:
+        raise _Unwritable() from exc
     timeout = cfg["train"]["comm_timeout_s"]
     # prepare() (check_files with every rank local) checked the checkpoint's checksums
     verified = bool(cfg["train"]["resume"] or cfg["train"].get("load"))
@@ -132,7 +204,7 @@ def _launch_local(cfg: dict, topo) -> int:
     except WorldError as exc:
         if exc.stopped_by:
             return _stopped_early(exc, run_dir)
-        print(f"ldt: training failed: {_describe(exc, topo)}", file=sys.stderr)
+        print(f"ldt: training failed: {_describe(exc, topo, run_dir)}", file=sys.stderr)
         return 1
     summary = next(r for r in results if r is not None)
     if summary.get("stopped"):
@@ -171,9 +243,22 @@ def _job_timeout(cfg: dict) -> float:
     return max(600.0, 30.0 * cfg["train"]["steps"])
 
 
-def _describe(exc, topo) -> str:
+def _describe(exc, topo, run_dir: str = "") -> str:
     if exc.rank is None:
         return str(exc)
+    from ldt.storage.commit import _NO_SPACE
+
+    last = exc.tb.strip().splitlines()[-1] if exc.tb.strip() else ""
+    if any(words in last for words in _NO_SPACE):  # the run folder's disk filled up
+        from ldt.storage.checkpoint_files import latest
+        from ldt.training.failure import rank_label
+
+        found = latest(run_dir) if run_dir else None
+        resume = (f"the last complete checkpoint, {found}, is intact: free space and resume "
+                  f"with {shlex.quote(f'train.resume={run_dir}')}" if found
+                  else "no checkpoint was written: free space and run it again")
+        return (f"{rank_label(topo, exc.rank)}: no space left on the device of the run folder "
+                f"{run_dir} ({last}); {resume}")
     from ldt.training.failure import rank_label
 
     where = rank_label(topo, exc.rank)

@@ -9,7 +9,8 @@ Hugging Face ``config.json``, checkpoint metadata) goes through here.
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from typing import Any, Optional
 
 from ldt.errors import ConfigError
 
@@ -18,8 +19,53 @@ def _where(path: str, line: int, column: int) -> str:
     return f"{path}:{line}:{column}"
 
 
+def path_kind(path: str) -> str:
+    """What is at ``path``: ``"file"``, ``"folder"``, ``"missing"``, ``"broken link"``,
+    ``"special"`` (a device, a pipe or a socket: ``/dev/null`` is not an empty file to read)
+    or ``"unreadable"``."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "broken link" if os.path.islink(path) else "missing"
+    except OSError:
+        return "unreadable"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return "file" if stat.S_ISREG(mode) else "special"
+
+
+_IS = {"missing": ": no such file or folder", "folder": " is a folder",
+       "broken link": " is a broken link", "unreadable": " cannot be looked at (permissions?)",
+       "special": " is not a regular file or folder (a device, a pipe or a socket)"}
+
+
+def not_a(path: str, named: str, want: str, fix: str) -> Optional[str]:
+    """The refusal of ``path`` (as the user ``named`` it, e.g. ``--input data``) when it is
+    not a ``want`` (``"file"`` or ``"folder"``): a folder is called a folder and
+    ``/dev/null`` a device, never "no such file"; None when it is one (and readable)."""
+    kind = path_kind(path)
+    if kind == want:
+        if not os.access(path, os.R_OK | (os.X_OK if want == "folder" else 0)):
+            return f"{named} is not readable; check its permissions"
+        return None
+    also = f", not a {want}" if kind in ("folder", "file") else ""
+    return f"{named}{_IS.get(kind, ' is a file')}{also}; {fix}"
+
+
+def require(path: str, named: str, want: str, fix: str) -> None:
+    """:func:`not_a` as a :class:`ConfigError`."""
+    why = not_a(path, named, want, fix)
+    if why:
+        raise ConfigError(why)
+
+
 def read_text(path: str, what: str) -> str:
-    """The file's text; a missing, unreadable or non-UTF-8 file is one line."""
+    """The file's text; a missing, unreadable or non-UTF-8 file, a folder, a device or a pipe
+    (which would never end or block) is one line."""
+    if path_kind(path) in ("special", "broken link"):
+        raise ConfigError(not_a(path, f"{what} {path}", "file", "give the file"))
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()

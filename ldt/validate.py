@@ -98,8 +98,10 @@ def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> lis
             "what ldt's data is; set model.vocab_size >= 256")
     path, what = data.path, f"data.path={data.path!r}"
     if path and not os.path.isfile(path):
-        raise ConfigError(f"{what} is not a file; give a text file, or leave data.path unset "
-                          "for the built-in corpus")
+        from ldt.userfiles import not_a
+
+        raise ConfigError(not_a(path, what, "file", "give a text file, or leave data.path "
+                                "unset for the built-in corpus"))
     head = b""
     if path:
         try:
@@ -344,21 +346,29 @@ def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
     shapes = full_shapes(model)
     if model.tie_embeddings:
         shapes.pop("output_layer.weight")
-    embedding = prod(shapes["embedding.word_embeddings.weight"]) * (1 if model.tie_embeddings
-                                                                   else 2)
     params = sum(prod(shape) for shape in shapes.values())
     per_param = (4 if model.params_dtype == "float32" else 2) + 4  # weights + fp32 gradients
     need, have = params * per_param * min(topo.dp_sizes), available_bytes()
     if need <= have:
         return
+    h = f"model.hidden_size={model.hidden_size}"
+    words = prod(shapes["embedding.word_embeddings.weight"]) * (1 if model.tie_embeddings else 2)
+    positions = prod(shapes.get("embedding.position_embeddings.weight", (0,)))
+    length = ("model.max_position_embeddings" if model.max_position_embeddings
+              else "model.seq_length")
+    parts = sorted([
+        (words, f"model.vocab_size={model.vocab_size} x {h} embedding"
+                + ("" if model.tie_embeddings else " and output layer"), "model.vocab_size"),
+        (positions, f"{length}={model.max_position_embeddings or model.seq_length} x {h} "
+                    "learned position embeddings", length),
+        (params - words - positions, f"model.num_layers={model.num_layers} layers",
+         "model.num_layers / hidden_size")], key=lambda p: -p[0])
+    shown = ", ".join(f"{n:.3g} in the {what}" for n, what, _ in parts if n)
     raise ConfigError(
-        f"model {model.name!r} has {params:.3g} parameters ({embedding:.3g} of them in "
-        f"model.vocab_size={model.vocab_size} x model.hidden_size={model.hidden_size} "
-        f"embedding{'' if model.tie_embeddings else ' and output layer'}, the rest in "
-        f"model.num_layers={model.num_layers} layers): their weights and fp32 gradients alone "
-        f"take {gib(need)} in this world's cpu processes, and this machine has {gib(have)} "
-        "available; lower model.vocab_size / hidden_size / num_layers, or give the stages to "
-        "several hosts (docs/torchrun.md)")
+        f"model {model.name!r} has {params:.3g} parameters ({shown}): their weights and fp32 "
+        f"gradients alone take {gib(need)} in this world's cpu processes, and this machine has "
+        f"{gib(have)} available; lower {parts[0][2]}, or give the stages to several hosts "
+        "(docs/torchrun.md)")
 
 
 def _check_train(topo: Topology, train: TrainConfig) -> None:

@@ -38,3 +38,15 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in gpu:
         item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_files(tmp_path_factory):
+    """A tiny Llama (``hf/``), its ldt import (``ckpt/``), ``corpus.txt`` and its indexed
+    pair (``pair.*``), built once for the tests of bad inputs and interrupted writers
+    (tests/tiny_files.py); copy what you change."""
+    from tiny_files import build
+
+    root = tmp_path_factory.mktemp("tiny_model_files")
+    build(root)
+    return root

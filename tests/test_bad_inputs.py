@@ -13,8 +13,11 @@ The rows cover the report of issue #34 (a failed re-import over a good checkpoin
 into a user's folder, export of a corrupted checkpoint or into an existing folder,
 preprocessing over its own input, a run pointed at an old run, runaway counts, meaningless
 audit settings, NaN weights, an out-of-range --seq-length, malformed YAML / JSON, unknown
-keys, truncated files, unwritable outputs) and more of the same kinds. The few commands that
-should succeed, with what they declare, are the tests at the end.
+keys, truncated files, unwritable outputs) and more of the same kinds, and those of #39 (a
+run folder held by a live run, resume=auto over a run it cannot continue, measured times that
+are not times, fused tensors of the wrong shape, folders and devices given as files, a
+sequence length that does not fit). The few commands that should succeed, with what they
+declare, are the tests at the end.
 """
 
 import hashlib
@@ -24,6 +27,8 @@ import shutil
 
 import pytest
 import torch
+
+from tiny_files import _action_times, _hf_llama  # noqa: F401  (the other tests' too)
 
 SEQ_ERR = r"argument --seq-length: .* must be >= 1"
 EXISTS = r"already exists .* add --overwrite"
@@ -42,17 +47,6 @@ def _tree(root) -> dict:
 
 
 # ---- the scratch folder -------------------------------------------------------------------
-def _hf_llama(folder):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=256, intermediate_size=64, hidden_size=32,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   num_hidden_layers=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-
-
 def _edit_safetensors(folder, change):
     from safetensors.torch import load_file, save_file
 
@@ -77,27 +71,13 @@ def _reseal(folder):
     mark_complete(folder, -1)
 
 
-def _action_times(path, steps=6):
-    from ldt.schedule import lower, one_f_one_b
-
-    schedule = lower(one_f_one_b(2, 2), "1f1b")
-    with open(path, "w") as f:
-        f.write("step,stage,action,start_s,end_s,host,step_start_s\n")
-        for step in range(steps):
-            for stage, actions in schedule.items():
-                for i, a in enumerate(actions):
-                    f.write(f"{step},{stage},{a},{i * 0.01:.3f},{i * 0.01 + 0.005:.3f},h,"
-                            f"{float(step):.1f}\n")
-
-
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, tiny_model_files):
     """Everything the rows point at (built once; no row may change it)."""
-    from ldt.models.hf import import_hf
     from ldt.storage.tensors import read_tensors, tensor_index, write_tensors
 
     w = tmp_path_factory.mktemp("world")
-    _hf_llama(w / "hf_a")
+    shutil.copytree(tiny_model_files / "hf", w / "hf_a")
     for name in ("hf_b", "hf_nan", "hf_trunc", "hf_badjson", "hf_type", "hf_arch", "hf_nosafe",
                  "hf_index_missing", "hf_index_bad"):
         shutil.copytree(w / "hf_a", w / name)
@@ -105,10 +85,24 @@ def world(tmp_path_factory):
         {"model.layers.1.mlp.up_proj.weight": torch.zeros(48, 32)}))
     _edit_safetensors(w / "hf_nan", lambda t: t["model.layers.0.mlp.up_proj.weight"]
                       .__setitem__((0, 0), float("nan")))
+    for name, change in (  # #39: each source tensor of a fused one, checked before fusing
+            ("hf_q", {"model.layers.0.self_attn.q_proj.weight": (30, 32)}),
+            ("hf_k", {"model.layers.1.self_attn.k_proj.weight": (8, 32)}),
+            ("hf_v", {"model.layers.0.self_attn.v_proj.weight": (16, 31)}),
+            ("hf_gateup", {"model.layers.0.mlp.gate_proj.weight": (72, 32),  # sums right
+                           "model.layers.0.mlp.up_proj.weight": (56, 32)}),
+            ("hf_emb", {"model.embed_tokens.weight": (255, 32)})):
+        shutil.copytree(w / "hf_a", w / name)
+        _edit_safetensors(w / name, lambda t, c=change: t.update(
+            {k: torch.zeros(*shape) for k, shape in c.items()}))
     os.truncate(w / "hf_trunc" / "model.safetensors", 3000)
     (w / "hf_badjson" / "config.json").write_text('{"model_type": "llama",,}\n')
     cfg = json.loads((w / "hf_a" / "config.json").read_text())
     (w / "hf_type" / "config.json").write_text(json.dumps({**cfg, "model_type": "nosuch"}))
+    shutil.copytree(w / "hf_a", w / "hf_fieldtype")  # #39, found by test_tools_property
+    (w / "hf_fieldtype" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": True}))
+    shutil.copytree(w / "hf_a", w / "hf_kv0")  # #39, found by test_tools_property too
+    (w / "hf_kv0" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 0}))
     (w / "hf_arch" / "config.json").write_text(json.dumps(
         {**cfg, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     os.remove(w / "hf_nosafe" / "model.safetensors")
@@ -118,7 +112,7 @@ def world(tmp_path_factory):
         (w / name / "model.safetensors.index.json").write_text(text)
 
     (w / "ckpt").mkdir()
-    import_hf(str(w / "hf_a"), str(w / "ckpt" / "good"), log=lambda *_: None)
+    shutil.copytree(tiny_model_files / "ckpt", w / "ckpt" / "good")
     good = w / "ckpt" / "good"
     (w / "userdir" / "stage_0").mkdir(parents=True)
     (w / "userdir" / "stage_0" / "keep.txt").write_text("a user's file")
@@ -201,7 +195,44 @@ def world(tmp_path_factory):
     (w / "audit_old").mkdir()
     (w / "audit_old" / "audit.json").write_text("{}")
     (w / "report.json").write_text("{}")
-    return w
+    # #39: a run whose only checkpoint never finished; a run folder a live run holds; a run
+    # whose newest checkpoint is damaged; measured times edited to impossible values
+    shutil.copytree(run, w / "run_incomplete")
+    shutil.copytree(w / "ckpt_incomplete", w / "run_incomplete" / "checkpoints" / "step_0000001")
+    shutil.copytree(good, w / "run_flip" / "checkpoints" / "step_0000001")
+    shutil.copytree(w / "ckpt_flip", w / "run_flip" / "checkpoints" / "step_0000002")
+    (w / "run_live").mkdir()
+    (w / "run_live" / "metrics.csv").write_text("step,loss\n0,5.5\n")
+    holder = _hold_lock(w / "run_live")
+    rows = text.splitlines()
+    for name, column, value in (("measured_nan", 4, "nan"), ("measured_back", 4, "-1.0"),
+                                ("measured_inf", 6, "inf")):
+        (w / name).mkdir()
+        edited = rows[:]
+        fields = edited[9].split(",")
+        fields[column] = value
+        edited[9] = ",".join(fields)
+        (w / name / "action_times.csv").write_text("\n".join(edited) + "\n")
+    (w / "measured_twice").mkdir()  # two runs' rows in one file
+    (w / "measured_twice" / "action_times.csv").write_text("\n".join(rows + rows[1:]) + "\n")
+    try:
+        yield w
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _hold_lock(run_dir):
+    """A process that holds ``run_dir``'s lock as a training run does, until killed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\nfrom ldt.storage.runlock import RunLock\n"
+            "RunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(3600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
 
 
 # ---- the rows -----------------------------------------------------------------------------
@@ -212,21 +243,35 @@ SIM = ["--cluster", "cpu_demo", "--model", "gpt_tiny", "--inventory", "cpu_local
 ROWS = [
     # -- ldt-convert import: what is at OUT survives, damaged weights never come in
     (C, "import hf_b ckpt/good", 2, EXISTS),
-    (C, "import hf_b ckpt/good --overwrite", 2, r"gives decoder.layers.1.mlp.linear_fc1.weight "
-                                                r"of shape \(112, 32\).*config.json implies"),
+    (C, "import hf_b ckpt/good --overwrite", 2, r"tensor model.layers.1.mlp.up_proj.weight has "
+                                                r"shape \(48, 32\), but its config.json .*"
+                                                r"implies \(64, 32\)"),
     (C, "import hf_a userdir", 2, r"OUT userdir already exists"),
     (C, "import hf_nan out1", 2, r"tensor model.layers.0.mlp.up_proj.weight holds 1 NaN/Inf"),
+    (C, "import hf_q out1", 2, r"tensor model.layers.0.self_attn.q_proj.weight has shape "
+                               r"\(30, 32\), but its config.json .* implies \(32, 32\)"),
+    (C, "import hf_k out1", 2, r"model.layers.1.self_attn.k_proj.weight has shape \(8, 32\)"),
+    (C, "import hf_v out1", 2, r"model.layers.0.self_attn.v_proj.weight has shape \(16, 31\)"),
+    (C, "import hf_gateup out1", 2, r"model.layers.0.mlp.gate_proj.weight has shape \(72, 32\)"),
+    (C, "import hf_emb out1", 2, r"model.embed_tokens.weight has shape \(255, 32\).* vocab 256"),
+    (C, "import /dev/null out1", 2, r"/dev/null is not a regular file or folder \(a device"),
     (C, "import hf_trunc out1", 2, r"model.safetensors is not a readable safetensors file .* "
                                    r"restore it"),
     (C, "import hf_badjson out1", 2, r"config.json hf_badjson/config.json:1:24: invalid JSON"),
     (C, "import hf_type out1", 2, r"not a config transformers can read .*give the config.json"),
     (C, "import hf_arch out1", 2, r"ldt converts LlamaForCausalLM, Qwen2ForCausalLM"),
+    (C, "import hf_kv0 out1", 2, r"num_key_value_heads=0 with num_attention_heads=4; the KV "
+                                 r"heads must be >= 1 and divide"),
+    (C, "import hf_fieldtype out1", 2, r"config.json is not a config transformers can read "
+                                       r"\(Validation error for field 'num_hidden_layers': "
+                                       r"TypeError: .* expected int, got bool"),
     (C, "import hf_nosafe out1", 2, r"hf_nosafe has no \*.safetensors file"),
     (C, "import hf_index_missing out1", 2, r"is named by the folder's safetensors index but "
                                            r"does not exist"),
     (C, "import hf_index_bad out1", 2, r"safetensors index .*index.json:2:1: invalid JSON"),
-    (C, "import nowhere out1", 2, r"nowhere: no such folder; give a Hugging Face model folder"),
-    (C, "import corpus.txt out1", 2, r"corpus.txt: no such folder"),
+    (C, "import nowhere out1", 2, r"nowhere: no such file or folder; give a Hugging Face model "
+                                 r"folder"),
+    (C, "import corpus.txt out1", 2, r"corpus.txt is a file, not a folder"),
     (C, "import hf_a hf_a", 2, r"OUT hf_a is also the input HF_FOLDER"),
     (C, "import hf_a hf_a/sub", 2, r"lies inside the input HF_FOLDER"),
     (C, "import hf_a . --overwrite", 2, r"holds the input HF_FOLDER"),
@@ -254,14 +299,21 @@ ROWS = [
     (C, "export nowhere out2", 2, r"'nowhere' holds no complete ldt checkpoint"),
     (C, "export hf_a out2", 2, r"'hf_a' holds no complete ldt checkpoint"),
     (C, "export ckpt/good /proc/ldt_out", 2, r"cannot write there"),
+    (C, "export run_flip out2", 2, r"step_0000002/stage_1/__0_0.distcp is corrupted.*give an "
+                                   r"earlier one as CHECKPOINT \(.*step_0000001\)$"),
+    (C, "export run_live out2", 2, r"CHECKPOINT run_live: the run in .*run_live is training "
+                                   r"now \(pid \d+ on .* since .*\); .*wait until it ends"),
+    (C, "export /dev/null out2", 2, r"CHECKPOINT /dev/null is not a regular file"),
+    (C, "export corpus.txt out2", 2, r"CHECKPOINT corpus.txt is a file, not a folder"),
     # -- ldt-preprocess
     (P, "--input corpus.bin --output-prefix corpus --overwrite", 2,
      r"corpus.bin is also the input --input; an input is never overwritten"),
     (P, "--input corpus.txt --output-prefix corpus", 2, r"--output-prefix .*corpus.bin "
                                                         r"already exists .*--overwrite"),
-    (P, "--input nowhere.txt --output-prefix x", 2, r"--input nowhere.txt: no such file"),
+    (P, "--input nowhere.txt --output-prefix x", 2, r"--input nowhere.txt: no such file or "
+                                                   r"folder"),
     (P, "--input empty.txt --output-prefix x", 2, r"--input empty.txt is empty"),
-    (P, "--input data --output-prefix x", 2, r"--input data: no such file"),
+    (P, "--input data --output-prefix x", 2, r"--input data is a folder, not a file"),
     (P, "--input corpus.txt --output-prefix data/", 2, r"names a folder.*give e.g. data/corpus"),
     (P, "--input corpus.txt --output-prefix data", 2, r"names a folder"),
     (P, "--input corpus.txt --output-prefix nodir/x", 2, r"folder .*nodir does not exist"),
@@ -273,6 +325,7 @@ ROWS = [
     (P, "--input corpus.txt --output-prefix x --text-documents page", 2, r"invalid choice"),
     (P, "--input corpus.txt --output-prefix x --tokenizer gpt2", 2, r"never downloads"),
     (P, "--output-prefix x", 2, r"required: --input"),
+    (P, "--input /dev/null --output-prefix x", 2, r"--input /dev/null is not a regular file"),
     # -- ldt-plan
     (PL, "--inventory inv_syntax.yaml --model gpt_tiny", 2,
      r"inventory inv_syntax.yaml:2:32: invalid YAML .*fix the syntax"),
@@ -317,6 +370,8 @@ ROWS = [
     (S, SIM + ["-m", "4", "--trace", "data/"], 2, r"--trace data/ is a folder"),
     (A, "--json data", 2, r"--json data is a folder"),
     (PL, "--model gpt_tiny", 2, r"required: --inventory"),
+    (PL, "--inventory /dev/null --model gpt_tiny", 2, r"inventory /dev/null is not a regular"),
+    (PL, "--inventory /dev/zero --model gpt_tiny", 2, r"inventory /dev/zero is not a regular"),
     # -- ldt-sim
     (S, SIM + ["-m", "0"], 2, r"-m/--num-microbatches: 0 must be >= 1"),
     (S, SIM + ["-m", "100000000"], 2, r"-m=100000000: the schedule's .* use at most -m="),
@@ -342,6 +397,14 @@ ROWS = [
     (S, "--measured measured --png measured/t.png", 2, r"lies inside the input --measured"),
     (S, "--measured measured --skip -1", 2, r"--skip: -1 must be >= 0"),
     (S, "--measured measured --skip 100", 2, r"--measured measured: .*"),
+    (S, "--measured measured_nan", 2, r"action_times.csv:10: a damaged row \(end_s nan is not "
+                                      r"a finite number\)"),
+    (S, "--measured measured_back", 2, r"action_times.csv:10: .*end_s -1.0 is before start_s"),
+    (S, "--measured measured_inf", 2, r"action_times.csv:10: .*step_start_s inf is not a "
+                                      r"finite"),
+    (S, "--measured /dev/null", 2, r"/dev/null is not a regular file"),
+    (S, "--measured measured_twice", 2, r"the rows of step 3 are not a schedule a run executes "
+                                        r"\(stage 0 runs 0F0 twice .*more than one run"),
     # -- ldt-audit (refused before any run starts)
     (A, "--clusters 0", 2, r"--clusters: 0 must be >= 2"),
     (A, "--clusters 1", 2, r"--clusters: 1 must be >= 2"),
@@ -355,9 +418,10 @@ ROWS = [
     (A, "--noise inf", 2, r"--noise inf: give finite settings > 0"),
     (A, "--noise -1", 2, r"--noise -1: give finite settings > 0"),
     (A, "--noise loud", 2, r"--noise 'loud': give numbers > 0"),
-    (A, "--cloud-text nowhere.txt", 2, r"--cloud-text nowhere.txt: no such readable file"),
-    (A, "--cloud-text data", 2, r"--cloud-text data: no such readable file"),
+    (A, "--cloud-text nowhere.txt", 2, r"--cloud-text nowhere.txt: no such file or folder"),
+    (A, "--cloud-text data", 2, r"--cloud-text data is a folder, not a file"),
     (A, "--cloud-text cloud_small.txt", 2, r"cloud_small.txt has 4 bytes; the shadow runs need"),
+    (A, "--cloud-text /dev/null", 2, r"--cloud-text /dev/null is not a regular file"),
     (A, "--checkpoint nowhere", 2, r"--checkpoint='nowhere' does not exist"),
     (A, "--checkpoint ckpt_flip", 2, r"__0_0.distcp is corrupted"),
     (A, "--checkpoint ckpt_incomplete", 2, r"holds no complete checkpoint"),
@@ -397,7 +461,7 @@ ROWS = [
     (T, "--config-dir conf cluster=key", 2, r"Key 'colour' not in 'StageConfig'; remove the key"),
     (T, "cluster.layout=Etq|tt|tt|tL", 2, r"cluster.layout = 'Etq\|tt\|tt\|tL': unexpected "
                                          r"character 'q' at position 2; fix: use the tokens"),
-    (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt' is not a file"),
+    (T, "data.path=nowhere.txt", 2, r"data.path='.*nowhere.txt': no such file or folder"),
     (T, "data.path=empty.txt", 2, r"data.path=.*empty.txt"),
     (T, "train.lr=nan", 2, r"train.lr=nan must be a finite number"),
     (T, "hydra.output_subdir=/proc/ldt", 2, r"hydra.output_subdir=/proc/ldt: cannot make"),
@@ -405,6 +469,32 @@ ROWS = [
     (T, "cluster.link_delay_ms=nan", 2, r"link_delay_ms entry 0 \(nan\) must be a finite"),
     (T, "cluster.boundary_fanout=sometimes", 2,
      r"cluster.boundary_fanout='sometimes'; use one of auto, never, always"),
+    # -- #39: a run folder has one owner; resume=auto never starts afresh over a run
+    (T, "run_dir=run_old train.resume=auto", 2, r"train.resume=auto: .*run_old holds a run "
+     r"\(.hydra, config.yaml, metrics.csv\) that cannot be continued: it saved no checkpoint"
+     r".*give a new run_dir"),
+    (T, "run_dir=run_incomplete train.resume=auto", 2, r"its checkpoints are all incomplete "
+                                                       r"\(step_0000001: no COMPLETE marker"),
+    (T, "run_dir=run_live train.resume=auto", 2, r"run_dir=.*run_live is in use by another run "
+                                                 r"\(pid \d+ on .* since .*\); a run folder has "
+                                                 r"one owner"),
+    (T, "hydra.run.dir=run_live", 2, r"hydra.run.dir=.*run_live is in use by another run"),
+    (T, "run_dir=run_new train.resume=run_live", 2, r"train.resume=.*run_live: the run in .* is "
+                                                    r"training now \(pid \d+"),
+    # -- #39: messages that name the thing
+    (T, "model.seq_length=2147483648", 2, r"in the model.seq_length=2147483648 x "
+     r"model.hidden_size=64 learned position embeddings.*lower model.seq_length"),
+    (T, ["data.blend=no such/corpus"], 2, r"data.blend: .*/no such/corpus.bin and .*/no "
+                                          r"such/corpus.idx do not exist"),
+    (T, "data.path=/dev/null", 2, r"data.path='/dev/null' is not a regular file"),
+    (T, "train.resume=/dev/null", 2, r"train.resume='/dev/null' is not a regular file"),
+    (T, "data.tokenizer=/dev/null data.blend=corpus", 2, r"data.tokenizer='/dev/null' is not a "
+                                                         r"regular file"),
+    (T, "data.blend=corpus data.cache_dir=/dev/null", 2, r"data.cache_dir='/dev/null' is not a "
+                                                         r"regular file or folder"),
+    (T, "data.blend=corpus data.cache_dir=corpus.txt/idx", 2, r"data.cache_dir=.*corpus.txt/idx"
+                                                              r"' cannot be made: .*corpus.txt is "
+                                                              r"not a folder"),
 ]
 
 
@@ -493,15 +583,20 @@ def test_export_of_a_run_says_which_incomplete_checkpoint_it_passed_over(guarded
 def test_overwrite_replaces_a_checkpoint_whole(guarded, capsys, tmp_path):
     """--overwrite replaces OUT whole: a user's file in it does not survive into the import,
     and the import is a complete, loadable checkpoint."""
+    import shlex
+
     from ldt.storage import checkpoint_files as files
 
-    out = tmp_path / "userdir"
+    out = tmp_path / "my models" / "userdir"  # and the next command pastes (#39: spaces)
     shutil.copytree(guarded / "userdir", out)
-    code, _, err = _run(C, ["import", "hf_a", str(out), "--overwrite"], capsys)
+    code, stdout, err = _run(C, ["import", "hf_a", str(out), "--overwrite"], capsys)
     assert code == 0, err
     assert not (out / "stage_0" / "keep.txt").exists()
     files.verify(str(out), which=[p for p in files.parts(str(out)) if p.startswith("stage_")])
     assert (out / "conf" / "model" / "userdir.yaml").exists()
+    command = shlex.split(stdout.splitlines()[-1])
+    assert command[:4] == ["ldt-train", f"hydra.searchpath=[file://{out}/conf]", "model=userdir",
+                           f"train.load={out}"], command
 
 
 def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsys,
@@ -512,13 +607,16 @@ def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsy
     import yaml
 
     import ldt.train
+    from ldt.storage.runlock import LOCK_NAME, holder
 
     started = []
-    monkeypatch.setattr(ldt.train, "_launch_local", lambda cfg, topo: started.append(cfg) or 0)
+    monkeypatch.setattr(ldt.train, "_launch_local",  # the launcher holds the lock meanwhile
+                        lambda cfg, topo: started.append(holder(cfg["run_dir"])) or 0)
     run = guarded / "run_new"
     try:
         code, _, err = _run(T, [f"hydra.run.dir={run}", "train.steps=3"], capsys)
         assert code == 0 and len(started) == 1, err
+        assert started[0].startswith(f"pid {os.getpid()} ") and not (run / LOCK_NAME).exists()
         assert sorted(os.listdir(run / ".hydra")) == ["config.yaml", "hydra.yaml",
                                                       "overrides.yaml"]
         hydra = yaml.safe_load((run / ".hydra" / "hydra.yaml").read_text())["hydra"]
@@ -535,3 +633,29 @@ def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsy
         assert code == 2 and "already holds files" in err and _tree(run) == before
     finally:
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_resume_auto_continues_the_newest_complete_checkpoint_and_says_what_it_passed_over(
+        tmp_path):
+    """train.resume=auto: an absent or empty folder starts afresh; a run folder continues
+    from its newest complete checkpoint, and the step folder newer than it whose save did not
+    finish is named in one line (the launcher prints it as a warning)."""
+    from ldt.storage.checkpoint_files import resume_auto, skipped
+
+    for folder in (tmp_path / "absent", tmp_path / "empty"):
+        train = {"resume": "auto", "load": None, "steps": 9}
+        assert resume_auto(train, str(folder)) is None and train["resume"] is None
+        (tmp_path / "empty").mkdir(exist_ok=True)
+    run = tmp_path / "run"
+    for step in (3, 5):
+        folder = run / "checkpoints" / f"step_{step:07d}"
+        folder.mkdir(parents=True)
+        (folder / "checkpoint.json").write_text(json.dumps({"step": step}))
+    (run / "checkpoints" / "step_0000003" / "COMPLETE").write_text("3\n")
+    train = {"resume": "auto", "load": "elsewhere", "steps": 9}
+    assert resume_auto(train, str(run)) is None
+    assert train == {"resume": str(run / "checkpoints" / "step_0000003"), "load": None,
+                     "steps": 9}
+    note = skipped(train["resume"])
+    assert note.startswith(f"{run}/checkpoints/step_0000005 is incomplete") \
+        and note.endswith("step_0000003, is used"), note

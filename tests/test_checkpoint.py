@@ -37,6 +37,7 @@ def run(run_dir, *overrides, timeout=240):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["losses"] = [loss for _, loss in metrics(run_dir)]  # one row per step of this run
+    summary["stderr"] = proc.stderr
     return summary
 
 
@@ -145,6 +146,7 @@ def test_resume_into_another_layout(tmp_path, full):
     other = run(tmp_path / "b", "cluster=cpu_vtp", f"train.resume={step_dir}")
     assert other["first_step"] == 18
     assert other["losses"] == pytest.approx(full["losses"][18:], abs=1e-5)
+    assert "Warning" not in other["stderr"], other["stderr"]  # #39: torch's, once per rank
 
 
 @pytest.mark.timeout(400)

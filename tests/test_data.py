@@ -196,7 +196,7 @@ def test_indexed_data_is_megatron_gpt_dataset(corpus, prefixes, one_process_worl
     assert batch["tokens"].max() < VOCAB
     # a pure function of (seed, step, micro-batch, DP rank): rebuilt (from the cache) the same,
     # and DP rank d's micro-batch mb is the reference's micro-batch d * m + mb
-    assert any(f.endswith("shuffle_index.npy") for f in os.listdir(cache))
+    assert any(f.endswith("shuffle_index.npy") for _, _, names in os.walk(cache) for f in names)
     assert not os.path.exists(a) and not os.path.exists(b)  # no cache folder beside the data
     again = _build(blend, corpus["tok"], edge_and_cloud, 0, cache_dir=cache)
     two_replicas = dataclasses.replace(edge_and_cloud, dp=2)
@@ -212,9 +212,31 @@ def test_indexed_data_is_megatron_gpt_dataset(corpus, prefixes, one_process_worl
     assert torch.equal(data.eval_batch(0)["tokens"], again.eval_batch(0)["tokens"])
     assert not torch.equal(data.eval_batch(0)["tokens"], data.batch(0, 0)["tokens"])
     # the cloud joins megatron-core's barriers with placeholders: it builds and reads nothing
-    files = sorted(os.listdir(cache))
+    files = sorted(os.walk(cache))
     assert _build(blend, corpus["tok"], edge_and_cloud, 1, cache_dir=cache) is None
-    assert sorted(os.listdir(cache)) == files
+    assert sorted(os.walk(cache)) == files
+
+
+def test_a_corpus_preprocessed_again_does_not_reuse_the_old_index_cache(corpus,
+                                                                       one_process_world,
+                                                                       tmp_path):
+    """megatron-core keys its index cache by the dataset's path and settings: the same
+    prefix preprocessed again (fewer documents) with the same data.cache_dir read the old
+    corpus's sample indices, an IndexError inside training (#39). ldt keys the cache folder
+    by the files themselves: the second build is the new corpus's, every sample readable."""
+    import ldt.data.preprocess as pp
+    from ldt.topology import Stage, Topology
+
+    topo = Topology((Stage(0, "edge", "cpu", 1), Stage(1, "cloud", "cpu", 1)), u_shape=True)
+    prefix, cache = str(tmp_path / "c"), str(tmp_path / "cache")
+    pp.preprocess([corpus["jsonl"]], prefix, corpus["tok"], progress=False)
+    big = _build(prefix, corpus["tok"], topo, 0, cache_dir=cache)
+    pp.preprocess([corpus["text"]], prefix, corpus["tok"], progress=False, overwrite=True)
+    small = _build(prefix, corpus["tok"], topo, 0, cache_dir=cache)
+    assert len(small.train) < len(big.train)
+    for i in range(len(small.train)):
+        small.train[i]
+    assert len(os.listdir(cache)) == 2  # one folder per version of the files
 
 
 def test_cache_folder_per_host(monkeypatch, tmp_path):

@@ -293,8 +293,10 @@ def check_import(result, scratch: Scratch):
     """README: writes ckpt/mymodel/conf/model/mymodel.yaml and prints the next line."""
     conf = os.path.join(scratch.root, "ckpt", "mymodel", "conf")
     assert os.path.isfile(os.path.join(conf, "model", "mymodel.yaml"))
-    want = (f"ldt-train hydra.searchpath=[file://{conf}] model=mymodel "
-            f"train.load={os.path.join(scratch.root, 'ckpt', 'mymodel')}")
+    import shlex
+
+    want = shlex.join(["ldt-train", f"hydra.searchpath=[file://{conf}]", "model=mymodel",
+                       f"train.load={os.path.join(scratch.root, 'ckpt', 'mymodel')}"])
     assert want in result.stdout, (want, result.stdout)
     assert os.path.isfile(os.path.join(scratch.root, "ckpt", "mymodel", "tokenizer.json"))
 

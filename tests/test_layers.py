@@ -23,8 +23,10 @@ LAYERS = [
     # 0 foundation: config schema, layout grammar, device types, process launching, logging
     ["ldt", "ldt.config", "ldt.layout", "ldt.device", "ldt.quiet", "ldt.progress",
      "ldt._forkserver", "ldt.launch", "ldt.hydra_app", "ldt.hydra_guard",
-     # reading a user's YAML / JSON, and the one way ldt writes a file or a folder
-     "ldt.errors", "ldt.userfiles", "ldt.storage.atomic"],
+     # reading a user's YAML / JSON, the one way ldt writes a file or a folder (and puts it
+     # in place), and a run folder's lock
+     "ldt.errors", "ldt.userfiles", "ldt.storage.atomic", "ldt.storage.commit",
+     "ldt.storage.runlock"],
     # 1 topology: who is in which stage
     ["ldt.topology"],
     # 2 pure data and readers (no process groups): schedules as data, routing, the cost model

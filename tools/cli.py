@@ -75,11 +75,10 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
     """``body()``'s exit status; a ConfigError (a refused input or output) or an OSError (a
     file that cannot be read or written) is printed as one line, exit status 2. Ctrl-C,
     SIGTERM and SIGHUP stop it with one line (exit 128 + signal) after the outputs being
-    built are removed: what existed before is as it was."""
+    built are removed: what existed before is as it was. Libraries that wrap what happened
+    inside them (``torch.distributed.checkpoint`` raises a CheckpointException around a
+    Ctrl-C or a full disk in its reader or writer) are looked through."""
     import signal
-
-    from ldt.errors import ConfigError, one_line
-    from ldt.layout import LayoutError
 
     previous = {}
     for s in (signal.SIGTERM, signal.SIGHUP):
@@ -89,22 +88,48 @@ def guarded(prog: str, body: Callable[[], Optional[int]]) -> int:
             pass
     try:
         return int(body() or 0)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted (SIGINT); no output was left half-written", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except Stopped as exc:
-        print(f"{prog}: stopped by {signal.Signals(exc.signum).name}; no output was left "
-              "half-written", file=sys.stderr)
-        return 128 + exc.signum
-    except (ConfigError, LayoutError) as exc:
-        print(f"{prog}: {one_line(exc)}", file=sys.stderr)
-    except OSError as exc:
-        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
-        print(f"{prog}: cannot use{where}: {exc.strerror or exc}; check the path and its "
-              "permissions", file=sys.stderr)
+    except BaseException as exc:
+        return _report(prog, exc)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    return EXIT_USAGE
 
 
+def _report(prog: str, exc: BaseException) -> int:
+    """One line for a stop or a user's mistake found in ``exc`` (or behind it); anything else
+    is re-raised: a traceback is for ldt's own bugs."""
+    import signal
+
+    from ldt.errors import ConfigError, exception_chain, one_line
+    from ldt.layout import LayoutError
+
+    chain = list(exception_chain(exc))
+    for e in chain:
+        if isinstance(e, KeyboardInterrupt):
+            print(f"{prog}: interrupted (SIGINT); no output was left half-written",
+                  file=sys.stderr)
+            return 128 + signal.SIGINT
+        if isinstance(e, Stopped):
+            print(f"{prog}: stopped by {signal.Signals(e.signum).name}; no output was left "
+                  "half-written", file=sys.stderr)
+            return 128 + e.signum
+    if isinstance(exc, SystemExit):
+        raise exc
+    for e in chain:
+        if isinstance(e, (ConfigError, LayoutError)):
+            print(f"{prog}: {one_line(e)}", file=sys.stderr)
+            return EXIT_USAGE
+    for e in chain:
+        if isinstance(e, OSError):
+            from ldt.storage.commit import out_of_space
+
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            if out_of_space(e, "."):
+                print(f"{prog}: no space left on the device{' of' + where if where else ''}; "
+                      "what was being written was removed and what was there is as it was: "
+                      "free space and run it again", file=sys.stderr)
+            else:
+                print(f"{prog}: cannot use{where}: {e.strerror or e}; check the path and its "
+                      "permissions", file=sys.stderr)
+            return EXIT_USAGE
+    raise exc

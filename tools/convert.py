@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 from typing import Optional, Sequence
 
@@ -101,9 +102,10 @@ def _import(args) -> int:
               conf={"name": name, "seq_length": seq, "params_dtype": args.dtype})
     path = os.path.join(args.out, "conf", "model", f"{name}.yaml")
     conf = os.path.abspath(os.path.join(args.out, "conf"))
+    command = shlex.join(["ldt-train", f"hydra.searchpath=[file://{conf}]", f"model={name}",
+                          f"train.load={os.path.abspath(args.out)}"])
     print(f"model config: {path}\nstart a run from it (with a cluster that fits it):\n"
-          f"  ldt-train hydra.searchpath=[file://{conf}] model={name} "
-          f"train.load={os.path.abspath(args.out)} cluster=...")
+          f"  {command} cluster=...")
     return 0
 
 

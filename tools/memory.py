@@ -17,7 +17,18 @@ from ldt.hydra_app import EXIT_CONFIG, run_app
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_app(_estimate, argv, run_folder=False)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):  # Hydra's would be ldt-train's (its template)
+        try:
+            print(__doc__.strip() + "\n\nThe config groups, keys and Hydra flags are "
+                  "ldt-train's (ldt-train --help lists them); e.g. ldt-memory cluster=cpu_vtp "
+                  "model=llama_tiny train.micro_batch_size=4", flush=True)
+        except BrokenPipeError:  # `ldt-memory --help | head -3`: the reader has what it wanted
+            import os
+
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    return run_app(_estimate, args, run_folder=False)
 
 
 def _estimate(cfg) -> int:

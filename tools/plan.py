@@ -206,8 +206,10 @@ def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
     stem = os.path.splitext(os.path.basename(cluster))[0]
     if len(written) == 2:
         root = os.path.dirname(os.path.dirname(cluster)) or "."
-        return (f"train it: ldt-train --config-dir {root} cluster={stem} train={stem} "
-                f"model={model_name}")
+        import shlex
+
+        return "train it: " + shlex.join(["ldt-train", "--config-dir", root, f"cluster={stem}",
+                                          f"train={stem}", f"model={model_name}"])
     prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
     return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
             f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "

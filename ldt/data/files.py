@@ -40,8 +40,9 @@ SCAN_BYTES = 64 << 20  # token ids checked against the vocabularies: the first 6
 def parse_blend(blend: Any, base: Optional[str] = None) -> tuple[list[str], Optional[list[float]]]:
     """``(prefixes, weights or None)`` from ``PREFIX``, ``"W1 P1 W2 P2"`` or a list of either
     form; ``.bin`` / ``.idx`` endings are dropped. Paths become absolute (relative ones are
-    taken from ``base``, default the working directory)."""
-    items = blend.split() if isinstance(blend, str) else [str(x) for x in (blend or [])]
+    taken from ``base``, default the working directory). A string is one prefix, spaces and
+    all, unless it is the weighted form (a number before every path)."""
+    items = _blend_items(blend) if isinstance(blend, str) else [str(x) for x in (blend or [])]
     if not items:
         raise ConfigError("data.blend is empty; give a dataset prefix (what ldt-preprocess "
                           "--output-prefix wrote), e.g. data.blend=/data/corpus")
@@ -61,6 +62,16 @@ def parse_blend(blend: Any, base: Optional[str] = None) -> tuple[list[str], Opti
     if len(prefixes) == 1:
         weights = None  # one dataset: a weight means nothing
     return prefixes, weights
+
+
+def _blend_items(blend: str) -> list[str]:
+    """A string ``data.blend``: ``"W1 P1 W2 P2"`` (split on spaces) or one prefix, whose path
+    may hold spaces (``data/my corpus``)."""
+    words = blend.split()
+    weighted = len(words) >= 2 and len(words) % 2 == 0 and all(
+        _number(w) is not None for w in words[0::2]) and not any(
+        _number(w) is not None for w in words[1::2])
+    return words if weighted else ([blend.strip()] if blend.strip() else [])
 
 
 def format_blend(prefixes: list[str], weights: Optional[list[float]]) -> list:
@@ -128,11 +139,22 @@ class IndexInfo:
 
 def read_index(prefix: str) -> IndexInfo:
     """The ``.idx`` of ``prefix``, checked against its ``.bin``; ConfigError names the file."""
+    from ldt.storage.commit import set_in_progress
+
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     redo = "re-run ldt-preprocess to write both files again"
+    busy = set_in_progress(bin_)
+    if busy:  # the pair is being replaced, or was left half-replaced (ldt.storage.commit)
+        raise ConfigError(f"data.blend: {prefix}.bin / .idx are not a complete pair: "
+                          f"ldt-preprocess {busy}; wait for it, or run ldt-preprocess "
+                          f"--output-prefix {prefix} --overwrite again (it first puts the "
+                          "earlier pair back)")
     if not os.path.exists(idx) and not os.path.exists(bin_):
+        several = (" (a data.blend string is one prefix, spaces and all; give several datasets "
+                   "as a list, data.blend=[A,B])" if any(c.isspace() for c in prefix)
+                   else "")
         raise ConfigError(f"data.blend: {bin_} and {idx} do not exist; give the prefix "
-                          "ldt-preprocess --output-prefix wrote (without .bin / .idx)")
+                          f"ldt-preprocess --output-prefix wrote (without .bin / .idx){several}")
     for missing, present in ((idx, bin_), (bin_, idx)):
         if not os.path.exists(missing):
             raise ConfigError(f"data.blend: {missing} is missing next to {present}; an indexed "
@@ -206,6 +228,8 @@ def check_data(data, model, train, topo=None, rank: Optional[int] = None) -> Non
     if rank is not None and topo is not None and \
             topo.rank_info(rank).stage not in topo.data_stages():
         return
+    if data.cache_dir:
+        _check_cache_dir(data.cache_dir)
     tok = load(data.tokenizer)
     if tok.vocab_size > model.vocab_size:
         raise ConfigError(
@@ -214,6 +238,28 @@ def check_data(data, model, train, topo=None, rank: Optional[int] = None) -> Non
             "tokenizer the model was made for)")
     for prefix in prefixes:
         _check_dataset(read_index(prefix), tok, model, train, bookends, data.split)
+
+
+def _check_cache_dir(path: str) -> None:
+    """``data.cache_dir``: a folder megatron-core can write its sample indices into (or make),
+    refused here rather than as megatron's exception on rank 0 inside training."""
+    from ldt.userfiles import not_a
+
+    named, fix = f"data.cache_dir={path!r}", ("give a folder for the sample indices, or leave "
+                                              "data.cache_dir unset")
+    if os.path.exists(path):
+        why = not_a(path, named, "folder", fix)
+        if why is None and not os.access(path, os.W_OK | os.X_OK):
+            why = f"{named} is not writable; {fix}"
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        why = (None if os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK) else
+               f"{named} cannot be made: {parent} is not a folder this process can write to; "
+               f"{fix}")
+    if why:
+        raise ConfigError(why)
 
 
 def _check_dataset(info: IndexInfo, tok, model, train, bookends, split: str) -> None:

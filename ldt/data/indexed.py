@@ -15,6 +15,12 @@ So rank 0, and the data ranks on rank 0's host, use ``data.cache_dir``; data ran
 hosts, which cannot see rank 0's files, get ``path_to_cache=""``, with which megatron-core
 builds the same indices (same seed, same files) in memory and writes nothing.
 
+The cache is keyed by the data's files as they are now: ``data.cache_dir/<fingerprint>``,
+the fingerprint of every ``.bin`` / ``.idx`` of the blend (path, size, modification time,
+inode; :func:`cache_for`). megatron-core keys its files by the dataset's path and settings
+only, so a corpus preprocessed again under the same prefix (``ldt-preprocess --overwrite``)
+would otherwise read the old corpus's sample indices (an IndexError inside training).
+
 Sample order: sample ``g = step * dp * m * mbs + (dp_rank * m + mb) * mbs + i`` of the train
 split (modulo its length), so a batch is a pure function of (seed, step, micro-batch, DP
 rank): ``train.verify``'s single-process reference, a resume and a resume into another layout
@@ -77,7 +83,8 @@ def build_indexed(data, model, train, topo, state) -> Optional[IndexedData]:
     prefixes, weights = parse_blend(data.blend)
     used = used_splits(train)
     if owns:
-        tokens, cache = TokenIds.of(load(data.tokenizer)), cache_folder(data.cache_dir, state.rank)
+        tokens, cache = TokenIds.of(load(data.tokenizer)), cache_for(prefixes, data.cache_dir,
+                                                                     state.rank)
         sizes = split_sizes(prefixes, weights, split_bookends(data.split), used,
                             model.seq_length)
     else:  # the cloud: the blend's shape only (see the module docstring)
@@ -120,6 +127,24 @@ def cache_folder(cache_dir: Optional[str], rank: int) -> str:
         return ""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.abspath(os.path.expanduser(cache_dir or os.path.join(root, "ldt", "indices")))
+
+
+def cache_for(prefixes, cache_dir: Optional[str], rank: int) -> str:
+    """This data rank's ``path_to_cache`` for a blend of ``prefixes``: :func:`cache_folder`,
+    in a sub-folder named by the fingerprint of the blend's files (see the module docstring;
+    "" stays "")."""
+    import hashlib
+
+    folder = cache_folder(cache_dir, rank)
+    if not folder:
+        return folder
+    h = hashlib.sha256()
+    for prefix in prefixes:
+        for path in (prefix + ".bin", prefix + ".idx"):
+            st = os.stat(path)
+            h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n"
+                     .encode())
+    return os.path.join(folder, h.hexdigest()[:16])
 
 
 def on_rank0_host() -> bool:

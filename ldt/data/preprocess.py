@@ -22,6 +22,7 @@ import json
 import os
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -71,14 +72,13 @@ def check_inputs(inputs: list[str], output_prefix: str, fmt: str) -> list[str]:
         raise ConfigError(f"--format={fmt!r}; use one of {', '.join(FORMATS)}")
     paths = []
     for name in inputs:
+        from ldt.userfiles import require
+
         path = os.path.abspath(os.path.expanduser(name))
-        if not os.path.isfile(path):
-            raise ConfigError(f"--input {name}: no such file; give a text or JSONL file")
+        require(path, f"--input {name}", "file", "give a text or JSONL file")
         if os.path.getsize(path) == 0:
             raise ConfigError(f"--input {name} is empty; nothing to preprocess: give a file "
                               "with at least one document")
-        if not os.access(path, os.R_OK):
-            raise ConfigError(f"--input {name} is not readable; check its permissions")
         paths.append(path)
     if not output_prefix.strip() or output_prefix.endswith(("/", os.sep)) \
             or os.path.isdir(output_prefix):
@@ -280,8 +280,14 @@ def _parallel(chunks, workers: int, initargs: tuple, write) -> None:
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or torch state
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=initargs) as pool:
+    with _stops_ignored():  # the workers ignore Ctrl-C / SIGTERM (inherited through exec): a
+        # terminal's Ctrl-C goes to the whole process group, and the workers' tracebacks would
+        # bury the one line this process prints; it stops them itself
+        pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                   initargs=initargs)
+        for _ in range(workers):  # start them all now (Python starts one per submit)
+            pool.submit(int)
+    with pool:
         pending: deque = deque()
         for texts, size in chunks:
             pending.append((pool.submit(_encode, texts), size))
@@ -291,6 +297,23 @@ def _parallel(chunks, workers: int, initargs: tuple, write) -> None:
         while pending:
             future, done = pending.popleft()
             write(future.result(), done)
+
+
+@contextmanager
+def _stops_ignored():
+    """SIGINT, SIGTERM and SIGHUP ignored for the few milliseconds it takes to start the
+    worker processes (which keep that setting)."""
+    import signal
+    import threading
+
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in stops} if main else {}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 def _bar(total: int, enabled: bool):

@@ -55,6 +55,12 @@ def resolve(spec: str, what: str = "data.tokenizer") -> TokenizerSource:
         return TokenizerSource("folder", path)
     if os.path.isfile(path):
         return _json_source(path)
+    if os.path.exists(path):
+        from ldt.userfiles import not_a
+
+        raise ConfigError(not_a(path, f"{what}={spec!r}", "file", "give the path of a "
+                                "tokenizer.json or of a folder holding a Hugging Face tokenizer, "
+                                "or 'bytes'"))
     raise ConfigError(
         f"{what}={spec!r} is not a local file or folder, and ldt never downloads tokenizers; "
         "give the path of a tokenizer.json or of a folder holding a Hugging Face tokenizer "

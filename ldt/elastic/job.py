@@ -18,7 +18,18 @@ from ldt.storage.checkpoint_files import resume_auto
 def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
     """Under torchrun's elastic agent (docs/elastic.md): plan the world that is there from the
     nodes' descriptions, then train in it, continuing from the run folder's newest checkpoint.
-    Errors are one line per node (its local rank 0 prints it)."""
+    Errors are one line per node (its local rank 0 prints it). torchrun's rank 0, whose run
+    folder is Hydra's, holds the folder's lock (:mod:`ldt.storage.runlock`) while it runs."""
+    from ldt.storage.runlock import RunLock
+
+    lock = RunLock(hydra_cfg.runtime.output_dir)
+    try:
+        return _elastic_job(cfg, hydra_cfg, save_hydra_files, lock)
+    finally:
+        lock.release()
+
+
+def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
     from ldt.config import to_model
     from ldt.elastic.nodes import ElasticError
 
@@ -30,7 +41,10 @@ def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
         run = None
         if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
             try:
-                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True)
+                lock.acquire()
+                restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True,
+                                       restarted=restarted)
                 run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
                        "load": plain["train"]["load"], "complete": complete}
             except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
@@ -64,6 +78,7 @@ def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
             print(f"ldt: {what}{one_line(exc)}", file=sys.stderr, flush=True)
         if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
+            lock.release()
             discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
     for warning in warnings:

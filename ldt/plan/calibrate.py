@@ -71,8 +71,15 @@ class ActionTime:
 
 def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     """Rows of an ``action_times.csv`` (a file, or a run folder holding one)."""
+    from ldt.userfiles import not_a, path_kind
+
     if os.path.isdir(path):
         path = os.path.join(path, "action_times.csv")
+    if path_kind(path) not in ("file", "missing"):
+        from ldt.config import ConfigError
+
+        raise ConfigError(not_a(path, str(path), "file", "give an ldt-train run folder or its "
+                                "action_times.csv"))
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{path} does not exist: ldt-train writes action_times.csv into its run_dir when "
@@ -88,19 +95,37 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
                               "give the action_times.csv an ldt-train run wrote")
         for r in reader:
             try:
-                rows.append(ActionTime(int(r["step"]), parse_action(r["action"]),
-                                       float(r["start_s"]), float(r["end_s"]),
-                                       r.get("host") or "",
-                                       float(r["step_start_s"]) if r.get("step_start_s")
-                                       else None))
+                row = ActionTime(int(r["step"]), parse_action(r["action"]),
+                                 float(r["start_s"]), float(r["end_s"]), r.get("host") or "",
+                                 float(r["step_start_s"]) if r.get("step_start_s") else None)
+                _check_row(row)
             except (TypeError, ValueError, AttributeError) as exc:
                 raise ConfigError(
                     f"{path}:{reader.line_num}: a damaged row ({exc}): the file is truncated "
                     "or edited; give the action_times.csv of a run that finished") from None
+            rows.append(row)
     if not rows:
         raise ConfigError(f"{path} holds no measured action; give the action_times.csv of a "
                           "run that finished a step")
     return rows
+
+
+def _check_row(row: ActionTime) -> None:
+    """What a run writes: a step >= 0, times that are finite, an action that starts at or
+    after its stage's step start and ends no earlier than it starts (ValueError names the
+    value)."""
+    import math
+
+    if row.step < 0:
+        raise ValueError(f"step {row.step} < 0")
+    for name in ("start_s", "end_s", "step_start_s"):
+        value = getattr(row, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} {value} is not a finite number")
+    if row.start_s < 0:
+        raise ValueError(f"start_s {row.start_s} is before the step started")
+    if row.end_s < row.start_s:
+        raise ValueError(f"end_s {row.end_s} is before start_s {row.start_s}")
 
 
 def steady(rows: Iterable[ActionTime], skip_steps: int) -> list[ActionTime]:
@@ -143,6 +168,14 @@ def calibrate(rows: Iterable[ActionTime]) -> Calibration:
     for r in rows:
         by_step[r.step].append(r)
     schedule = _action_lists(by_step[min(by_step)])
+    from ldt.schedule.check import ScheduleError, check_structure
+
+    try:  # rows a run wrote form its schedule; rows of two runs, or edited ones, may not
+        check_structure(schedule)
+    except ScheduleError as exc:
+        raise ValueError(f"the rows of step {min(by_step)} are not a schedule a run executes "
+                         f"({str(exc).splitlines()[0]}): the file holds edited rows or the "
+                         "rows of more than one run") from None
     for step, step_rows in by_step.items():
         if _action_lists(step_rows) != schedule:
             raise ValueError(f"step {step} ran other action lists than step {min(by_step)}; "

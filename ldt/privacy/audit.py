@@ -116,9 +116,10 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
                           "--steps")
     if opts.cloud_text is not None:
         text = opts.cloud_text
-        if not os.path.isfile(text) or not os.access(text, os.R_OK):
-            raise ConfigError(f"--cloud-text {text}: no such readable file; give a text file "
-                              "of the cloud's own (or leave it out for the built-in one)")
+        from ldt.userfiles import require
+
+        require(text, f"--cloud-text {text}", "file", "give a text file of the cloud's own (or "
+                "leave it out for the built-in one)")
         least = min_corpus_bytes(model["seq_length"], train["micro_batch_size"])
         if os.path.getsize(text) < least:
             raise ConfigError(f"--cloud-text {text} has {os.path.getsize(text)} bytes; the "

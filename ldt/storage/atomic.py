@@ -1,9 +1,12 @@
 """One way to write: every file or folder ldt hands to a user appears whole or not at all.
 
-An output is built under a temporary sibling name (``.NAME.ldt-tmp-<pid>-<random>``, in the
-same folder, so the final rename is atomic), checked by its writer, flushed to disk, and only
-then renamed into place. A failure at any point (an exception, a full disk, a refused
-tensor) removes the temporary and leaves the target exactly as it was.
+An output is built under a temporary sibling name (``.NAME.ldt-tmp-<host>-<pid>-<random>``,
+in the same folder, so the final rename is atomic), checked by its writer, flushed to disk,
+and only then renamed into place (:mod:`ldt.storage.commit`: one target, or a set of them
+together). A failure at any point (an exception, a full disk, Ctrl-C, SIGTERM, a refused
+tensor) removes the temporary and leaves the target exactly as it was; a full disk is one
+line naming the flag and the target. What a killed writer left beside a target is removed
+by the next writer to it, once its owner is dead (:func:`ldt.storage.commit.sweep`).
 
 Before anything is written, :func:`check_output` refuses, in one line naming the flag, the
 path and the fix:
@@ -17,7 +20,7 @@ path and the fix:
 
 Folders a write has to create above its target are removed again if the write fails.
 :func:`new_folder` builds a folder, :func:`new_files` a set of files that belong together
-(written as temporaries first, renamed one after another only once all are complete), and
+(written as temporaries first, put in place as a set only once all are complete), and
 :func:`write_text` one text file. A run folder is the exception by design: it is live while
 the run goes (``metrics.csv`` row by row, checkpoints as they are saved), so ``ldt-train``
 only refuses a folder that holds anything (:func:`check_run_folder`) and writes each of its
@@ -26,17 +29,13 @@ files through this module.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import secrets
-import shutil
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
 from ldt.errors import ConfigError
-
-TMP_MARK = ".ldt-tmp-"
-OLD_MARK = ".ldt-old-"
+from ldt.storage.commit import (OLD_MARK, TMP_MARK, commit_set, fsync_dir, fsync_file,  # noqa: F401
+                                out_of_space, put_in_place, remove, sibling, sweep)
 
 
 class OutputError(ConfigError):
@@ -106,15 +105,30 @@ def check_run_folder(run_dir: str, resume: Optional[str], *, flag: str = "hydra.
     """A run never writes into a folder that holds anything, unless it resumes the run that
     lives there (``resume`` is that folder or lies inside it)."""
     run_dir = os.path.abspath(run_dir)
-    if not holds_anything(run_dir):
+    names = run_files(run_dir)
+    if not names:
         return
     if resume and _inside(os.path.realpath(resume), os.path.realpath(run_dir)):
         return
-    names = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else [run_dir]
+    import shlex
+
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
     raise OutputError(f"{flag}={run_dir} already holds files ({shown}); a run never writes "
-                      f"into another run's folder: give a new run_dir, or train.resume="
-                      f"{run_dir} to continue the run that is there")
+                      f"into another run's folder: give a new run_dir, or "
+                      f"{shlex.quote(f'train.resume={run_dir}')} to continue the run that is "
+                      "there")
+
+
+def run_files(run_dir: str) -> list[str]:
+    """What a run folder holds, but the lock a run that is starting there took
+    (:mod:`ldt.storage.runlock`): its names, sorted (``[run_dir]`` for a file)."""
+    from ldt.storage.runlock import LOCK_NAME
+
+    if not holds_anything(run_dir):
+        return []
+    if not os.path.isdir(run_dir) or os.path.islink(run_dir):
+        return [run_dir]
+    return sorted(n for n in os.listdir(run_dir) if n != LOCK_NAME)
 
 
 def _existing_parent(target: str) -> str:
@@ -132,17 +146,21 @@ def new_folder(path: str, *, flag: str, overwrite: bool = False,
     exception the folder is flushed and renamed to ``path`` (an existing ``path`` is replaced
     whole when ``overwrite``); otherwise it is removed and ``path`` is untouched. Verify the
     output inside the block: what leaves it is what the user gets."""
+    _sweep(path)  # first: a target a killed writer moved aside is back before it is checked
     target = check_output(path, flag=flag, overwrite=overwrite, inputs=inputs)
-    created = _make_parents(target, flag)
-    tmp = _sibling(target, TMP_MARK)
-    _probe(tmp, target, flag, created, folder=True)
+    created: list[str] = []
+    tmp = sibling(target, TMP_MARK)
     try:
+        created += _make_parents(target, flag)
+        _probe(tmp, target, flag, folder=True)
         yield tmp
         fsync_tree(tmp)
-        _put_in_place(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        put_in_place(tmp, target, replace=overwrite)
+    except BaseException as exc:
+        remove(tmp)
         _remove_empty(created)
+        _disk_full(exc, [(flag, path, target)])
+        _appeared(exc, [(flag, path, target)])
         raise
 
 
@@ -153,33 +171,35 @@ def new_files(paths: Sequence[str], *, flags: Sequence[str], overwrite: bool = F
     ends without an exception, each written temporary is flushed and renamed into place (all
     are complete before the first rename); a temporary left unwritten means that output is
     absent this time, and an old file at its path (allowed with ``overwrite``) is removed so
-    no stale output stays beside new ones. On an exception every temporary is removed and
+    no stale output stays beside new ones; the set appears together or not at all
+    (:func:`ldt.storage.commit.commit_set`). On an exception every temporary is removed and
     nothing at ``paths`` changes."""
     if len(set(map(os.path.abspath, paths))) != len(paths):
         raise OutputError(f"{', '.join(flags)} name the same file twice; give distinct paths")
+    for p in paths:  # first: what a killed writer left is rolled back before the checks
+        _sweep(p)
     targets = [check_output(p, flag=f, overwrite=overwrite, inputs=inputs, file=True)
                for p, f in zip(paths, flags)]
-    created = []
-    for t, f in zip(targets, flags):
-        created += _make_parents(t, f)
-    tmps = [_sibling(t, TMP_MARK) for t in targets]
-    for tmp, target, flag in zip(tmps, targets, flags):
-        _probe(tmp, target, flag, created, folder=False)
-        os.remove(tmp)
+    created: list[str] = []
+    tmps = [sibling(t, TMP_MARK) for t in targets]
     try:
+        for t, f in zip(targets, flags):
+            created += _make_parents(t, f)
+        for tmp, target, flag in zip(tmps, targets, flags):
+            _probe(tmp, target, flag, folder=False)
+            os.remove(tmp)
         yield tmps
         for tmp in tmps:
             if os.path.exists(tmp):
-                _fsync_file(tmp)
-        for tmp, target in zip(tmps, targets):
-            if os.path.exists(tmp):
-                _put_in_place(tmp, target)
-            elif os.path.lexists(target):
-                _remove(target)
-    except BaseException:
+                fsync_file(tmp)
+        commit_set([(tmp if os.path.exists(tmp) else None, target)
+                    for tmp, target in zip(tmps, targets)], replace=overwrite)
+    except BaseException as exc:
         for tmp in tmps:
-            _remove(tmp)
+            remove(tmp)
         _remove_empty(created)
+        _disk_full(exc, list(zip(flags, paths, targets)))
+        _appeared(exc, list(zip(flags, paths, targets)))
         raise
 
 
@@ -197,13 +217,15 @@ def replacing(path: str) -> Iterator[str]:
     """Rewrite a file inside a folder ldt owns (a run folder, a checkpoint being built): yield
     a temporary beside it to write; when the block ends it is flushed and renamed over
     ``path``; on an exception it is removed and the old file (if any) stays."""
-    tmp = _sibling(os.path.abspath(path), TMP_MARK)
+    path = os.path.abspath(path)
+    sweep(path)
+    tmp = sibling(path, TMP_MARK)
     try:
         yield tmp
-        _fsync_file(tmp)
-        os.replace(tmp, path)
+        fsync_file(tmp)
+        put_in_place(tmp, path)
     except BaseException:
-        _remove(tmp)
+        remove(tmp)
         raise
 
 
@@ -217,19 +239,11 @@ def replace_file(path: str, text: str) -> None:
 def move_into_place(tmp: str, target: str) -> None:
     """Put a complete temporary (a file or a folder) at ``target``, swapping out whatever is
     there whole (for writers that name their own temporaries, e.g. a checkpoint part)."""
-    _put_in_place(tmp, target)
+    put_in_place(tmp, target)
 
 
 # ---- helpers --------------------------------------------------------------------------------
-def _sibling(target: str, mark: str) -> str:
-    """A hidden name beside ``target``, ending in its extension (writers such as matplotlib
-    pick the format from it)."""
-    folder, name = os.path.split(target)
-    ext = os.path.splitext(name)[1]
-    return os.path.join(folder, f".{name}{mark}{os.getpid()}-{secrets.token_hex(3)}{ext}")
-
-
-def _probe(tmp: str, target: str, flag: str, created: list[str], *, folder: bool) -> None:
+def _probe(tmp: str, target: str, flag: str, *, folder: bool) -> None:
     """Create the temporary (a folder, or an empty file): a place that cannot be written is
     refused here, naming the target, before any work is done."""
     try:
@@ -238,7 +252,7 @@ def _probe(tmp: str, target: str, flag: str, created: list[str], *, folder: bool
         else:
             open(tmp, "x").close()
     except OSError as exc:
-        _remove_empty(created)
+        _disk_full(exc, [(flag, target, target)])
         raise OutputError(f"{flag} {target}: cannot write there ({exc.strerror}); give a path "
                           "in a folder you can write to") from None
 
@@ -270,66 +284,36 @@ def _remove_empty(folders: list[str]) -> None:
             return
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
+def _sweep(path) -> None:
+    """:func:`ldt.storage.commit.sweep` of a path as the user gave it (nothing for a path
+    that names no place to write; the checks refuse it)."""
+    if path and str(path).strip():
+        sweep(os.path.abspath(os.path.expanduser(str(path))))
 
 
-def _put_in_place(tmp: str, target: str) -> None:
-    """Rename ``tmp`` to ``target``; an existing ``target`` is swapped out (in one step where
-    the kernel can exchange two names) and then removed: replaced whole, never merged."""
-    if not os.path.lexists(target):
-        os.rename(tmp, target)
-    elif _exchange(tmp, target):  # target now holds the new output, tmp the old one
-        _remove(tmp)
-    else:
-        old = _sibling(target, OLD_MARK)
-        os.rename(target, old)
-        try:
-            os.rename(tmp, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
-        _remove(old)
-    _fsync_dir(os.path.dirname(target))
-
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two names in one step (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    return fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path or ".", os.O_RDONLY)
-    except OSError:
+def _appeared(exc: BaseException, outputs: list) -> None:
+    """A target another command wrote while this one worked (and this one was not told to
+    replace it) as one line naming it."""
+    if not isinstance(exc, FileExistsError):
         return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    for flag, path, target in outputs:
+        if exc.filename == target:
+            raise OutputError(f"{flag} {path} was written by another command while this one "
+                              "worked; it is left as that command wrote it: give a new path, "
+                              "or add --overwrite to replace it") from None
+
+
+def _disk_full(exc: BaseException, outputs: list) -> None:
+    """A full disk while writing ``outputs`` ((flag, path as given, absolute target)) as one
+    line naming them."""
+    if not isinstance(exc, Exception) or isinstance(exc, OutputError):
+        return
+    for flag, path, target in outputs:
+        if out_of_space(exc, os.path.dirname(target)):
+            raise OutputError(f"{flag} {path}: no space left on the device that holds "
+                              f"{os.path.dirname(target)}; nothing was written and what was "
+                              "there is as it was: free space there or give a path on another "
+                              "disk") from None
 
 
 def fsync_tree(root: str) -> None:
@@ -338,5 +322,5 @@ def fsync_tree(root: str) -> None:
         for name in names:
             path = os.path.join(folder, name)
             if not os.path.islink(path):
-                _fsync_file(path)
-        _fsync_dir(folder)
+                fsync_file(path)
+        fsync_dir(folder)

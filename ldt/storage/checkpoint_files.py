@@ -161,13 +161,20 @@ def latest(path: str) -> Optional[str]:
 
 
 def skipped(path: str) -> Optional[str]:
-    """One line naming the step folders under a run folder that are newer than the one
-    :func:`latest` picks but incomplete (no marker: a save that did not finish), which a
-    reader passes over; None when it passes over nothing."""
+    """One line naming the step folders of a run that are newer than the one :func:`latest`
+    picks from ``path`` (a run folder, or its newest complete ``checkpoints/step_N``) but
+    incomplete (no marker: a save that did not finish), which a reader passes over; None when
+    it passes over nothing."""
     found = latest(path)
-    folder = os.path.join(path, "checkpoints")
-    if found is None or os.path.abspath(found) == os.path.abspath(path) \
-            or not os.path.isdir(folder):
+    root = path
+    if found is not None and os.path.abspath(found) == os.path.abspath(path):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # checkpoints/step_N
+        if os.path.basename(os.path.dirname(os.path.abspath(path))) != "checkpoints" \
+                or latest(root) is None \
+                or os.path.abspath(latest(root)) != os.path.abspath(found):
+            return None
+    folder = os.path.join(root, "checkpoints")
+    if found is None or not os.path.isdir(folder):
         return None
     newer = [d for d in sorted(os.listdir(folder)) if d.startswith("step_")
              and d > os.path.basename(found) and os.path.isdir(os.path.join(folder, d))
@@ -250,17 +257,27 @@ AUTO = "auto"
 """``train.resume=auto``: continue from the run folder's newest checkpoint, if it has one."""
 
 
-def resume_auto(train: dict, run_dir: str, elastic: bool = False) -> Optional[str]:
+def resume_auto(train: dict, run_dir: str, elastic: bool = False,
+                restarted: bool = False) -> Optional[str]:
     """Resolve ``train.resume=auto`` (an elastic run's default, whatever it says) in the
     ``train`` dict: the run folder's newest complete checkpoint (over ``train.load``), or a
-    fresh start when it has none. Returns a line saying so when that checkpoint is the run's
-    last step (nothing left to train), else None."""
+    fresh start in a folder that is absent or empty. A folder that holds a run without a
+    complete checkpoint is refused (:class:`CheckpointError` naming its incomplete steps): a
+    fresh start would write over that run's files. ``restarted``: torchrun restarted this
+    elastic job's own world, so the folder is its own and a fresh start is its continuation.
+    Returns a line saying so when that checkpoint is the run's last step (nothing left to
+    train), else None."""
+    from ldt.storage.atomic import run_files
+
     if train.get("resume") == AUTO:
         train["resume"] = None
     elif not elastic:
         return None
     found = latest(run_dir) if os.path.isdir(run_dir) else None
     if found is None:
+        names = run_files(run_dir)
+        if names and not restarted:
+            raise CheckpointError(_no_complete_checkpoint(run_dir, names))
         return None
     step = int(read_info(found)["step"])
     if step + 1 >= train["steps"]:
@@ -269,6 +286,24 @@ def resume_auto(train: dict, run_dir: str, elastic: bool = False) -> Optional[st
                 "is complete, nothing left to train")
     train["resume"], train["load"] = found, None
     return None
+
+
+def _no_complete_checkpoint(run_dir: str, names: list) -> str:
+    """train.resume=auto's refusal of a folder that holds a run it cannot continue."""
+    import shlex
+
+    folder = os.path.join(run_dir, "checkpoints")
+    steps = sorted(d for d in os.listdir(folder) if d.startswith("step_")) \
+        if os.path.isdir(folder) else []
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    why = (f"its checkpoints are all incomplete ({', '.join(steps[:3])}"
+           f"{' and more' if len(steps) > 3 else ''}: no {COMPLETE} marker, the saves did not "
+           "finish)" if steps else "it saved no checkpoint (train.save_every=0, or it stopped "
+           "before the first save)")
+    return (f"train.resume=auto: {run_dir} holds a run ({shown}) that cannot be continued: "
+            f"{why}; auto never starts afresh over another run's files: give a new run_dir "
+            f"to start a new run (e.g. {shlex.quote(f'run_dir={run_dir}-2')}), or move that "
+            "folder away")
 
 
 def preflight(path: str, field: str = "train.resume", steps: Optional[int] = None, *,
@@ -281,6 +316,12 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
         raise CheckpointError(f"{field}={path!r} does not exist; give the run folder of an "
                               "earlier run (with checkpoints/), one of its checkpoints/step_N "
                               "folders or an ldt-convert output folder")
+    if not os.path.isdir(path):
+        from ldt.userfiles import not_a
+
+        raise CheckpointError(not_a(path, f"{field}={path!r}", "folder", "give the run folder "
+                                    "of an earlier run, one of its checkpoints/step_N folders "
+                                    "or an ldt-convert output folder"))
     found = latest(path)
     if found is None:
         raise CheckpointError(
@@ -297,13 +338,22 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
 
 
 def _fix(step_folder: str, field: str) -> str:
-    """The fix for a damaged checkpoint given as ``field``: an earlier complete one, if any."""
+    """The fix for a damaged checkpoint given as ``field`` (``train.resume`` / ``train.load``,
+    or a tool's argument such as ``CHECKPOINT``): an earlier complete one, if any."""
+    import shlex
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(step_folder)))
     earlier = [d for d in complete_steps(root)
                if os.path.basename(d) < os.path.basename(os.path.normpath(step_folder))]
+    training = field.startswith("train.")
+    if earlier and training:
+        return (f"give an earlier one ({shlex.quote(f'{field}={earlier[-1]}')}) or start "
+                f"without {field}")
     if earlier:
-        return f"give an earlier one ({field}={earlier[-1]}) or start without {field}"
-    return f"start without {field}, or restore the checkpoint from a copy"
+        return f"give an earlier one as {field} ({shlex.quote(earlier[-1])})"
+    if training:
+        return f"start without {field}, or restore the checkpoint from a copy"
+    return "restore the checkpoint from a copy"
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -341,21 +391,6 @@ def _nbytes(obj: Any) -> int:
 
 
 def _out_of_space(exc: BaseException, folder: str, needed: int) -> bool:
-    """ENOSPC / EDQUOT anywhere in the exception's chain (torch.distributed.checkpoint keeps
-    the writers' exceptions in ``failures``, and torch's zip writer hides the OSError behind
-    "unexpected pos"), or else less free space than the write needed."""
-    todo, seen = [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        todo += [e.__cause__, e.__context__]
-        for failure in (getattr(e, "failures", None) or {}).values():  # CheckpointException
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-    try:
-        return needed > 0 and shutil.disk_usage(folder).free < needed
-    except OSError:
-        return False
+    from ldt.storage.commit import out_of_space
+
+    return out_of_space(exc, folder, needed)

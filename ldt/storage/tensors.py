@@ -12,6 +12,7 @@ collective save (:mod:`ldt.training.checkpoint`). The folder format itself is
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -71,8 +72,10 @@ def read_tensors(index: dict, names) -> dict:
     for folder, group in by_folder.items():
         sd = {"model": {n: torch.empty(index[n][1].size, dtype=index[n][1].properties.dtype)
                         for n in group}}
-        dcp.load(sd, storage_reader=FileSystemReader(folder),
-                 planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(sd, storage_reader=FileSystemReader(folder),
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         out.update(sd["model"])
     return out
 

@@ -20,6 +20,7 @@ need from whichever stage folder holds them, and slices its TP shard).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -203,8 +204,10 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
                         | {"step": torch.zeros(())}
                         for n in names if with_state and f"optim.{n}.{kinds[0]}" in keys},
               "step": 0}
-        dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(sd, storage_reader=reader,
+                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         step = sd["step"]
         with torch.no_grad():
             for n in names:

@@ -105,7 +105,7 @@ def signal_stop(signum: int, step: int, saved: Optional[str], save_every: int,
                 last_checkpoint: Optional[str], run_dir: str) -> Stop:
     name = signal.Signals(signum).name
     if saved:
-        where = f"checkpoint {saved} written; resume with train.resume={run_dir}"
+        where = f"checkpoint {saved} written; resume with {_quoted('train.resume', run_dir)}"
     elif save_every:
         where = f"the last complete checkpoint is {last_checkpoint or 'none'}"
     else:
@@ -126,9 +126,16 @@ def nonfinite_stop(decision: Decision, step: int, loss: Optional[float], grad_no
 def save_failed_stop(error: str, step: int, last_checkpoint: Optional[str],
                      run_dir: str) -> Stop:
     resume = (f"the last complete checkpoint, {last_checkpoint}, is intact: free space and "
-              f"resume with train.resume={run_dir}" if last_checkpoint
+              f"resume with {_quoted('train.resume', run_dir)}" if last_checkpoint
               else "no earlier checkpoint exists")
     return Stop(f"{error} while saving the checkpoint of step {step}; {resume}")
+
+
+def _quoted(key: str, value: str) -> str:
+    """``key=value`` as a shell word (a folder with spaces pastes as one argument)."""
+    import shlex
+
+    return shlex.quote(f"{key}={value}")
 
 
 def peak_memory_gib(device: str) -> float:

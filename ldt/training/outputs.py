@@ -47,14 +47,22 @@ class MetricsLog:
                 old_keys = list(reader.fieldnames or [])
                 kept = [r for r in reader if r.get("step", "").isdigit()
                         and int(r["step"]) < first_step]
+        from ldt.storage.atomic import replacing
+
         self.keys = list(keys) + [k for k in old_keys if k not in keys]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.keys, restval="")
-            w.writeheader()
-            w.writerows(kept)
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a", newline="")
+        self._file = None
+        try:
+            with replacing(self.path) as tmp:
+                with open(tmp, "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=self.keys, restval="")
+                    w.writeheader()
+                    w.writerows(kept)
+                # opened before it is put in place: nothing can fail after the rows are gone
+                self._file = open(tmp, "a", newline="")
+        except BaseException:
+            if self._file is not None:
+                self._file.close()
+            raise
         self._writer = csv.DictWriter(self._file, fieldnames=self.keys, restval="",
                                       extrasaction="ignore")
 

@@ -116,16 +116,20 @@ def read_hf_config(folder: str):
     from ldt.userfiles import load_json_object
 
     if not os.path.isdir(folder):
-        raise ConfigError(f"{folder}: no such folder; give a Hugging Face model folder "
-                          "(config.json and *.safetensors)")
+        from ldt.userfiles import not_a
+
+        raise ConfigError(not_a(folder, folder, "folder", "give a Hugging Face model folder "
+                                "(config.json and *.safetensors)"))
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         raise ConfigError(f"{folder} has no config.json: give a Hugging Face model folder")
     load_json_object(path, "config.json")  # a syntax error named with its line and column
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # a user's file: transformers' (and huggingface_hub's strict
+        # dataclass) refusal of a field of the wrong type or value, whatever its class
+        first = ": ".join(ln.strip().rstrip(":") for ln in str(exc).strip().splitlines()[:2]) \
+            or type(exc).__name__
         raise ConfigError(f"{path} is not a config transformers can read ({first}); give the "
                           "config.json of a LlamaForCausalLM or Qwen2ForCausalLM") from None
 
@@ -167,6 +171,14 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
     family, model = model_config_of(hf_dir)
     source = SafetensorsFolder(hf_dir)
     shapes = full_shapes(model)
+    try:  # each source tensor's shape, checked before any arithmetic
+        hf_expected = hf_shapes(read_hf_config(hf_dir))
+    except ConfigError:
+        raise
+    except Exception as exc:  # transformers cannot build the model config.json describes
+        raise ConfigError(f"{hf_dir}/config.json describes a model transformers cannot build "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                          "); fix config.json or restore it from the model's source") from None
     tied_head = model.tie_embeddings and "lm_head.weight" not in source.names()
     used: set[str] = set()
     written, dtype = [], None
@@ -183,7 +195,18 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
                     raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing; config.json "
                                       f"says {family.architecture} with {model.num_layers} "
                                       "layers")
-                tensor = family.join(kind, [source.read([n])[n] for n in hf_names], model)
+                parts_read = source.read(hf_names)
+                for n in hf_names:
+                    got, want = tuple(parts_read[n].shape), hf_expected.get(n)
+                    if want is not None and got != want:
+                        raise ConfigError(
+                            f"{hf_dir}: tensor {n} has shape {got}, but its config.json "
+                            f"({family.architecture}, hidden {model.hidden_size}, "
+                            f"{model.num_attention_heads} heads / {model.num_query_groups} KV "
+                            f"groups, vocab {model.vocab_size}) implies {want}: the weights "
+                            "and config.json are from different models; give the config.json "
+                            "the weights were saved with")
+                tensor = family.join(kind, [parts_read[n] for n in hf_names], model)
                 if tuple(tensor.shape) != shapes[name]:
                     raise ConfigError(f"{hf_dir}: {' + '.join(hf_names)} gives {name} of shape "
                                       f"{tuple(tensor.shape)}, but config.json implies "
@@ -235,9 +258,18 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     from ldt.storage.atomic import check_output, new_folder
     from ldt.storage.tensors import read_tensors, tensor_index
 
+    from ldt.storage.runlock import check_not_training
+
     inputs = [("CHECKPOINT", ldt_path)]
     check_output(out_dir, flag="OUT", overwrite=overwrite, inputs=inputs)  # before any read
+    check_not_training(ldt_path, f"CHECKPOINT {ldt_path}")
     found = files.latest(ldt_path)
+    if found is None and os.path.exists(ldt_path) and not os.path.isdir(ldt_path):
+        from ldt.userfiles import not_a
+
+        raise ConfigError(not_a(ldt_path, f"CHECKPOINT {ldt_path}", "folder", "give a run "
+                                "folder with checkpoints/, one of its checkpoints/step_N folders "
+                                "or an ldt-convert import"))
     if found is None:
         raise ConfigError(f"{ldt_path!r} holds no complete ldt checkpoint (no "
                           f"{files.COMPLETE} marker); give a run folder with checkpoints/, "
@@ -246,7 +278,7 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     if skipped:
         log(f"ldt-convert: {skipped}")
     stages = [p for p in files.parts(found) if p.startswith("stage_")]
-    files.verify(found, which=stages, hashes=True)
+    files.verify(found, which=stages, hashes=True, field="CHECKPOINT")
     model = read_model_json(found) or model
     if model is None:
         raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "

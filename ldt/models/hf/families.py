@@ -148,6 +148,11 @@ class Family:
         if hf.hidden_act != "silu":
             raise ConfigError(f"{self.architecture}: hidden_act={hf.hidden_act!r}; the "
                               "family table knows the SiLU-gated MLP (silu) only")
+        kv, heads = getattr(hf, "num_key_value_heads", None), hf.num_attention_heads
+        if kv is not None and (not isinstance(heads, int) or heads < 1 or kv < 1 or heads % kv):
+            raise ConfigError(f"{self.architecture}: num_key_value_heads={kv} with "
+                              f"num_attention_heads={heads}; the KV heads must be >= 1 and "
+                              "divide the attention heads: fix config.json")
         head_dim = getattr(hf, "head_dim", None)
         return dict(
             name=f"{self.name}_imported", num_layers=hf.num_hidden_layers,
