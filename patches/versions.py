@@ -1,9 +1,9 @@
 """The megatron-core releases ldt supports, and what differs between them, as data.
 
 One place for both: :data:`SUPPORTED` is the range ``pyproject.toml`` pins and the version check
-names when it refuses a release (``tests/test_patches.py`` holds the two equal); :data:`TESTED`
-lists the releases the compatibility table of ``docs/megatron_versions.md`` was run on (CI runs
-the newest of each minor release: ``.ci/mcore``). :data:`CHANGES` names each difference
+names when it refuses a release (``tests/test_patches.py`` holds the two equal); :data:`RELEASES`
+lists the releases of that range that exist, :data:`TESTED` the ones a run proves (CI runs
+them: ``make test`` and ``.ci/mcore``; docs/megatron_versions.md's table says what ran where). :data:`CHANGES` names each difference
 between those releases that one of ldt's patches follows, the releases where it holds and
 where it is in megatron-core; a patch asks :func:`holds` instead of comparing versions itself.
 """
@@ -19,8 +19,11 @@ from packaging.version import Version
 
 # the releases ldt's patches are written for; every other release is refused in one line
 SUPPORTED = ">=0.16.0,<0.20"
-# the releases of that range that exist and were run (docs/megatron_versions.md)
-TESTED = ("0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+# the releases of that range that exist (PyPI, 2026-11); a patch targets at least one of them
+RELEASES = ("0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
+# the releases every CI run tests (`make test`: 0.16.1; `.ci/mcore`: the others); the refusal
+# names these, so a user knows which releases were actually run, not only allowed
+TESTED = ("0.16.1", "0.18.2", "0.19.2")
 
 # name -> (the releases where it holds, what and where it is in megatron-core)
 CHANGES: dict[str, tuple[str, str]] = {

@@ -1,9 +1,11 @@
 """The patch registry, the version check and the initialize_model_parallel patch."""
 
 import os
+import re
 import tomllib
 
 import pytest
+from packaging.version import Version
 
 from ldt import patches
 from ldt.config import ClusterConfig, StageConfig
@@ -15,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_version_check_accepts_the_tested_releases_and_refuses_the_others():
-    for good in versions.TESTED + ("0.19.3", "0.17.0rc1"):
+    for good in versions.RELEASES + ("0.19.3", "0.17.0rc1"):
         assert check_megatron_version(good) == good
     for bad in ("0.15.3", "0.20.0", "0.20.0rc0", "1.0.0"):
         with pytest.raises(PatchError) as err:
@@ -23,6 +25,16 @@ def test_version_check_accepts_the_tested_releases_and_refuses_the_others():
         message = str(err.value)
         assert "\n" not in message and f"megatron-core {bad} is installed" in message
         assert "megatron-core>=0.16.0,<0.20" in message  # the range, as pip takes it
+
+
+def test_the_releases_named_tested_are_the_ones_ci_runs():
+    """The refusal names ``TESTED`` as run: ``make test``'s release (0.16.1, the newest for
+    Python 3.11) and ``.ci/mcore``'s default list."""
+    with open(os.path.join(ROOT, ".ci", "mcore")) as f:
+        default = re.search(r'MCORE_VERSIONS=\$\{MCORE_VERSIONS:-([0-9. ]+)\}', f.read())
+    ci = ["0.16.1", *default.group(1).split()]
+    assert sorted(versions.TESTED, key=Version) == sorted(ci, key=Version)
+    assert set(versions.TESTED) <= set(versions.RELEASES)
 
 
 def test_pyproject_pins_the_range_the_patches_check():
@@ -38,14 +50,14 @@ def test_every_patch_states_the_releases_it_targets():
 
     _load_all()
     for patch in REGISTRY.values():
-        targeted = [v for v in versions.TESTED if patch.targets(v)]
+        targeted = [v for v in versions.RELEASES if patch.targets(v)]
         assert targeted, patch.name
         assert all(versions.in_range(versions.SUPPORTED, v) for v in targeted)
     moe = REGISTRY["moe_without_te"]
     assert moe.targets("0.16.1") and not moe.targets("0.17.0")
     assert versions.holds("backward_step_model_type", "0.16.0")
     assert not versions.holds("backward_step_model_type", "0.17.1")
-    assert [v for v in versions.TESTED if versions.holds("gtp_remat_groups", v)] == [
+    assert [v for v in versions.RELEASES if versions.holds("gtp_remat_groups", v)] == [
         "0.19.0", "0.19.2"]
 
 
