@@ -164,6 +164,8 @@ def test_resume_auto_continues_the_newest_checkpoint(tmp_path):
     assert resolved("/earlier/run")[1]["resume"] == "/earlier/run"  # not auto, not elastic
     done, train = resolved("auto", steps=5)
     assert "is step 4, the last of train.steps=5: the run is complete" in done
+    done, _ = resolved("auto", steps=3)  # a shorter train.steps than the run went
+    assert "is step 4, past the end of train.steps=3: the run is complete" in done
     assert train["resume"] is None
     assert os.path.isdir(newest)
 

@@ -282,8 +282,9 @@ def resume_auto(train: dict, run_dir: str, elastic: bool = False,
     step = int(read_info(found)["step"])
     if step + 1 >= train["steps"]:
         train["resume"] = None
-        return (f"{found} is step {step}, the last of train.steps={train['steps']}: the run "
-                "is complete, nothing left to train")
+        where = ("the last" if step + 1 == train["steps"] else "past the end")
+        return (f"{found} is step {step}, {where} of train.steps={train['steps']}: the run "
+                "is complete, nothing left to train (raise train.steps to go on)")
     train["resume"], train["load"] = found, None
     return None
 
