@@ -194,7 +194,8 @@ def test_hugging_face_configs_refused_by_name():
 
     from ldt.models.hf.families import family_of_hf
 
-    common = dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2)
+    common = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2)
     refusals = (
         (transformers.LlamaConfig(rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                    "rope_theta": 1e4,
