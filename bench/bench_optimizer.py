@@ -27,6 +27,20 @@ MODEL = dict(name="bench", num_layers=4, hidden_size=128, num_attention_heads=4,
 MBS, M, DP = 2, 4, 2
 STEPS = 8
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("optimizer-state bytes per rank at dp {dp}, distributed / replicated optimizer (bf16 + "
+     "fp32 main params, Adam)",
+     "**{state_bytes_ratio:.3f}** ({state_bytes_distributed} / {state_bytes_replicated} "
+     "bytes)", "0.5"),
+    ("step time, overlapped / plain grad reduce (fp32, dp {dp}; runs in ABBA order, medians, "
+     "quartiles)",
+     "{overlap_step_time_ratio:.3f} ({step_time_s_overlap:.3f} s, "
+     "{step_time_s_overlap_spread[q1]:.3f}-{step_time_s_overlap_spread[q3]:.3f} / "
+     "{step_time_s_no_overlap:.3f} s, {step_time_s_no_overlap_spread[q1]:.3f}-"
+     "{step_time_s_no_overlap_spread[q3]:.3f})", "-"),
+]
+
 
 def _cfg(dtype: str, **train) -> dict:
     return {"cluster": {"stages": [{"name": "s0", "device": "cpu", "tp": 1}], "dp": DP},

@@ -22,6 +22,13 @@ import tempfile
 CORPUS_BYTES = 16 << 20
 VOCAB = 4096
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("ldt-preprocess, {corpus_mb} MB of JSONL, 4096-token BPE: tokens/s with 1 / 2 workers "
+     "(outputs identical: {identical})",
+     "{tokens_per_s_1:,} / {tokens_per_s_2:,} (**{speedup_2:.2f}x**)", "-"),
+]
+
 
 def make_corpus(folder: str) -> str:
     path = os.path.join(folder, "stdlib.jsonl")

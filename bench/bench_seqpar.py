@@ -29,6 +29,18 @@ MBS, M, REPS = 2, 4, 10
 TPS = (2, 1)
 MIB = 2**20
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("TP 2 stage, peak saved activations per rank, sequence parallelism on / off (`[s,b,h]` "
+     "tensors); the planner's prediction",
+     "**{tp2_peak_activation_ratio:.3f}** ({tp2_sbh_activation_ratio:.3f}); planner "
+     "{planner_tp2_activation_mib[on]:.2f} / {planner_tp2_activation_mib[off]:.2f} MiB",
+     "~0.5 outside attention"),
+    ("step time on / off, TP 2 -> TP 1 (median, quartiles; one world on shared cores)",
+     "{step_time_ratio:.3f} ({step_time_ratio_spread[q1]:.3f}-"
+     "{step_time_ratio_spread[q3]:.3f}); losses differ by {loss_max_abs_diff:.1e}", "-"),
+]
+
 
 class SavedTensorMeter:
     """Live bytes of the tensors autograd saved for backward (parameters excluded), and the

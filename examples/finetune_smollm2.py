@@ -216,7 +216,8 @@ def main(argv=None) -> dict:
     del hf_model
     per_rank = run_local_world(4, worker, (ckpt, tokens, args.steps, args.lr), timeout_s=3600,
                                comm_timeout_s=600)
-    out = {"bench": "smollm2_finetune", "transformers_eval_loss": round(hf_loss, 4)}
+    out = {"bench": "smollm2_finetune", "steps": args.steps,
+           "transformers_eval_loss": round(hf_loss, 4)}
     print("random loss: held-out loss of a randomly initialised model of the same architecture;"
           " start loss: the first training step's")
     print(f"{'layout':16s} {'max|logits-hf|':>14s} {'random loss':>11s} {'start loss':>10s} "
