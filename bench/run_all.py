@@ -4,10 +4,11 @@ Each benchmark prints its own table and one JSON line with a "bench" key; this r
 them again together at the end and records each in ``bench/results/<name>.json`` (``name``:
 the module without ``bench_``), the latest run replacing the one before: the JSON line as the
 bench returned it, and when, on which commit, how long it took and the machine's load before
-and after (:func:`record`). bench/RESULTS.md's summary table is generated from those files
-(``python -m bench.summary``), so a published figure is the latest recorded run. A bench that
-was skipped (no namespaces, the example's download missing) or failed records nothing and
-leaves its previous file. ``make bench ARGS='p2p calibration'`` runs some of them.
+and after (:func:`record`). Then bench/RESULTS.md's summary table is generated again from those
+files (``bench.summary``), so a published figure is the latest recorded run, and the documents
+that quote a figure the new runs changed are named. A bench that was skipped (no namespaces,
+the example's download missing) or failed records nothing and leaves its previous file.
+``make bench ARGS='p2p calibration'`` runs some of them.
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ def main(argv=None) -> int:
     for r in results:
         print(json.dumps(r))
     if recorded:
-        print(f"recorded: {', '.join(recorded)}; `python -m bench.summary --write` updates "
-              "bench/RESULTS.md's summary table from them")
+        from bench import summary
+
+        print(f"recorded: {', '.join(recorded)}; bench/RESULTS.md's summary table generated "
+              "again")
+        stale = summary.main(["--write"])
+        failed += ["documents quoting earlier figures (above)"] if stale else []
     if failed:
         print(f"failed: {', '.join(failed)}")
     return 1 if failed else 0
