@@ -182,6 +182,7 @@ def main() -> dict:
         "step_time_ratio_spread": spread(r["on"] / r["off"] for r in rows),
         "loss_max_abs_diff": max(r["loss_diff"] for r in results if r["has_loss"]),
         "planner_tp2_activation_mib": planned,
+        "planner_tp2_activation_ratio": planned["on"] / planned["off"],
         "per_rank": per_rank,
     }, load_before=load)
 

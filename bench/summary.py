@@ -11,10 +11,11 @@ the latest recorded run, never a figure copied by hand.
 A document that quotes a bench's figure says so in the bench module too: ``QUOTES``, a list of
 ``(document, text)`` with ``text`` a template of the same kind; the test fails when the text
 rendered from the latest run is not in the document (a re-run that moves the figure asks for
-the document to follow).
+the document to follow). Templates also see ``recorded`` (the run's date, commit, load).
 
     python -m bench.summary            # print the table
     python -m bench.summary --write    # put it into bench/RESULTS.md
+    python -m bench.summary --quotes   # every quote as the latest runs give it, and where
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def render(template: str, result: dict, where: str) -> str:
                          f"({type(exc).__name__}: {exc})") from None
 
 
+def _fields(entry: dict) -> dict:
+    """What a template sees: the bench's JSON line and ``recorded``."""
+    return {**entry["result"], "recorded": entry["recorded"]}
+
+
 def _run(entry: dict) -> str:
     rec = entry["recorded"]
     load = rec["load"]
@@ -84,7 +90,7 @@ def rows(folder: str = RESULTS) -> list[tuple[str, str, str, str, str]]:
             out += [(name, figure, f"not recorded: `make bench ARGS={name}`", goal, "-")
                     for figure, _, goal in spec]
             continue
-        result, where = entry["result"], f"bench_{name}.SUMMARY"
+        result, where = _fields(entry), f"bench_{name}.SUMMARY"
         for figure, value, goal in spec:
             out.append((result["bench"], render(figure, result, where),
                         render(value, result, where), goal, _run(entry)))
@@ -107,7 +113,7 @@ def quotes(folder: str = RESULTS) -> list[tuple[str, str, str]]:
             if entry is None:
                 raise ValueError(f"bench_{name}.QUOTES quotes {doc}, and bench/results/"
                                  f"{name}.json does not exist: `make bench ARGS={name}`")
-            out.append((name, doc, render(text, entry["result"], f"bench_{name}.QUOTES")))
+            out.append((name, doc, render(text, _fields(entry), f"bench_{name}.QUOTES")))
     return out
 
 
@@ -127,7 +133,14 @@ def current_summary(text: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    parser.add_argument("--quotes", action="store_true",
+                        help="print what each document must say (and whether it does)")
     args = parser.parse_args(argv)
+    if args.quotes:
+        for name, doc, text in quotes():
+            found = text in open(os.path.join(ROOT, doc), encoding="utf-8").read()
+            print(f"{'ok   ' if found else 'STALE'} {doc} (bench_{name}): {text}")
+        return 0
     new = table()
     if not args.write:
         print(new)
