@@ -42,6 +42,21 @@ SUMMARY = [
      "{cases[0][lost_steps]} / {cases[1][lost_steps]} ({cases[0][lost_s]:.2f} / "
      "{cases[1][lost_s]:.2f} s)", "<= save_every"),
 ]
+_ROW = ("| {{cases[{i}][failure]}} | {{cases[{i}][save_every]}} | "
+        "{{cases[{i}][to_new_world_s]:.1f}} s | {{cases[{i}][to_first_step_s]:.1f}} s | "
+        "{{cases[{i}][lost_steps]}} | {{cases[{i}][lost_s]:.2f}} |")
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("README.md", "a killed cloud host costs about {cases[0][to_first_step_s]:.0f} s here (to the "
+     "re-planned world's first step; {cases[2][to_first_step_s]:.0f} s when its link is cut)"),
+    ("docs/elastic.md", "Here: {cases[0][to_new_world_s]:.1f} s to the new world, "
+     "{cases[0][to_first_step_s]:.1f} s to its first step"),
+    ("docs/elastic.md", "Here (5 s timeout): {cases[2][to_new_world_s]:.1f} s to the new world, "
+     "{cases[2][to_first_step_s]:.1f} s to its first step"),
+    ("docs/elastic.md", "(`make bench`'s latest run, {recorded[date]:.10}, load average "
+     "{recorded[load][before][0]:.1f} from other work)"),
+    ("docs/elastic.md", "a step {cases[0][step_s]:.2f} s"),
+] + [("docs/elastic.md", _ROW.format(i=i)) for i in range(4)]
 
 
 def _case(how: str, save_every: int, port: int) -> dict:

@@ -41,6 +41,14 @@ SUMMARY = [
     ("the same, one piece (the relay before #27)",
      "{ratio_whole:.3f} / {ratio_fast_whole:.3f} / {ratio_whole_unlimited:.3f}", "-"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/network.md", "400 Mbit/s: ldt {ldt_ms:.1f} ms, megatron's per-lane p2p "
+     "{megatron_ms:.1f} ms, ratio {ratio:.3f}"),
+    ("docs/network.md", "{ratio_fast:.3f} at 2000 Mbit/s ({ratio_whole:.3f} / "
+     "{ratio_fast_whole:.3f} with the message relayed whole, same rounds)"),
+    ("docs/network.md", "On an unlimited link {ratio_unlimited:.3f}"),
+]
 
 
 def _worker(out_path: str) -> None:

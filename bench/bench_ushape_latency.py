@@ -54,6 +54,31 @@ SUMMARY = [
 ]
 
 
+class Lateness:
+    """How late the delay emulation delivers each delayed message on this rank: the time
+    ``LinkDelay.wait`` returns minus the time it was due (``ldt.boundary.work``'s rule), a
+    measure of the emulation itself (thread wake-ups, the host's CPU quota), which the
+    simulator does not model."""
+
+    def __enter__(self):
+        from ldt.boundary.work import LinkDelay
+
+        self.values, self._original = [], LinkDelay.wait
+
+        def wait(delay, _original=self._original):
+            _original(delay)
+            due = max(delay.arrived + delay.delay_s, delay.posted + 2 * delay.delay_s)
+            self.values.append(time.monotonic() - due)
+
+        LinkDelay.wait = wait
+        return self
+
+    def __exit__(self, *exc):
+        from ldt.boundary.work import LinkDelay
+
+        LinkDelay.wait = self._original
+
+
 def _worker(out_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import tensor_parallel
@@ -122,14 +147,19 @@ def _worker(out_path: str) -> None:
     configs = [(k, d) for k in DELAYS for d in PREFETCH]
     states = {k: with_delay(k * t_f * 1e3) for k in DELAYS}
     times: dict[str, list[float]] = {f"{k}:{d}": [] for k, d in configs}
+    late: dict[str, list[float]] = {f"{k}:{d}": [] for k, d in configs}
     for i in range(REPS):
         for k, d in (configs if i % 2 == 0 else configs[::-1]):
-            times[f"{k}:{d}"].append(run(d, states[k])[0])
+            with Lateness() as seen:
+                times[f"{k}:{d}"].append(run(d, states[k])[0])
+            late[f"{k}:{d}"] += seen.values
     gathered = [None] * dist.get_world_size()
-    dist.gather_object((state.stage, recorded), gathered if dist.get_rank() == 0 else None, dst=0)
+    dist.gather_object((state.stage, recorded, late), gathered if dist.get_rank() == 0 else None,
+                       dst=0)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"t_f": t_f, "times": times, "recorded": gathered}, f)
+            json.dump({"t_f": t_f, "times": times, "recorded": [g[:2] for g in gathered],
+                       "late": {g[0]: g[2] for g in gathered}}, f)
     patches.revert()
     ldt.destroy_vtp()
     dist.destroy_process_group()
@@ -174,6 +204,10 @@ def _world(tmp: str) -> dict:
         with open(out) as f:
             data = json.load(f)
     data["median"] = {key: statistics.median(v) for key, v in data["times"].items()}
+    # the edge's delayed messages: how late each was delivered, and how many a step has
+    edge = data["late"]["0"]
+    data["late_ms"] = {key: (statistics.median(v) * 1e3 if v else 0.0, len(v) / REPS)
+                       for key, v in edge.items()}
     data["predicted"] = _predict(data.pop("recorded"), data["t_f"])
     return data
 
@@ -211,6 +245,11 @@ def main() -> dict:
                   f"{statistics.median(slow[key]):+7.1%} {statistics.median(pred[key]):+10.1%}")
     t_f = [r["t_f"] for r in runs]
     fill = [4 * 2 * r["t_f"] / r["median"]["0:1"] for r in runs]
+    late = {key: statistics.median(r["late_ms"][key][0] for r in runs) for key in slow}
+    per_step = {key: runs[0]["late_ms"][key][1] for key in slow}
+    print("  the edge's delayed messages per step, and how late the emulation delivered them "
+          "(median ms, median of worlds): " + ", ".join(
+              f"{key} {per_step[key]:.0f} x {late[key]:.2f}" for key in slow if per_step[key]))
     print(f"  t_f per world {' '.join(f'{x * 1e3:.2f}' for x in t_f)} ms; prefetch 1 / plain at "
           f"no delay: {statistics.median(r['median']['0:1'] / r['median']['0:0'] for r in runs):.3f};"
           f" the fill and drain alone pay 4 crossings of the delayed links, "
@@ -226,6 +265,8 @@ def main() -> dict:
               "seconds": round(time.perf_counter() - started, 1),
               "step_ms_spread": {key: spread(t * 1e3 for t in v)
                                  for key, v in runs[-1]["times"].items()},
+              "edge_delayed_messages_per_step": per_step,
+              "edge_delivery_late_ms": {key: round(v, 3) for key, v in late.items()},
               "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]}}
     for k in DELAYS[1:]:
         for d, tag in ((0, ""), (1, "_prefetch")):

@@ -117,6 +117,18 @@ def quotes(folder: str = RESULTS) -> list[tuple[str, str, str]]:
     return out
 
 
+def quoted(text: str, doc: str) -> bool:
+    """Whether ``doc`` (a document's text) says ``text``, line breaks and runs of spaces
+    counting as one space (a quote may wrap)."""
+    return " ".join(text.split()) in " ".join(doc.split())
+
+
+def stale_quotes(folder: str = RESULTS) -> list[tuple[str, str, str]]:
+    """The quotes (bench, document, text) a document does not say as the latest run gives."""
+    return [(name, doc, text) for name, doc, text in quotes(folder)
+            if not quoted(text, open(os.path.join(ROOT, doc), encoding="utf-8").read())]
+
+
 def replace_summary(text: str, new_table: str) -> str:
     """``text`` (RESULTS.md) with its generated summary replaced by ``new_table``."""
     if text.count(BEGIN) != 1 or text.count(END) != 1:
@@ -137,9 +149,10 @@ def main(argv=None) -> int:
                         help="print what each document must say (and whether it does)")
     args = parser.parse_args(argv)
     if args.quotes:
+        stale = stale_quotes()
         for name, doc, text in quotes():
-            found = text in open(os.path.join(ROOT, doc), encoding="utf-8").read()
-            print(f"{'ok   ' if found else 'STALE'} {doc} (bench_{name}): {text}")
+            print(f"{'STALE' if (name, doc, text) in stale else 'ok   '} {doc} (bench_{name}): "
+                  f"{text}")
         return 0
     new = table()
     if not args.write:
@@ -149,9 +162,9 @@ def main(argv=None) -> int:
         text = f.read()
     with open(RESULTS_MD, "w", encoding="utf-8") as f:
         f.write(replace_summary(text, new))
-    missing = [(n, d) for n, d, t in quotes() if t not in open(os.path.join(ROOT, d)).read()]
-    for name, doc in missing:
-        print(f"{doc} quotes bench_{name}'s figures from an earlier run: see bench_{name}.QUOTES")
+    missing = stale_quotes()
+    for name, doc, text in missing:
+        print(f"{doc} quotes bench_{name}'s figures from an earlier run; the latest says: {text}")
     return 1 if missing else 0
 
 
