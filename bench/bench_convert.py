@@ -33,6 +33,13 @@ SUMMARY = [
      "({import_peak_rss_gib:.2f} / {export_peak_rss_gib:.2f}); {import_s:.1f} / "
      "{export_s:.1f} s", "-"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("README.md", "a {checkpoint_gib:.2f} GiB checkpoint imports with a peak of "
+     "{import_peak_rss_gib:.2f} GiB of memory"),
+    ("docs/models.md", "(`bench/bench_convert.py`: a {checkpoint_gib:.2f} GiB checkpoint imports "
+     "with a peak of {import_peak_rss_gib:.2f} GiB)"),
+]
 
 
 def write_random_llama(folder: str, shard_bytes: int = 512 * 2**20) -> int:

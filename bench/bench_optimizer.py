@@ -40,6 +40,12 @@ SUMMARY = [
      "{step_time_s_no_overlap:.3f} s, {step_time_s_no_overlap_spread[q1]:.3f}-"
      "{step_time_s_no_overlap_spread[q3]:.3f})", "-"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/optimizer.md", "optimizer-state bytes per rank at dp {dp}, distributed over "
+     "replicated, **{state_bytes_ratio:.3f}**; step time with overlapped over plain gradient "
+     "reduce {overlap_step_time_ratio:.3f} in the latest run"),
+]
 
 
 def _cfg(dtype: str, **train) -> dict:

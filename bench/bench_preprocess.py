@@ -28,6 +28,12 @@ SUMMARY = [
      "(outputs identical: {identical})",
      "{tokens_per_s_1:,} / {tokens_per_s_2:,} (**{speedup_2:.2f}x**)", "-"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/data.md", "workers on {corpus_mb} MB of JSONL with a 4096-token BPE; on the 2-core "
+     "development machine (`make bench`'s latest run) {tokens_per_s_1:,} tokens/s with one "
+     "worker, {tokens_per_s_2:,} with two"),
+]
 
 
 def make_corpus(folder: str) -> str:

@@ -40,6 +40,23 @@ SUMMARY = [
      "{step_time_ratio:.3f} ({step_time_ratio_spread[q1]:.3f}-"
      "{step_time_ratio_spread[q3]:.3f}); losses differ by {loss_max_abs_diff:.1e}", "-"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/sequence_parallel.md", "| TP 2 stage, peak saved activations per rank (rank 0) | "
+     "{per_rank[0][peak_mib_off]:.2f} MiB | {per_rank[0][peak_mib_on]:.2f} MiB | "
+     "{tp2_peak_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| of which `[s, b, h]` tensors (outside attention / MLP) | "
+     "{per_rank[0][sbh_mib_off]:.2f} MiB | {per_rank[0][sbh_mib_on]:.2f} MiB | "
+     "{tp2_sbh_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| TP 1 stage | {per_rank[2][peak_mib_off]:.2f} MiB | "
+     "{per_rank[2][peak_mib_on]:.2f} MiB |"),
+    ("docs/sequence_parallel.md", "| planner's prediction for the TP 2 stage (no flash "
+     "attention) | {planner_tp2_activation_mib[off]:.2f} MiB | "
+     "{planner_tp2_activation_mib[on]:.2f} MiB | {planner_tp2_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| step time (median of {step_time_ratio_spread[n]}, on / off;"
+     " quartiles {step_time_ratio_spread[q1]:.2f}-{step_time_ratio_spread[q3]:.2f}) | | | "
+     "{step_time_ratio:.2f} |"),
+]
 
 
 class SavedTensorMeter:

@@ -31,6 +31,20 @@ SUMMARY = [
      "{ushape_tp1_tp3[eval_loss_before]:.4f} -> {ushape_tp1_tp3[eval_loss_after]:.4f}; "
      "{vtp_tp1_tp3[median_step_s]:.1f} / {ushape_tp1_tp3[median_step_s]:.1f}", "-"),
 ]
+_LAYOUT_ROW = ("| {name} | {{{key}[max_abs_logit_diff]:.1e}} | {{{key}[eval_loss_before]:.3f}} -> "
+               "{{{key}[eval_loss_after]:.3f}} | {{{key}[median_step_s]:.1f}} |")
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("examples/README.md", _LAYOUT_ROW.format(name="plain pipeline, TP 1 \\| TP 3",
+                                              key="vtp_tp1_tp3")),
+    ("examples/README.md", _LAYOUT_ROW.format(name="U-shape, edge TP 1, cloud TP 3",
+                                              key="ushape_tp1_tp3")),
+    ("examples/README.md", "transformers' own held-out loss on the same tokens is "
+     "{transformers_eval_loss:.3f}; the first training batch's loss is "
+     "{vtp_tp1_tp3[train_losses][0]:.2f}, against {vtp_tp1_tp3[random_init_eval_loss]:.2f} "
+     "for a randomly initialised model of the same architecture. It took "
+     "{recorded[seconds]:.0f} s in `make bench`'s latest run"),
+]
 
 
 def main(argv=None) -> dict:

@@ -63,6 +63,12 @@ SUMMARY = [
     ("the simulator: free messages; with the messages' own CPU time",
      "**{predicted_ratio:.3f}**; {predicted_ratio_with_comm:.3f}", "prediction within 10%"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/vdp.md", "measured {ratio_vdp_over_uniform:.3f} times the uniform step (medians of "
+     "{steps_measured[vdp]} steps each), simulated {predicted_ratio:.3f} with free messages and "
+     "{predicted_ratio_with_comm:.3f} with the messages' CPU time"),
+]
 
 
 def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, timeout_s: float = 600):
