@@ -105,16 +105,23 @@ def table(folder: str = RESULTS) -> str:
 
 
 def quotes(folder: str = RESULTS) -> list[tuple[str, str, str]]:
-    """``(bench, document, text)`` of every bench's QUOTES, rendered from its latest run."""
+    """``(bench, document, text)`` of every bench's QUOTES, rendered from its latest run (a
+    bench never recorded has none: :func:`unrecorded` names it)."""
     out = []
     for name in bench_modules():
         entry = recorded(name, folder)
+        if entry is None:
+            continue
         for doc, text in getattr(module(name), "QUOTES", []):
-            if entry is None:
-                raise ValueError(f"bench_{name}.QUOTES quotes {doc}, and bench/results/"
-                                 f"{name}.json does not exist: `make bench ARGS={name}`")
             out.append((name, doc, render(text, _fields(entry), f"bench_{name}.QUOTES")))
     return out
+
+
+def unrecorded(folder: str = RESULTS) -> list[str]:
+    """The benches with SUMMARY rows or QUOTES and no recorded run."""
+    return [name for name in bench_modules()
+            if (getattr(module(name), "SUMMARY", None) or getattr(module(name), "QUOTES", None))
+            and recorded(name, folder) is None]
 
 
 def quoted(text: str, doc: str) -> bool:
