@@ -26,9 +26,22 @@ def test_results_md_summary_is_generated_from_the_recorded_runs():
         "`python -m bench.summary --write` (after `make bench`), not an edit by hand")
 
 
-def test_every_bench_with_summary_rows_or_quotes_has_a_recorded_run():
+def test_every_bench_that_documents_quote_has_a_recorded_run():
     missing = summary.unrecorded()
     assert not missing, f"no bench/results/<name>.json for {missing}: make bench ARGS='...'"
+
+
+def test_an_unrecorded_bench_says_so_in_its_rows_and_its_quotes_are_not_dropped(tmp_path):
+    entry = json.load(open(os.path.join(summary.RESULTS, "elastic.json")))
+    json.dump(entry, open(tmp_path / "elastic.json", "w"))
+    # only elastic recorded: its quotes render, the other quoted benches are named unrecorded
+    assert {name for name, _, _ in summary.quotes(str(tmp_path))} == {"elastic"}
+    assert "convert" in summary.unrecorded(str(tmp_path))
+    assert "elastic" not in summary.unrecorded(str(tmp_path))
+    assert "planner" not in summary.unrecorded(str(tmp_path))  # SUMMARY rows, no QUOTES
+    planner = [r for r in summary.rows(str(tmp_path)) if r[0] == "planner"]
+    assert planner and all(r[2] == "not recorded: `make bench ARGS=planner`" and r[4] == "-"
+                           for r in planner)
 
 
 def test_documents_quote_the_latest_recorded_run():
