@@ -53,12 +53,28 @@ SUMMARY = [
      "worlds: {slowdown_2tf_prefetch_per_world}", "<= 5% at 2 t_f"),
 ]
 
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/network.md", "the edge's chunk forward, {t_f_ms:.2f} ms in the run; medians of {worlds} "
+     "worlds, {recorded[date]:.10}, load average {recorded[load][before][0]:.1f} from other "
+     "work): plain U-shape {slowdown_1tf:+.1%} / {slowdown_2tf:+.1%} (simulator: "
+     "{predicted_slowdown_1tf:+.1%} / {predicted_slowdown_2tf:+.1%}), prefetch 1 "
+     "{slowdown_1tf_prefetch:+.1%} / {slowdown_2tf_prefetch:+.1%} (simulator: "
+     "{predicted_slowdown_1tf_prefetch:+.1%} / {predicted_slowdown_2tf_prefetch:+.1%}; the "
+     "worlds at 2 t_f: {slowdown_2tf_prefetch_per_world[0]:+.1%}, "
+     "{slowdown_2tf_prefetch_per_world[1]:+.1%}, {slowdown_2tf_prefetch_per_world[2]:+.1%})"),
+    ("docs/network.md", "waited a median {edge_delivery_late_ms[1:0]:.2f} ms past a message's due "
+     "time at 1 t_f"),
+]
+
 
 class Lateness:
     """How late the delay emulation delivers each delayed message on this rank: the time
     ``LinkDelay.wait`` returns minus the time it was due (``ldt.boundary.work``'s rule), a
     measure of the emulation itself (thread wake-ups, the host's CPU quota), which the
-    simulator does not model."""
+    simulator does not model. A receive waited on after it was due (a prefetched one, posted
+    early) counts the time the message waited for its receiver too: only the plain
+    schedule's figures are the emulation's."""
 
     def __enter__(self):
         from ldt.boundary.work import LinkDelay
