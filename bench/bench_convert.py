@@ -36,7 +36,7 @@ SUMMARY = [
 # figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
 QUOTES = [
     ("README.md", "a {checkpoint_gib:.2f} GiB checkpoint imports with a peak of "
-     "{import_peak_rss_gib:.2f} GiB of memory"),
+     "{import_peak_rss_gib:.2f} GiB of memory, the libraries' {baseline_rss_gib:.2f} included)"),
     ("docs/models.md", "(`bench/bench_convert.py`: a {checkpoint_gib:.2f} GiB checkpoint imports "
      "with a peak of {import_peak_rss_gib:.2f} GiB)"),
 ]
