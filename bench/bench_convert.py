@@ -25,6 +25,22 @@ GIB = 2**30
 SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=12,
              num_attention_heads=16, num_key_value_heads=4)
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("peak resident memory above the libraries, ldt-convert import / export of a "
+     "{checkpoint_gib:.2f} GiB bf16 Llama (peak RSS)",
+     "{import_above_baseline_gib:.2f} / {export_above_baseline_gib:.2f} GiB "
+     "({import_peak_rss_gib:.2f} / {export_peak_rss_gib:.2f}); {import_s:.1f} / "
+     "{export_s:.1f} s", "-"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("README.md", "a {checkpoint_gib:.2f} GiB checkpoint imports with a peak of "
+     "{import_peak_rss_gib:.2f} GiB of memory, the libraries' {baseline_rss_gib:.2f} included)"),
+    ("docs/models.md", "(`bench/bench_convert.py`: a {checkpoint_gib:.2f} GiB checkpoint imports "
+     "with a peak of {import_peak_rss_gib:.2f} GiB)"),
+]
+
 
 def write_random_llama(folder: str, shard_bytes: int = 512 * 2**20) -> int:
     """A random bf16 Llama folder (config.json + sharded safetensors); returns its bytes."""

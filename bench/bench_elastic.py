@@ -29,6 +29,35 @@ NODES = [("edge_cpu", 1), ("cloud_cpu", 1), ("cloud_cpu", 1)]
 COMM_TIMEOUT = 5
 CASES = [("kill", 2), ("kill", 8), ("cut", 2), ("cut", 8)]
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("a cloud host killed -> first step of the re-planned world done, `train.save_every` 2 / 8 "
+     "(3 namespace hosts, comm_timeout_s {comm_timeout_s}; the new world formed)",
+     "**{cases[0][to_first_step_done_s]:.1f} / {cases[1][to_first_step_done_s]:.1f} s** "
+     "({cases[0][to_new_world_s]:.1f} / {cases[1][to_new_world_s]:.1f} s)", "-"),
+    ("a cloud host cut off: the same",
+     "**{cases[2][to_first_step_done_s]:.1f} / {cases[3][to_first_step_done_s]:.1f} s** "
+     "({cases[2][to_new_world_s]:.1f} / {cases[3][to_new_world_s]:.1f} s)", "-"),
+    ("steps lost per failure (trained again), save_every 2 / 8, kill",
+     "{cases[0][lost_steps]} / {cases[1][lost_steps]} ({cases[0][lost_s]:.2f} / "
+     "{cases[1][lost_s]:.2f} s)", "<= save_every"),
+]
+_ROW = ("| {{cases[{i}][failure]}} | {{cases[{i}][save_every]}} | "
+        "{{cases[{i}][to_new_world_s]:.1f}} s | {{cases[{i}][to_first_step_s]:.1f}} s | "
+        "{{cases[{i}][lost_steps]}} | {{cases[{i}][lost_s]:.2f}} |")
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("README.md", "a killed cloud host costs about {cases[0][to_first_step_s]:.0f} s here (to the "
+     "re-planned world's first step; {cases[2][to_first_step_s]:.0f} s when its link is cut)"),
+    ("docs/elastic.md", "Here: {cases[0][to_new_world_s]:.1f} s to the new world, "
+     "{cases[0][to_first_step_s]:.1f} s to its first step"),
+    ("docs/elastic.md", "Here (5 s timeout): {cases[2][to_new_world_s]:.1f} s to the new world, "
+     "{cases[2][to_first_step_s]:.1f} s to its first step"),
+    ("docs/elastic.md", "(`make bench`'s latest run, {recorded[date]:.10}, load average "
+     "{recorded[load][before][0]:.1f} from other work)"),
+    ("docs/elastic.md", "a step {cases[0][step_s]:.2f} s"),
+] + [("docs/elastic.md", _ROW.format(i=i)) for i in range(4)]
+
 
 def _case(how: str, save_every: int, port: int) -> dict:
     from ldt.plan.calibrate import read_action_times

@@ -30,6 +30,26 @@ FAST_MBIT = 2000  # a link where host 1's relay is a large share of the transfer
 REPS = 12
 TP = 2
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("boundary time ldt / megatron, TP 2 -> TP 2 on 2 namespace hosts, {mib} MiB, host 0's "
+     "link at 400 / 2000 Mbit/s / unlimited (the relay in pieces; median of 12 alternating; "
+     "400 Mbit/s quartiles)",
+     "**{ratio:.3f}** / **{ratio_fast:.3f}** / {ratio_unlimited:.3f} "
+     "({ratio_spread[q1]:.3f}-{ratio_spread[q3]:.3f}); {ldt_ms:.1f} / {megatron_ms:.1f} ms "
+     "at 400", "<= 0.55"),
+    ("the same, one piece (the relay before #27)",
+     "{ratio_whole:.3f} / {ratio_fast_whole:.3f} / {ratio_whole_unlimited:.3f}", "-"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/network.md", "400 Mbit/s: ldt {ldt_ms:.1f} ms, megatron's per-lane p2p "
+     "{megatron_ms:.1f} ms, ratio {ratio:.3f}"),
+    ("docs/network.md", "{ratio_fast:.3f} at 2000 Mbit/s ({ratio_whole:.3f} / "
+     "{ratio_fast_whole:.3f} with the message relayed whole, same rounds)"),
+    ("docs/network.md", "On an unlimited link {ratio_unlimited:.3f}"),
+]
+
 
 def _worker(out_path: str) -> None:
     import torch

@@ -48,6 +48,15 @@ PLANS = [  # (model, inventory, micro-batch size)
     ("qwen3_30b_a3b", "a100_910b", 1),  # MoE: 128 experts a layer, ~190 s to estimate
 ]
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("ldt-memory's estimate / real allocation per rank: the worst deviation over every rank "
+     "of cpu_demo, cpu_vtp, cpu_vdp and the MoE cases",
+     "**{estimate_vs_real_worst:.1%}**", "within 10%"),
+    ("planner's analytic memory / the estimate, per stage of the real-size plans: worst "
+     "deviation", "**{planner_vs_estimate_worst:.1%}**", "within 10%"),
+]
+
 
 def config(cluster: str, recompute: bool = False, sp: bool = False, *extra: str) -> dict:
     from omegaconf import OmegaConf

@@ -27,6 +27,26 @@ MODEL = dict(name="bench", num_layers=4, hidden_size=128, num_attention_heads=4,
 MBS, M, DP = 2, 4, 2
 STEPS = 8
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("optimizer-state bytes per rank at dp {dp}, distributed / replicated optimizer (bf16 + "
+     "fp32 main params, Adam)",
+     "**{state_bytes_ratio:.3f}** ({state_bytes_distributed} / {state_bytes_replicated} "
+     "bytes)", "0.5"),
+    ("step time, overlapped / plain grad reduce (fp32, dp {dp}; runs in ABBA order, medians, "
+     "quartiles)",
+     "{overlap_step_time_ratio:.3f} ({step_time_s_overlap:.3f} s, "
+     "{step_time_s_overlap_spread[q1]:.3f}-{step_time_s_overlap_spread[q3]:.3f} / "
+     "{step_time_s_no_overlap:.3f} s, {step_time_s_no_overlap_spread[q1]:.3f}-"
+     "{step_time_s_no_overlap_spread[q3]:.3f})", "-"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/optimizer.md", "optimizer-state bytes per rank at dp {dp}, distributed over "
+     "replicated, **{state_bytes_ratio:.3f}**; step time with overlapped over plain gradient "
+     "reduce {overlap_step_time_ratio:.3f} in the latest run"),
+]
+
 
 def _cfg(dtype: str, **train) -> dict:
     return {"cluster": {"stages": [{"name": "s0", "device": "cpu", "tp": 1}], "dp": DP},

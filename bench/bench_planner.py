@@ -49,6 +49,15 @@ LARGE = {  # size -> [(kinds and counts, edge kind, global batch)]
            ({"edge_gpu": 128, "ascend910b": 2560, "h100": 1408}, "edge_gpu", 8192)],
 }
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("worst gap to exhaustive search, same objective (small instances)", "{worst_gap:.1%}",
+     "0.0%"),
+    ("planning time, 64 / 256 / 1024 / 4096 devices (worst of plain, U-shape; median)",
+     "{plan_time_s_64:.2f} / {plan_time_s_256:.2f} / **{plan_time_s_1024:.2f}** / "
+     "**{plan_time_s_4096:.2f}** s", "1024: < 1 s, 4096: < 5 s"),
+]
+
 
 def _label(counts: dict[str, int], edge) -> str:
     text = " + ".join(f"{n} {k}" for k, n in counts.items())

@@ -22,6 +22,19 @@ import tempfile
 CORPUS_BYTES = 16 << 20
 VOCAB = 4096
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("ldt-preprocess, {corpus_mb} MB of JSONL, 4096-token BPE: tokens/s with 1 / 2 workers "
+     "(outputs identical: {identical})",
+     "{tokens_per_s_1:,} / {tokens_per_s_2:,} (**{speedup_2:.2f}x**)", "-"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/data.md", "workers on {corpus_mb} MB of JSONL with a 4096-token BPE; on the 2-core "
+     "development machine (`make bench`'s latest run) {tokens_per_s_1:,} tokens/s with one "
+     "worker, {tokens_per_s_2:,} with two"),
+]
+
 
 def make_corpus(folder: str) -> str:
     path = os.path.join(folder, "stdlib.jsonl")

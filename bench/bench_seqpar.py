@@ -29,6 +29,35 @@ MBS, M, REPS = 2, 4, 10
 TPS = (2, 1)
 MIB = 2**20
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("TP 2 stage, peak saved activations per rank, sequence parallelism on / off (`[s,b,h]` "
+     "tensors); the planner's prediction",
+     "**{tp2_peak_activation_ratio:.3f}** ({tp2_sbh_activation_ratio:.3f}); planner "
+     "{planner_tp2_activation_mib[on]:.2f} / {planner_tp2_activation_mib[off]:.2f} MiB",
+     "~0.5 outside attention"),
+    ("step time on / off, TP 2 -> TP 1 (median, quartiles; one world on shared cores)",
+     "{step_time_ratio:.3f} ({step_time_ratio_spread[q1]:.3f}-"
+     "{step_time_ratio_spread[q3]:.3f}); losses differ by {loss_max_abs_diff:.1e}", "-"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/sequence_parallel.md", "| TP 2 stage, peak saved activations per rank (rank 0) | "
+     "{per_rank[0][peak_mib_off]:.2f} MiB | {per_rank[0][peak_mib_on]:.2f} MiB | "
+     "{tp2_peak_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| of which `[s, b, h]` tensors (outside attention / MLP) | "
+     "{per_rank[0][sbh_mib_off]:.2f} MiB | {per_rank[0][sbh_mib_on]:.2f} MiB | "
+     "{tp2_sbh_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| TP 1 stage | {per_rank[2][peak_mib_off]:.2f} MiB | "
+     "{per_rank[2][peak_mib_on]:.2f} MiB |"),
+    ("docs/sequence_parallel.md", "| planner's prediction for the TP 2 stage (no flash "
+     "attention) | {planner_tp2_activation_mib[off]:.2f} MiB | "
+     "{planner_tp2_activation_mib[on]:.2f} MiB | {planner_tp2_activation_ratio:.3f} |"),
+    ("docs/sequence_parallel.md", "| step time (median of {step_time_ratio_spread[n]}, on / off;"
+     " quartiles {step_time_ratio_spread[q1]:.2f}-{step_time_ratio_spread[q3]:.2f}) | | | "
+     "{step_time_ratio:.2f} |"),
+]
+
 
 class SavedTensorMeter:
     """Live bytes of the tensors autograd saved for backward (parameters excluded), and the
@@ -170,6 +199,7 @@ def main() -> dict:
         "step_time_ratio_spread": spread(r["on"] / r["off"] for r in rows),
         "loss_max_abs_diff": max(r["loss_diff"] for r in results if r["has_loss"]),
         "planner_tp2_activation_mib": planned,
+        "planner_tp2_activation_ratio": planned["on"] / planned["off"],
         "per_rank": per_rank,
     }, load_before=load)
 

@@ -12,6 +12,10 @@ One world, one set of groups: a topology's boundary groups include the wraparoun
 boundary whether or not it is a U-shape, so the plain state is the U-shape state with the plain
 topology swapped in (no group is created while timing). Repetitions alternate ABBA.
 
+Every rank runs on a host of its own CPU quota (``bench.common.run_on_hosts``): the two
+schedules idle different stages at different times, and on shared cores an idle stage lent
+its core to the busy ones (issue #45).
+
 Prediction: the simulator replays the action lists both runs executed with the per-(stage, op)
 mean times recorded during these very runs (compute only, and again with the communication
 actions' own times and the stage start offsets, see ldt/plan/calibrate.py), and the ratio of the
@@ -22,13 +26,23 @@ from __future__ import annotations
 
 import dataclasses
 
-from bench.common import (build_chunks, emit, machine_load, make_batches, median, spread,
-                          timed_step, zero_grads)
+from bench.common import (HOST_CPUS, build_chunks, emit, machine_load, make_batches, median,
+                          run_on_hosts, spread, timed_step, zero_grads)
 
 MODEL = dict(name="bench", num_layers=6, hidden_size=128, num_attention_heads=4,
              ffn_hidden_size=512, vocab_size=256, seq_length=128)
 MBS, M, REPS = 2, 6, 24
 LAYOUTS = {"ushape": "Et|tt|tt|tL", "1f1b": "Ett|tt|ttL"}
+
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("step U-shape / plain 1F1B (TP [1,1,1], m=6, ldt's runtime), one rank per host of "
+     "{cpus_per_rank} core; median of per-repetition ratios (quartiles)",
+     "**{median_ratio:.3f}** ({ratio_spread[q1]:.3f}-{ratio_spread[q3]:.3f}); "
+     "{ushape_ms:.0f} / {1f1b_ms:.0f} ms", "-"),
+    ("the simulator's ratio from the runs' own action times (compute only)",
+     "**{predicted_ratio_with_comm:.3f}** ({predicted_ratio:.3f})", "-"),
+]
 
 
 def _worker(rank, world, model_dict, m, reps):
@@ -110,10 +124,14 @@ def _predict(per_rank: list, m: int) -> dict:
 
 
 def main() -> dict:
-    from ldt.launch import run_local_world
+    from ldt.testing.hosts import unavailable
 
+    reason = unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        return {"bench": "ushape_vs_1f1b", "skipped": reason}
     load = machine_load()
-    per_rank = run_local_world(3, _worker, (MODEL, M, REPS), timeout_s=240)
+    per_rank = run_on_hosts(_worker, (MODEL, M, REPS), 3)
     reps = per_rank[0]
     times = [{k: rep[k][0] for k in LAYOUTS} for rep in reps]
     ratios = [t["ushape"] / t["1f1b"] for t in times]
@@ -121,7 +139,8 @@ def main() -> dict:
     predicted = pred["ushape"]["raw"] / pred["1f1b"]["raw"]
     predicted_full = pred["ushape"]["full"] / pred["1f1b"]["full"]
     print(f"U-shape (Et|tt|tt|tL) vs plain 1F1B (Ett|tt|ttL), TP [1,1,1], {M} micro-batches of "
-          f"{MBS}x{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; ldt runtime for both")
+          f"{MBS}x{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; ldt runtime for both; "
+          f"one rank per host of {HOST_CPUS} core")
     print(f"{'rep':>4} {'ushape ms':>10} {'1f1b ms':>9} {'ratio':>7}")
     for i, t in enumerate(times):
         print(f"{i:>4} {t['ushape'] * 1e3:10.2f} {t['1f1b'] * 1e3:9.2f} {ratios[i]:7.3f}")
@@ -132,6 +151,7 @@ def main() -> dict:
     print(f"  median ratio ushape/1f1b {median(ratios):.3f}; predicted {predicted:.3f} "
           f"(compute only), {predicted_full:.3f} (+ communication)")
     return emit({"bench": "ushape_vs_1f1b", "median_ratio": round(median(ratios), 3),
+                 "cpus_per_rank": HOST_CPUS,
                  "ratio_spread": spread(ratios),
                  "predicted_ratio": round(predicted, 3),
                  "predicted_ratio_with_comm": round(predicted_full, 3),

@@ -11,7 +11,8 @@ The edge's two links (0 -> 1 and 2 -> 0) get an emulated one-way delay of 0, 1 a
 measured in this run at no delay. For every delay the plain U-shape (prefetch 0) and the
 prefetching one (prefetch 1) run in the same world, alternating; a step is timed between two
 world barriers. Slowdown = median step at that delay / median step of the same schedule at no
-delay.
+delay, per world; the bench runs ``RUNS`` worlds on fresh hosts (each measures its own t_f)
+and reports the median of their slowdowns, with each world's.
 
 Prediction: the simulator replays each schedule's action lists with the per-(stage, op) mean
 times and stage offsets recorded at no delay in this run (``ldt.plan.calibrate``), with the
@@ -38,6 +39,60 @@ CPUS = 0.6
 DELAYS = (0, 1, 2)  # in t_f
 PREFETCH = (0, 1)
 CAL_REPS, REPS = 3, 7
+RUNS = int(os.environ.get("LDT_BENCH_USHAPE_LATENCY_RUNS", "3"))  # worlds; figures: medians
+
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("U-shape step slowdown at edge link delay 1 / 2 t_f, plain schedule, 3 hosts of "
+     "{cpus_per_host} core (median of {worlds} worlds; simulator)",
+     "{slowdown_1tf:+.1%} / **{slowdown_2tf:+.1%}** ({predicted_slowdown_1tf:+.1%} / "
+     "{predicted_slowdown_2tf:+.1%})", "-"),
+    ("the same with prefetch 1 (each world's slowdown at 2 t_f)",
+     "{slowdown_1tf_prefetch:+.1%} / **{slowdown_2tf_prefetch:+.1%}** "
+     "({predicted_slowdown_1tf_prefetch:+.1%} / {predicted_slowdown_2tf_prefetch:+.1%}); "
+     "worlds: {slowdown_2tf_prefetch_per_world}", "<= 5% at 2 t_f"),
+]
+
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/network.md", "the edge's chunk forward, {t_f_ms:.2f} ms in the run; medians of {worlds} "
+     "worlds, {recorded[date]:.10}, load average {recorded[load][before][0]:.1f} from other "
+     "work): plain U-shape {slowdown_1tf:+.1%} / {slowdown_2tf:+.1%} (simulator: "
+     "{predicted_slowdown_1tf:+.1%} / {predicted_slowdown_2tf:+.1%}), prefetch 1 "
+     "{slowdown_1tf_prefetch:+.1%} / {slowdown_2tf_prefetch:+.1%} (simulator: "
+     "{predicted_slowdown_1tf_prefetch:+.1%} / {predicted_slowdown_2tf_prefetch:+.1%}; the "
+     "worlds at 2 t_f: {slowdown_2tf_prefetch_per_world[0]:+.1%}, "
+     "{slowdown_2tf_prefetch_per_world[1]:+.1%}, {slowdown_2tf_prefetch_per_world[2]:+.1%})"),
+    ("docs/network.md", "waited a median {edge_delivery_late_ms[1:0]:.2f} ms past a message's due "
+     "time at 1 t_f"),
+]
+
+
+class Lateness:
+    """How late the delay emulation delivers each delayed message on this rank: the time
+    ``LinkDelay.wait`` returns minus the time it was due (``ldt.boundary.work``'s rule), a
+    measure of the emulation itself (thread wake-ups, the host's CPU quota), which the
+    simulator does not model. A receive waited on after it was due (a prefetched one, posted
+    early) counts the time the message waited for its receiver too: only the plain
+    schedule's figures are the emulation's."""
+
+    def __enter__(self):
+        from ldt.boundary.work import LinkDelay
+
+        self.values, self._original = [], LinkDelay.wait
+
+        def wait(delay, _original=self._original):
+            _original(delay)
+            due = max(delay.arrived + delay.delay_s, delay.posted + 2 * delay.delay_s)
+            self.values.append(time.monotonic() - due)
+
+        LinkDelay.wait = wait
+        return self
+
+    def __exit__(self, *exc):
+        from ldt.boundary.work import LinkDelay
+
+        LinkDelay.wait = self._original
 
 
 def _worker(out_path: str) -> None:
@@ -108,14 +163,19 @@ def _worker(out_path: str) -> None:
     configs = [(k, d) for k in DELAYS for d in PREFETCH]
     states = {k: with_delay(k * t_f * 1e3) for k in DELAYS}
     times: dict[str, list[float]] = {f"{k}:{d}": [] for k, d in configs}
+    late: dict[str, list[float]] = {f"{k}:{d}": [] for k, d in configs}
     for i in range(REPS):
         for k, d in (configs if i % 2 == 0 else configs[::-1]):
-            times[f"{k}:{d}"].append(run(d, states[k])[0])
+            with Lateness() as seen:
+                times[f"{k}:{d}"].append(run(d, states[k])[0])
+            late[f"{k}:{d}"] += seen.values
     gathered = [None] * dist.get_world_size()
-    dist.gather_object((state.stage, recorded), gathered if dist.get_rank() == 0 else None, dst=0)
+    dist.gather_object((state.stage, recorded, late), gathered if dist.get_rank() == 0 else None,
+                       dst=0)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({"t_f": t_f, "times": times, "recorded": gathered}, f)
+            json.dump({"t_f": t_f, "times": times, "recorded": [g[:2] for g in gathered],
+                       "late": {g[0]: g[2] for g in gathered}}, f)
     patches.revert()
     ldt.destroy_vtp()
     dist.destroy_process_group()
@@ -142,19 +202,14 @@ def _predict(recorded: list, t_f: float) -> dict[str, float]:
     return out
 
 
-def main() -> dict:
-    from bench.common import machine_load, spread
-    from ldt.testing.hosts import Hosts, unavailable
+def _world(tmp: str) -> dict:
+    """One world on 3 fresh hosts: t_f, every step's time per (delay, prefetch), the
+    simulator's iteration per (delay, prefetch)."""
+    from ldt.testing.hosts import Hosts
 
-    reason = unavailable()
-    if reason:
-        print(f"skipped: {reason}")
-        return {"bench": "ushape_latency", "skipped": reason}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    started = time.perf_counter()
-    load = machine_load()
-    with tempfile.TemporaryDirectory() as tmp, Hosts(3, cpus=CPUS) as net:
-        out = os.path.join(tmp, "out.json")
+    with Hosts(3, cpus=CPUS) as net:
+        out = os.path.join(tmp, f"out{time.monotonic_ns()}.json")
         job = net.start([sys.executable, "-m", "bench.bench_ushape_latency", "--worker", out],
                         [1, 1, 1], cwd=root)
         results = job.wait(600)
@@ -164,40 +219,77 @@ def main() -> dict:
                                f"{bad[0].stderr[-3000:]}")
         with open(out) as f:
             data = json.load(f)
-    t_f, times = data["t_f"], data["times"]
-    med = {key: statistics.median(v) for key, v in times.items()}
-    pred = _predict(data["recorded"], t_f)
+    data["median"] = {key: statistics.median(v) for key, v in data["times"].items()}
+    # the edge's delayed messages: how late each was delivered, and how many a step has
+    edge = data["late"]["0"]
+    data["late_ms"] = {key: (statistics.median(v) * 1e3 if v else 0.0, len(v) / REPS)
+                       for key, v in edge.items()}
+    data["predicted"] = _predict(data.pop("recorded"), data["t_f"])
+    return data
 
-    def slow(table, k, d):
-        return table[f"{k}:{d}"] / table[f"0:{d}"] - 1
 
+def _slow(table: dict, k: int, d: int) -> float:
+    return table[f"{k}:{d}"] / table[f"0:{d}"] - 1
+
+
+def main() -> dict:
+    from bench.common import machine_load, spread
+    from ldt.testing.hosts import unavailable
+
+    reason = unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        return {"bench": "ushape_latency", "skipped": reason}
+    started = time.perf_counter()
+    load = machine_load()
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [_world(tmp) for _ in range(RUNS)]
     print(f"U-shape {LAYOUT}, 3 hosts x {CPUS} core, TP 1, {M} micro-batches of {MBS}x"
-          f"{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; t_f = {t_f * 1e3:.2f} ms "
-          f"(edge chunk forward); median of {REPS} steps, alternating")
-    print(f"{'one-way delay':>14} {'prefetch':>9} {'step ms':>9} {'slowdown':>9} "
-          f"{'predicted ms':>13} {'predicted':>10}  steps ms")
+          f"{MODEL['seq_length']}, hidden {MODEL['hidden_size']}; {RUNS} worlds, each: t_f "
+          f"(edge chunk forward) measured, then the median of {REPS} steps per row, "
+          f"alternating; slowdowns per world, then their median")
+    print(f"{'one-way delay':>14} {'prefetch':>9} {'step ms (world 1)':>18} "
+          f"{'slowdown per world':>28} {'median':>7} {'predicted':>10}")
+    slow, pred = {}, {}
     for k in DELAYS:
         for d in PREFETCH:
             key = f"{k}:{d}"
-            print(f"{f'{k} t_f':>14} {d:>9} {med[key] * 1e3:9.1f} "
-                  f"{slow(med, k, d):9.1%} {pred[key] * 1e3:13.1f} "
-                  f"{slow(pred, k, d):10.1%}  {' '.join(f'{t * 1e3:.0f}' for t in times[key])}")
-    fill = 4 * 2 * t_f / med["0:1"]
-    print(f"  prefetch 1 / plain at no delay: {med['0:1'] / med['0:0']:.3f} (predicted "
-          f"{pred['0:1'] / pred['0:0']:.3f}); the fill and drain alone pay 4 crossings of the "
-          f"delayed links, {fill:.1%} of the step at 2 t_f")
-    result = {"bench": "ushape_latency", "t_f_ms": round(t_f * 1e3, 2), "m": M,
-              "step_ms_no_delay": round(med["0:0"] * 1e3, 1),
-              "prefetch_2tf_vs_plain_no_delay": round(med["2:1"] / med["0:0"] - 1, 3),
+            slow[key] = [_slow(r["median"], k, d) for r in runs]
+            pred[key] = [_slow(r["predicted"], k, d) for r in runs]
+            print(f"{f'{k} t_f':>14} {d:>9} {runs[0]['median'][key] * 1e3:18.1f} "
+                  f"{' '.join(f'{x:+7.1%}' for x in slow[key]):>28} "
+                  f"{statistics.median(slow[key]):+7.1%} {statistics.median(pred[key]):+10.1%}")
+    t_f = [r["t_f"] for r in runs]
+    fill = [4 * 2 * r["t_f"] / r["median"]["0:1"] for r in runs]
+    late = {key: statistics.median(r["late_ms"][key][0] for r in runs) for key in slow}
+    per_step = {key: runs[0]["late_ms"][key][1] for key in slow}
+    print("  the edge's delayed messages per step, and how late the emulation delivered them "
+          "(median ms, median of worlds): " + ", ".join(
+              f"{key} {per_step[key]:.0f} x {late[key]:.2f}" for key in slow if per_step[key]))
+    print(f"  t_f per world {' '.join(f'{x * 1e3:.2f}' for x in t_f)} ms; prefetch 1 / plain at "
+          f"no delay: {statistics.median(r['median']['0:1'] / r['median']['0:0'] for r in runs):.3f};"
+          f" the fill and drain alone pay 4 crossings of the delayed links, "
+          f"{statistics.median(fill):.1%} of the step at 2 t_f")
+    result = {"bench": "ushape_latency", "m": M, "cpus_per_host": CPUS, "worlds": RUNS,
+              "steps_per_row": REPS,
+              "t_f_ms": round(statistics.median(t_f) * 1e3, 2),
+              "t_f_ms_per_world": [round(x * 1e3, 2) for x in t_f],
+              "step_ms_no_delay": round(statistics.median(r["median"]["0:0"] for r in runs)
+                                        * 1e3, 1),
+              "prefetch_2tf_vs_plain_no_delay": round(statistics.median(
+                  r["median"]["2:1"] / r["median"]["0:0"] - 1 for r in runs), 3),
               "seconds": round(time.perf_counter() - started, 1),
-              "step_ms_spread": {key: spread(t * 1e3 for t in v) for key, v in times.items()},
+              "step_ms_spread": {key: spread(t * 1e3 for t in v)
+                                 for key, v in runs[-1]["times"].items()},
+              "edge_delayed_messages_per_step": per_step,
+              "edge_delivery_late_ms": {key: round(v, 3) for key, v in late.items()},
               "load": {"before": load["loadavg"], "after": machine_load()["loadavg"]}}
     for k in DELAYS[1:]:
-        result[f"slowdown_{k}tf"] = round(slow(med, k, 0), 3)
-        result[f"slowdown_{k}tf_prefetch"] = round(slow(med, k, 1), 3)
-    for k in DELAYS[1:]:
-        result[f"predicted_slowdown_{k}tf"] = round(slow(pred, k, 0), 3)
-        result[f"predicted_slowdown_{k}tf_prefetch"] = round(slow(pred, k, 1), 3)
+        for d, tag in ((0, ""), (1, "_prefetch")):
+            result[f"slowdown_{k}tf{tag}"] = round(statistics.median(slow[f"{k}:{d}"]), 3)
+            result[f"slowdown_{k}tf{tag}_per_world"] = [round(x, 3) for x in slow[f"{k}:{d}"]]
+            result[f"predicted_slowdown_{k}tf{tag}"] = round(statistics.median(
+                pred[f"{k}:{d}"]), 3)
     print(json.dumps(result))
     return result
 

@@ -38,7 +38,6 @@ import csv
 import os
 import re
 import statistics
-import sys
 import tempfile
 from collections import defaultdict
 
@@ -54,20 +53,29 @@ WORLD = {"uniform": 4, "vdp": 3}
 # (bench/RESULTS.md); 4 x 0.3 = 1.2 cores leaves room for them. LDT_BENCH_VDP_CPUS overrides.
 CPUS = float(os.environ.get("LDT_BENCH_VDP_CPUS", "0.3"))
 
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("step edge dp 1 / cloud dp 2 vs uniform dp 2 (U-shape, gpt_tiny, `Et\\|tttt\\|tL`, m=4), "
+     "one rank per host of {cpus_per_rank} core (medians, quartiles)",
+     "**{ratio_vdp_over_uniform:.3f}** ({step_s_vdp:.3f} s, {step_s_vdp_spread[q1]:.3f}-"
+     "{step_s_vdp_spread[q3]:.3f} / {step_s_uniform:.3f} s, "
+     "{step_s_uniform_spread[q1]:.3f}-{step_s_uniform_spread[q3]:.3f})", "-"),
+    ("the simulator: free messages; with the messages' own CPU time",
+     "**{predicted_ratio:.3f}**; {predicted_ratio_with_comm:.3f}", "prediction within 10%"),
+]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/vdp.md", "measured {ratio_vdp_over_uniform:.3f} times the uniform step (medians of "
+     "{steps_measured[vdp]} steps each), simulated {predicted_ratio:.3f} with free messages and "
+     "{predicted_ratio_with_comm:.3f} with the messages' CPU time"),
+]
+
 
 def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, timeout_s: float = 600):
     """``ldt-train`` with one rank per host, each host ``CPUS`` cores (torchrun's environment)."""
-    from ldt.testing.hosts import Hosts
+    from bench import common
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides]
-    with Hosts(ranks, cpus=CPUS) as net:
-        results = net.start(argv, [1] * ranks, cwd=root,
-                            env={"PYTHONWARNINGS": "ignore"}).wait(timeout_s)
-    bad = [r for r in results if r.returncode != 0]
-    if bad:
-        raise RuntimeError(f"{' '.join(argv)}: rank {bad[0].rank} failed ({bad[0].returncode}):"
-                           f"\n{bad[0].stderr[-3000:]}")
+    common.train_on_hosts(run_dir, overrides, ranks, cpus=CPUS, timeout_s=timeout_s)
 
 
 def _step_times(run_dir: str) -> list[float]:

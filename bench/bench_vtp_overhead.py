@@ -19,21 +19,38 @@ Both states live in the same world: megatron's groups are created first and its
 (no group is created or destroyed while timing). Repetitions alternate which path goes first
 (ABBA), so drift from other load on the machine hits both. Timed: forward + backward of all
 micro-batches between two world barriers (the optimizer step is identical on both paths and
-left out). Prints a per-repetition table and one JSON line.
+left out). Every rank runs on a host of its own CPU quota (``bench.common.run_on_hosts``,
+``HOST_CPUS`` cores each): on shared cores a rank idle in one path's bubbles or transfers
+lends its core to the others (issue #45). Prints a per-repetition table and one JSON line.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.common import (build_chunks, emit, machine_load, make_batches, median, spread,
-                          timed_step, zero_grads)
+from bench.common import (HOST_CPUS, build_chunks, emit, machine_load, make_batches, median,
+                          run_on_hosts, spread, timed_step, zero_grads)
 
 MODEL = dict(name="bench", num_layers=8, hidden_size=128, num_attention_heads=4,
              ffn_hidden_size=512, vocab_size=256, seq_length=128)
 MBS, M = 2, 4
 REPS = 20
-TP_CASES = [(1, 1), (2, 2)]  # world sizes 2 and 4 on a 2-core machine
+TP_CASES = [(1, 1), (2, 2)]  # world sizes 2 and 4
+
+# bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
+SUMMARY = [
+    ("step ldt / megatron (megatron's 1F1B over ldt's boundaries), TP [1,1] / [2,2], one rank "
+     "per host of {cpus_per_rank} core; median of per-repetition ratios (quartiles)",
+     "**{median_ratio_by_tp[1x1]:.3f}** ({ratio_spread_by_tp[1x1][q1]:.3f}-"
+     "{ratio_spread_by_tp[1x1][q3]:.3f}) / **{median_ratio_by_tp[2x2]:.3f}** "
+     "({ratio_spread_by_tp[2x2][q1]:.3f}-{ratio_spread_by_tp[2x2][q3]:.3f})", "<= 1.05"),
+    ("ldt's runtime (`train.runtime=ldt`) / megatron, TP [1,1] / [2,2]",
+     "{runtime_median_ratio_by_tp[1x1]:.3f} / {runtime_median_ratio_by_tp[2x2]:.3f}", "-"),
+    ("megatron's step (forward + backward, 4 micro-batches), TP [1,1] / [2,2]",
+     "{megatron_ms[1x1]:.0f} / {megatron_ms[2x2]:.0f} ms", "-"),
+    ("largest loss difference ldt / megatron (same weights, same batches)",
+     "{max_loss_diff:.1e}", "-"),
+]
 
 
 def _snapshot(module) -> dict:
@@ -132,9 +149,7 @@ def _worker(rank, world, tps, model_dict, reps):
 
 
 def _case(tps: tuple) -> dict:
-    from ldt.launch import run_local_world
-
-    results = run_local_world(sum(tps), _worker, (list(tps), MODEL, REPS), timeout_s=240)
+    results = run_on_hosts(_worker, (list(tps), MODEL, REPS), sum(tps))
     rows = results[0]["rows"]
     loss_diff = max(r["loss_diff"] for r in results if r["has_loss"])
     ratios = [r["ldt"] / r["megatron"] for r in rows]
@@ -163,14 +178,22 @@ def _print(case: dict) -> None:
 
 
 def main() -> dict:
+    from ldt.testing.hosts import unavailable
+
+    reason = unavailable()
+    if reason:
+        print(f"skipped: {reason}")
+        return {"bench": "vtp_overhead", "skipped": reason}
     load = machine_load()
     cases = [_case(tps) for tps in TP_CASES]
     print(f"model: {MODEL['num_layers']} layers, hidden {MODEL['hidden_size']}, seq "
-          f"{MODEL['seq_length']}, micro-batch {MBS}, {M} micro-batches; {REPS} repetitions")
+          f"{MODEL['seq_length']}, micro-batch {MBS}, {M} micro-batches; {REPS} repetitions; "
+          f"one rank per host of {HOST_CPUS} core")
     for c in cases:
         _print(c)
     worst = max(cases, key=lambda c: c["median_ratio"])
     return emit({"bench": "vtp_overhead", "median_ratio": round(worst["median_ratio"], 3),
+                 "cpus_per_rank": HOST_CPUS,
                  "median_ratio_by_tp": {"x".join(map(str, c["tp"])): round(c["median_ratio"], 3)
                                         for c in cases},
                  "runtime_median_ratio_by_tp": {"x".join(map(str, c["tp"])):
@@ -178,7 +201,8 @@ def main() -> dict:
                  "ratio_spread_by_tp": {"x".join(map(str, c["tp"])): spread(c["ratios"])
                                         for c in cases},
                  "megatron_ms": {"x".join(map(str, c["tp"])): round(c["megatron_ms"], 2)
-                                 for c in cases}}, load_before=load)
+                                 for c in cases},
+                 "max_loss_diff": max(c["loss_diff"] for c in cases)}, load_before=load)
 
 
 if __name__ == "__main__":

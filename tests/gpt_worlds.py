@@ -134,6 +134,52 @@ class RecomputeCount:
             cls.forward = staticmethod(original)
 
 
+# A variant's ``transport``: how a boundary message reaches a stage of TP > 1
+# (cluster.boundary_fanout and the relay's piece unit, ldt.boundary.relay), and the route
+# :class:`TransportCount` must then see: ``fanout`` the sending leader's copy straight to every
+# rank, ``whole`` one copy to the leader and its broadcast (or scatter), ``pieces`` the
+# leader's relay piece by piece (64 bytes: every message of this model is many pieces).
+TRANSPORTS = {
+    "fanout": ({"boundary_fanout": "auto"}, "fanout"),  # one machine: auto fans out
+    "always": ({"boundary_fanout": "always"}, "fanout"),
+    "relay": ({"boundary_fanout": "never"}, "whole"),
+    "pieces": ({"boundary_fanout": "never", "piece_bytes": 64}, "pieces"),
+}
+ROUTES = ("fanout", "whole", "pieces")
+
+
+class TransportCount:
+    """Receives into a stage of TP > 1 per route (:data:`ROUTES`), counted on every rank of
+    that stage where the route's code runs: the fan-out receive, the leader's broadcast or
+    scatter of a whole message (every rank joins it), the piece relay. The proof that a
+    variant ran the transport it names, and no other."""
+
+    def __enter__(self):
+        from ldt.boundary.communicator import VtpCommunicator
+        from ldt.boundary.layout import SequenceLayout
+        from ldt.boundary.relay import PieceRelay
+
+        self.calls, self._undo = dict.fromkeys(ROUTES, 0), []
+        for cls, name, route, tp in (
+                (VtpCommunicator, "_recv_fanout", "fanout", lambda c: c.layout.tp),
+                (SequenceLayout, "distribute", "whole", lambda layout: layout.tp),
+                (PieceRelay, "run", "pieces", lambda r: r.layout.tp)):
+            original = getattr(cls, name)
+
+            def counted(obj, *args, _original=original, _route=route, _tp=tp, **kwargs):
+                if _tp(obj) > 1:
+                    self.calls[_route] += 1
+                return _original(obj, *args, **kwargs)
+
+            setattr(cls, name, counted)
+            self._undo.append((cls, name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, original in self._undo:
+            setattr(cls, name, original)
+
+
 def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False, recompute=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -201,20 +247,24 @@ def reference(rank, world, ms, seed=1234):
 
 def variant_topology(topo, v: dict):
     """``topo`` with a variant's chunks per stage (``vpp``: an even layout of that many
-    chunks per stage; the U-shape keeps its own) and ``host_staging``."""
+    chunks per stage; the U-shape keeps its own), ``host_staging`` and ``transport``'s
+    ``cluster.boundary_fanout`` (:data:`TRANSPORTS`)."""
     from ldt.layout import split_layers
 
     layout = None if topo.u_shape else even_layout(MODEL.num_layers,
                                                       v.get("vpp", 1) * topo.num_stages)
     split = split_layers(MODEL.num_layers, topo.num_stages, u_shape=topo.u_shape, layout=layout)
-    return dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False))
+    settings, _ = TRANSPORTS[v.get("transport", "fanout")]
+    return dataclasses.replace(topo, split=split, force_host_staging=v.get("host_staging", False),
+                               boundary_fanout=settings["boundary_fanout"])
 
 
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
-    "forward_only": bool, "recompute": see :func:`recompute_kwargs`, "piece_bytes": int}) in
-    one world. ``piece_bytes``: the relay's piece unit (ldt.boundary.relay), small enough to
-    split this tiny model's messages."""
+    "forward_only": bool, "recompute": see :func:`recompute_kwargs`, "transport": a key of
+    :data:`TRANSPORTS`, default ``fanout``}) in one world; each rank returns, per variant, its
+    losses, gradients, what crossed (``sent``), the recomputations and the routes its
+    receives took (:class:`TransportCount`)."""
     import ldt
     from ldt import patches
     from ldt.boundary.communicator import VtpCommunicator
@@ -226,9 +276,10 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         state = _setup(t, observers=[audit])
         Tripwire.touched = False
         default_unit = VtpCommunicator.piece_unit_bytes
-        VtpCommunicator.piece_unit_bytes = v.get("piece_bytes", default_unit)
+        settings, _ = TRANSPORTS[v.get("transport", "fanout")]
+        VtpCommunicator.piece_unit_bytes = settings.get("piece_bytes", default_unit)
         try:
-            with RecomputeCount() as recomputed:
+            with RecomputeCount() as recomputed, TransportCount() as routes:
                 losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
                                               overlap=v.get("overlap", False),
                                               forward_only=v.get("forward_only", False),
@@ -237,7 +288,8 @@ def vtp_run(rank, world, topo, full_state, m, variants):
             VtpCommunicator.piece_unit_bytes = default_unit
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
-                        "touched_data": Tripwire.touched, "recomputed": recomputed.calls})
+                        "touched_data": Tripwire.touched, "recomputed": recomputed.calls,
+                        "routes": routes.calls})
         patches.revert()
         ldt.destroy_vtp()
     return results

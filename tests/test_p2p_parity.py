@@ -3,12 +3,19 @@
 A tiny GPTModel (local spec, fp32, dropout 0) split into stages with different TP sizes must
 match the single-process reference: loss within 1e-6 relative, every gradient within 1e-5.
 One world per TP list runs every schedule variant.
+
+TP 2/1/2 runs every transport into a TP 2 stage (:data:`gpt_worlds.TRANSPORTS`: fan-out,
+``cluster.boundary_fanout=always``; the relay of a whole message, ``never``; the relay in
+pieces) under each of megatron's schedules (1F1B, interleaved, interleaved with
+``overlap_p2p_comm``); the other TP lists take one transport per schedule, ``auto`` (fan-out on
+one machine) among them. Every variant also shows that its receives took the route it names
+and no other (:class:`gpt_worlds.TransportCount`).
 """
 
 import pytest
 import torch
 
-from gpt_worlds import reference, vtp_run
+from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
 from ldt.launch import run_local_world
 from ldt.models.sharding import unshard
 from ldt.topology import Stage, Topology
@@ -21,6 +28,15 @@ VARIANTS = [
     {"name": "interleaved", "vpp": 2, "overlap": False},
     {"name": "interleaved_overlap", "vpp": 2, "overlap": True},
 ]
+
+
+def under(schedules: list[dict], transports: list[str], pairwise: bool = False) -> list[dict]:
+    """Every schedule under every transport; ``pairwise``: schedule i under transport i."""
+    pairs = (list(zip(schedules, transports, strict=True)) if pairwise
+             else [(s, t) for t in transports for s in schedules])
+    return [{**s, "name": f"{s['name']}_{t}", "transport": t} for s, t in pairs]
+
+
 # megatron's activation recomputation, chosen per stage (docs/memory.md): the same run
 # (no mlp: the parity model has biases, which megatron's MLP checkpoint cannot take; refused)
 SELECTIVE_ALL = {"granularity": "selective", "modules": ["core_attn", "layernorm"]}
@@ -32,15 +48,12 @@ RECOMPUTE_VARIANTS = [
     {"name": "interleaved_recompute_full", "vpp": 2, "recompute": FULL_UNIFORM},
 ]
 CASES = {
-    "tp212": ([2, 1, 2], VARIANTS + [{"name": "1f1b_host_staged", "host_staging": True},
-                                     # every message in pieces (ldt.boundary.relay)
-                                     {"name": "interleaved_overlap_pieces", "vpp": 2,
-                                      "overlap": True, "piece_bytes": 64},
-                                     {"name": "1f1b_host_staged_pieces", "host_staging": True,
-                                      "piece_bytes": 64}]
-              + RECOMPUTE_VARIANTS),
-    "tp12_ring": ([1, 2], VARIANTS),
-    "tp22_uniform": ([2, 2], VARIANTS),
+    "tp212": ([2, 1, 2], under(VARIANTS, ["always", "relay", "pieces"])
+              + under([{"name": "1f1b_host_staged", "host_staging": True}] * 2,
+                      ["always", "pieces"], pairwise=True)
+              + RECOMPUTE_VARIANTS),  # auto
+    "tp12_ring": ([1, 2], under(VARIANTS, ["pieces", "fanout", "relay"], pairwise=True)),
+    "tp22_uniform": ([2, 2], under(VARIANTS, ["relay", "pieces", "fanout"], pairwise=True)),
 }
 
 
@@ -88,6 +101,20 @@ def test_loss_and_grads_match_reference(case, ref):
             assert torch.count_nonzero(want) > 0, name  # a gradient that flows at all
             diff = (grads[name] - want).abs().max().item()
             assert diff <= GRAD_ATOL, (v["name"], name, diff)
+
+
+def test_each_variant_ran_the_transport_it_names(case):
+    """Receives into the TP 2 stages went by the variant's route, and by no other: a variant
+    named after the relay in pieces that fans out (the issue #45 found) fails here."""
+    topo, variants, out = case
+    for i, v in enumerate(variants):
+        want = TRANSPORTS[v.get("transport", "fanout")][1]
+        calls = {route: sum(rank[i]["routes"][route] for rank in out) for route in ROUTES}
+        assert calls[want] > 0, (v["name"], calls)
+        assert all(n == 0 for route, n in calls.items() if route != want), (v["name"], calls)
+        # counted on the TP 2 stages' ranks only
+        assert all(sum(rank[i]["routes"].values()) == 0 for rank in out
+                   if topo.stages[rank[i]["stage"]].tp == 1), v["name"]
 
 
 def expected_recomputes(recompute, stage: int, chunk_layers: list[int], m: int) -> int:

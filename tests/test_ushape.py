@@ -3,17 +3,23 @@
 Loss within 1e-6 relative, every gradient within 1e-5 absolute, for TP lists [1,2,1],
 [2,1] (a two-stage ring) and [1,1,1,1], with fewer and more micro-batches than stages; and
 evaluation (``forward_only=True``): the same losses, no gradient anywhere. The same worlds
-record every boundary tensor (the audit) and whether a cloud rank read data.
+record every boundary tensor (the audit) and whether a cloud rank read data. Into a TP 2
+stage the messages go by fan-out (``auto``, one machine) and, in variants of their own, by
+the relay of whole messages and in pieces (:data:`gpt_worlds.TRANSPORTS`); each variant shows
+its receives took that route.
 """
 
 import pytest
 
-from gpt_worlds import reference, vtp_run
+from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
 from ldt.launch import run_local_world
 from ldt.topology import Stage, Topology
 from test_p2p_parity import FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, _assemble, expected_recomputes
 
 CASES = {"tp121": [1, 2, 1], "ring_tp21": [2, 1], "tp1111": [1, 1, 1, 1]}
+# the relay under ldt's runtime: whole and in pieces into the cloud's TP 2 stage, in pieces
+# into the ring's TP 2 edge
+RELAYS = {"tp121": ["relay", "pieces"], "ring_tp21": ["pieces"], "tp1111": []}
 MS = (2, 5)  # below and above every P here
 
 
@@ -28,6 +34,8 @@ def case(request, ref):
     topo = Topology(tuple(Stage(i, "edge" if i == 0 else f"cloud{i}", "cpu", t)
                           for i, t in enumerate(tps)), u_shape=True)
     variants = [{"name": f"m{m}", "m": m} for m in MS]
+    variants += [{"name": f"m{MS[1]}_{t}", "m": MS[1], "transport": t}
+                 for t in RELAYS[request.param]]
     # the edge (both chunks) recomputes everything, the cloud only its attention, then none
     variants.append({"name": "recompute", "m": MS[1], "recompute": {
         **{s: {"granularity": "selective"} for s in range(1, len(tps))}, 0: FULL_UNIFORM}})
@@ -93,6 +101,20 @@ def test_only_activations_and_gradients_cross_boundaries(case):
     for rank in out:
         for r in rank:
             assert r["touched_data"] is False
+
+
+def test_each_variant_ran_the_transport_it_names(case):
+    """Receives into a TP 2 stage took the variant's route (fan-out unless it names the
+    relay) and no other; a world without a TP 2 stage has no such receive."""
+    topo, variants, out = case
+    for i, v in enumerate(variants):
+        calls = {route: sum(rank[i]["routes"][route] for rank in out) for route in ROUTES}
+        if max(topo.tp_sizes) == 1:
+            assert calls == dict.fromkeys(ROUTES, 0), (v["name"], calls)
+            continue
+        want = TRANSPORTS[v.get("transport", "fanout")][1]
+        assert calls[want] > 0, (v["name"], calls)
+        assert all(n == 0 for route, n in calls.items() if route != want), (v["name"], calls)
 
 
 def test_recompute_ran_on_both_edge_chunks_and_the_cloud(case):
