@@ -135,7 +135,7 @@ def pipelines(draw):
     return p, m, ushape, costs, comm
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pipelines())
 def test_generated_schedules_check_and_never_lose_to_todays(case):
     """P = 2..8, m = 1..3P, uneven integer costs (zeros too) and links: every schedule passes

@@ -155,18 +155,68 @@ def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[C
     tight = [min(w, max(1, max(per_stage) - h + 1)) for w, h in zip(wstore, per_stage)]
     # the fill policy per stage: all alike, or the edge / first stage unlike the others
     fills = [(a,) + (b,) * (p - 1) for a in FILLS for b in FILLS]
-    plays = (_play(chunks, p, m, price, wire, held, store, fill, b_order + f_order)
-             for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders))
-    best: Optional[tuple[tuple, Schedule]] = None
+    kind = "ushape" if ushape else "1f1b"
+    seen: dict = {}
+
+    def timed(schedule: Schedule) -> tuple:
+        """(iteration, most micro-batches a stage holds) as the simulator times it with the
+        real costs (the play's own clock can only be later: it may idle before a W)."""
+        key = tuple(tuple(a) for s in sorted(schedule) for a in schedule[s])
+        if key not in seen:
+            sim = simulate(lower(schedule, kind), price, wire)
+            seen[key] = (sim.iteration_time, max(
+                sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0)
+                + sim.peak_wstore.get(s, 1) for s in range(p)))
+        return seen[key]
+
+    candidates = []
     today = _today_split(p, m, ushape, price, held, wstore)
     if today is not None:
-        sim = simulate(lower(today, "ushape" if ushape else "1f1b"), price, wire)
-        memory = max(sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0) + 1 for s in range(p))
-        best = ((sim.iteration_time, memory), today)
-    for schedule, time, memory in plays:
-        if best is None or (time, memory) < best[0]:
-            best = ((time, memory), schedule)
-    return best[1]  # type: ignore[index]
+        candidates.append((timed(today), today))
+    # The play is greedy: with the real costs it can trade the critical path for a W that
+    # fits now. The same play with every stage's costs evened out (each op its mean over the
+    # stages; and all 1, the paper's equal case) keeps the regular zero-bubble pattern, which
+    # on uneven costs is often faster: each is played, then timed with the real costs.
+    best_real = None
+    for model in _cost_models(chunks, price, wire):
+        for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders):
+            schedule = _play(chunks, p, m, model[0], model[1], held, store, fill,
+                             b_order + f_order)[0]
+            candidates.append((timed(schedule), schedule))
+            if model[0] is price and (best_real is None or candidates[-1][0] < best_real[0]):
+                best_real = (candidates[-1][0], store, fill, b_order + f_order)
+    # then, with the real costs, each stage's own fill policy, one stage at a time, while
+    # that helps
+    score, store, fill, order = best_real
+    improved = True
+    while improved:
+        improved = False
+        for s in range(p):
+            flip = fill[:s] + (FILLS[1 - FILLS.index(fill[s])],) + fill[s + 1:]
+            schedule = _play(chunks, p, m, price, wire, held, store, flip, order)[0]
+            candidates.append((timed(schedule), schedule))
+            if candidates[-1][0] < score:
+                score, fill, improved = candidates[-1][0], flip, True
+    return min(candidates, key=lambda c: c[0])[1]
+
+
+def _cost_models(chunks: list[_Chunk], price: dict, wire: dict) -> list[tuple[dict, dict]]:
+    """The real prices, each op's mean over the chunks, and all equal (with no link cost)."""
+    models = [(price, wire)]
+    by_op: dict[str, list] = {}
+    for c in chunks:
+        for kind, op in (("f", c.fwd), ("b", c.bwd), ("w", c.wgt)):
+            by_op.setdefault(kind, []).append(price[(c.stage, op.value)])
+    mean = {k: sum(v) / len(v) for k, v in by_op.items()}
+    even = {(c.stage, op.value): mean[kind] for c in chunks
+            for kind, op in (("f", c.fwd), ("b", c.bwd), ("w", c.wgt))}
+    if any(even[(c.stage, op.value)] != price[(c.stage, op.value)] for c in chunks
+           for op in (c.fwd, c.bwd, c.wgt)):
+        models.append((even, {k: sum(wire.values()) / max(len(wire), 1) for k in wire}))
+    unit = {k: 1 for k in price}
+    if unit != price:
+        models.append((unit, {k: 0 for k in wire}))
+    return models
 
 
 def _today_split(p: int, m: int, ushape: bool, price: dict, held: list[int],
