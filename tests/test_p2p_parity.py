@@ -2,7 +2,8 @@
 
 A tiny GPTModel (local spec, fp32, dropout 0) split into stages with different TP sizes must
 match the single-process reference: loss within 1e-6 relative, every gradient within 1e-5.
-One world per TP list runs every schedule variant.
+One world per TP list runs every schedule variant; tp212 also runs ZB-H1 (train.schedule=zb:
+each backward split into B and W, on ldt's runtime) against the same reference.
 """
 
 import pytest
@@ -37,7 +38,9 @@ CASES = {
                                      {"name": "interleaved_overlap_pieces", "vpp": 2,
                                       "overlap": True, "piece_bytes": 64},
                                      {"name": "1f1b_host_staged_pieces", "host_staging": True,
-                                      "piece_bytes": 64}]
+                                      "piece_bytes": 64},
+                                     # train.schedule=zb: ZB-H1 on ldt's runtime, B and W split
+                                     {"name": "zb_h1", "zero_bubble": True}]
               + RECOMPUTE_VARIANTS),
     "tp12_ring": ([1, 2], VARIANTS),
     "tp22_uniform": ([2, 2], VARIANTS),
@@ -88,6 +91,15 @@ def test_loss_and_grads_match_reference(case, ref):
             assert torch.count_nonzero(want) > 0, name  # a gradient that flows at all
             diff = (grads[name] - want).abs().max().item()
             assert diff <= GRAD_ATOL, (v["name"], name, diff)
+
+
+def test_zero_bubble_ran_every_w_after_its_backward(case):
+    """The zb_h1 variant (tp212) passed the parity above; its W's really ran deferred."""
+    from gpt_worlds import assert_w_ran_after_each_backward
+
+    topo, variants, out = case
+    if any(v.get("zero_bubble") for v in variants):
+        assert_w_ran_after_each_backward(variants, out, M)
 
 
 def expected_recomputes(recompute, stage: int, chunk_layers: list[int], m: int) -> int:
