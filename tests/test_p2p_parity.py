@@ -3,7 +3,8 @@
 A tiny GPTModel (local spec, fp32, dropout 0) split into stages with different TP sizes must
 match the single-process reference: loss within 1e-6 relative, every gradient within 1e-5.
 One world per TP list runs every schedule variant; tp212 also runs ZB-H1 (train.schedule=zb:
-each backward split into B and W, on ldt's runtime) against the same reference.
+each backward split into B and W, on ldt's runtime), with recomputation per stage, against the
+same reference.
 """
 
 import pytest
@@ -39,8 +40,11 @@ CASES = {
                                       "overlap": True, "piece_bytes": 64},
                                      {"name": "1f1b_host_staged_pieces", "host_staging": True,
                                       "piece_bytes": 64},
-                                     # train.schedule=zb: ZB-H1 on ldt's runtime, B and W split
-                                     {"name": "zb_h1", "zero_bubble": True}]
+                                     # train.schedule=zb: ZB-H1 on ldt's runtime, B and W split,
+                                     # recomputing per stage (B re-runs the forward in capture)
+                                     {"name": "zb_h1", "zero_bubble": True,
+                                      "recompute": {0: SELECTIVE_ALL, 1: FULL_UNIFORM,
+                                                    2: FULL_BLOCK}}]
               + RECOMPUTE_VARIANTS),
     "tp12_ring": ([1, 2], VARIANTS),
     "tp22_uniform": ([2, 2], VARIANTS),
