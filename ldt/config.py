@@ -414,7 +414,8 @@ class TrainConfig:
     """Micro-batches per step per data-parallel replica (global batch = dp * m * mbs)."""
     schedule: str = "auto"
     """``auto`` (U-shape schedule when u_shape; else 1F1B, or interleaved when the layout has
-    k*P segments), ``1f1b`` or ``interleaved`` (needs such a layout)."""
+    k*P segments), ``1f1b``, ``interleaved`` (needs such a layout) or ``zb`` (zero-bubble:
+    each backward split into B and a later W, docs/zero_bubble.md; on ldt's runtime)."""
     runtime: str = "auto"
     """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
     default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it

@@ -386,10 +386,16 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.boundary_noise={train.boundary_noise} is applied by ldt's runtime; use "
             "cluster.u_shape=true or train.runtime=ldt (megatron's own 1F1B does not apply it)")
-    if train.schedule not in ("auto", "1f1b", "interleaved"):
+    if train.schedule not in ("auto", "1f1b", "interleaved", "zb"):
         raise ConfigError(
-            f"train.schedule={train.schedule!r}; use 'auto', '1f1b' or 'interleaved'"
+            f"train.schedule={train.schedule!r}; use 'auto', '1f1b', 'interleaved' or 'zb'"
         )
+    if train.schedule == "zb" and (topo.is_vdp or train.prefetch or train.runtime == "megatron"):
+        raise ConfigError(
+            f"train.schedule=zb (zero-bubble) runs on ldt's runtime over one replica group "
+            f"without prefetch; got per-stage dp {topo.dp_sizes if topo.is_vdp else None}, "
+            f"train.prefetch={train.prefetch}, train.runtime={train.runtime}: give every stage "
+            "the same dp, train.prefetch=0 and train.runtime=auto, or another schedule")
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
@@ -414,6 +420,11 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
             f"{topo.split.to_layout_string() if topo.split else None!r} has one segment per "
             f"stage; give a layout with k * {topo.num_stages} segments (k > 1), e.g. "
             f"{_interleaved_example(topo)!r}")
+    if train.schedule == "zb" and vpp > 1:
+        raise ConfigError(
+            f"train.schedule=zb but cluster.layout has {vpp} chunks per stage; the zero-bubble "
+            "schedules (ZB-H1, the zero-bubble U-shape) run one chunk per stage: give one "
+            "segment per stage, or train.schedule=interleaved")
     if train.schedule == "1f1b" and vpp > 1:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "

@@ -69,6 +69,7 @@ _PATCH_MODULES = (
     "ldt.patches.recompute",
     "ldt.patches.fake_tensors",
     "ldt.patches.moe",
+    "ldt.patches.wgrad_split",
 )
 
 

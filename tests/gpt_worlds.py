@@ -8,6 +8,7 @@ same loss and gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -180,7 +181,8 @@ class TransportCount:
             setattr(cls, name, original)
 
 
-def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False, recompute=None):
+def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False, recompute=None,
+                  zero_bubble=False):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.models.build import build_chunk, global_param_name
@@ -205,9 +207,17 @@ def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False,
         losses = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data,
             model=models if len(models) > 1 else models[0], num_microbatches=m,
-            seq_length=MODEL.seq_length, micro_batch_size=MBS, forward_only=forward_only)
+            seq_length=MODEL.seq_length, micro_batch_size=MBS, forward_only=forward_only,
+            **({"zero_bubble": True} if zero_bubble else {}))
         return _collect(chunks, models, losses)
-    losses = get_forward_backward_func()(
+    # a plain pipeline's zero-bubble schedule (ZB-H1) runs on ldt's runtime, as ldt-train does
+    if zero_bubble:
+        from ldt.schedule.forward_backward import forward_backward_ldt
+
+        fb = functools.partial(forward_backward_ldt, zero_bubble=True)
+    else:
+        fb = get_forward_backward_func()
+    losses = fb(
         forward_step_func=forward_step,
         data_iterator=iters if vpp else iters[0],
         model=models if vpp else models[0],
@@ -259,12 +269,29 @@ def variant_topology(topo, v: dict):
                                boundary_fanout=settings["boundary_fanout"])
 
 
+def assert_w_ran_after_each_backward(variants, out, m):
+    """The zero-bubble variant's weight gradients really were deferred: one W store run per
+    micro-batch and chunk on every rank, in each chunk's backward order (its gradients are
+    compared with the reference by the caller); no other variant ran a W."""
+    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
+    for rank_results in out:
+        runs = rank_results[i]["w_runs"]
+        u_edge = {"start", "end"} & {name for _, name in runs}
+        chunks = ["start", "end"] if u_edge else ["stage"]
+        assert sorted(runs) == sorted((mb, c) for mb in range(m) for c in chunks), runs
+        for c in chunks:
+            assert [mb for mb, name in runs if name == c] == list(range(m)), runs
+    assert all(r[j]["w_runs"] == [] for r in out for j in range(len(variants)) if j != i)
+
+
 def vtp_run(rank, world, topo, full_state, m, variants):
     """Run each variant ({"vpp": int, "overlap": bool, "host_staging": bool, "m": int,
     "forward_only": bool, "recompute": see :func:`recompute_kwargs`, "transport": a key of
     :data:`TRANSPORTS`, default ``fanout``}) in one world; each rank returns, per variant, its
     losses, gradients, what crossed (``sent``), the recomputations and the routes its
-    receives took (:class:`TransportCount`)."""
+    receives took (:class:`TransportCount`). ``zero_bubble``: the zero-bubble schedule on ldt's
+    runtime (ZB-H1, or the zero-bubble U-shape), the ``wgrad_split`` patch applied and every W
+    store run recorded in ``w_runs``."""
     import ldt
     from ldt import patches
     from ldt.boundary.communicator import VtpCommunicator
@@ -278,18 +305,29 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         default_unit = VtpCommunicator.piece_unit_bytes
         settings, _ = TRANSPORTS[v.get("transport", "fanout")]
         VtpCommunicator.piece_unit_bytes = settings.get("piece_bytes", default_unit)
+        w_runs = []  # zero-bubble: the W store's runs, (micro-batch, chunk)
+        if v.get("zero_bubble"):
+            from ldt.schedule.wgrad import WgradStore
+
+            patches.apply(["wgrad_split"])
+            default_run = WgradStore.run
+            WgradStore.run = lambda store, key: (w_runs.append(key), default_run(store, key))
         try:
             with RecomputeCount() as recomputed, TransportCount() as routes:
                 losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
                                               overlap=v.get("overlap", False),
                                               forward_only=v.get("forward_only", False),
-                                              recompute=v.get("recompute"))
+                                              recompute=v.get("recompute"),
+                                              zero_bubble=v.get("zero_bubble", False))
         finally:
             VtpCommunicator.piece_unit_bytes = default_unit
+            if v.get("zero_bubble"):
+                WgradStore.run = default_run
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
                         "touched_data": Tripwire.touched, "recomputed": recomputed.calls,
-                        "routes": routes.calls})
+                        "routes": routes.calls,
+                        "w_runs": w_runs})
         patches.revert()
         ldt.destroy_vtp()
     return results

@@ -10,6 +10,8 @@ pieces) under each of megatron's schedules (1F1B, interleaved, interleaved with
 ``overlap_p2p_comm``); the other TP lists take one transport per schedule, ``auto`` (fan-out on
 one machine) among them. Every variant also shows that its receives took the route it names
 and no other (:class:`gpt_worlds.TransportCount`).
+tp212 also runs ZB-H1 (train.schedule=zb: each backward split into B and W, on ldt's
+runtime), with recomputation per stage, against the same reference.
 """
 
 import pytest
@@ -51,6 +53,10 @@ CASES = {
     "tp212": ([2, 1, 2], under(VARIANTS, ["always", "relay", "pieces"])
               + under([{"name": "1f1b_host_staged", "host_staging": True}] * 2,
                       ["always", "pieces"], pairwise=True)
+              # train.schedule=zb: ZB-H1 on ldt's runtime, B and W split, recomputing per
+              # stage (B re-runs the forward in capture)
+              + [{"name": "zb_h1", "zero_bubble": True,
+                  "recompute": {0: SELECTIVE_ALL, 1: FULL_UNIFORM, 2: FULL_BLOCK}}]
               + RECOMPUTE_VARIANTS),  # auto
     "tp12_ring": ([1, 2], under(VARIANTS, ["pieces", "fanout", "relay"], pairwise=True)),
     "tp22_uniform": ([2, 2], under(VARIANTS, ["relay", "pieces", "fanout"], pairwise=True)),
@@ -115,6 +121,15 @@ def test_each_variant_ran_the_transport_it_names(case):
         # counted on the TP 2 stages' ranks only
         assert all(sum(rank[i]["routes"].values()) == 0 for rank in out
                    if topo.stages[rank[i]["stage"]].tp == 1), v["name"]
+
+
+def test_zero_bubble_ran_every_w_after_its_backward(case):
+    """The zb_h1 variant (tp212) passed the parity above; its W's really ran deferred."""
+    from gpt_worlds import assert_w_ran_after_each_backward
+
+    topo, variants, out = case
+    if any(v.get("zero_bubble") for v in variants):
+        assert_w_ran_after_each_backward(variants, out, M)
 
 
 def expected_recomputes(recompute, stage: int, chunk_layers: list[int], m: int) -> int:

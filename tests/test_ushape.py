@@ -2,6 +2,7 @@
 
 Loss within 1e-6 relative, every gradient within 1e-5 absolute, for TP lists [1,2,1],
 [2,1] (a two-stage ring) and [1,1,1,1], with fewer and more micro-batches than stages; and
+the zero-bubble schedule (each backward split, its weight gradients run by W actions); and
 evaluation (``forward_only=True``): the same losses, no gradient anywhere. The same worlds
 record every boundary tensor (the audit) and whether a cloud rank read data. Into a TP 2
 stage the messages go by fan-out (``auto``, one machine) and, in variants of their own, by
@@ -39,6 +40,7 @@ def case(request, ref):
     # the edge (both chunks) recomputes everything, the cloud only its attention, then none
     variants.append({"name": "recompute", "m": MS[1], "recompute": {
         **{s: {"granularity": "selective"} for s in range(1, len(tps))}, 0: FULL_UNIFORM}})
+    variants.append({"name": "zb", "m": MS[1], "zero_bubble": True})  # train.schedule=zb
     variants.append({"name": "eval", "m": MS[1], "forward_only": True})  # last: see test_eval
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], MS[0], variants),
                           timeout_s=240)
@@ -115,6 +117,19 @@ def test_each_variant_ran_the_transport_it_names(case):
         want = TRANSPORTS[v.get("transport", "fanout")][1]
         assert calls[want] > 0, (v["name"], calls)
         assert all(n == 0 for route, n in calls.items() if route != want), (v["name"], calls)
+
+
+def test_zero_bubble_ran_every_w_after_its_backward(case):
+    """The zb variant's gradients are checked above; here: its weight gradients really were
+    deferred, one W store run per micro-batch and chunk, in each chunk's backward order."""
+    from gpt_worlds import assert_w_ran_after_each_backward
+
+    topo, variants, out = case
+    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
+    for rank_results in out:  # the edge runs both chunks' W's
+        if rank_results[i]["stage"] == 0:
+            assert {name for _, name in rank_results[i]["w_runs"]} == {"start", "end"}
+    assert_w_ran_after_each_backward(variants, out, variants[i]["m"])
 
 
 def test_recompute_ran_on_both_edge_chunks_and_the_cloud(case):

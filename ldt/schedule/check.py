@@ -26,6 +26,7 @@ from ldt.schedule.ir import (
     RECV_OPS,
     SEND_OPS,
     WAIT_OPS,
+    WEIGHT_OPS,
     Action,
     Channel,
     Op,
@@ -69,15 +70,20 @@ def _check_stage_keys(schedule: Schedule) -> None:
 
 
 def _check_compute(schedule: Schedule, stage: int, training: bool, count: int) -> None:
-    """Each micro-batch runs each required compute op exactly once, in data-flow order."""
+    """Each micro-batch runs each required compute op exactly once, in data-flow order; a
+    stage that splits its backward (W ops) runs each W once, after its B, in the B's order."""
     actions = schedule[stage]
     ops = {a.op for a in actions if a.op in COMPUTE_OPS}
-    kind_ops = EDGE_OPS if ops & set(EDGE_OPS) else PLAIN_OPS
-    if ops - set(kind_ops):
+    edge = bool(ops & (set(EDGE_OPS) | {Op.WS, Op.WE}))
+    kind_ops = EDGE_OPS if edge else PLAIN_OPS
+    weight_ops = tuple(w for w, b in WEIGHT_OPS.items() if b in kind_ops)
+    if ops - set(kind_ops) - set(weight_ops):
         raise _error(schedule, None, f"stage {stage} mixes plain ops {PLAIN_OPS} and U-shape edge "
                      f"ops {EDGE_OPS}; a stage is either a plain stage or the edge")
     required = kind_ops if training else tuple(op for op in kind_ops if op in FORWARD_OPS)
+    split = tuple(w for w in weight_ops if w in ops)  # a W op present is needed for every mb
     seen: dict[tuple[int, object], int] = {}
+    backwards: dict[Op, list[int]] = {WEIGHT_OPS[w]: [] for w in split}  # mbs in B order
     for index, action in enumerate(actions):
         if action.op not in COMPUTE_OPS:
             continue
@@ -86,12 +92,17 @@ def _check_compute(schedule: Schedule, stage: int, training: bool, count: int) -
             raise _error(schedule, [(stage, seen[key]), (stage, index)],
                          f"stage {stage} runs {action} twice (actions #{seen[key]} and #{index}); "
                          "each micro-batch runs each compute op once")
-        position = required.index(action.op)
-        if position > 0 and (action.mb, required[position - 1]) not in seen:
-            before = Action(stage, required[position - 1], action.mb)
-            raise _error(schedule, (stage, index),
-                         f"stage {stage} runs {action} at #{index} before {before}; "
-                         f"per micro-batch the order must be {'<'.join(o.value for o in required)}")
+        if action.op in WEIGHT_OPS:
+            _check_weight(schedule, stage, index, action, seen, backwards)
+        else:
+            position = required.index(action.op)
+            if position > 0 and (action.mb, required[position - 1]) not in seen:
+                before = Action(stage, required[position - 1], action.mb)
+                raise _error(schedule, (stage, index),
+                             f"stage {stage} runs {action} at #{index} before {before}; per "
+                             f"micro-batch the order must be {'<'.join(o.value for o in required)}")
+            if action.op in backwards:
+                backwards[action.op].append(action.mb)
         seen[key] = index
     expected = getattr(schedule, "microbatches", None)  # a LaneSchedule: the lane's own
     extra = {mb for mb, _ in seen} - set(expected[stage]) if expected is not None else set()
@@ -99,13 +110,34 @@ def _check_compute(schedule: Schedule, stage: int, training: bool, count: int) -
         raise _error(schedule, None, f"lane {stage} runs micro-batches {sorted(extra)} that "
                      f"routing gives to other lanes (its own: {expected[stage]})")
     for mb in expected[stage] if expected is not None else range(count):
-        for op in required:
+        for op in required + split:
             if (mb, op) not in seen:
                 raise _error(schedule, None, f"stage {stage} never runs {Action(stage, op, mb)}; "
                              f"every micro-batch 0..{count - 1} needs it"
                              if expected is None else f"lane {stage} never runs "
                              f"{Action(stage, op, mb)}; its micro-batches {expected[stage]} "
                              "need it")
+
+
+def _check_weight(schedule: Schedule, stage: int, index: int, action: Action,
+                  seen: dict[tuple[int, object], int], backwards: dict[Op, list[int]]) -> None:
+    """A W op runs after its backward (it computes what that backward deferred), and the W
+    ops of one chunk run in the order of their backwards (Transformer Engine's deferred
+    weight gradients are a queue per layer: the next ``backward_dw`` takes the oldest)."""
+    backward = WEIGHT_OPS[action.op]
+    if (action.mb, backward) not in seen:
+        raise _error(schedule, (stage, index),
+                     f"stage {stage} runs {action} at #{index} before "
+                     f"{Action(stage, backward, action.mb)}; a weight gradient ({action.op.value})"
+                     f" runs after the backward ({backward.value}) that deferred it")
+    oldest = backwards[backward][sum(1 for mb in backwards[backward]
+                                     if (mb, action.op) in seen)]
+    if oldest != action.mb:
+        raise _error(schedule, (stage, index),
+                     f"stage {stage} runs {action} at #{index} before "
+                     f"{Action(stage, action.op, oldest)}; {action.op.value} ops run in the order "
+                     f"of their {backward.value} ops (a queue per chunk): run "
+                     f"{Action(stage, action.op, oldest)} first")
 
 
 def _check_recv_wait_pairs(schedule: Schedule, stage: int) -> None:

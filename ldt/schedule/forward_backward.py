@@ -18,10 +18,16 @@ from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shap
 
 @functools.lru_cache(maxsize=64)
 def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
-                    forward_only: bool = False, prefetch: int = 0):
+                    forward_only: bool = False, prefetch: int = 0, zero_bubble: bool = False):
     """The lowered, deadlock-checked action lists of every stage (``forward_only``: the
-    training schedule's forwards only, for evaluation; ``prefetch``: the U-shape's depth)."""
-    if kind == "ushape":
+    training schedule's forwards only, for evaluation; ``prefetch``: the U-shape's depth;
+    ``zero_bubble``: the backwards split into B and W, :mod:`ldt.schedule.zerobubble`, with
+    equal costs until measured ones are passed in)."""
+    if zero_bubble:
+        from ldt.schedule.zerobubble import zb_h1, zb_u_shape
+
+        compute = (zb_u_shape if kind == "ushape" else zb_h1)(num_stages, num_microbatches)
+    elif kind == "ushape":
         compute = u_shape(num_stages, num_microbatches, prefetch=prefetch)
     else:
         compute = one_f_one_b(num_stages, num_microbatches)
@@ -45,9 +51,10 @@ def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
              seq_length: int, micro_batch_size: int, comm, state, config,
              record_timings: bool = False, forward_only: bool = False,
-             prefetch: int = 0) -> StepResult:
+             prefetch: int = 0, zero_bubble: bool = False) -> StepResult:
     """One training step (or, ``forward_only``, one evaluation step: losses, no gradients) of
-    this rank's stage (the U-shape when the topology says so, with ``prefetch``)."""
+    this rank's stage (the U-shape when the topology says so, with ``prefetch``; its
+    zero-bubble schedule with ``zero_bubble``, the ``wgrad_split`` patch applied)."""
     topo = state.topology
     kind = "ushape" if topo.u_shape else "1f1b"
     models = model if isinstance(model, list) else [model]
@@ -62,7 +69,7 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
         num_microbatches = len(schedule.microbatches[lane])
     else:
         schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only,
-                                   prefetch)
+                                   prefetch, zero_bubble)
         actions = schedule[state.stage]
     return run_actions(
         actions, roles=roles, comm=comm, forward_step_func=forward_step_func,
@@ -79,9 +86,11 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
                          decoder_seq_length: Optional[int] = None, forward_only: bool = False,
                          collect_non_loss_data: bool = False, first_val_step=None,
                          adjust_tensor_shapes_fn=None, p2p_communicator=None,
-                         pg_collection=None, force_all_reduce=False, observers=()) -> list[Any]:
+                         pg_collection=None, force_all_reduce=False, observers=(),
+                         zero_bubble: bool = False) -> list[Any]:
     """Megatron-compatible forward-backward over ldt's schedule; returns the loss stage's
-    ``forward_data_store`` (empty elsewhere), like megatron's schedules."""
+    ``forward_data_store`` (empty elsewhere), like megatron's schedules. ``zero_bubble``:
+    ldt's own argument, the zero-bubble schedule (the ``wgrad_split`` patch applied)."""
     from megatron.core.utils import get_model_config
 
     from ldt.boundary.communicator import VtpCommunicator
@@ -101,4 +110,4 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     return run_step(forward_step_func=forward_step_func, data_iterator=data_iterator,
                     model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                     micro_batch_size=micro_batch_size, comm=comm, state=state,
-                    config=config, forward_only=forward_only).losses
+                    config=config, forward_only=forward_only, zero_bubble=zero_bubble).losses

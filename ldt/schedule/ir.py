@@ -7,6 +7,11 @@ timed and drawn before any process runs, and walked by one small runtime.
   forward of the start chunk, micro-batch 3), ``0SEND_F3>1`` (stage 0 sends the activation of
   micro-batch 3 to stage 1) or ``2RECV_B1<3`` (stage 2 posts the receive of the gradient of
   micro-batch 1 from stage 3).
+* A zero-bubble schedule splits each backward in two: ``B`` (``BS``, ``BE`` on the edge) computes
+  the input's gradient, which the previous stage waits for, and ``W`` (``WS``, ``WE``) the
+  weights' gradient, which nobody waits for, so it can fill an idle slot later. A W op pairs with
+  the backward of the same suffix: ``W`` with ``B``, ``WS`` with ``BS`` (the end chunk), ``WE``
+  with ``BE`` (the start chunk).
 * A :data:`Schedule` is ``dict[stage, list[Action]]``. It is keyed by *stage*, not by rank: every
   rank of a stage runs the same list, only the stage leader really sends and receives.
 * A message travels on a :data:`Channel` ``(src_stage, dst_stage, direction)``, direction ``"F"``
@@ -32,6 +37,9 @@ class Op(str, Enum):
     FE = "FE"  # U-shape edge: forward of the end chunk, including the loss
     BS = "BS"  # U-shape edge: backward of the end chunk (starts the backward pass)
     BE = "BE"  # U-shape edge: backward of the start chunk (ends the backward pass)
+    W = "W"  # zero-bubble: the weights' gradient of a plain stage's B, run later
+    WS = "WS"  # zero-bubble edge: the weights' gradient of BS (the end chunk)
+    WE = "WE"  # zero-bubble edge: the weights' gradient of BE (the start chunk)
     SEND_F = "SEND_F"  # send an activation to the next stage (non-blocking)
     RECV_F = "RECV_F"  # post the receive of an activation from the previous stage
     WAIT_F = "WAIT_F"  # block until that activation has arrived
@@ -43,9 +51,10 @@ class Op(str, Enum):
         return self.value
 
 
-COMPUTE_OPS = frozenset({Op.F, Op.B, Op.FS, Op.FE, Op.BS, Op.BE})
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.FS, Op.FE, Op.BS, Op.BE, Op.W, Op.WS, Op.WE})
 EDGE_OPS = (Op.FS, Op.FE, Op.BS, Op.BE)  # in the order one micro-batch must run them
 PLAIN_OPS = (Op.F, Op.B)
+WEIGHT_OPS = {Op.W: Op.B, Op.WS: Op.BS, Op.WE: Op.BE}  # W op -> the backward it follows
 FORWARD_OPS = frozenset({Op.F, Op.FS, Op.FE})  # an evaluation (forward-only) schedule's ops
 SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
@@ -113,7 +122,7 @@ def _peer(action: Action) -> int:
 
 
 _ACTION_RE = re.compile(
-    r"^(\d+)(SEND_F|SEND_B|RECV_F|RECV_B|WAIT_F|WAIT_B|FS|FE|BS|BE|F|B)(\d+)(?:([<>])(\d+))?$"
+    r"^(\d+)(SEND_F|SEND_B|RECV_F|RECV_B|WAIT_F|WAIT_B|FS|FE|BS|BE|WS|WE|F|B|W)(\d+)(?:([<>])(\d+))?$"
 )
 
 

@@ -13,7 +13,10 @@ action marked, which is what a user with a crashed pipeline needs.
 
 Roles per op: on a U-shape edge (stage 0) FS runs the start chunk on data, FE runs the end
 chunk and the loss, BS its backward, BE the start chunk's backward; F / B run a stage's only
-chunk (the first stage of a plain pipeline reads data, the last computes the loss).
+chunk (the first stage of a plain pipeline reads data, the last computes the loss). A
+zero-bubble list (W, WS, WE ops) runs each backward inside a W store's capture, which defers
+the linear layers' weight GEMMs (``ldt.patches.wgrad_split``), and its W op runs them; the
+last W of a chunk, like its last backward, runs outside megatron DDP's ``no_sync``.
 """
 
 from __future__ import annotations
@@ -46,11 +49,12 @@ class StageRoles:
     def for_stage(cls, stage: int, num_stages: int, u_shape: bool, models: list) -> "StageRoles":
         if u_shape and stage == 0:
             start, end = models
-            return cls({Op.FS: start, Op.BE: start, Op.FE: end, Op.BS: end},
+            return cls({Op.FS: start, Op.BE: start, Op.WE: start, Op.FE: end, Op.BS: end,
+                        Op.WS: end},
                        frozenset({Op.FS, Op.FE}), frozenset({Op.FE}), (start, end))
         (chunk,) = models
         first, last = stage == 0, (stage == num_stages - 1 and not u_shape)
-        return cls({Op.F: chunk, Op.B: chunk},
+        return cls({Op.F: chunk, Op.B: chunk, Op.W: chunk},
                    frozenset({Op.F}) if first or last else frozenset(),
                    frozenset({Op.F}) if last else frozenset(), (chunk,))
 
@@ -66,6 +70,10 @@ class ActionError(RuntimeError):
 
 
 _BACKWARD_OF = {Op.B: Op.F, Op.BS: Op.FE, Op.BE: Op.FS}
+_WEIGHTS = (Op.W, Op.WS, Op.WE)
+# a W store's key names the chunk: the edge's end chunk runs BS / WS, its start chunk BE / WE
+_CHUNK_NAME = {Op.B: "stage", Op.W: "stage", Op.BS: "end", Op.WS: "end", Op.BE: "start",
+               Op.WE: "start"}
 
 
 def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicator,
@@ -91,7 +99,8 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
     sends = PendingSends()
     # each backward op's last micro-batch in this list (per-stage DP: a lane's micro-batches
     # are global ids, not 0..m-1), where megatron's DDP may start its gradient reduce
-    last_backward = {a.op: a.mb for a in actions if a.op in _BACKWARD_OF}
+    last_backward = {a.op: a.mb for a in actions if a.op in _BACKWARD_OF or a.op in _WEIGHTS}
+    store, split = _wgrad_store(actions, roles)  # None unless the list splits backwards
 
     def data_for(op: Op, mb: int):
         if op not in roles.reads_data or data_iterator is None:
@@ -121,7 +130,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
             else ready.pop((BACKWARD, a.mb))
         # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
         # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
-        with _no_sync(config, roles, a, last_backward[a.op]):
+        capture = store.capture((a.mb, _CHUNK_NAME[a.op])) if a.op in split \
+            else contextlib.nullcontext()
+        with _no_sync(config, roles, a, last_backward[a.op]), capture:
             in_grad = backward_step(inp, out, grad, *model_type, config)
         if in_grad is not None:
             to_send[(BACKWARD, a.mb)] = in_grad
@@ -146,6 +157,9 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
                     work = comm.send(tensor, a.peer, _DIRECTION[a.op])
                     if work is not None:
                         sends.add(work)
+                elif a.op in _WEIGHTS:
+                    with _no_sync(config, roles, a, last_backward[a.op]):
+                        store.run((a.mb, _CHUNK_NAME[a.op]))
                 else:
                     (backward if a.op in _BACKWARD_OF else forward)(a)
             if record_timings:  # every action: a WAIT's span is its blocked time (calibration)
@@ -157,10 +171,25 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
                 f"{grid}") from exc
     record.begin("waiting for this step's sends", waiting=True)
     sends.wait_all()
+    if store is not None:
+        store.finish()  # every deferred weight gradient has run
     if posted or saved:
         raise ActionError(f"step ended with unconsumed receives {sorted(posted)} or "
                           f"activations {sorted(saved)}: the action list is inconsistent")
     return result
+
+
+def _wgrad_store(actions: list[Action], roles: StageRoles) -> tuple:
+    """(the W store of a zero-bubble list, the backward ops it captures); (None, empty) for a
+    list without W ops."""
+    names = {_CHUNK_NAME[a.op] for a in actions if a.op in _WEIGHTS}
+    split = frozenset(op for op in _BACKWARD_OF if _CHUNK_NAME[op] in names)
+    if not split:
+        return None, split
+    from ldt.patches.wgrad_split import WgradSeam
+    from ldt.schedule.wgrad import WgradStore
+
+    return WgradStore(WgradSeam({_CHUNK_NAME[op]: roles.chunks[op] for op in split})), split
 
 
 class PendingSends:

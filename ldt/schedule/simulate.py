@@ -15,9 +15,11 @@ from fractions import Fraction
 from numbers import Rational
 
 from ldt.schedule.check import Played, Price, Program, Slot, check_structure, compile_play, play
-from ldt.schedule.ir import Action, Op, Schedule
+from ldt.schedule.ir import WEIGHT_OPS, Action, Op, Schedule
 
-# Ops that open / close a micro-batch's stay on a stage (the activations it keeps alive).
+# Ops that open / close a micro-batch's stay on a stage (the activations it keeps alive); where
+# a stage splits its backward, B..W is the stay in the W store (what the weights' gradient
+# needs of it: the linear layers' inputs and output gradients).
 _OPENS = {Op.F: "all", Op.FS: "all", Op.FE: "end"}
 _CLOSES = {Op.B: "all", Op.BE: "all", Op.BS: "end"}
 
@@ -67,6 +69,9 @@ class SimResult:
     peak_inflight_end: dict[int, int]
     """Edge stages only: max micro-batches between FE and BS (the end chunk's activations)."""
     events: Sequence[Event] = field(repr=False)
+    peak_wstore: dict[int, int] = field(default_factory=dict)
+    """Stages that split the backward (W ops) only: max (micro-batch, chunk) pairs whose
+    backward ran and whose W has not (the W store: deferred weight-gradient work held)."""
 
     @property
     def num_stages(self) -> int:
@@ -85,6 +90,7 @@ class Prepared:
     peak_inflight: dict[int, int]
     peak_inflight_end: dict[int, int]
     program: Program
+    peak_wstore: dict[int, int] = field(default_factory=dict)
 
 
 def prepare(schedule: Schedule) -> Prepared:
@@ -92,8 +98,9 @@ def prepare(schedule: Schedule) -> Prepared:
     matches = check_structure(schedule)
     computes = {stage: [i for i, a in enumerate(actions) if a.is_compute]
                 for stage, actions in schedule.items()}
-    return Prepared(schedule, matches, computes, *_peak_inflight(schedule),
-                    compile_play(schedule, matches))
+    peak_all, peak_end, peak_wstore = _peak_inflight(schedule)
+    return Prepared(schedule, matches, computes, peak_all, peak_end,
+                    compile_play(schedule, matches), peak_wstore)
 
 
 def simulate(
@@ -129,16 +136,22 @@ def simulate(
         work = Fraction(work)  # exact costs in, exact bubble out
     bubble = 1 - work / capacity if capacity else 0
     return SimResult(iteration_time, busy, bubble, dict(prepared.peak_inflight),
-                     dict(prepared.peak_inflight_end), Events(schedule, played))
+                     dict(prepared.peak_inflight_end), Events(schedule, played),
+                     dict(prepared.peak_wstore))
 
 
-def _peak_inflight(schedule: Schedule) -> tuple[dict[int, int], dict[int, int]]:
-    """Walk each list counting micro-batches held: opened by F/FS (FE), closed by B/BE (BS)."""
+def _peak_inflight(schedule: Schedule) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Walk each list counting micro-batches held: opened by F/FS (FE), closed by B/BE (BS);
+    and, on a stage that runs W ops, the W store: opened by a backward, closed by its W."""
     peak_all: dict[int, int] = {}
     peak_end: dict[int, int] = {}
+    peak_wstore: dict[int, int] = {}
     for stage, actions in schedule.items():
+        ops = {a.op for a in actions}
+        split = {b for w, b in WEIGHT_OPS.items() if w in ops}  # backwards deferring a W
         held = {"all": 0, "end": 0}
         peak = {"all": 0, "end": 0}
+        store = top = 0
         for action in actions:
             if action.op in _OPENS:
                 kind = _OPENS[action.op]
@@ -146,10 +159,17 @@ def _peak_inflight(schedule: Schedule) -> tuple[dict[int, int], dict[int, int]]:
                 peak[kind] = max(peak[kind], held[kind])
             elif action.op in _CLOSES:
                 held[_CLOSES[action.op]] -= 1
+            if action.op in split:
+                store += 1
+                top = max(top, store)
+            elif action.op in WEIGHT_OPS:
+                store -= 1
         peak_all[stage] = peak["all"]
-        if any(a.op is Op.FE for a in actions):
+        if Op.FE in ops:
             peak_end[stage] = peak["end"]
-    return peak_all, peak_end
+        if split:
+            peak_wstore[stage] = top
+    return peak_all, peak_end, peak_wstore
 
 
 def compute_cost(costs: dict[Op, float], per_stage: dict[int, dict[Op, float]] | None = None

@@ -15,7 +15,8 @@ from typing import Sequence
 from ldt.schedule.ir import Op
 from ldt.schedule.simulate import SimResult
 
-# One colour per compute op: forwards in blues/greens, backwards in oranges/reds.
+# One colour per compute op: forwards in blues/greens, backwards in oranges/reds, the deferred
+# weight gradients (zero-bubble) in grey, pink and khaki.
 OP_COLOURS = {
     Op.F: "#4C72B0",
     Op.B: "#DD8452",
@@ -23,6 +24,9 @@ OP_COLOURS = {
     Op.FE: "#8172B3",
     Op.BS: "#C44E52",
     Op.BE: "#937860",
+    Op.W: "#8C8C8C",
+    Op.WS: "#DA8BC3",
+    Op.WE: "#CCB974",
 }
 
 
@@ -34,6 +38,9 @@ OP_MEANINGS = {
     Op.FE: "FE: edge forward, end chunk (last layers + head + loss)",
     Op.BS: "BS: edge backward of the end chunk (starts the backward)",
     Op.BE: "BE: edge backward of the start chunk (ends the backward)",
+    Op.W: "W: weights' gradient of a B, deferred (zero-bubble)",
+    Op.WS: "WS: weights' gradient of BS (end chunk), deferred",
+    Op.WE: "WE: weights' gradient of BE (start chunk), deferred",
 }
 
 

@@ -65,7 +65,7 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
             observers += observe(rank, topo, run_dir)
         cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
         names = cpu + ["schedules", "sequence_parallel_norms", "recompute_norms",
-                       "moe_without_te"]
+                       "moe_without_te"] + (["wgrad_split"] if c.train.schedule == "zb" else [])
         patches.apply(names, ctx=SimpleNamespace(observers=observers))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
@@ -148,7 +148,8 @@ def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> 
                            model=models, num_microbatches=m, seq_length=c.model.seq_length,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=not forward_only,
-                           forward_only=forward_only, prefetch=t.prefetch)
+                           forward_only=forward_only, prefetch=t.prefetch,
+                           zero_bubble=t.schedule == "zb")
             return res.losses, res.timings
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters if len(models) > 1 else iters[0],
@@ -324,10 +325,11 @@ def _mean_loss(losses, state) -> float:
 
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
-    train.runtime=ldt."""
+    train.runtime=ldt or train.schedule=zb."""
     from ldt.schedule.size import runs_on_ldt_runtime
 
-    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
+    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp,
+                               "ldt" if train.schedule == "zb" else train.runtime)
 
 
 def reference_config(cfg: dict) -> dict:

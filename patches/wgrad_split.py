@@ -1,0 +1,273 @@
+"""Split the backward of megatron-core's local linear layers: B now, the weight gradient later.
+
+A zero-bubble schedule runs each backward as B (the input's gradient, which the previous stage
+waits for) and W (the weights' gradient, run later to fill an idle slot). megatron-core 0.16
+splits it only for Transformer Engine's layers (``delay_wgrad_compute``, TE >= 2.3); its local
+layers compute both in ``LinearWithGradAccumulationAndAsyncCommunication.backward``. This patch
+defers, for ``ColumnParallelLinear`` and ``RowParallelLinear``, exactly the weight-gradient GEMM
+of that backward, and leaves everything else (the input gradient, its TP all-reduce or
+sequence-parallel reduce-scatter, the bias gradient) to megatron's own code, unchanged.
+
+How, with two names of ``megatron.core.tensor_parallel.layers`` and no copied code:
+
+* ``linear_with_grad_accumulation_and_async_allreduce`` (what both layers' ``_forward_impl``
+  call) is wrapped: the autograd function gets a *detached* view of the weight, so the
+  weight's gradient accumulator is not in the backward graph at all (its hooks, megatron DDP's
+  among them, cannot fire during B), and gradient-accumulation fusion is switched on for it,
+  with a stand-in for ``main_grad`` that records the layer. On that branch megatron's backward
+  computes the weight gradient only through the fused kernel's module-level name.
+* ``fused_weight_gradient_mlp_cuda`` (Apex's kernel module; absent on CPU) becomes a proxy:
+  for a split layer it stores the kernel's arguments (the layer's input, gathered over the
+  sequence with sequence parallelism: then copied, since megatron gathers into a shared
+  buffer, and the output gradient) instead of running it; for any other layer it calls the
+  real kernel.
+
+W (:func:`run_wgrad`) then computes what megatron would have: with fusion, the real kernel into
+``main_grad`` and megatron's dummy gradient; without, ``grad_output.t() @ total_input``; and
+hands it to autograd with ``torch.autograd.backward(weight, grad)``. That runs the weight's own
+gradient accumulator, the node megatron's ``DistributedDataParallel`` hooked
+(``param.expand_as(param).grad_fn.next_functions[0][0].register_hook``), so DDP's hook fires
+after W, not after B, and does what it does without the split: adds ``param.grad`` to
+``main_grad`` (or skips it when fusion already did), clears ``param.grad``, and with
+``overlap_grad_reduce`` marks the parameter ready for its bucket's reduce. Layer norms,
+biases, embeddings stay in B (small, or not a GEMM).
+
+Outside a capture (``deferring``) a split layer runs its W at once inside the backward, so a
+model with the patch applied trains exactly as without it under any schedule.
+
+Where Transformer Engine >= 2.3 builds the layers, megatron-core's own split is used instead
+(``delay_wgrad_compute=True`` in the model's and DDP's configs; W = each TE layer's
+``backward_dw()``): :func:`wgrad_backend` chooses, :class:`WgradSeam` runs either.
+
+For every supported megatron-core (the registry's range, ``patches/versions.py``): 0.16 to
+0.19's ``LinearWithGradAccumulationAndAsyncCommunication`` keep both names and the same fused
+branch (0.19 adds ``gtp_remat_size``, whose re-materialised weights this patch leaves
+unsplit); ``.ci/mcore`` runs its tests on 0.18 and 0.19.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable, Iterator, Optional
+
+from ldt.patches.registry import PatchError, register
+
+TE_MIN = (2, 3)
+"""Transformer Engine from which megatron-core's ``delay_wgrad_compute`` works."""
+
+_SINK: Optional[Callable[["WgradWork"], None]] = None
+"""Where a split layer's W goes during a capture (None: run at once). A plain module global,
+not a thread-local: with CUDA the autograd engine runs backward functions on its own thread."""
+
+
+@dataclass
+class _Pending:
+    """Stands in for ``main_grad`` on the detached weight megatron's function sees: megatron
+    reads its ``dtype`` to pick the kernel and passes it to the kernel, which finds the layer."""
+
+    weight: Any
+    fused: bool  # the layer accumulates into main_grad itself (gradient_accumulation_fusion)
+    gathered: bool  # sequence parallel: the kernel's input is megatron's shared gather buffer
+    dtype: Any
+
+
+@dataclass
+class WgradWork:
+    """One deferred weight-gradient GEMM: megatron's kernel call for one layer and micro-batch."""
+
+    pending: _Pending
+    kernel: Optional[Callable]  # the real fused kernel (fused layers), else None
+    total_input: Any
+    grad_output: Any
+
+
+def run_wgrad(works: list[WgradWork]) -> None:
+    """W: compute the stored weight gradients and hand them to autograd, so each weight's
+    accumulator and its hooks (DDP's) run once per weight, as after an unsplit backward."""
+    import torch
+
+    grads: dict = {}  # weight -> its gradient (tensors hash by identity), in backward order
+    with torch.no_grad():  # as inside megatron's backward
+        for work in works:
+            _compute(work, grads)
+    if grads:
+        torch.autograd.backward(list(grads), list(grads.values()))
+
+
+def _compute(work: WgradWork, grads: dict) -> None:
+    """One layer's weight gradient, as megatron's backward computes it."""
+    import torch
+
+    weight = work.pending.weight
+    if work.pending.fused:  # megatron's fused branch: accumulate, then a dummy gradient
+        work.kernel(work.total_input, work.grad_output, weight.main_grad)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return  # megatron returns no gradient then: nothing reaches autograd
+        weight.grad_added_to_main_grad = True
+        grad = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) \
+            else torch.empty_like(weight)
+    else:
+        grad = work.grad_output.t().matmul(work.total_input)
+    grads[weight] = grads[weight] + grad if weight in grads else grad
+
+
+@contextlib.contextmanager
+def deferring(sink: Callable[[WgradWork], None]) -> Iterator[None]:
+    """While inside, split layers hand their W to ``sink`` instead of running it."""
+    global _SINK
+    if _SINK is not None:
+        raise RuntimeError("a weight-gradient capture is already open; captures do not nest "
+                           "(one backward at a time per process)")
+    _SINK = sink
+    try:
+        yield
+    finally:
+        _SINK = None
+
+
+class _Kernels:
+    """Proxy for megatron's ``fused_weight_gradient_mlp_cuda``: defers a split layer's call."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def wgrad_gemm_accum_fp32(self, total_input, grad_output, main_grad):
+        return self._call("wgrad_gemm_accum_fp32", total_input, grad_output, main_grad)
+
+    def wgrad_gemm_accum_fp16(self, total_input, grad_output, main_grad):
+        return self._call("wgrad_gemm_accum_fp16", total_input, grad_output, main_grad)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def _call(self, name: str, total_input, grad_output, main_grad):
+        if not isinstance(main_grad, _Pending):  # a fused layer this patch did not split
+            return getattr(self.real, name)(total_input, grad_output, main_grad)
+        kernel = getattr(self.real, name) if main_grad.fused else None
+        # held until W without the forward's graph; megatron's gather buffer (sequence
+        # parallel) is reused by the next layer, so that one is copied
+        total_input = total_input.detach()
+        if main_grad.gathered:
+            total_input = total_input.clone()
+        work = WgradWork(main_grad, kernel, total_input, grad_output.detach())
+        if _SINK is None:
+            run_wgrad([work])
+        else:
+            _SINK(work)
+
+
+def _split(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    def linear_with_grad_accumulation_and_async_allreduce(*args, **kwargs):
+        import torch
+
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        weight, bias = a["weight"], a.get("bias")
+        if not (torch.is_grad_enabled() and weight.requires_grad
+                and a.get("grad_output_buffer") is None  # megatron's own embedding deferral
+                and not hasattr(weight, "__fsdp_param__")  # Megatron-FSDP's own buffers
+                and a.get("gtp_remat_size") in (None, 1)  # 0.19's re-gathered weights
+                and (a["input"].requires_grad or (bias is not None and bias.requires_grad))):
+            return original(*args, **kwargs)
+        fused = bool(a["gradient_accumulation_fusion"]) and hasattr(weight, "main_grad")
+        alias = weight.detach()  # no edge to the weight: its accumulator waits for W
+        alias.main_grad = _Pending(weight, fused, bool(a["sequence_parallel"]),
+                                   weight.main_grad.dtype if fused else torch.float32)
+        a["weight"], a["gradient_accumulation_fusion"] = alias, True
+        return original(*bound.args, **bound.kwargs)
+
+    # megatron's function reads and sets this flag through its module-level name: now ours
+    linear_with_grad_accumulation_and_async_allreduce.warned = getattr(original, "warned", False)
+    linear_with_grad_accumulation_and_async_allreduce.__wrapped__ = original
+    return linear_with_grad_accumulation_and_async_allreduce
+
+
+@register("wgrad_split", "local linear layers defer their weight-gradient GEMM to a W step "
+                         "(zero-bubble schedules); megatron DDP's hooks fire after W")
+def install(ctx):
+    from megatron.core.tensor_parallel import layers
+
+    name = "linear_with_grad_accumulation_and_async_allreduce"
+    original = getattr(layers, name)
+    had_kernels = hasattr(layers, "fused_weight_gradient_mlp_cuda")
+    real_kernels = getattr(layers, "fused_weight_gradient_mlp_cuda", None)
+    setattr(layers, name, _split(original))
+    layers.fused_weight_gradient_mlp_cuda = _Kernels(real_kernels)
+
+    def undo() -> None:
+        setattr(layers, name, original)
+        if had_kernels:
+            layers.fused_weight_gradient_mlp_cuda = real_kernels
+        else:
+            del layers.fused_weight_gradient_mlp_cuda
+
+    return undo
+
+
+# ---- which split a model chunk uses, and W for it -----------------------------------------
+def te_version() -> Optional[str]:
+    for dist in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def te_linears(chunk) -> list:
+    """Transformer Engine's layers in ``chunk`` (the modules whose class comes from TE), in
+    forward order."""
+    return [m for m in chunk.modules()
+            if any(k.__module__.split(".")[0] == "transformer_engine" for k in type(m).__mro__)]
+
+
+def wgrad_backend(chunk, te: Optional[str] = "installed") -> str:
+    """``"local"`` (this patch splits the chunk's local linear layers) or ``"te"`` (its layers
+    are Transformer Engine's: megatron-core's ``delay_wgrad_compute`` splits them, W calls
+    their ``backward_dw()``). ``te``: the installed TE version (default: looked up). Raises
+    PatchError where TE's layers cannot split (TE older than 2.3, or the model built without
+    ``delay_wgrad_compute``)."""
+    layers = te_linears(chunk)
+    if not layers:
+        return "local"
+    te = te_version() if te == "installed" else te
+    if te is None or tuple(int("".join(c for c in p if c.isdigit()) or 0)
+                           for p in te.split(".")[:2]) < TE_MIN:
+        raise PatchError(
+            f"the model's linear layers are Transformer Engine's ({type(layers[0]).__name__}) "
+            f"and Transformer Engine {te or '(not found)'} cannot delay their weight gradient: "
+            f"megatron-core's delay_wgrad_compute needs transformer-engine>="
+            f"{TE_MIN[0]}.{TE_MIN[1]}; install it, or build the stages with megatron's local "
+            f"layers (model.transformer_impl=local)")
+    missing = [type(m).__name__ for m in layers
+               if not getattr(getattr(m, "config", None), "delay_wgrad_compute", False)]
+    if missing:
+        raise PatchError(
+            f"Transformer Engine layers {sorted(set(missing))} were built with "
+            f"delay_wgrad_compute=False, so their backward computes the weight gradient at "
+            f"once; build the model with TransformerConfig(delay_wgrad_compute=True) and wrap "
+            f"it with DistributedDataParallelConfig(delay_wgrad_compute=True)")
+    return "te"
+
+
+class WgradSeam:
+    """What a :class:`~ldt.schedule.wgrad.WgradStore` defers and runs W with, for one stage:
+    ``chunks`` maps the chunk names of the store's keys to the stage's model chunks."""
+
+    def __init__(self, chunks: dict, te: Optional[str] = "installed") -> None:
+        self.te = {name: te_linears(chunk) for name, chunk in chunks.items()
+                   if wgrad_backend(chunk, te) == "te"}
+
+    def deferring(self, key, sink: Callable[[Any], None]):
+        return deferring(sink)
+
+    def run(self, key, items: list) -> None:
+        run_wgrad(items)  # the local layers' (a TE model's output layer is megatron's own)
+        for module in reversed(self.te.get(key[1], ())):  # backward order, as megatron does
+            module.backward_dw()
