@@ -19,6 +19,12 @@ document under docs/ is picked up without an edit here.
   document says (:data:`CHECKS`: the JSON summary line's keys, the files in the run folder,
   the line ldt-convert prints, the plan's train file, the replay's table, ...). The message
   names the document, the block's line and the command.
+- A figure a document quotes from a command's output is checked by the document itself: a
+  comment line ``# expect: <regex>`` right under a command (several may follow one command)
+  states what its output says; the regex is searched (``re.search``, multi-line) in the
+  command's stdout followed by its stderr, and the test fails when it is not there. A command
+  that ends in ``|| true`` (one whose exit status is not checked: a refusal shown on purpose)
+  must have at least one.
 
 A document that needs a new fixture or placeholder adds it to ``doc_fixtures.FIXTURES`` or
 :data:`PLACEHOLDERS`; a new kind of claim to check goes in :data:`CHECKS`. Commands that start
@@ -47,6 +53,7 @@ from doc_fixtures import FIXTURES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP = re.compile(r"^#\s*doc-test:\s*skip\s*,\s*(\S.*)$")
+EXPECT = re.compile(r"^#\s*expect:\s?(.*\S)\s*$")
 FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
 COMMAND_TIMEOUT_S = 300
 
@@ -59,18 +66,28 @@ def documents() -> list[str]:
 
 
 @dataclasses.dataclass
+class Command:
+    line: int  # 1-based, of its first line
+    text: str  # ``\``-continued lines joined
+    expects: list  # regexes of its ``# expect:`` lines, in order
+
+
+@dataclasses.dataclass
 class Block:
     doc: str
     line: int  # of the opening fence, 1-based
-    commands: list  # (line, command text)
+    commands: list  # of Command
     skip: Optional[str]
 
     def __str__(self) -> str:
         return f"{self.doc}:{self.line}"
 
 
-def blocks_of(doc: str) -> list[Block]:
-    lines = open(os.path.join(ROOT, doc), encoding="utf-8").read().split("\n")
+def blocks_of(doc: str, text: Optional[str] = None) -> list[Block]:
+    """The shell blocks of ``doc`` (read from the repository unless ``text`` is given)."""
+    if text is None:
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+    lines = text.split("\n")
     out, i = [], 0
     while i < len(lines):
         if not FENCE.match(lines[i].strip()):
@@ -91,15 +108,28 @@ def blocks_of(doc: str) -> list[Block]:
 def _commands(body: list) -> list:
     out, pending, at = [], "", None
     for number, text in body:
+        expect = EXPECT.match(text.strip()) if not pending else None
+        if expect:
+            if not out:
+                raise ValueError(f"line {number}: '# expect:' before any command")
+            re.compile(expect.group(1))  # a bad regex is the document's error, said at collection
+            out[-1].expects.append(expect.group(1))
+            continue
         if not pending and (not text.strip() or text.strip().startswith("#")):
             continue
         at = at or number
         if text.rstrip().endswith("\\"):
             pending += text.rstrip()[:-1] + " "
             continue
-        out.append((at, (pending + text).strip()))
+        out.append(Command(at, (pending + text).strip(), []))
         pending, at = "", None
     return out
+
+
+def unexpected(command: Command, stdout: str, stderr: str) -> list[str]:
+    """The ``# expect:`` regexes of ``command`` that its output does not match."""
+    output = stdout + "\n" + stderr
+    return [e for e in command.expects if not re.search(e, output, re.M)]
 
 
 BLOCKS = [b for d in documents() for b in blocks_of(d)]
@@ -436,6 +466,28 @@ def test_the_documents_have_blocks_and_every_skip_says_why():
         first = open(os.path.join(ROOT, b.doc)).read().split("\n")[b.line]
         if "doc-test" in first:
             assert b.skip, f"{b}: write the marker as '# doc-test: skip, <reason>'"
+        for c in b.commands:
+            if not b.skip and re.search(r"\|\|\s*true\s*(#.*)?$", c.text):
+                assert c.expects, (f"{b.doc}:{c.line}: '{c.text}' ends in '|| true' and states "
+                                   "no '# expect: <regex>' line under it: its output is unchecked")
+
+
+def test_expect_lines_belong_to_the_command_above_and_are_checked():
+    """The ``# expect:`` mechanism itself: parsed onto the right command, and a figure that is
+    not in the output is reported (the document's line stays a check, not a comment)."""
+    doc = "\n".join([
+        "text", "```bash", "echo 'needs 5.87 MiB' \\", "  && echo second || true",
+        r"# expect: needs 5\.87 MiB", "# expect: ^second$", "# a plain comment",
+        "echo other", "```", "```bash", "# expect: nothing above", "```"])
+    with pytest.raises(ValueError, match="line 11: '# expect:' before any command"):
+        blocks_of("x.md", doc)
+    (block,) = blocks_of("x.md", doc.rsplit("```bash", 1)[0])
+    first, other = block.commands
+    assert (first.line, first.text) == (3, "echo 'needs 5.87 MiB'    && echo second || true")
+    assert first.expects == [r"needs 5\.87 MiB", "^second$"] and other.expects == []
+    assert unexpected(first, "needs 5.87 MiB\nsecond\n", "") == []
+    assert unexpected(first, "", "needs 5.87 MiB\nsecond") == []  # stderr counts too
+    assert unexpected(first, "needs 5.90 MiB\nsecond\n", "") == [r"needs 5\.87 MiB"]
 
 
 @pytest.mark.timeout(1200)
@@ -444,7 +496,8 @@ def test_block_runs_as_documented(block: Block, scratches):
     if block.skip:
         pytest.skip(f"{block}: {block.skip}")
     scratch = scratches(block.doc)
-    for line, written in block.commands:
+    for cmd in block.commands:
+        line, written = cmd.line, cmd.text
         where = f"{block.doc}:{line} (block at line {block.line}): {written}"
         try:
             command, notes = as_run(written, scratch)
@@ -457,6 +510,11 @@ def test_block_runs_as_documented(block: Block, scratches):
         if result.returncode != 0:
             pytest.fail(f"{where}\nran: {command}\nexit {result.returncode}\n--- stdout\n"
                         f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        missing = unexpected(cmd, result.stdout, result.stderr)
+        if missing:
+            pytest.fail(f"{where}\nran: {command}\nits output does not match the document's "
+                        f"'# expect:' line(s): {missing}\n--- stdout\n{result.stdout[-2000:]}"
+                        f"\n--- stderr\n{result.stderr[-2000:]}")
         for check in checks_for(block.doc, written):
             try:
                 check(result, scratch)
