@@ -120,6 +120,18 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
                            init_dist=False)[0]
 
 
+def estimate_here(cfg: dict, attention: str = "auto") -> list[StageEstimate]:
+    """:func:`estimate` in this process, which must have no process group: while it measures a
+    stage it is a rank of a fake world (:func:`ldt.memory.fake.fake_rank`), and leaves it
+    after (megatron-core's globals reset, ldt's patches reverted)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_here needs a process without a process group (it becomes "
+                           "a rank of a fake world); call ldt.memory.estimate instead")
+    return _estimate_worker(0, 1, cfg, attention)
+
+
 def needs_estimate(cfg: dict) -> bool:
     """``train.estimate_memory``, or (unset) whether some stage states its memory."""
     asked = cfg["train"].get("estimate_memory")
