@@ -234,15 +234,24 @@ def _split_sets(sets, cost: CostModel, ushape: bool, num_layers: int, opts: Plan
             for seq in orders(ss, ushape):
                 tried += 1
                 stages = tuple(StageSpec(k, t) for k, t in seq)
+                stage_dp = tuple(ss.dp_of_kind(k) for k, _ in seq) if ss.kind_dp else ()
                 layers = best_split(stages, ushape, ss.num_microbatches, cost, num_layers,
-                                    edge_min, memo)
+                                    edge_min, memo, stage_dp)
                 if layers is None:
                     continue
-                p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches)
+                p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches,
+                         stage_dp=stage_dp)
                 plans.append((p, closed_form(p, cost)))
                 ok = True
             fitted += ok
 
+    # the best set of each replica structure (dp, and per-stage dp) first: the estimate's
+    # error differs between them (a set of many replicas has little fill and drain, one of a
+    # few layers per stage rounds them), and a structure must not lose on that error alone
+    firsts: dict = {}
+    for ss in lists[0]:
+        firsts.setdefault((ss.dp, ss.kind_dp), ss)
+    take(firsts.values(), len(firsts))
     take(lists[0], opts.split_sets)
     take(_round_robin(lists[1:]), opts.objective_sets)
     return plans, tried
