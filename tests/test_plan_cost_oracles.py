@@ -337,3 +337,16 @@ def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():
     assert cost.recompute_transient(1, ChunkLoad(3)) == 0.0
     assert cost.recompute_transient(1, ChunkLoad(0, head=True, recompute=Recompute(
         "full", "uniform", 1))) == 0.0
+
+
+def test_the_heads_logits_and_a_recomputed_layer_are_not_alive_together():
+    """The end chunk's backward runs the head (its fp32 logits' gradient, s b V d) before the
+    layers (what recomputation rebuilds): the transient holds the larger, not both."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    logits = 4 * 32 * 256
+    for rc, rebuilt in ((Recompute("full", "uniform", 1), GPT_LAYER),
+                        (Recompute("selective", modules=("layernorm",)), 32 * 512.0)):
+        mem = cost.stage_memory(1, [ChunkLoad(2, head=True, recompute=rc)])
+        assert mem.transient == 4 * GPT_BOUNDARY + max(logits, rebuilt)

@@ -285,9 +285,21 @@ def _simulate_ranked(plans: list[tuple[Plan, float]], sim: Simulator, opts: Plan
             if id(pc) not in must and spent + sim.effort(pc[0]) > share:
                 continue  # too long for what is left; a shorter one may fit
             before = sim.work
-            out.append(sim(pc[0]))
+            out.append(_shallower_if_needed(sim(pc[0]), sim))
             side[2] += sim.work - before
     return sorted((e for e in out if e.fits), key=lambda e: e.iteration_time) or out
+
+
+def _shallower_if_needed(ev: Evaluation, sim: Simulator) -> Evaluation:
+    """A U-shape that does not fit at the search's prefetch depth (step 5 chose it on the best
+    closed form) at the deepest shallower one where it fits: a plan on fewer devices may fit
+    only with fewer micro-batches in flight."""
+    for depth in range(ev.plan.prefetch - 1, -1, -1):
+        if ev.fits:
+            break
+        shallower = sim(replace(ev.plan, prefetch=depth))
+        ev = shallower if shallower.fits else ev
+    return ev
 
 
 def _refine_starts(ranked: list[Evaluation], inventory: Inventory, objective: Objective,
