@@ -9,8 +9,6 @@ The base model and its middle stage's terms are tests/test_memory_total.py's.
 
 from __future__ import annotations
 
-import functools
-
 from test_memory_total import (ACTIVATIONS, ADAM, GRADS, OVERRIDES, SCORES, TRANSIENT,
                                WEIGHTS, A, B, F, H, S, T)
 
@@ -34,8 +32,9 @@ MOE = ["model=qwen3_moe_tiny", "cluster.u_shape=true", "cluster.dp=2",
        "train.distributed_optimizer=true"]
 
 
-@functools.lru_cache(maxsize=None)
 def estimated(over: tuple, attention: str = "auto"):
+    """The estimate of the base config with ``over``, in this process, in the test itself
+    (mutation testing attributes a fixture's or a cache's work to no test)."""
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
@@ -45,40 +44,38 @@ def estimated(over: tuple, attention: str = "auto"):
     return estimate_here(cfg, attention)
 
 
-def test_a_cuda_stage_keeps_what_flash_attention_keeps():
+def test_a_cuda_stage_and_a_sequence_parallel_stage():
     """s1 runs on cuda: Transformer Engine's fused attention there keeps no scores. Against
     the cpu middle stage: no softmax output ([b, heads, s, s] fp32) but the log-sum-exp per
     query and head ([b, heads, s] fp32) in each micro-batch, and no buffer for the scores in
-    the transient. Asked for local attention everywhere, it is the cpu stage's again; the
-    optimizer step (foreach on a cuda stage) leaves the same transient here."""
-    lse = B * A * S * FP32
-    flash = estimated(tuple(MIXED))[1]
-    assert (flash.device, flash.attention) == ("cuda", "flash")
-    assert flash.activations == [ACTIVATIONS - SCORES + lse]
-    assert flash.transient == TRANSIENT - SCORES
-    assert (flash.weights, flash.grads, flash.optimizer) == (WEIGHTS, GRADS, ADAM)
-    local = estimated(tuple(MIXED_CUDA), "local")[1]
-    assert (local.device, local.attention, local.activations, local.transient) == \
-        ("cuda", "local", [ACTIVATIONS], TRANSIENT)
+    the transient; the optimizer step (foreach on a cuda stage) leaves the same transient
+    here. Asked for local attention everywhere, it is the cpu stage's again.
 
-
-def test_a_sequence_parallel_stage_holds_slices_and_on_cpu_gloos_copy():
-    """s2, TP 2 with sequence parallelism: each rank holds half of every parameter matrix
+    s2, TP 2 with sequence parallelism: each rank holds half of every parameter matrix
     (LayerNorms and the row-parallel biases whole), half of every tensor the layer keeps (the
     sequence or the heads split in two), its receive holds the whole [s, b, h] and the slice;
     on a cpu stage gloo's reduce-scatter keeps a whole [s, b, h] copy until its wait
     returns, which a cuda stage (NCCL) does not."""
+    lse = B * A * S * FP32
+    mixed, on_cuda = estimated(tuple(MIXED)), estimated(tuple(MIXED_CUDA), "local")
+    flash = mixed[1]
+    assert (flash.device, flash.attention) == ("cuda", "flash")
+    assert flash.activations == [ACTIVATIONS - SCORES + lse]
+    assert flash.transient == TRANSIENT - SCORES
+    assert (flash.weights, flash.grads, flash.optimizer) == (WEIGHTS, GRADS, ADAM)
+    local = on_cuda[1]
+    assert (local.device, local.attention, local.activations, local.transient) == \
+        ("cuda", "local", [ACTIVATIONS], TRANSIENT)
     params = (2 * 2 * H + (H * 3 * H + 3 * H) // 2 + (H * H // 2 + H) + (H * F + F) // 2
               + (F * H // 2 + H))
-    sp = estimated(tuple(MIXED))[2]
+    sp = mixed[2]
     assert (sp.tp, sp.shards, sp.boundary_tensor) == (2, 2, T)
     assert (sp.weights, sp.grads) == (FP32 * params, FP32 * params)
     assert sp.optimizer == 2 * FP32 * params + FP32 * 12
     assert sp.activations == [ACTIVATIONS // 2]
     assert sp.recv_tensor == T + T // 2
-    on_cuda = estimated(tuple(MIXED_CUDA), "local")[2]
-    assert on_cuda.activations == sp.activations
-    assert sp.transient - on_cuda.transient == S * B * H * FP32
+    assert on_cuda[2].activations == sp.activations
+    assert sp.transient - on_cuda[2].transient == S * B * H * FP32
 
 
 def test_a_16_bit_moe_stage_with_the_distributed_optimizer():

@@ -4,7 +4,7 @@
 not only its parts: a small config whose middle stage's every term is counted here from the
 model's shapes and the schedule, term by term, and refusals whose limit sits one byte below
 and exactly at that peak. The estimate runs in this process (``ldt.memory.estimate_here``: a
-fake world entered and left), once for the module.
+fake world entered and left).
 
 The config: a plain pipeline of three TP-1 cpu stages on ldt's runtime (``Et|t|tL``), a GPT of
 hidden 16, 2 heads of 8, FFN 64, vocabulary 256 (bytes), sequence 8, micro-batch 1, 4 micro-batches,
@@ -65,50 +65,40 @@ def _limited(limit_bytes: int) -> dict:
         OVERRIDES + [f"cluster.stages.1.memory_gib={limit_bytes / 2**30!r}"]), resolve=True)
 
 
-@pytest.fixture(scope="module")
-def stages():
-    """The estimate with the middle stage limited to one byte below its peak by hand."""
-    from ldt.memory import estimate_here
-
-    return estimate_here(_limited(PEAK - 1))
-
-
-def test_every_term_of_the_middle_stage_is_what_its_shapes_say(stages):
-    mid = stages[1]
-    assert (mid.weights, mid.grads, mid.main_params, mid.optimizer) == (WEIGHTS, GRADS, 0, ADAM)
-    assert mid.activations == [ACTIVATIONS] and mid.inflight == (IN_FLIGHT,)
-    assert (mid.recv_buffers, mid.sent, mid.boundary_tensor) == (RECEIVES, SENT, T)
-    assert mid.transient == TRANSIENT
-    assert mid.step_transient < PEAK - mid.resident  # the pipeline's moment is the peak
-
-
-def test_the_middle_stages_peak_is_the_sum_of_its_terms(stages):
-    """79984 bytes: dropping any term of ``StageEstimate.peak`` (the resident part, the
-    activations, the receive buffers, the sent tensors, the transient) changes it."""
-    assert PEAK == 79984
-    assert stages[1].peak == PEAK
-    assert stages[1].components() == {
-        "weights": WEIGHTS, "gradients": GRADS, "fp32 main params": 0,
-        "optimizer states": ADAM, "activations": IN_FLIGHT * ACTIVATIONS,
-        "receive buffers": (RECEIVES + SENT) * T, "transient": TRANSIENT}
-
-
-def test_a_limit_one_byte_below_the_peak_is_refused_and_the_peak_itself_fits(stages):
-    """The refusal compares the peak: a limit of PEAK - 1 bytes refuses the middle stage (and
-    names it, its peak and the largest part), a limit of PEAK bytes lets it through."""
+def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_refused():
+    """Every term of the middle stage as its shapes say; its peak, 79984 bytes, their sum
+    (dropping any term of ``StageEstimate.peak`` changes it); a limit of PEAK - 1 bytes
+    refuses that stage, naming it, its peak and the largest part. (The estimate runs in the
+    test itself: mutation testing attributes a fixture's calls to no test.)"""
     from ldt.config import to_train
     from ldt.memory import estimate_here
     from ldt.memory.report import refusal
     from ldt.validate import validate
 
     below = _limited(PEAK - 1)
-    got = stages
+    got = estimate_here(below)
+    mid = got[1]
+    assert (mid.weights, mid.grads, mid.main_params, mid.optimizer) == (WEIGHTS, GRADS, 0, ADAM)
+    assert mid.activations == [ACTIVATIONS] and mid.inflight == (IN_FLIGHT,)
+    assert (mid.recv_buffers, mid.sent, mid.boundary_tensor) == (RECEIVES, SENT, T)
+    assert mid.transient == TRANSIENT
+    assert mid.step_transient < PEAK - mid.resident  # the pipeline's moment is the peak
+    assert PEAK == 79984 and mid.peak == PEAK
+    assert mid.components() == {
+        "weights": WEIGHTS, "gradients": GRADS, "fp32 main params": 0,
+        "optimizer states": ADAM, "activations": IN_FLIGHT * ACTIVATIONS,
+        "receive buffers": (RECEIVES + SENT) * T, "transient": TRANSIENT}
     assert [s.fits for s in got] == [True, False, True]
     topo = validate(below["cluster"], below["model"], check_devices=False)
-    line = refusal(got[1], topo, to_train(below["train"]))
+    line = refusal(mid, topo, to_train(below["train"]))
     assert line.startswith(f"stage 1 (s1, ranks 1) needs {PEAK / 2**20:.2f} MiB per rank "
                            f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
                            " the largest part is optimizer states"), line
+
+
+def test_a_limit_at_the_peak_fits():
+    from ldt.memory import estimate_here
+
     assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
 
 
