@@ -90,6 +90,8 @@ def test_a_16_bit_moe_stage_with_the_distributed_optimizer():
     assert layer == 2672
     edge, cloud = estimated(tuple(MOE))
     assert cloud.dp == 2 and cloud.distributed_optimizer
+    # every rank of a stage, replica by replica: a replica's ranks follow the previous one's
+    assert (edge.ranks, cloud.ranks, edge.name, cloud.recompute) == ([0, 2], [1, 3], "e", "-")
     assert cloud.grads == 2 * cloud.weights and cloud.weights >= 2 * layer
     assert cloud.main_params == cloud.weights  # half the elements, twice the bytes
     counters = cloud.optimizer - 2 * cloud.main_params

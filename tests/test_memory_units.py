@@ -199,3 +199,78 @@ def test_the_pre_flight_check_refuses_on_the_first_stage_that_does_not_fit(monke
         assert refused == (None if got == [fits] else
                            refusal(over[1], topo, SimpleNamespace(prefetch=1)))
     assert "train.prefetch < 1" in refused  # the run's train config, not a default
+
+
+# ---- the measuring tools, on real tensors ------------------------------------------------------
+def test_live_peak_counts_live_storages_and_their_peak():
+    """torch's MemTracker reduced to live storage bytes: what exists now, the highest point
+    since reset_peak (the reset returns the bytes alive then), views counted once."""
+    import torch
+
+    from ldt.memory.measure import LivePeak
+
+    tracker = LivePeak()
+    with tracker:
+        base = tracker.reset_peak()
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        view = a[10:20]
+        assert tracker.current() - base == 4000
+        b = torch.empty(500, dtype=torch.float64)  # 4000 more
+        assert tracker.current() - base == 8000 and tracker.peak() - base == 8000
+        del b
+        assert tracker.current() - base == 4000 and tracker.peak() - base == 8000
+        assert tracker.reset_peak() - base == 4000 and tracker.peak() - base == 4000
+        c = torch.empty(250, dtype=torch.float32)
+        assert tracker.peak() - base == 5000
+        del a, view, c
+        assert tracker.current() == base
+
+
+def test_attention_is_flash_on_cuda_stages_unless_asked():
+    from types import SimpleNamespace
+
+    from ldt.memory.measure import attention_of
+
+    te, local = SimpleNamespace(transformer_impl="auto"), SimpleNamespace(transformer_impl="local")
+    assert attention_of(te, "cuda") == "flash" and attention_of(local, "cuda") == "local"
+    assert attention_of(te, "cpu") == "local" and attention_of(te, "npu") == "local"
+    assert attention_of(te, "cpu", "flash") == "flash"
+    assert attention_of(te, "cuda", "local") == "local"
+
+
+def test_the_flash_stand_in_keeps_qkv_its_output_and_the_log_sum_exp():
+    """Grouped-query shapes (q 4 heads, k and v 2, head size 8, s 16, b 2): the stand-in's
+    output is [s, b, heads * d]; it keeps q, k, v, its output and an fp32 log-sum-exp [b,
+    heads, s]; its backward gives each input a gradient of that input's shape."""
+    import torch
+
+    from ldt.memory.measure import FlashAttention
+
+    q = torch.zeros(16, 2, 4, 8, requires_grad=True)
+    k = torch.zeros(16, 2, 2, 8, requires_grad=True)
+    v = torch.zeros(16, 2, 2, 8, dtype=torch.float64, requires_grad=True)
+    out = FlashAttention()(q, k, v, None)
+    assert tuple(out.shape) == (16, 2, 32) and out.dtype == q.dtype
+    saved = out.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8),
+                                               (16, 2, 32), (2, 4, 16)]
+    assert saved[4].dtype == torch.float32 and saved[3] is not q
+    out.sum().backward()
+    assert [tuple(t.grad.shape) for t in (q, k, v)] == [(16, 2, 4, 8), (16, 2, 2, 8),
+                                                         (16, 2, 2, 8)]
+    assert v.grad.dtype == torch.float64
+
+
+def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
+    import torch.distributed as dist
+
+    from ldt.memory import estimate_here
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"estimate_here needs a process without a "
+                           r"process group .*; call ldt.memory.estimate instead"):
+            estimate_here({})
+    finally:
+        dist.destroy_process_group()
