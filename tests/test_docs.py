@@ -456,6 +456,9 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("docs/planner.md", r"ldt-plan --inventory edge_cloud --model llama_7b --global-batch 64",
      check_shown_output("docs/planner.md", ".venv/bin/ldt-plan --inventory edge_cloud --model "
                         "llama_7b --global-batch 64 --out planned.yaml")),
+    ("docs/memory.md", r"ldt-plan --inventory edge_one_card --model llama3_8b --out",
+     check_shown_output("docs/memory.md", ".venv/bin/ldt-plan --inventory edge_one_card "
+                        "--model llama3_8b --out plans/cluster/edge8b.yaml")),
     ("docs/privacy.md", r"ldt-audit", check_audit),
     ("docs/torchrun.md", r"torchrun .*-m ldt\.train", check_torchrun),
     ("*", r"ldt-train\b(?!.*(--help|--cfg))", check_training),
