@@ -101,11 +101,11 @@ def test_a_moe_model_is_estimated():
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
-    from ldt.memory import estimate
+    from ldt.memory import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=qwen3_moe_tiny"]),
                                  resolve=True)
-    stages = estimate(cfg)
+    stages = estimate_here(cfg)  # in this process: no helper to start
     h, fm, experts, d = 64, 32, 8, 16
     attention = h * (4 + 2 * 2) * d + h * h + 2 * d + 2 * h
     moe = experts * (h * 2 * fm + fm * h) + experts * h
@@ -132,7 +132,7 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     from ldt.tools.memory import main
 
     got = []
-    real = ldt.memory.estimate
+    real = ldt.memory.estimate_here  # in this process: no helper to start
     monkeypatch.setattr(ldt.memory, "estimate", lambda cfg: got.append(real(cfg)) or got[-1])
     assert main(["cluster=cpu_demo", "cluster.stages.0.memory_gib=0.5",
                  f"hydra.run.dir={tmp_path}"]) == 0
