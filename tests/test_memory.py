@@ -90,6 +90,9 @@ def test_balanced_routing_gives_each_expert_its_even_share():
         assert tuple(permuted.shape) == (32, 64) and tuple(probs.shape) == (32,)
         assert counts.tolist() == [4] * 8
     assert torch.tensor([3, 5]).tolist() == [3, 5]  # outside the estimate nothing changes
+    with FakeTensorMode(), BalancedRouting(topk=2, experts=8):  # before any selection an
+        with pytest.raises(Exception, match="_local_scalar_dense"):  # integer item is fake's
+            torch.tensor([3, 5]).tolist()
 
 
 @pytest.mark.timeout(120)
@@ -146,3 +149,5 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     assert st.grads == st.weights and st.optimizer == 2 * st.weights + 4 * (2 + 2 * 12 + 2 + 1)
     assert st.main_params == 0  # fp32 training: the parameters are the main parameters
     assert st.inflight == (4, 1)
+    cloud0 = got[0][1]  # TP 2 without sequence parallelism: one whole tensor per receive
+    assert (cloud0.tp, cloud0.shards, cloud0.recv_tensor) == (2, 1, cloud0.boundary_tensor)

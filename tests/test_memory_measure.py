@@ -32,15 +32,17 @@ MOE = ["model=qwen3_moe_tiny", "cluster.u_shape=true", "cluster.dp=2",
        "train.distributed_optimizer=true"]
 
 
-def estimated(over: tuple, attention: str = "auto"):
-    """The estimate of the base config with ``over``, in this process, in the test itself
-    (mutation testing attributes a fixture's or a cache's work to no test)."""
+def estimated(over: tuple, attention: str = "auto", cluster: bool = True):
+    """The estimate of the base config with ``over`` (``cluster=False``: its model and train
+    settings only), in this process, in the test itself (mutation testing attributes a
+    fixture's or a cache's work to no test)."""
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
     from ldt.memory import estimate_here
 
-    cfg = OmegaConf.to_container(compose(list(OVERRIDES) + list(over)), resolve=True)
+    base = [o for o in OVERRIDES if cluster or not o.startswith("cluster")]
+    cfg = OmegaConf.to_container(compose(base + list(over)), resolve=True)
     return estimate_here(cfg, attention)
 
 
@@ -74,6 +76,9 @@ def test_a_cuda_stage_and_a_sequence_parallel_stage():
     assert sp.optimizer == 2 * FP32 * params + FP32 * 12
     assert sp.activations == [ACTIVATIONS // 2]
     assert sp.recv_tensor == T + T // 2
+    # the leader gathers what it sends: its last forward's output (a new, whole tensor) is
+    # still held with its last backward's input gradient (a TP-1 stage: the gradient only)
+    assert sp.sent == 2
     assert on_cuda[2].activations == sp.activations
     assert sp.transient - on_cuda[2].transient == S * B * H * FP32
 
@@ -100,3 +105,17 @@ def test_a_16_bit_moe_stage_with_the_distributed_optimizer():
     # head): the U-shape's warm-up holds 3 start chunks (stages + 1), one end chunk
     assert len(edge.activations) == 2 and edge.inflight == (3, 1)
     assert edge.grads == 2 * edge.weights
+
+
+def test_per_stage_dp_stages_list_every_replicas_ranks_and_their_recomputation():
+    """cpu_vdp at the base model's size (edge dp 1, cloud dp 2), the cloud recomputing its
+    layernorms: the edge's lane holds 5 start-chunk micro-batches (read off its lane list in
+    tests/test_memory_peak.py) and 1 end-chunk one, a cloud lane 2 (F0 F2 B0 F4 ...)."""
+    edge, cloud = estimated(("cluster=cpu_vdp", "cluster.layout=Et|t|tL",
+                             "cluster.stages.1.recompute.granularity=selective",
+                             "cluster.stages.1.recompute.modules=[layernorm]"),
+                            cluster=False)
+    assert [(s.dp, s.ranks, s.recompute) for s in (edge, cloud)] == [
+        (1, [0], "-"), (2, [1, 2], "selective(layernorm)")]
+    assert (edge.inflight, cloud.inflight) == ((5, 1), (2,))
+    assert cloud.activations[0] < ACTIVATIONS  # the layernorms' outputs are not kept

@@ -79,10 +79,7 @@ class StageEstimate:
 
     @property
     def recv_tensor(self) -> int:
-        """One posted receive: the whole tensor (the leader's), and with sequence parallelism
-        the slice that is scattered into, posted with it (measured: cpu_demo's TP 2 leader)."""
-        slice_ = self.boundary_tensor // self.shards if self.shards > 1 else 0
-        return self.boundary_tensor + slice_
+        return recv_bytes(self.boundary_tensor, self.shards)
 
     @property
     def peak_transient(self) -> int:
@@ -106,6 +103,13 @@ class StageEstimate:
                 "fp32 main params": self.main_params, "optimizer states": self.optimizer,
                 "activations": self.activation_bytes, "receive buffers": self.buffer_bytes,
                 "transient": self.peak_transient}
+
+
+def recv_bytes(boundary_tensor: int, shards: int) -> int:
+    """One posted receive: the whole tensor (the leader's), and with sequence parallelism
+    (``shards`` > 1 slices) the slice that is scattered into, posted with it (measured:
+    cpu_demo's TP 2 leader)."""
+    return boundary_tensor + (boundary_tensor // shards if shards > 1 else 0)
 
 
 def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
@@ -180,8 +184,9 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
         # micro-batches, posted receives, sent tensors), its chunk's transient on top
         transients = _transients(got.chunks)
         shards = st.tp if c.model.sequence_parallel and st.tp > 1 else 1
-        recv = got.boundary_tensor + (got.boundary_tensor // shards if shards > 1 else 0)
-        at = schedule[st.index].peak(activations, transients, recv, got.boundary_tensor)
+        at = schedule[st.index].peak(activations, transients,
+                                     recv_bytes(got.boundary_tensor, shards),
+                                     got.boundary_tensor)
         limit = cluster_stage.memory_gib
         out.append(StageEstimate(
             st.index, st.name, st.device, st.tp, topo.dp_of(st.index),
