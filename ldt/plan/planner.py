@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 from ldt.config import ConfigError, ModelConfig
-from ldt.plan.candidates import orders, stage_sets
+from ldt.plan.candidates import SHARED_UP_TO, orders, stage_sets
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, closed_form,
                                with_layers)
@@ -245,12 +245,14 @@ def _split_sets(sets, cost: CostModel, ushape: bool, num_layers: int, opts: Plan
                 ok = True
             fitted += ok
 
-    # the best set of each replica structure (dp, and per-stage dp) first: the estimate's
-    # error differs between them (a set of many replicas has little fill and drain, one of a
-    # few layers per stage rounds them), and a structure must not lose on that error alone
+    # the best set of each replica structure (dp, per-stage dp, the kinds used) first: the
+    # estimate's error differs between them (a set of many replicas has little fill and
+    # drain, one of a few layers per stage rounds them), and a structure must not lose on
+    # that error alone
     firsts: dict = {}
-    for ss in lists[0]:
-        firsts.setdefault((ss.dp, ss.kind_dp), ss)
+    if cost.inventory.total_devices <= SHARED_UP_TO:  # past it the sets are many, and the
+        for ss in lists[0]:  # plain lists serve (their errors matter less at scale)
+            firsts.setdefault((ss.dp, ss.kind_dp, tuple(name for name, _ in ss.groups)), ss)
     take(firsts.values(), len(firsts))
     take(lists[0], opts.split_sets)
     take(_round_robin(lists[1:]), opts.objective_sets)
