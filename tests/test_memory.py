@@ -151,3 +151,10 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     assert st.inflight == (4, 1)
     cloud0 = got[0][1]  # TP 2 without sequence parallelism: one whole tensor per receive
     assert (cloud0.tp, cloud0.shards, cloud0.recv_tensor) == (2, 1, cloud0.boundary_tensor)
+    # and its two layers keep, per rank and micro-batch (t = s b h fp32, heads split in two):
+    # LayerNorm statistics 2 x 2 s b fp32, LayerNorm outputs 2 t, QKV 3t/2, softmax b a/2 s s,
+    # context t/2, residual t, fc1 and GeLU outputs 2 s b f/2, the output t; and the input t
+    t = S * 2 * H * 4
+    layer = (2 * 2 * S * 2 * 4 + 2 * t + 3 * t // 2 + 2 * 2 * S * S * 4 + t // 2 + t
+             + 2 * S * 2 * F // 2 * 4 + t)
+    assert cloud0.activations == [2 * layer + t] == [823296]

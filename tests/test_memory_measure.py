@@ -119,3 +119,18 @@ def test_per_stage_dp_stages_list_every_replicas_ranks_and_their_recomputation()
         (1, [0], "-"), (2, [1, 2], "selective(layernorm)")]
     assert (edge.inflight, cloud.inflight) == ((5, 1), (2,))
     assert cloud.activations[0] < ACTIVATIONS  # the layernorms' outputs are not kept
+
+
+def test_a_tied_head_on_the_edge_is_one_parameter():
+    """A U-shape whose edge holds the embedding and the head, tied: the edge (the embedding
+    V x h, the learned positions s x h, two layers, the final LayerNorm) counts the shared
+    matrix once in its weights, its gradient buffer and Adam's moments (a step counter for
+    each of its 28 parameter tensors)."""
+    from test_memory_total import LAYER_PARAMS, V
+
+    edge, _ = estimated(("cluster.u_shape=true", "cluster.layout=Et|t|tL",
+                         "cluster.stages=[{name:e,device:cpu,tp:1},{name:c,device:cpu,tp:1}]",
+                         "model.tie_embeddings=true"))
+    params = V * H + S * H + 2 * LAYER_PARAMS + 2 * H
+    assert (edge.weights, edge.grads) == (FP32 * params, FP32 * params)
+    assert edge.optimizer == 2 * FP32 * params + FP32 * (1 + 1 + 2 * 12 + 2)

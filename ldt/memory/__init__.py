@@ -170,7 +170,7 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
     m = c.model
     experts = (m.moe_router_topk, m.num_moe_experts) if m.num_moe_experts else None
     for st in topo.stages:
-        leader = topo.leader(st.index, 0)
+        leader = topo.leader(st.index)
         with fake_rank(topo.world_size, leader, experts):
             moe.reset(m)  # megatron's aux-loss tracker, sized for the model's global layers
             state = ldt.initialize_vtp(on_cpu)
