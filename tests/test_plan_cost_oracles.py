@@ -315,6 +315,47 @@ def test_stage_memory_by_hand():
     assert middle.activations == 2 * (2 * GPT_LAYER + GPT_BOUNDARY)
 
 
+def test_stage_memory_with_sequence_parallelism_at_tp2_by_hand():
+    """gpt with sequence parallelism, TP 2, b 2 (fp32): a received tensor waits whole in the
+    leader's buffer (s b h d, not the rank's slice), the transient holds 4 whole ones and the
+    logits' gradient s b V d / 2; full block recomputation keeps each kept layer's input as
+    the rank's sequence slice (s b h d / 2)."""
+    from dataclasses import replace
+
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(replace(FAMILIES["gpt"], sequence_parallel=True), _inventory(), 2)
+    whole = 32 * 2 * 64 * 4
+    mem = cost.stage_memory(2, [ChunkLoad(1, head=True)], recv_buffers=1)
+    assert mem.buffers == whole
+    assert mem.transient == 4 * whole + 32 * 2 * 256 * 4 / 2
+    block = Recompute("full", "block", 2)
+    assert cost.decoder_activation_bytes(2, 3, block) == \
+        2 * whole / 2 + cost.layer_activation_bytes(2)
+
+
+def test_layer_parts_of_grouped_query_rope_and_moe_layers_by_hand():
+    """A grouped-query layer without RoPE keeps a contiguous copy of q beside the fused QKV
+    output (q 64 + k 32 + v 32 + the copy 64 = 192 wide, fp32); RoPE's cos / sin tables cover
+    the rotated part of a head (rotary_percent 0.5 of llama's head of 8: 4 wide, 4 bytes x 4 x
+    fp32 = 64 bytes a token, against 128 whole); a MoE layer (every layer, 4 experts of width
+    32, top 2, no gate) keeps the router's fp32 probabilities (4 x 4 bytes) and, per routed
+    copy, the token (h) and the expert's fc1 output and fc2 input ((32 + 32) / tp)."""
+    from dataclasses import replace
+
+    gqa = CostModel(replace(FAMILIES["gpt"], num_query_groups=2), _inventory(), 1)
+    assert gqa.layer_parts(1)["qkv"] == 4 * 192
+    assert gqa.layer_parts(2)["qkv"] == 4 * 192 / 2
+    llama = FAMILIES["llama"]
+    whole = CostModel(llama, _inventory(), 1).layer_parts(1)["qkv"]
+    half = CostModel(replace(llama, rotary_percent=0.5), _inventory(), 1).layer_parts(1)["qkv"]
+    assert whole - half == 4 * (8 - 4) * 4
+    moe = CostModel(replace(FAMILIES["gpt"], add_bias_linear=False, num_moe_experts=4,
+                            moe_ffn_hidden_size=32), _inventory(), 1)
+    assert moe.layer_parts(1)["mlp"] == 4 * 4 + 2 * 4 * (64 + 32 + 32)
+    assert moe.layer_parts(2)["mlp"] == 4 * 4 + 2 * 4 * (64 + (32 + 32) / 2)
+
+
 def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():
     """One micro-batch's backward rebuilds a full uniform group (n layers at once), the last
     layer when block recomputes every layer of the chunk (with fewer, the recomputed layers
