@@ -378,6 +378,19 @@ def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():
     assert cost.recompute_transient(1, ChunkLoad(3)) == 0.0
     assert cost.recompute_transient(1, ChunkLoad(0, head=True, recompute=Recompute(
         "full", "uniform", 1))) == 0.0
+    assert cost.recompute_transient(1, ChunkLoad(1, recompute=Recompute(
+        "full", "uniform", 1))) == GPT_LAYER  # a one-layer chunk rebuilds its layer
+
+
+def test_a_faster_kind_computes_proportionally_faster():
+    """The achieved speed is tp x TFLOP/s x MFU x TP efficiency^log2(tp): at TP 1 a kind of 2
+    TFLOP/s takes half the time of one of 1 (the other inventories state 1, where tp / tflops and
+    tp x tflops agree)."""
+    slow = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    fast = CostModel(FAMILIES["gpt"], _inventory(tflops=2.0), 1)
+    # TP 1: no all-reduce in the layer's time, only its FLOPs
+    assert fast.layer_time("gpu", 1) == pytest.approx(
+        tuple(t / 2 for t in slow.layer_time("gpu", 1)), rel=1e-12)
 
 
 def test_the_heads_logits_and_a_recomputed_layer_both_count():
