@@ -455,7 +455,7 @@ CHECKS: list[tuple[str, str, Callable]] = [
     ("docs/planner.md", r"ldt-sim --cluster plans/cluster/qwen\.yaml", check_sim_of_front_pick),
     ("docs/planner.md", r"ldt-plan --inventory edge_cloud --model llama_7b --global-batch 64",
      check_shown_output("docs/planner.md", ".venv/bin/ldt-plan --inventory edge_cloud --model "
-                        "llama_7b --global-batch 64 --out planned.yaml")),
+                        "llama_7b --global-batch 64 --out edge_cloud_plan.yaml")),
     ("docs/memory.md", r"ldt-plan --inventory edge_one_card --model llama3_8b --out",
      check_shown_output("docs/memory.md", ".venv/bin/ldt-plan --inventory edge_one_card "
                         "--model llama3_8b --out plans/cluster/edge8b.yaml")),
