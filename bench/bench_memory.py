@@ -1,14 +1,24 @@
-"""The memory estimate against real allocations, the planner against the estimate, and what
-recomputation costs (issue #24; docs/memory.md).
+"""The memory estimate against what a run really holds, the planner against the estimate, and
+what recomputation costs (issues #24, #45; docs/memory.md).
 
 1. ``real``: for cpu_demo, cpu_vtp and cpu_vdp (gpt_tiny), with and without recomputation
-   and sequence parallelism, every rank's estimate (``ldt.memory.estimate``: fake tensors)
-   next to what the same config really allocated: each rank runs ``train_worker`` for two
-   steps (the first creates the optimizer states, the second runs with them) inside torch's
-   MemTracker in real mode (:class:`ldt.memory.measure.LivePeak`: the live bytes of every
-   tensor storage of the process and their peak). The corpus is capped at 20 kB
-   (``data.max_bytes``): the data stages hold it as int64 tokens, host memory the estimate
-   leaves out.
+   and sequence parallelism, and a MoE model (qwen3_moe_tiny) on cpu_demo and cpu_vtp, at the
+   shipped size and scaled up (:data:`SCALED`: h 256, s 256), every rank's estimate
+   (``ldt.memory.estimate``: fake tensors) next to two measures of the same config trained two
+   steps (the first creates the optimizer states, the second runs with them):
+
+   - ``tracker``: torch's MemTracker in real mode (:class:`ldt.memory.measure.LivePeak`, the
+     live bytes of every tensor storage of the process): the method the estimate runs on fake
+     tensors, so it checks the fake replay, not the method;
+   - ``resident``: what the operating system counts, sharing no code with either
+     (:mod:`bench.resident`): the peak of the process's anonymous resident memory from the
+     moment its process groups exist to the last step's end, in a world started with glibc's
+     mmap threshold, trim threshold and top pad pinned (:data:`bench.resident.MALLOC_ENV`:
+     freed tensors leave the process). On a cuda stage it is the
+     caching allocator's peak allocated and reserved bytes instead (not run here).
+
+   Both leave out the corpus a data stage holds in host memory as int64 tokens (160000 bytes
+   at ``data.max_bytes=20000``), which a device never holds and the estimate does not count.
 2. ``planner``: the planner's analytic memory per stage (``ldt.plan.cost``) next to the
    estimate for the plans it makes for the shipped real-size models (flash attention, as the
    planner assumes).
@@ -16,8 +26,10 @@ recomputation costs (issue #24; docs/memory.md).
    recomputation off and on (cpu_demo: full on the edge, selective on the cloud), and the
    planner's predictions for both (simulated iteration on the cpu_local inventory; memory).
 
-``python -m bench.bench_memory`` runs all three and prints one JSON line; ``layers`` instead
-prints the per-layer bytes tests/test_plan_cost.py holds the planner to.
+``python -m bench.bench_memory`` runs all three and prints one JSON line; ``real``,
+``planner`` or ``recompute`` runs one of them (``real --size scaled --cluster cpu_vtp``: some
+of its cases); ``merge FILE...`` makes one JSON line of the pieces' lines; ``layers`` prints
+the per-layer bytes tests/test_plan_cost.py holds the planner to.
 """
 
 from __future__ import annotations
@@ -40,6 +52,21 @@ REAL_CASES = [  # (cluster, recompute, sequence parallel[, model: gpt_tiny])
     ("cpu_vdp", True, False),
     # MoE (8 experts, top 2): the estimate routes evenly, the real router as it learns
     ("cpu_demo", False, True, "qwen3_moe_tiny"), ("cpu_vtp", False, True, "qwen3_moe_tiny"),
+]
+SCALED = {  # per model, the overrides of the "scaled" size: tensors of 0.5-1 MiB, where the
+    # allocator's page rounding is small and Python's own memory a few percent of a rank's
+    "gpt_tiny": ["model.hidden_size=256", "model.num_attention_heads=8",
+                 "model.ffn_hidden_size=1024", "model.seq_length=256"],
+    "qwen3_moe_tiny": ["model.hidden_size=256", "model.num_attention_heads=8",
+                       "model.kv_channels=32", "model.ffn_hidden_size=512",
+                       "model.moe_ffn_hidden_size=128", "model.seq_length=256"],
+}
+LATER_IMPORTS = [  # what training imports after its process groups exist: imported before the
+    # resident baseline, so the modules' own memory is not counted as the run's
+    "ldt.data", "ldt.data.bytes", "ldt.privacy.defence", "ldt.training.optim",
+    "ldt.training.checkpoint", "ldt.training.moe", "ldt.training.observe",
+    "ldt.schedule.forward_backward", "ldt.boundary.communicator", "megatron.core.models.gpt",
+    "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
 ]
 PLANS = [  # (model, inventory, micro-batch size)
     ("llama_7b", "edge_one_card", 2), ("llama3_8b", "edge_one_card", 1),
@@ -101,36 +128,154 @@ def measured_worker(rank: int, world: int, cfg: dict, run_dir: str) -> int:
     return tracker.peak()
 
 
+def resident_worker(rank: int, world: int, cfg: dict, run_dir: str) -> dict:
+    """Train with no tracker; the reference of the rank's device (:func:`bench.resident.
+    for_device`) from the moment ``ldt.initialize_vtp`` returned (the modules training imports
+    later imported first) to the last step's end (before the reporter draws its timeline).
+    Returns the reference's figures, the corpus's bytes and whether glibc was pinned."""
+    import importlib
+
+    import ldt
+    import ldt.training.loop as loop
+    from bench.resident import for_device
+    from ldt.data.bytes import TextData
+    from ldt.training.loop import train_worker
+
+    probe: list = []
+    got: dict = {}
+    corpus: list = []
+    initialize, text_data = ldt.initialize_vtp, TextData.__init__
+
+    def initialize_then_start(topo, *args, **kwargs):
+        state = initialize(topo, *args, **kwargs)
+        for name in LATER_IMPORTS:
+            importlib.import_module(name)
+        probe.append(for_device(topo.stages[state.stage].device))
+        probe[0].start()
+        return state
+
+    def stop_first(func):
+        def wrapped(*args, **kwargs):
+            if not got:
+                got.update(probe[0].stop())
+            return func(*args, **kwargs)
+        return wrapped
+
+    def keep(self, *args, **kwargs):
+        text_data(self, *args, **kwargs)
+        corpus.append(self.tokens.untyped_storage().nbytes())
+
+    ldt.initialize_vtp = initialize_then_start
+    loop.gather_timings = stop_first(loop.gather_timings)
+    loop.write_outputs = stop_first(loop.write_outputs)
+    TextData.__init__ = keep
+    train_worker(rank, world, cfg, run_dir)
+    if not got:
+        got.update(probe[0].stop())
+    return dict(got, corpus=sum(corpus), pinned=getattr(probe[0], "pinned", lambda: None)())
+
+
+def resident_peaks(cfg: dict) -> list[dict]:
+    """:func:`resident_worker` on every rank, in a fresh process started with
+    :data:`bench.resident.MALLOC_ENV` (glibc reads it once, at start, and the ranks are forked
+    from that process's forkserver); per rank, ``peak`` bytes with the corpus taken out on a
+    resident measure (and ``reserved`` on a cuda stage)."""
+    import json
+    import subprocess
+
+    from bench.resident import MALLOC_ENV
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.bench_memory", "resident", f.name],
+                              cwd=root, env=dict(os.environ, **MALLOC_ENV), capture_output=True,
+                              text=True, timeout=900)
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the resident world failed:\n{proc.stderr[-3000:]}")
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in ranks:
+        if not r["pinned"] and r["pinned"] is not None:
+            raise RuntimeError("glibc's mmap threshold was not pinned in the resident world")
+        if "reserved" not in r:  # host memory: the corpus is in it
+            r["peak"] -= r["corpus"]
+    return ranks
+
+
+def _resident_main(path: str) -> None:
+    import json
+
+    from ldt.launch import run_local_world
+    from ldt.validate import validate
+
+    cfg = json.load(open(path))
+    topo = validate(cfg["cluster"], cfg["model"], check_devices=False)
+    out = run_local_world(topo.world_size, resident_worker, (cfg, cfg["run_dir"]),
+                          timeout_s=600)
+    print(json.dumps(out))
+
+
 def timed_worker(rank: int, world: int, cfg: dict, run_dir: str):
     from ldt.training.loop import train_worker
 
     return train_worker(rank, world, cfg, run_dir)
 
 
-def real_allocations() -> list[dict]:
+def real_allocations(cases=REAL_CASES, sizes=("shipped", "scaled")) -> list[dict]:
     from ldt.launch import run_local_world
     from ldt.memory import estimate
     from ldt.validate import validate
 
     rows = []
-    for cluster, rc, sp, *model in REAL_CASES:
-        cfg = config(cluster, rc, sp, *[f"model={m}" for m in model])
-        topo = validate(cfg["cluster"], cfg["model"], check_devices=False)
-        stages = estimate(cfg)
-        cfg["run_dir"] = tempfile.mkdtemp(prefix="ldt-bench-memory-")
-        peaks = run_local_world(topo.world_size, measured_worker, (cfg, cfg["run_dir"]),
-                                timeout_s=600)
-        for rank, real in enumerate(peaks):
-            st = stages[topo.rank_info(rank).stage]
-            rows.append({"cluster": cluster, "model": (model or ["gpt_tiny"])[0],
-                         "recompute": rc, "sp": sp, "rank": rank,
-                         "stage": st.name, "estimate_mib": st.peak / MIB,
-                         "real_mib": real / MIB, "ratio": st.peak / real})
-            print(f"{cluster:9s} {(model or ['gpt_tiny'])[0]:14s} recompute={str(rc):5s} "
-                  f"sp={str(sp):5s} rank {rank} "
-                  f"({st.name:6s}): estimate {st.peak / MIB:7.3f} MiB, real {real / MIB:7.3f} "
-                  f"MiB, estimate/real {st.peak / real:.3f}", flush=True)
+    for size in sizes:
+        for cluster, rc, sp, *model in cases:
+            name = (model or ["gpt_tiny"])[0]
+            extra = [f"model={name}"] + (SCALED[name] if size == "scaled" else [])
+            cfg = config(cluster, rc, sp, *extra)
+            topo = validate(cfg["cluster"], cfg["model"], check_devices=False)
+            stages = estimate(cfg)
+            cfg["run_dir"] = tempfile.mkdtemp(prefix="ldt-bench-memory-")
+            tracked = run_local_world(topo.world_size, measured_worker,
+                                      (cfg, cfg["run_dir"]), timeout_s=600)
+            cfg["run_dir"] = tempfile.mkdtemp(prefix="ldt-bench-memory-")
+            resident = resident_peaks(cfg)
+            for rank, (tracker, res) in enumerate(zip(tracked, resident)):
+                st = stages[topo.rank_info(rank).stage]
+                row = {"size": size, "cluster": cluster, "model": name, "recompute": rc,
+                       "sp": sp, "rank": rank, "stage": st.name, "device": st.device,
+                       "estimate_mib": st.peak / MIB, "tracker_mib": tracker / MIB,
+                       "resident_mib": res["peak"] / MIB, "vs_tracker": st.peak / tracker,
+                       "vs_resident": st.peak / res["peak"], "samples": res.get("samples")}
+                if "reserved" in res:
+                    row.update(reserved_mib=res["reserved"] / MIB,
+                               vs_reserved=st.peak / res["reserved"])
+                rows.append(row)
+                print(f"{size:7s} {cluster:8s} {name:14s} recompute={str(rc):5s} "
+                      f"sp={str(sp):5s} rank {rank} ({st.name:6s}): estimate "
+                      f"{st.peak / MIB:7.3f} MiB, tracker {tracker / MIB:7.3f}, resident "
+                      f"{res['peak'] / MIB:7.3f}; estimate/tracker {row['vs_tracker']:.3f}, "
+                      f"estimate/resident {row['vs_resident']:.3f}", flush=True)
     return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per size, the range of estimate / each measure over every rank, and the ranks where the
+    estimate does not bound the resident peak from above within 10% (1.0 <= ratio <= 1.1)."""
+    out = {}
+    for size in sorted({r["size"] for r in rows}):
+        mine = [r for r in rows if r["size"] == size]
+        out[size] = {"ranks": len(mine)} | {
+            key: {"min": round(min(r[key] for r in mine), 4),
+                  "max": round(max(r[key] for r in mine), 4)}
+            for key in ("vs_tracker", "vs_resident")} | {
+            "resident_minus_estimate_mib": {
+                "min": round(min(r["resident_mib"] - r["estimate_mib"] for r in mine), 3),
+                "max": round(max(r["resident_mib"] - r["estimate_mib"] for r in mine), 3)},
+            "not_bounded": sum(not 1.0 <= r["vs_resident"] <= 1.1 for r in mine)}
+    return out
 
 
 def planner_vs_estimate() -> list[dict]:
@@ -244,23 +389,82 @@ def layers() -> None:
                   one.activations[0], flush=True)
 
 
-def main() -> dict:
+def main(parts=("real", "planner", "recompute"), sizes=("shipped", "scaled"),
+         clusters=None) -> dict:
+    from bench.common import machine_load
+
+    load = machine_load()
     t0 = time.perf_counter()
-    real = real_allocations()
-    planned = planner_vs_estimate()
-    cost = recompute_cost()
-    worst_real = max(abs(r["ratio"] - 1) for r in real)
-    worst_plan = max(abs(r["ratio"] - 1) for r in planned)
-    print(f"estimate vs real allocation: worst {worst_real:.1%} over {len(real)} ranks; "
-          f"planner vs estimate: worst {worst_plan:.1%} over {len(planned)} stages "
-          f"({time.perf_counter() - t0:.0f} s)")
-    return emit({"bench": "memory", "estimate_vs_real_worst": worst_real,
-                 "planner_vs_estimate_worst": worst_plan, "real": real, "planner": planned,
-                 "recompute": cost})
+    out: dict = {"bench": "memory"}
+    if "real" in parts:
+        cases = [c for c in REAL_CASES if clusters is None or c[0] in clusters]
+        real = real_allocations(cases, sizes)
+        out.update(real=real, real_summary=summary(real))
+        _print_summary(out["real_summary"])
+    if "planner" in parts:
+        planned = planner_vs_estimate()
+        out.update(planner=planned, planner_vs_estimate=_range([r["ratio"] for r in planned]))
+    if "recompute" in parts:
+        out["recompute"] = recompute_cost()
+    out["seconds"] = round(time.perf_counter() - t0)
+    print(f"({out['seconds']} s)")
+    return emit(out, load)
+
+
+def _range(values) -> dict:
+    return {"min": round(min(values), 4), "max": round(max(values), 4), "n": len(values)}
+
+
+def _print_summary(got: dict) -> None:
+    for size, g in got.items():
+        print(f"{size}: estimate / tracker {g['vs_tracker']['min']:.3f} to "
+              f"{g['vs_tracker']['max']:.3f}, estimate / resident {g['vs_resident']['min']:.3f}"
+              f" to {g['vs_resident']['max']:.3f} over {g['ranks']} ranks (resident - estimate "
+              f"{g['resident_minus_estimate_mib']['min']:.2f} to "
+              f"{g['resident_minus_estimate_mib']['max']:.2f} MiB)")
+
+
+def merge(paths: list[str]) -> dict:
+    """One JSON line from the JSON lines of runs of parts of this bench (the real part in
+    pieces, each under the machine's lock for a few minutes): rows concatenated, the summary
+    recomputed, each piece's load kept."""
+    import json
+
+    out: dict = {"bench": "memory", "pieces": []}
+    for path in paths:
+        for line in open(path):
+            if not line.startswith('{"bench": "memory"'):
+                continue
+            piece = json.loads(line)
+            out["real"] = out.get("real", []) + piece.get("real", [])
+            for key in ("planner", "recompute"):
+                if key in piece:
+                    out[key] = piece[key]
+            out["pieces"].append({k: piece.get(k) for k in ("load", "seconds")}
+                                 | {"parts": [k for k in ("real", "planner", "recompute")
+                                              if k in piece]})
+    if out.get("real"):
+        out["real_summary"] = summary(out["real"])
+        _print_summary(out["real_summary"])
+    if out.get("planner"):
+        out["planner_vs_estimate"] = _range([r["ratio"] for r in out["planner"]])
+    return emit(out)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["layers"]:
+    import argparse
+
+    cli = argparse.ArgumentParser(prog="bench_memory")
+    cli.add_argument("parts", nargs="*", default=["real", "planner", "recompute"],
+                     help="real, planner, recompute; or layers; or resident FILE; or merge FILE...")
+    cli.add_argument("--size", action="append", choices=["shipped", "scaled"])
+    cli.add_argument("--cluster", action="append")
+    args = cli.parse_args()
+    if args.parts[:1] == ["layers"]:
         layers()
+    elif args.parts[:1] == ["resident"]:
+        _resident_main(args.parts[1])
+    elif args.parts[:1] == ["merge"]:
+        merge(args.parts[1:])
     else:
-        main()
+        main(tuple(args.parts), tuple(args.size or ("shipped", "scaled")), args.cluster)

@@ -92,6 +92,9 @@ def test_balanced_routing_gives_each_expert_its_even_share():
         assert counts.tolist() == [4] * 8
         assert counts.sum().item() == 32  # megatron-core 0.17+ asks the total first
     assert torch.tensor([3, 5]).tolist() == [3, 5]  # outside the estimate nothing changes
+    with FakeTensorMode(), BalancedRouting(topk=2, experts=8):  # before any selection an
+        with pytest.raises(Exception, match="_local_scalar_dense"):  # integer item is fake's
+            torch.tensor([3, 5]).tolist()
 
 
 @pytest.mark.timeout(120)
@@ -103,11 +106,11 @@ def test_a_moe_model_is_estimated():
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
-    from ldt.memory import estimate
+    from ldt.memory import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=qwen3_moe_tiny"]),
                                  resolve=True)
-    stages = estimate(cfg)
+    stages = estimate_here(cfg)  # in this process: no helper to start
     h, fm, experts, d = 64, 32, 8, 16
     attention = h * (4 + 2 * 2) * d + h * h + 2 * d + 2 * h
     moe = experts * (h * 2 * fm + fm * h) + experts * h
@@ -134,7 +137,7 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     from ldt.tools.memory import main
 
     got = []
-    real = ldt.memory.estimate
+    real = ldt.memory.estimate_here  # in this process: no helper to start
     monkeypatch.setattr(ldt.memory, "estimate", lambda cfg: got.append(real(cfg)) or got[-1])
     assert main(["cluster=cpu_demo", "cluster.stages.0.memory_gib=0.5",
                  f"hydra.run.dir={tmp_path}"]) == 0
@@ -148,26 +151,12 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     assert st.grads == st.weights and st.optimizer == 2 * st.weights + 4 * (2 + 2 * 12 + 2 + 1)
     assert st.main_params == 0  # fp32 training: the parameters are the main parameters
     assert st.inflight == (4, 1)
-
-
-@pytest.mark.timeout(120)
-def test_ldt_train_refuses_a_stage_over_its_memory_before_anything_starts(tmp_path):
-    import re
-    import subprocess
-    import sys
-
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", "cluster=cpu_demo",
-                           "cluster.stages.0.memory_gib=0.005", f"run_dir={run}"],
-                          capture_output=True, text=True, timeout=100, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert re.match(r"ldt: does not fit: stage 0 \(edge, ranks 0\) needs [\d.]+ MiB per rank "
-                    r"\(estimate\) but cluster.stages\[0\].memory_gib=0.005; the largest part "
-                    r"is activations [\d.]+ MiB \(4 micro-batches x .* \+ 1 micro-batch x .* in "
-                    r"flight\); levers: recompute that stage \(cluster.stages\[0\].recompute"
-                    r".*more TP \(cluster.stages\[0\].tp=2\).*fewer micro-batches in flight",
-                    lines[0]), lines[0]
-    assert "Traceback" not in proc.stderr and not run.exists()
-    assert "step" not in proc.stdout  # nothing trained
+    cloud0 = got[0][1]  # TP 2 without sequence parallelism: one whole tensor per receive
+    assert (cloud0.tp, cloud0.shards, cloud0.recv_tensor) == (2, 1, cloud0.boundary_tensor)
+    # and its two layers keep, per rank and micro-batch (t = s b h fp32, heads split in two):
+    # LayerNorm statistics 2 x 2 s b fp32, LayerNorm outputs 2 t, QKV 3t/2, softmax b a/2 s s,
+    # context t/2, residual t, fc1 and GeLU outputs 2 s b f/2, the output t; and the input t
+    t = S * 2 * H * 4
+    layer = (2 * 2 * S * 2 * 4 + 2 * t + 3 * t // 2 + 2 * 2 * S * S * 4 + t // 2 + t
+             + 2 * S * 2 * F // 2 * 4 + t)
+    assert cloud0.activations == [2 * layer + t] == [823296]

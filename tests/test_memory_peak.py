@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ldt.memory.inflight import Moment, stage_inflight
+from ldt.memory.inflight import Moment, StageInflight, stage_inflight
 
 
 def _topo(*over):
@@ -73,10 +73,92 @@ def test_the_transient_does_not_count_the_gradient_buffer_again():
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
-    from ldt.memory import estimate
+    from ldt.memory import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_vtp", "model.seq_length=8",
                                           "train.micro_batch_size=1"]), resolve=True)
-    s1 = estimate(cfg)[1]
+    s1 = estimate_here(cfg)[1]  # in this process: no helper to start
     assert s1.grads == s1.weights > 300_000
     assert s1.transient < s1.grads / 4, (s1.transient, s1.grads)
+
+
+def test_megatrons_interleaved_schedule_holds_its_warm_up_in_chunk_order():
+    """Three stages, two chunks each, m 6: stage s's warm-up is (P - s - 1) * 2 + (vpp - 1) *
+    P forwards, plus the one in steady state: 8, 6, 4; forward k runs chunk (k // P) % vpp,
+    so stage 0 holds chunks 0, 0, 0, 1, 1, 1, 0, 0 -> (5, 3), stage 1 (3, 3), stage 2 (3, 1);
+    two receives posted. With m 3 a stage runs at most m * vpp = 6 forwards: (3, 3)."""
+    topo, c = _topo("cluster=cpu_vtp", "cluster.layout=Et|t|t|t|t|tL",
+                    "train.num_microbatches=6")
+    got = stage_inflight(topo, c.train)
+    assert got == {0: StageInflight((Moment((5, 3), 2),)), 1: StageInflight((Moment((3, 3), 2),)),
+                   2: StageInflight((Moment((3, 1), 2),))}
+    topo, c = _topo("cluster=cpu_vtp", "cluster.layout=Et|t|t|t|t|tL",
+                    "train.num_microbatches=3")
+    assert stage_inflight(topo, c.train)[0].moments == (Moment((3, 3), 2),)
+
+
+def test_the_u_shapes_prefetch_posts_receives_ahead_and_holds_more():
+    """cpu_demo at m 8: prefetch d keeps 1 + 2d receives posted on each link to or from the
+    edge, so 2 (3) on the edge, 1 + 3 on each cloud stage at d 1; the edge's start chunk holds
+    P + 1 + 2d micro-batches (4, then 6), its end chunk one."""
+    topo, c = _topo("cluster=cpu_demo", "train.num_microbatches=8")
+    plain = stage_inflight(topo, c.train)
+    topo, c = _topo("cluster=cpu_demo", "train.num_microbatches=8", "train.prefetch=1")
+    deep = stage_inflight(topo, c.train)
+    assert (plain[0].chunks, deep[0].chunks) == ((4, 1), (6, 1))
+    assert [max(mo.recv_buffers for mo in s.moments) for s in plain.values()] == [2, 2, 2]
+    assert [max(mo.recv_buffers for mo in s.moments) for s in deep.values()] == [6, 4, 4]
+
+
+# cpu_vdp's edge lane (U-shape, edge dp 1, cloud dp 2, m 4 per uniform replica: 8 micro-
+# batches), its computations as ldt.schedule.vdp lists them, and after which ones it sends an
+# input gradient back (BS k): FS0 FS1 FS2 FE0 BS0* FS3 FS4 FE1 BS1* BE0 FE2 BS2* FS5 BE1 FE3
+# BS3* FS6 BE2 FE4 BS4* FS7 BE3 FE5 BS5* BE4 FE6 BS6* BE5 FE7 BS7* BE6 BE7. The cloud has twice
+# the replicas, so each of them runs half the computations: a send to it waits twice as many
+# of the edge's for its receive, and is counted through the next 4 computations, not 2.
+VDP_EDGE_SENDS_AFTER = [5, 9, 12, 16, 20, 24, 27, 30]  # 1-based computation numbers
+
+
+def test_per_stage_dp_counts_a_send_through_as_many_more_computations_as_the_peer_is_faster():
+    topo, c = _topo("cluster=cpu_vdp")
+    got = stage_inflight(topo, c.train)
+    edge = got[0].moments
+    assert len(edge) == 32
+    want = [sum(k - 4 <= j < k for j in VDP_EDGE_SENDS_AFTER) for k in range(1, 33)]
+    assert [mo.sent for mo in edge] == want
+    assert want[:14] == [0] * 5 + [1] * 7 + [2, 1]  # read by hand off the list above
+    # the edge's end chunk computes at FE and BS (chunk 1): FE0 holds (3 start, 1 end)
+    assert (edge[3].chunks, edge[3].chunk, edge[4].chunk, edge[5].chunk) == ((3, 1), 1, 1, 0)
+    assert got[0].chunks == (5, 1) and edge[0].recv_buffers == 4 and edge[-1].recv_buffers == 0
+    # a cloud lane (F0 F2 B0* F4 B2* F6 B4* B6*) sends to a stage with fewer replicas: 2
+    cloud = [mo.sent for mo in got[1].moments[:8]]
+    assert cloud == [0, 0, 0, 1, 1, 1, 1, 1]
+
+
+def test_a_plain_pipeline_with_per_stage_dp_runs_on_ldts_runtime():
+    """cpu_vtp with the middle stage at dp 2 (megatron's 1F1B cannot pair its fan-in / out):
+    receives are posted ahead, and stage 0's lane holds (P - s - 1) * D / dp_s + 1 = 5."""
+    topo, c = _topo("cluster=cpu_vtp", "cluster.stages.0.dp=1", "cluster.stages.1.dp=2",
+                    "cluster.stages.2.dp=1")
+    got = stage_inflight(topo, c.train)
+    assert got[0].chunks == (5,) and max(mo.recv_buffers for mo in got[0].moments) == 2
+
+
+def test_only_a_sequence_parallel_stage_of_tp_above_1_sends_a_gathered_whole():
+    """cpu_demo with sequence parallelism: the TP-1 stages (edge, cloud1) send their own
+    outputs, counted as before; the TP-2 leader (cloud0) gathers what it sends."""
+    topo, c = _topo("cluster=cpu_demo")
+    plain = stage_inflight(topo, c.train)
+    sp = stage_inflight(topo, c.train, sequence_parallel=True)
+    assert sp[0] == plain[0] and sp[2] == plain[2] and sp[1] != plain[1]
+
+
+def test_the_peak_moment_takes_the_computing_chunks_transient():
+    """The edge of cpu_demo with no activations, buffers or sends: the peak is the moment
+    whose chunk has the larger transient (an end-chunk computation when that one is)."""
+    topo, c = _topo("cluster=cpu_demo")
+    edge = stage_inflight(topo, c.train)[0]
+    assert edge.peak([0, 0], [0, 1000], 0, 0).chunk == 1
+    assert edge.peak([0, 0], [1000, 0], 0, 0).chunk == 0
+    assert edge.peak([0, 0], [0, 0], 10, 0).recv_buffers == 2
+    assert edge.peak([0, 0], [0, 0], 0, 10).sent == max(mo.sent for mo in edge.moments)

@@ -184,3 +184,224 @@ def test_dtype_and_sequence_parallel_settings():
     sp = CostModel(ModelConfig(**{**gpt.__dict__, "sequence_parallel": True}), _inventory(), 1)
     assert (plain.sequence_shards(4), sp.sequence_shards(4), sp.sequence_shards(1)) == (1, 4, 1)
     assert gpt.ffn_hidden_size is None and plain.f == 4 * 64  # the MLP's default width
+
+
+# ---- recomputation (per stage) and activation memory, by hand --------------------------------
+# gpt (fp32, h 64, a 4, s 32, f 256, V 256, LayerNorm, biases, learned positions), micro-batch
+# 1, flash attention: per token and layer at TP 1, the norms' part keeps the two norm inputs
+# and the QKV and fc1 inputs (4 h fp32 = 1024 bytes; torch's LayerNorm keeps only per-token
+# statistics), QKV's output 3h (768), flash's log-sum-exp per head (4 a = 16), the
+# projection's input h (256), the MLP's fc1 output and fc2 input (2 f = 2048): 4112 bytes.
+GPT_TOKEN = {"norms": 1024.0, "qkv": 768.0, "core_attn": 16.0, "attn_out": 256.0,
+             "mlp": 2048.0}
+GPT_LAYER = 32 * sum(GPT_TOKEN.values())  # 131584 bytes per layer and micro-batch
+GPT_BOUNDARY = 32 * 64 * 4  # an [s, b, h] fp32 tensor
+
+
+def test_recompute_settings_read_write_and_describe():
+    from ldt.config import RecomputeConfig
+    from ldt.plan.cost import Recompute
+
+    assert Recompute.of(None) is None
+    assert Recompute.of(RecomputeConfig()) is None  # the model's setting: none here
+    assert Recompute.of(RecomputeConfig("none")) is None
+    full = Recompute.of(RecomputeConfig("full", "block", 2))
+    assert full == Recompute("full", "block", 2, ())
+    assert full.config() == {"granularity": "full", "method": "block", "num_layers": 2}
+    assert full.describe() == "full/block/2"
+    sel = Recompute.of(RecomputeConfig("selective", modules=["layernorm", "mlp"]))
+    assert sel == Recompute("selective", None, None, ("layernorm", "mlp"))
+    assert sel.config() == {"granularity": "selective", "modules": ["layernorm", "mlp"]}
+    assert sel.describe() == "selective(layernorm,mlp)"
+    default = Recompute.of(RecomputeConfig("selective"))
+    assert default == Recompute("selective") and default.modules == ()
+    assert default.config() == {"granularity": "selective"} and default.describe() == "selective"
+
+
+def test_layer_parts_and_selective_recomputation_by_hand():
+    """The parts of a gpt layer (GPT_TOKEN); each recomputed module drops its own part
+    (layernorm: the norm outputs, i.e. the QKV and fc1 inputs, 2 h); TP 2 halves the split
+    parts; local attention keeps the fp32 softmax per score and the mask (4 a + 1) s."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    assert cost.layer_parts(1) == GPT_TOKEN
+    assert cost.layer_parts(2) == {"norms": 1024.0, "qkv": 384.0, "core_attn": 8.0,
+                                   "attn_out": 128.0, "mlp": 1024.0}
+    assert cost.layer_activation_bytes(1) == GPT_LAYER == 131584
+    dropped = {"core_attn": 16, "mlp": 2048, "layernorm": 512}
+    for module, less in dropped.items():
+        rc = Recompute("selective", modules=(module,))
+        assert cost.layer_activation_bytes(1, rc) == 32 * (4112 - less), module
+    both = Recompute("selective", modules=("layernorm", "mlp"))
+    assert cost.layer_activation_bytes(1, both) == 32 * (4112 - 512 - 2048)
+    assert cost.layer_activation_bytes(1, Recompute("selective")) == 32 * (4112 - 16)
+    assert cost.layer_activation_bytes(1, Recompute("full", "uniform", 1)) == GPT_LAYER
+    local = CostModel(FAMILIES["gpt"], _inventory(), 1, flash_attention=False)
+    assert local.layer_parts(1)["core_attn"] == (4 * 4 + 1) * 32
+    assert local.layer_parts(2)["core_attn"] == (4 * 4 + 1) * 32 / 2
+
+
+def test_full_recomputation_keeps_each_groups_input_by_hand():
+    """uniform n: one [s, b, h] input per group of n layers (5 layers, n 2: 3 groups); block
+    n: the first n layers keep their input, the rest everything; selective: every layer
+    without the recomputed module."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    assert cost.decoder_activation_bytes(1, 5) == 5 * GPT_LAYER
+    assert cost.decoder_activation_bytes(1, 5, Recompute("full", "uniform", 2)) == \
+        3 * GPT_BOUNDARY
+    assert cost.decoder_activation_bytes(1, 4, Recompute("full", "uniform", 2)) == \
+        2 * GPT_BOUNDARY
+    assert cost.decoder_activation_bytes(1, 5, Recompute("full", "block", 2)) == \
+        2 * GPT_BOUNDARY + 3 * GPT_LAYER
+    assert cost.decoder_activation_bytes(1, 5, Recompute("full", "block", 7)) == \
+        5 * GPT_BOUNDARY
+    assert cost.decoder_activation_bytes(1, 5, Recompute("selective", modules=("mlp",))) == \
+        5 * 32 * (4112 - 2048)
+
+
+def test_recomputation_repeats_the_forward_it_drops_by_hand():
+    """gpu, TP 1: 0.5 TFLOP/s achieved. Full: every layer's forward again (uniform), or the
+    first n layers' (block); selective: the attention core 4bs^2h (default) and the MLP
+    2bsh f + 2bsf h; the norms cost nothing. At TP 4, full repeats the layer's forward with
+    its all-reduces; selective runs at the TP group's speed."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=2)
+    fwd1, fwd4 = cost.layer_time("gpu", 1)[0], cost.layer_time("gpu", 4)[0]
+    core, mlp = 4 * 2 * 32 * 32 * 64, 2 * (2 * 2 * 32 * 64 * 256)
+    speed1, speed4 = 0.5e12, 4 * 0.5e12 * 0.25
+    assert cost.recompute_time("gpu", 1, 3, None) == 0.0
+    assert cost.recompute_time("gpu", 1, 3, Recompute("full", "uniform", 2)) == 3 * fwd1
+    assert cost.recompute_time("gpu", 4, 3, Recompute("full", "uniform", 1)) == 3 * fwd4
+    assert cost.recompute_time("gpu", 1, 3, Recompute("full", "block", 2)) == 2 * fwd1
+    assert cost.recompute_time("gpu", 1, 3, Recompute("full", "block", 9)) == 3 * fwd1
+    assert cost.recompute_time("gpu", 1, 3, Recompute("selective")) == 3 * core / speed1
+    assert cost.recompute_time("gpu", 4, 3, Recompute("selective", modules=("mlp",))) == \
+        pytest.approx(3 * mlp / speed4, rel=1e-12)
+    assert cost.recompute_time("gpu", 1, 2, Recompute("selective", modules=(
+        "core_attn", "layernorm", "mlp"))) == pytest.approx(2 * (core + mlp) / speed1, rel=1e-12)
+    assert cost.recompute_time("gpu", 1, 2, Recompute("selective", modules=("layernorm",))) == 0
+    lf, lb = cost.layer_time("gpu", 1)
+    rc = Recompute("selective", modules=("mlp",))
+    assert cost.chunk_time("gpu", 1, ChunkLoad(3, recompute=rc)) == pytest.approx(
+        (3 * lf, 3 * lb + 3 * mlp / speed1), rel=1e-12)
+
+
+def test_stage_memory_by_hand():
+    """An edge-like stage at TP 1 (fp32, b 1): a start chunk (2 layers, the embedding, 3
+    micro-batches in flight) and an end chunk (1 layer, the head, 1 in flight), 2 receive
+    buffers. Activations: the layers, the embedding's output, the end chunk's received
+    input, the head's final-norm input, its input and its fp32 logits (4 V); buffers: 2
+    whole [s, b, h]; transient: 4 [s, b, h] (two gradients, two sends still held) and the
+    logits' gradient s b V d. Asked again, the same answer (memoized by its arguments)."""
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    chunks = [ChunkLoad(2, embedding=True, inflight=3), ChunkLoad(1, head=True, inflight=1)]
+    head = 32 * (4 * 64 + 4 * 64 + 4 * 256)
+    mem = cost.stage_memory(1, chunks, recv_buffers=2)
+    assert mem.activations == 3 * (2 * GPT_LAYER + GPT_BOUNDARY) + (GPT_LAYER + GPT_BOUNDARY
+                                                                     + head)
+    assert mem.buffers == 2 * GPT_BOUNDARY
+    assert mem.transient == 4 * GPT_BOUNDARY + 4 * 32 * 256
+    assert mem.total == mem.weights + mem.grads + mem.optimizer + mem.activations + \
+        mem.buffers + mem.transient
+    assert cost.stage_memory(1, chunks, recv_buffers=2) is mem
+    other = cost.stage_memory(1, chunks, recv_buffers=1)
+    assert other.buffers == GPT_BOUNDARY and other.activations == mem.activations
+    middle = cost.stage_memory(1, [ChunkLoad(2, inflight=2)])
+    assert (middle.buffers, middle.transient) == (0, 4 * GPT_BOUNDARY)
+    assert middle.activations == 2 * (2 * GPT_LAYER + GPT_BOUNDARY)
+
+
+def test_stage_memory_with_sequence_parallelism_at_tp2_by_hand():
+    """gpt with sequence parallelism, TP 2, b 2 (fp32): a received tensor waits whole in the
+    leader's buffer (s b h d, not the rank's slice), the transient holds 4 whole ones and the
+    logits' gradient s b V d / 2; full block recomputation keeps each kept layer's input as
+    the rank's sequence slice (s b h d / 2)."""
+    from dataclasses import replace
+
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(replace(FAMILIES["gpt"], sequence_parallel=True), _inventory(), 2)
+    whole = 32 * 2 * 64 * 4
+    mem = cost.stage_memory(2, [ChunkLoad(1, head=True)], recv_buffers=1)
+    assert mem.buffers == whole
+    assert mem.transient == 4 * whole + 32 * 2 * 256 * 4 / 2
+    block = Recompute("full", "block", 2)
+    assert cost.decoder_activation_bytes(2, 3, block) == \
+        2 * whole / 2 + cost.layer_activation_bytes(2)
+
+
+def test_layer_parts_of_grouped_query_rope_and_moe_layers_by_hand():
+    """A grouped-query layer without RoPE keeps a contiguous copy of q beside the fused QKV
+    output (q 64 + k 32 + v 32 + the copy 64 = 192 wide, fp32); RoPE's cos / sin tables cover
+    the rotated part of a head (rotary_percent 0.5 of llama's head of 8: 4 wide, 4 bytes x 4 x
+    fp32 = 64 bytes a token, against 128 whole); a MoE layer (every layer, 4 experts of width
+    32, top 2, no gate) keeps the router's fp32 probabilities (4 x 4 bytes) and, per routed
+    copy, the token (h) and the expert's fc1 output and fc2 input ((32 + 32) / tp)."""
+    from dataclasses import replace
+
+    gqa = CostModel(replace(FAMILIES["gpt"], num_query_groups=2), _inventory(), 1)
+    assert gqa.layer_parts(1)["qkv"] == 4 * 192
+    assert gqa.layer_parts(2)["qkv"] == 4 * 192 / 2
+    llama = FAMILIES["llama"]
+    whole = CostModel(llama, _inventory(), 1).layer_parts(1)["qkv"]
+    half = CostModel(replace(llama, rotary_percent=0.5), _inventory(), 1).layer_parts(1)["qkv"]
+    assert whole - half == 4 * (8 - 4) * 4
+    moe = CostModel(replace(FAMILIES["gpt"], add_bias_linear=False, num_moe_experts=4,
+                            moe_ffn_hidden_size=32), _inventory(), 1)
+    assert moe.layer_parts(1)["mlp"] == 4 * 4 + 2 * 4 * (64 + 32 + 32)
+    assert moe.layer_parts(2)["mlp"] == 4 * 4 + 2 * 4 * (64 + (32 + 32) / 2)
+
+
+def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():
+    """One micro-batch's backward rebuilds a full uniform group (n layers at once), the last
+    layer when block recomputes every layer of the chunk (with fewer, the recomputed layers
+    run after the kept ones were freed: nothing more), a selective recomputation's modules
+    of one layer; the stage's transient adds it (measured with the estimator on megatron's
+    layers, h 16, two layers: +1 and +2 layers, +0.06 of one, +the norms' part)."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    rebuilt = {Recompute("full", "uniform", 1): GPT_LAYER,
+               Recompute("full", "uniform", 2): 2 * GPT_LAYER,
+               Recompute("full", "uniform", 5): 3 * GPT_LAYER,
+               Recompute("full", "block", 2): 0.0, Recompute("full", "block", 3): GPT_LAYER,
+               Recompute("selective", modules=("mlp",)): 32 * 2048.0,
+               Recompute("selective", modules=("layernorm",)): 32 * 512.0}
+    for rc, extra in rebuilt.items():
+        assert cost.recompute_transient(1, ChunkLoad(3, recompute=rc)) == extra, rc
+        mem = cost.stage_memory(1, [ChunkLoad(3, recompute=rc)])
+        assert mem.transient == 4 * GPT_BOUNDARY + extra, rc
+    assert cost.recompute_transient(1, ChunkLoad(3)) == 0.0
+    assert cost.recompute_transient(1, ChunkLoad(0, head=True, recompute=Recompute(
+        "full", "uniform", 1))) == 0.0
+    assert cost.recompute_transient(1, ChunkLoad(1, recompute=Recompute(
+        "full", "uniform", 1))) == GPT_LAYER  # a one-layer chunk rebuilds its layer
+
+
+def test_a_faster_kind_computes_proportionally_faster():
+    """The achieved speed is tp x TFLOP/s x MFU x TP efficiency^log2(tp): at TP 1 a kind of 2
+    TFLOP/s takes half the time of one of 1 (the other inventories state 1, where tp / tflops and
+    tp x tflops agree)."""
+    slow = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    fast = CostModel(FAMILIES["gpt"], _inventory(tflops=2.0), 1)
+    # TP 1: no all-reduce in the layer's time, only its FLOPs
+    assert fast.layer_time("gpu", 1) == pytest.approx(
+        tuple(t / 2 for t in slow.layer_time("gpu", 1)), rel=1e-12)
+
+
+def test_the_heads_logits_and_a_recomputed_layer_both_count():
+    """The end chunk's backward runs the head (its logits' gradient, s b V d) and then the
+    layers (what recomputation rebuilds); the transient counts both (the estimator measured
+    more than the logits' gradient alone on llama3_8b's edge: 2.59 GiB against 1.96)."""
+    from ldt.plan.cost import Recompute
+
+    cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
+    logits = 4 * 32 * 256
+    for rc, rebuilt in ((Recompute("full", "uniform", 1), GPT_LAYER),
+                        (Recompute("selective", modules=("layernorm",)), 32 * 512.0)):
+        mem = cost.stage_memory(1, [ChunkLoad(2, head=True, recompute=rc)])
+        assert mem.transient == 4 * GPT_BOUNDARY + logits + rebuilt

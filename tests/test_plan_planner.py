@@ -15,8 +15,8 @@ from ldt.validate import validate
 
 def _assert_uses_inventory(result, inventory):
     used = Counter()
-    for st in result.best.plan.stages:
-        used[st.kind] += st.tp * result.best.plan.dp
+    for i, st in enumerate(result.best.plan.stages):  # its replicas: per-stage dp, or dp
+        used[st.kind] += st.tp * result.best.plan.dp_of(i)
     for kind, n in used.items():
         assert n <= inventory.kind(kind).count, (kind, n)
 
@@ -34,7 +34,8 @@ def test_planned_yaml_loads_and_validates(tmp_path, inv_name, model_name, wl):
     cluster = load_cluster_yaml(str(path))
     topo = validate(cluster, model, check_devices=False)
     best = result.best
-    assert topo.world_size == best.plan.dp * sum(s.tp for s in best.plan.stages)
+    assert topo.world_size == sum(s.tp * best.plan.dp_of(i)  # per-stage dp, or dp each
+                                  for i, s in enumerate(best.plan.stages))
     assert cluster.u_shape == (inventory.edge is not None)
     assert best.plan.dp * best.plan.num_microbatches * wl.micro_batch_size == wl.global_batch_size
     assert best.fits
@@ -57,21 +58,6 @@ def test_planner_beats_naive_even_split():
     assert result.best.iteration_time <= naive_ev.iteration_time
     # and strictly better here: an H100 stage and a V100 stage should not get equal layers
     assert result.best.iteration_time < 0.95 * naive_ev.iteration_time or not naive_ev.fits
-
-
-@pytest.mark.parametrize("counts,edge,gbs", [
-    ({"a100": 2, "ascend910b": 4}, None, 16),
-    ({"edge_gpu": 2, "ascend910b": 6}, "edge_gpu", 16),
-    ({"h100": 2, "v100": 3}, None, 8),
-])
-def test_planner_agrees_with_brute_force(counts, edge, gbs):
-    inventory = synthetic_inventory(counts, edge=edge, node_size=4)
-    model, wl = small_model(6), Workload(1, gbs)
-    planned = plan(inventory, model, wl).best
-    brute = exhaustive(inventory, model, wl).best
-    assert brute is not None
-    assert planned.iteration_time <= brute.iteration_time * (1 + 1e-9), (
-        planned.plan.describe(), brute.plan.describe())
 
 
 def test_memory_pressure_forces_more_tp_or_stages():
@@ -114,9 +100,10 @@ def _edge_link(latency_ms: float):
 
 def test_planner_picks_prefetch_from_the_edge_link_latency():
     """A one-way latency of ~2 edge forwards on the edge's links (the edge's forward is ~67 ms
-    for llama_7b on edge_cloud): the planner picks a deeper prefetch than without latency, the
-    simulator prices it well below the plain U-shape, the latency costs only the pipeline's fill
-    and drain (4 slow crossings), and the YAML tells ldt-train the depth."""
+    for llama_7b on edge_cloud): the planner picks a prefetch depth, the simulator prices it
+    well below the plain U-shape, the latency costs only the pipeline's fill and drain (4 slow
+    crossings), and the YAML tells ldt-train the depth. (Without latency the fastest depth
+    wins by a hair, and the objective takes it: the depth alone tells nothing there.)"""
     from dataclasses import replace
 
     from ldt.plan import choose_prefetch
@@ -128,7 +115,7 @@ def test_planner_picks_prefetch_from_the_edge_link_latency():
     cost = make_cost(slow_inventory, model, wl)
     depth = slow.best.plan.prefetch
     plain = simulate_plan(replace(slow.best.plan, prefetch=0), cost)
-    assert depth > fast.best.plan.prefetch and slow.best.fits
+    assert depth >= 1 and slow.best.fits
     assert slow.best.plan.num_stages == fast.best.plan.num_stages
     assert slow.best.iteration_time < 0.95 * plain.iteration_time
     assert slow.best.iteration_time <= fast.best.iteration_time + 4 * latency
@@ -151,3 +138,41 @@ def test_edge_min_layers_keeps_that_many_layers_on_each_edge_chunk():
         assert best.layers[0] >= k and best.layers[-1] >= k, (k, best.layers)
         layers[k] = best.layers
     assert layers[1][0] + layers[1][-1] < 6  # the fastest plan keeps fewer than 3 + 3 there
+
+
+# Small instances where the whole space (ldt.plan.exhaustive: every stage sequence, TP, per-
+# stage dp, split, prefetch depth and recomputation) is enumerated: (kinds, edge, layers,
+# micro-batch, global batch, memory per kind in GiB or None, what the reference's pick must
+# show so the instance exercises it)
+WHOLE_SPACE = [
+    ({"a100": 2, "ascend910b": 4}, None, 8, 1, 16, None, "per-stage dp"),
+    ({"edge_gpu": 2, "ascend910b": 6}, "edge_gpu", 6, 1, 16, None, "per-stage dp"),
+    ({"v100": 4, "a100": 2}, None, 6, 4, 16, {"v100": 6, "a100": 7}, "recompute"),
+    ({"edge_gpu": 1, "v100": 4}, "edge_gpu", 6, 4, 16, {"edge_gpu": 8, "v100": 6},
+     "recompute"),
+]
+
+
+@pytest.mark.parametrize("case", WHOLE_SPACE, ids=lambda c: "+".join(c[0]) + "/" + c[-1])
+@pytest.mark.parametrize("minimise", ["time", "cost"])
+def test_the_planners_pick_is_the_objectives_pick_over_the_whole_space(case, minimise):
+    """Signed gaps, planner / reference - 1, on the pick's iteration time and cost per step:
+    a positive one is a plan the planner's search misses, a negative one a plan outside the
+    reference's space (it would not be exhaustive); both must be 0. Memory binds in two
+    instances (the reference's pick recomputes), per-stage dp wins in two under ``time``."""
+    from ldt.plan import Objective, step_cost
+
+    counts, edge, layers, mbs, gbs, memory, shows = case
+    inventory = synthetic_inventory(counts, edge=edge, node_size=4, memory_gib=memory)
+    model, wl, objective = small_model(layers), Workload(mbs, gbs), Objective(minimise)
+    planned = plan(inventory, model, wl, objective=objective).best
+    brute = exhaustive(inventory, model, wl, objective=objective).best
+    time_gap = planned.iteration_time / brute.iteration_time - 1
+    cost_gap = step_cost(planned, inventory) / step_cost(brute, inventory) - 1
+    assert abs(time_gap) < 1e-9 and abs(cost_gap) < 1e-9, (
+        f"time {time_gap:+.4%}, cost {cost_gap:+.4%}", planned.plan.describe(),
+        brute.plan.describe())
+    if shows == "recompute":
+        assert any(brute.plan.recompute), brute.plan.describe()
+    elif minimise == "time":
+        assert brute.plan.stage_dp, brute.plan.describe()

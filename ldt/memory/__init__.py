@@ -79,10 +79,7 @@ class StageEstimate:
 
     @property
     def recv_tensor(self) -> int:
-        """One posted receive: the whole tensor (the leader's), and with sequence parallelism
-        the slice that is scattered into, posted with it (measured: cpu_demo's TP 2 leader)."""
-        slice_ = self.boundary_tensor // self.shards if self.shards > 1 else 0
-        return self.boundary_tensor + slice_
+        return recv_bytes(self.boundary_tensor, self.shards)
 
     @property
     def peak_transient(self) -> int:
@@ -108,6 +105,13 @@ class StageEstimate:
                 "transient": self.peak_transient}
 
 
+def recv_bytes(boundary_tensor: int, shards: int) -> int:
+    """One posted receive: the whole tensor (the leader's), and with sequence parallelism
+    (``shards`` > 1 slices) the slice that is scattered into, posted with it (measured:
+    cpu_demo's TP 2 leader)."""
+    return boundary_tensor + (boundary_tensor // shards if shards > 1 else 0)
+
+
 def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
              ) -> list[StageEstimate]:
     """Per-stage estimates of a validated config (a plain dict with ``cluster``, ``model``,
@@ -118,6 +122,18 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
 
     return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
                            init_dist=False)[0]
+
+
+def estimate_here(cfg: dict, attention: str = "auto") -> list[StageEstimate]:
+    """:func:`estimate` in this process, which must have no process group: while it measures a
+    stage it is a rank of a fake world (:func:`ldt.memory.fake.fake_rank`), and leaves it
+    after (megatron-core's globals reset, ldt's patches reverted)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate_here needs a process without a process group (it becomes "
+                           "a rank of a fake world); call ldt.memory.estimate instead")
+    return _estimate_worker(0, 1, cfg, attention)
 
 
 def needs_estimate(cfg: dict) -> bool:
@@ -154,7 +170,7 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
     m = c.model
     experts = (m.moe_router_topk, m.num_moe_experts) if m.num_moe_experts else None
     for st in topo.stages:
-        leader = topo.leader(st.index, 0)
+        leader = topo.leader(st.index)
         with fake_rank(topo.world_size, leader, experts):
             moe.reset(m)  # megatron's aux-loss tracker, sized for the model's global layers
             state = ldt.initialize_vtp(on_cpu)
@@ -168,8 +184,9 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
         # micro-batches, posted receives, sent tensors), its chunk's transient on top
         transients = _transients(got.chunks)
         shards = st.tp if c.model.sequence_parallel and st.tp > 1 else 1
-        recv = got.boundary_tensor + (got.boundary_tensor // shards if shards > 1 else 0)
-        at = schedule[st.index].peak(activations, transients, recv, got.boundary_tensor)
+        at = schedule[st.index].peak(activations, transients,
+                                     recv_bytes(got.boundary_tensor, shards),
+                                     got.boundary_tensor)
         limit = cluster_stage.memory_gib
         out.append(StageEstimate(
             st.index, st.name, st.device, st.tp, topo.dp_of(st.index),

@@ -152,10 +152,10 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     inner = _inner_optimizers(opt.optimizer)
 
     seen: dict = {}
+    # with the distributed optimizer the parameters are views of megatron's parameter buffer:
+    # their storages are that buffer, counted here whole (padding included)
     weights = _new_bytes(seen, [t for g in models for t in (*g.parameters(), *g.buffers())])
     grads = _new_bytes(seen, [b.grad_data for d in opt.ddp for b in _ddp_buffers(d)])
-    weights += _new_bytes(seen, [b.param_data for d in opt.ddp for b in _ddp_buffers(d)
-                                 if b.param_data is not None])
     main_params = _new_bytes(seen, [p for o in inner for g in o.param_groups
                                     for p in g["params"]])
 

@@ -52,6 +52,14 @@ class StageSet:
     """Devices of all ``dp`` replicas."""
     hourly_price: float = 0.0
     """Their price per hour (``Inventory.price``)."""
+    kind_dp: tuple[int, ...] = ()
+    """Per-stage DP: the replicas of each group's stages (``groups``' order), each dividing
+    ``dp``, the largest; empty: every stage has ``dp``."""
+
+    def dp_of_kind(self, kind: str) -> int:
+        if not self.kind_dp:
+            return self.dp
+        return dict(zip((name for name, _ in self.groups), self.kind_dp))[kind]
 
     @property
     def num_stages(self) -> int:
@@ -87,13 +95,14 @@ def kind_options(cost: CostModel, kind: str, devices: int, max_stages: int,
 def _layer_capacity(cost: CostModel, kind: str, tp: int, fixed: list[ChunkLoad]) -> int:
     """Decoder layers one stage can hold next to ``fixed`` with a single micro-batch in flight:
     an optimistic bound (the split's real caps count the schedule's in-flight micro-batches)."""
-    from ldt.plan.evaluate import recompute_levels
+    from ldt.plan.evaluate import StageSpec, recompute_levels
+    from ldt.plan.split import layers_that_fit
 
-    room = cost.memory_limit(kind) - cost.stage_memory(tp, fixed).total
     # with recomputation allowed, a layer costs what it costs fully recomputed (as in the split)
     rc = recompute_levels(cost)[-1] if cost.recompute else None
-    per = cost.stage_memory(tp, [ChunkLoad(1, recompute=rc)]).total
-    return -1 if room < 0 else int(room // per)
+    chunks = list(fixed) or [ChunkLoad(0)]
+    return layers_that_fit(cost, StageSpec(kind, tp), chunks, len(chunks) - 1, rc,
+                           cost.model.num_layers)
 
 
 def _thin(options: list[Group], keep: int) -> list[Group]:
@@ -124,23 +133,46 @@ def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int
         if (global_batch // b) % dp:
             continue
         m = global_batch // (b * dp)
-        per = {name: inv.kind(name).count // dp for name in kinds}
-        if ushape and per[inv.edge] < 1:
-            break
-        opts = [kind_options(cost, name, per[name], limit, edge=ushape and i == 0)
-                for i, name in enumerate(kinds)]
-        caps = [_capacities(cost, name, o, ushape and i == 0, edge_min)
-                for i, (name, o) in enumerate(zip(kinds, opts))]
-        opts = [[g for g, c in zip(o, cap) if c >= 0] for o, cap in zip(opts, caps)]
-        keep = max(4, int(MAX_PRODUCT ** (1 / len(opts))))
-        while np.prod([len(o) for o in opts], dtype=float) > MAX_PRODUCT:
-            opts = [_thin(o, keep) for o in opts]
-            keep = max(2, keep * 3 // 4)
-        kept, n = _score(cost, kinds, opts, dp, m, ushape, num_layers, limit, edge_min)
-        out += kept
-        scored += n
+        mixes = (_replica_shares(dp, len(kinds)) if inv.total_devices <= SHARED_UP_TO
+                 else [(1,) * len(kinds)])
+        for shares in mixes:
+            kind_dp = [dp // r for r in shares]
+            per = {name: inv.kind(name).count // d for name, d in zip(kinds, kind_dp)}
+            if ushape and per[inv.edge] < 1:
+                continue
+            opts = [kind_options(cost, name, per[name], limit, edge=ushape and i == 0)
+                    for i, name in enumerate(kinds)]
+            caps = [_capacities(cost, name, o, ushape and i == 0, edge_min)
+                    for i, (name, o) in enumerate(zip(kinds, opts))]
+            opts = [[g for g, c in zip(o, cap) if c >= 0] for o, cap in zip(opts, caps)]
+            keep = max(4, int(MAX_PRODUCT ** (1 / len(opts))))
+            while np.prod([len(o) for o in opts], dtype=float) > MAX_PRODUCT:
+                opts = [_thin(o, keep) for o in opts]
+                keep = max(2, keep * 3 // 4)
+            kept, n = _score(cost, kinds, opts, dp, m, ushape, num_layers, limit, edge_min,
+                             kind_dp)
+            out += kept
+            scored += n
+    out = list(dict.fromkeys(out))  # a kind with no stage has every share: one set
     out.sort(key=lambda s: s.estimate)
     return out, scored
+
+
+SHARES = (1, 2, 3, 4)
+"""Per-stage DP in stage formation: a kind's stages may have ``dp / r`` replicas for these
+``r`` (one kind at ``dp``): a kind that is fast per device serves the other kinds' replicas
+in turn (docs/vdp.md), and a slow one runs as more replicas of smaller TP."""
+SHARED_UP_TO = 64
+"""Per-stage DP is tried in stage formation on inventories of up to this many devices; past
+it only uniform dp is (the combinations multiply the sets scored), and the U-shape's step 6
+tries more cloud replicas."""
+
+
+def _replica_shares(dp: int, kinds: int) -> list[tuple[int, ...]]:
+    """Per kind, the share ``r`` of the replicas its stages have (``dp / r``): all 1 (uniform
+    dp), and every mix of :data:`SHARES` dividing ``dp`` with some kind at 1."""
+    rs = [r for r in SHARES if dp % r == 0]
+    return [c for c in itertools.product(rs, repeat=kinds) if min(c) == 1]
 
 
 def _capacities(cost: CostModel, kind: str, options: list[Group], edge: bool,
@@ -163,16 +195,21 @@ def _capacities(cost: CostModel, kind: str, options: list[Group], edge: bool,
 
 
 def _score(cost: CostModel, kinds: list[str], opts: list[list[Group]], dp: int, m: int,
-           ushape: bool, num_layers: int, limit: int, edge_min: int
-           ) -> tuple[list[StageSet], int]:
+           ushape: bool, num_layers: int, limit: int, edge_min: int,
+           kind_dp: list[int] | None = None) -> tuple[list[StageSet], int]:
     """Vectorised estimate over the product of per-kind options; the kept sets as objects, and
-    how many were valid."""
+    how many were valid. ``kind_dp``: each kind's replicas (default ``dp``): a stage with
+    ``d`` of ``dp`` replicas runs ``dp / d`` micro-batches for each one of the uniform
+    replica, so its speed counts ``d / dp`` times; a set must have a stage at ``dp``."""
     inv = cost.inventory
+    kind_dp = kind_dp or [dp] * len(kinds)
     stages = [np.array([sum(n for _, n in g) for g in o]) for o in opts]
     speed = [np.array([sum(n / sum(cost.layer_time(name, t)) for t, n in g) for g in o])
-             for name, o in zip(kinds, opts)]
-    devs = [np.array([sum(n * t for t, n in g) for g in o]) for o in opts]
+             * (d / dp) for name, o, d in zip(kinds, opts, kind_dp)]
+    devs = [np.array([sum(n * t for t, n in g) for g in o]) * d / dp
+            for o, d in zip(opts, kind_dp)]
     price = [d * inv.price(name) for d, name in zip(devs, kinds)]
+    at_top = [s if d == dp else 0 * s for s, d in zip(stages, kind_dp)]
     capacity = [np.array(_capacities(cost, name, o, ushape and i == 0, edge_min))
                 for i, (name, o) in enumerate(zip(kinds, opts))]
     grids = np.meshgrid(*[np.arange(len(o)) for o in opts], indexing="ij")
@@ -182,6 +219,7 @@ def _score(cost: CostModel, kinds: list[str], opts: list[list[Group]], dp: int, 
     d = sum(s[i] for s, i in zip(devs, idx))
     hourly = dp * sum(s[i] for s, i in zip(price, idx))
     ok = (p >= (2 if ushape else 1)) & (p <= limit)
+    ok &= sum(s[i] for s, i in zip(at_top, idx)) > 0
     ok &= sum(c[i] for c, i in zip(capacity, idx)) >= num_layers
     if ushape:
         ok &= (p - 1) <= num_layers
@@ -193,13 +231,18 @@ def _score(cost: CostModel, kinds: list[str], opts: list[list[Group]], dp: int, 
                                  num_layers, 2 * edge_min)
     else:
         bottleneck = num_layers / np.where(v > 0, v, 1)
-    est = (m - 1 + p + ushape) * bottleneck + ar / np.maximum(d, 1)
+    # fill and drain: one micro-batch through every stage, a stage with d of dp replicas
+    # taking d / dp of a round (it runs dp / d micro-batches in each)
+    fill = sum(s[i] * (k / dp) for s, i, k in zip(stages, idx, kind_dp))
+    est = (m - 1 + fill + ushape) * bottleneck + ar / np.maximum(d, 1)
     rows = np.flatnonzero(ok)
     out = []
     for j in rows[_keep(est[rows], est[rows] * hourly[rows], KEEP_PER_DP)]:
         groups = tuple((name, opts[k][idx[k][j]]) for k, name in enumerate(kinds)
                        if opts[k][idx[k][j]])
-        out.append(StageSet(dp, m, groups, float(est[j]), int(dp * d[j]), float(hourly[j])))
+        shared = tuple(kind_dp[k] for k in range(len(kinds)) if opts[k][idx[k][j]])
+        out.append(StageSet(dp, m, groups, float(est[j]), int(round(dp * d[j])),
+                            float(hourly[j]), shared if len(set(shared)) > 1 else ()))
     return out, len(rows)
 
 

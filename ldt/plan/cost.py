@@ -321,13 +321,31 @@ class CostModel:
             act += self.head_activation_bytes(tp)
         return act * chunk.inflight
 
+    def recompute_transient(self, tp: int, chunk: ChunkLoad) -> float:
+        """What a chunk's recomputation makes again during one micro-batch's backward, on top
+        of what it keeps (measured with the estimator on megatron's layers, h 16, two layers:
+        tests/test_plan_cost_oracles.py): a full ``uniform`` group's ``n`` layers, rebuilt at
+        once; ``block`` recomputing every layer of the chunk, the last one (with fewer, the
+        recomputed layers run after the kept ones were freed: nothing more); a selective
+        recomputation, the recomputed modules' part of one layer."""
+        rc = chunk.recompute
+        if rc is None or chunk.layers == 0:
+            return 0.0
+        layer = self.layer_activation_bytes(tp)
+        if rc.granularity == "full":
+            if rc.method == "uniform":
+                return min(rc.num_layers, chunk.layers) * layer
+            return layer if rc.num_layers >= chunk.layers else 0.0
+        return layer - self.layer_activation_bytes(tp, rc)
+
     def stage_memory(self, tp: int, chunks: list[ChunkLoad], recv_buffers: int = 0) -> Memory:
         """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
         (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
         copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
         transient: two ``[s, b, h]`` tensors, two more that sends may still hold (ldt's
-        runtime lets a send go once it completed, ldt.memory.inflight), and with the head the
-        logits' gradient (``s*b*V/t``). (Until #24's correction it also held 4 bytes per
+        runtime lets a send go once it completed, ldt.memory.inflight), with the head the
+        logits' gradient (``s*b*V/t``), and what recomputation rebuilds
+        (:meth:`recompute_transient`). (Until #24's correction it also held 4 bytes per
         parameter, fitted to an estimator that counted DDP's fp32 grad buffer twice.)"""
         key = (tp, tuple(chunks), recv_buffers)
         if key in self._memories:
@@ -340,7 +358,11 @@ class CostModel:
             params += own
             act += self.chunk_activation_bytes(tp, c)
             logits = self.d * self.s * self.b * self.V / tp if c.head else 0.0
-            transient = max(transient, 4 * boundary + logits)
+            # both: the head's backward runs first, but its end overlaps the last layer's
+            # (llama3_8b's edge, end chunk with selective layernorm + mlp: the estimate's
+            # transient 2.59 GiB, the logits' gradient alone 1.96, the recomputed part 1.60)
+            transient = max(transient,
+                            4 * boundary + logits + self.recompute_transient(tp, c))
         memory = Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
                         act, recv_buffers * boundary, transient)
         self._memories[key] = memory

@@ -59,11 +59,15 @@ class Plan:
         p, m, last = self.num_stages, self.num_microbatches, len(self.layers) - 1
         d = self.prefetch if self.u_shape else 0
         rc = self.recompute_of(stage)
+        # per-stage DP: a stage with 1/k of the replicas runs k micro-batches per uniform one
+        # and holds k times the warm-up (ldt.schedule.vdp)
+        k = self.dp // self.dp_of(stage)
         if self.u_shape and stage == 0:
-            start, end = inflight or (min(p + 1 + 2 * d, m), 1)
+            start, end = inflight or (min((p + 2 * d) * k + 1, m * k), 1)
             return [ChunkLoad(self.layers[0], embedding=True, inflight=start, recompute=rc),
                     ChunkLoad(self.layers[last], head=True, inflight=end, recompute=rc)]
-        held = inflight[0] if inflight else min(p + (1 if self.u_shape else 0) - stage + d, m)
+        held = inflight[0] if inflight else min(
+            (p + (1 if self.u_shape else 0) - stage + d - 1) * k + 1, m * k)
         return [ChunkLoad(self.layers[stage], embedding=stage == 0,
                           head=not self.u_shape and stage == last, inflight=held, recompute=rc)]
 
@@ -196,7 +200,9 @@ def closed_form(plan: Plan, cost: CostModel) -> float:
     """1F1B estimate: fill + drain through every (logical) stage, then (m-1) bottleneck cycles."""
     terms = [_stage_terms(plan, i, cost) for i in range(plan.num_stages)]  # recompute fitted
     logical = [f + b for t in terms for f, b in t.times]
-    per_stage = [sum(f + b for f, b in t.times) for t in terms]
+    # per-stage DP: a stage with d of the D replicas runs D / d micro-batches per uniform one
+    per_stage = [sum(f + b for f, b in t.times) * plan.dp / plan.dp_of(i)
+                 for i, t in enumerate(terms)]
     return (sum(logical) + sum(comm_table(plan, cost).values())
             + (plan.num_microbatches - 1) * max(per_stage) + dp_allreduce(plan, cost))
 
@@ -220,7 +226,7 @@ def _stage_terms(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
     u, lay = plan.u_shape, plan.layers
     key = ("stage", plan.stages[i], i, len(plan.stages), plan.num_microbatches, u,
            plan.prefetch if u else 0, (lay[0], lay[-1]) if u and i == 0 else lay[i],
-           plan.recompute_of(i), plan.dp_of(i))
+           None if cost.recompute else plan.recompute_of(i), plan.dp_of(i))
     terms = cost.memo.get(key)
     if terms is None:
         terms = cost.memo[key] = _price_stage(plan, i, cost)
@@ -228,12 +234,18 @@ def _stage_terms(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
 
 
 def _price_stage(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
+    """With ``cost.recompute`` (the planner) the stage's recomputation is chosen afresh,
+    whatever ``plan`` carries (a plan with other layers or another prefetch depth, derived
+    from one priced before, carries that one's choice); without, it is priced as stated."""
     st = plan.stages[i]
     rc = plan.recompute_of(i)
     if cost.recompute:
+        rc = None
+        plan = replace(plan, recompute=_with(plan, i, None))
         limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
         if cost.stage_memory(st.tp, plan.stage_chunks(i), buffers).total > limit:
-            for rc in recompute_levels(cost):  # the first that fits, else the last
+            layers = [c.layers for c in plan.stage_chunks(i)]
+            for rc in recompute_levels(cost, st.kind, st.tp, layers):  # the first that fits
                 trial = replace(plan, recompute=_with(plan, i, rc))
                 if cost.stage_memory(st.tp, trial.stage_chunks(i), buffers).total <= limit:
                     break
@@ -252,22 +264,32 @@ def _with(plan: Plan, i: int, rc: Optional[Recompute]) -> tuple[Optional[Recompu
     chosen[i] = rc
     return tuple(chosen)
 
-def recompute_levels(cost: CostModel) -> list[Recompute]:
-    """What the planner tries on a stage that does not fit, cheapest in time first:
-    megatron's selective recomputation of what is cheap to redo and worth keeping out (the
-    norms' outputs and internals; the attention scores without flash attention), then also
-    the MLP (a model without biases: megatron cannot recompute a biased MLP), then full
-    recomputation of every layer (``uniform``, 1 layer per group)."""
+def recompute_levels(cost: CostModel, kind: Optional[str] = None, tp: int = 1,
+                     layers: Optional[list[int]] = None) -> list[Recompute]:
+    """What the planner tries on a stage that does not fit: megatron's selective
+    recomputation of what is cheap to redo and worth keeping out (the norms' outputs and
+    internals; the attention scores without flash attention), then also the MLP (a model
+    without biases: megatron cannot recompute a biased MLP), full ``block`` recomputation of
+    the first n layers of each chunk, n < its layers, and full recomputation of every layer
+    (``uniform``, 1 layer per group) last, the one that keeps the least. With the stage's
+    ``kind``, ``tp`` and chunks' ``layers``, ordered by the time they add (the first that
+    fits adds the least); without, the selective levels and the last (the split's and the
+    stage sets' memory caps take the last)."""
     cheap = ("layernorm",) if cost.flash_attention else ("core_attn", "layernorm")
     levels = [Recompute("selective", modules=cheap)]
     if not cost.model.add_bias_linear:
         levels.append(Recompute("selective", modules=(*cheap, "mlp")))
-    return levels + [Recompute("full", "uniform", 1)]
+    last = Recompute("full", "uniform", 1)
+    if kind is None or not layers:
+        return levels + [last]
+    levels += [Recompute("full", "block", n) for n in range(1, max(layers))]
+    added = {rc: sum(cost.recompute_time(kind, tp, n, rc) for n in layers) for rc in levels}
+    return sorted(levels, key=added.__getitem__) + [last]
 
 
 def fit_recompute(plan: Plan, cost: CostModel) -> Plan:
-    """``plan`` with recomputation on each stage that does not fit without it: the first of
-    :func:`recompute_levels` that fits (the last, if none does). Stages that fit keep what
+    """``plan`` with recomputation on each stage that does not fit without it: of
+    :func:`recompute_levels`, the first that fits (the last, if none does). Stages that fit keep what
     they have; with ``cost.recompute`` off, the plan is returned as it is."""
     if not cost.recompute:
         return plan
@@ -359,7 +381,7 @@ MAX_PREFETCH = 3
 
 
 def choose_prefetch(ev: Evaluation, cost: CostModel, max_depth: int = MAX_PREFETCH,
-                    tolerance: float = 0.005,
+                    tolerance: float = 0.0,
                     simulate: Optional[Callable[[Plan], Evaluation]] = None) -> Evaluation:
     """The U-shape's prefetch depth for a plan: the smallest depth whose simulated iteration is
     within ``tolerance`` of the fastest depth that fits in memory (each depth keeps more

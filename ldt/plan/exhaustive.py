@@ -1,30 +1,50 @@
-"""Brute-force reference planner for small instances (tests and the benchmark).
+"""Brute-force reference for the planner on small instances (tests and the benchmark).
 
-It enumerates everything the planner's model allows: every dp size, every multiset of stages per
-kind (any mix of TP sizes, any number of devices left idle), every order of those stages (kinds
-interleaved freely; the U-shape edge first), every contiguous layer split (a U-shape at the
-prefetch depth the planner's rule gives it, :func:`ldt.plan.evaluate.choose_prefetch`, from
-every depth simulated), and simulates each memory-feasible plan on the real schedule; the
-objective (:mod:`ldt.plan.objective`) picks among them exactly as in the planner. The only
-shortcut is exact: a plan is not simulated when a lower bound on its time (a stage must run all
-its micro-batches after the stages before it have passed micro-batch 0 forward and back)
-already rules it out: slower than the tolerance allows past the fastest time found (objective
-``time``), or costlier than that past the cheapest cost found (``cost``).
+It shares none of the planner's search rules. What it shares, and only that, is the pricing
+of a fully specified plan: the cost model (:mod:`ldt.plan.cost`) and the simulation of the
+action lists the runtime runs (:func:`ldt.plan.evaluate.simulate_plan`, under a cost model
+with ``recompute=False``, so the plan's recomputation is priced exactly as stated), and the
+objective's definition of the pick (:func:`ldt.plan.objective.choose`). It enumerates:
+
+- every largest data-parallel size ``D`` that divides the step's micro-batches, and every
+  per-stage dp vector whose sizes divide ``D`` with one equal to it (the lane schedules'
+  rule, :mod:`ldt.schedule.vdp`): uniform dp and per-stage DP, plain pipelines and U-shapes;
+- every sequence of stages (device kind, TP) the inventory's devices allow, ``tp * dp`` of a
+  kind summed over its stages within its count; TP the sizes that divide the model's heads,
+  hidden size, FFN and query groups and fit a node (:func:`ldt.plan.inventory.valid_tp_sizes`,
+  the runtime's rule); a U-shape's stage 0 on the inventory's edge kind, its cloud stages on
+  the others (what the inventory's ``edge`` means);
+- every contiguous layer split (a segment >= 1 layer, the edge's two >= ``edge_min_layers``);
+- every prefetch depth 0..:data:`MAX_PREFETCH` of a U-shape;
+- every recomputation megatron-core accepts on each stage: none; selective over any
+  non-empty subset of ``core_attn``, ``layernorm``, ``mlp`` (``mlp`` only without biases:
+  megatron cannot recompute a biased MLP); full ``uniform`` with ``n`` dividing each of the
+  stage's chunks; full ``block`` with ``n`` up to its largest chunk.
+
+Two reductions keep it small; both are exact, neither is the planner's:
+
+- recomputation: a stage's memory depends only on its own recomputation and on what its
+  action lists hold in flight (fixed by the schedule, whatever the durations), and making one
+  stage's backward longer never shortens a step on fixed action lists; so per stage only the
+  fitting recomputation that adds the least time is simulated (the others tie or lose, on
+  time and so on cost per step);
+- plans are simulated in the order of a lower bound on their time (:func:`_lower_bound`;
+  times their hourly price for objective ``cost``), and the search stops at the first whose
+  bound exceeds ``1 + tolerance`` times the fastest time (cheapest cost) found: no plan after
+  it can be the objective's pick.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from ldt.config import ModelConfig
-from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import (MAX_PREFETCH, Evaluation, Plan, StageSpec, choose_prefetch,
-                               chunk_times, dp_allreduce, fit_recompute, simulate_plan)
+from ldt.plan.cost import CostModel, Recompute
+from ldt.plan.evaluate import MAX_PREFETCH, Evaluation, Plan, StageSpec, dp_allreduce, simulate_plan
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
-from ldt.plan.planner import make_cost, wants_ushape
 
 
 @dataclass
@@ -32,22 +52,14 @@ class ExhaustiveResult:
     best: Optional[Evaluation]
     """The objective's pick."""
     plans: int
-    """Memory-feasible plans enumerated."""
+    """Plans simulated that fit in memory (with some recomputation where allowed)."""
     simulated: int
     fastest: Optional[Evaluation] = None
     """The fastest plan (with ``minimise="cost"``: of those not ruled out by their cost)."""
 
 
-def _multisets(tps: list[int], devices: int, max_stages: int) -> Iterator[tuple[int, ...]]:
-    """TP multisets (non-increasing tuples) using at most ``devices`` devices."""
-    def rec(prefix: tuple[int, ...], left: int, top: int):
-        yield prefix
-        if len(prefix) >= max_stages:
-            return
-        for t in tps:
-            if t <= top and t <= left:
-                yield from rec(prefix + (t,), left - t, t)
-    yield from rec((), devices, max(tps))
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _compositions(total: int, lows: list[int]) -> Iterator[tuple[int, ...]]:
@@ -61,89 +73,139 @@ def _compositions(total: int, lows: list[int]) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
-def _lower_bound(plan: Plan, cost: CostModel) -> float:
-    w = [f + b for chunks in chunk_times(plan, cost) for f, b in chunks]
-    m = plan.num_microbatches
-    if plan.u_shape:  # logical chain: edge start, cloud stages, edge end
-        edge = m * (w[0] + w[1])
-        chain = [w[0]] + w[2:]
-        return max([edge] + [m * chain[k] + sum(chain[:k]) for k in range(1, len(chain))])
-    return max(m * w[k] + sum(w[:k]) for k in range(len(w)))
-
-
-def stage_sequences(inventory: Inventory, model: ModelConfig, ushape: bool, dp: int,
-                    max_stages: int) -> Iterator[tuple[StageSpec, ...]]:
-    kinds = [k for k in inventory.kinds if not (ushape and k.name == inventory.edge)]
-    per_kind = []
-    for k in kinds:
-        n = k.count // dp
-        tps = [t for t in valid_tp_sizes(model, k.node_size) if t <= n]
-        per_kind.append([tuple(StageSpec(k.name, t) for t in ms)
-                         for ms in (_multisets(tps, n, max_stages) if tps else [()])])
-    heads = [()]
+def stage_sequences(inventory: Inventory, model: ModelConfig, ushape: bool, top: int,
+                    max_stages: int) -> Iterator[tuple[tuple[StageSpec, int], ...]]:
+    """Every sequence of (stage, its replicas), the replicas dividing ``top`` and one of them
+    equal to it, that the inventory's devices hold (see the module docstring)."""
+    dps = _divisors(top)
+    cloud = [(k.name, t) for k in inventory.kinds if not (ushape and k.name == inventory.edge)
+             for t in valid_tp_sizes(model, k.node_size)]
+    first = cloud
     if ushape:
         e = inventory.kind(inventory.edge)
-        heads = [(StageSpec(e.name, t),) for t in valid_tp_sizes(model, e.node_size)
-                 if t <= e.count // dp]
-    for combo in itertools.product(*per_kind):
-        body = [s for group in combo for s in group]
-        if not body or len(body) > max_stages:
-            continue
-        for order in set(itertools.permutations(body)):
-            for head in heads:
-                yield head + order
+        first = [(e.name, t) for t in valid_tp_sizes(model, e.node_size)]
+    left0 = {k.name: k.count for k in inventory.kinds}
+
+    def rec(prefix: tuple, left: dict) -> Iterator[tuple]:
+        if prefix and (not ushape or len(prefix) >= 2) and max(d for _, d in prefix) == top:
+            yield prefix
+        if len(prefix) >= max_stages:
+            return
+        for kind, tp in (first if not prefix else cloud):
+            for d in dps:
+                if tp * d <= left[kind]:
+                    yield from rec(prefix + ((StageSpec(kind, tp), d),),
+                                   {**left, kind: left[kind] - tp * d})
+
+    yield from rec((), left0)
+
+
+def recompute_options(cost: CostModel, chunk_layers: list[int]) -> list[Optional[Recompute]]:
+    """Every recomputation megatron accepts on a stage whose chunks have these layer counts."""
+    modules = ["core_attn", "layernorm"] + ([] if cost.model.add_bias_linear else ["mlp"])
+    out: list[Optional[Recompute]] = [None]
+    for k in range(1, len(modules) + 1):
+        out += [Recompute("selective", modules=c) for c in itertools.combinations(modules, k)]
+    widest = max(chunk_layers)
+    out += [Recompute("full", "uniform", n) for n in range(1, widest + 1)
+            if all(c % n == 0 for c in chunk_layers)]
+    out += [Recompute("full", "block", n) for n in range(1, widest + 1)]
+    return out
+
+
+def _recomputation(plan: Plan, ev: Evaluation, cost: CostModel
+                   ) -> Optional[tuple[Optional[Recompute], ...]]:
+    """Per stage, the fitting recomputation that adds the least time (None: a stage fits with
+    none); None when some stage fits with none of them."""
+    chosen = []
+    for i, st in enumerate(plan.stages):
+        chunks = plan.stage_chunks(i, ev.stages[i].inflight)
+        limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
+        best = None
+        for rc in recompute_options(cost, [c.layers for c in chunks]):
+            stated = [replace(c, recompute=rc) for c in chunks]
+            if cost.stage_memory(st.tp, stated, buffers).total > limit:
+                continue
+            extra = sum(cost.recompute_time(st.kind, st.tp, c.layers, rc) for c in chunks)
+            if best is None or extra < best[0]:
+                best = (extra, rc)
+        if best is None:
+            return None
+        chosen.append(best[1])
+    return tuple(chosen)
+
+
+def _lower_bound(plan: Plan, cost: CostModel) -> float:
+    """A time the plan cannot beat, without recomputation (which only adds time): a lane of
+    stage k runs its ``m * D / d_k`` micro-batches after micro-batch 0 has passed the stages
+    before it forward and before it returns through them backward (a U-shape: the chain of
+    logical stages edge start, cloud stages, edge end; the edge's lane runs both of its
+    chunks), plus the replicas' all-reduce."""
+    m, top = plan.num_microbatches, plan.dp
+    w, runs = [], []
+    for i, st in enumerate(plan.stages):
+        times = [sum(cost.chunk_time(st.kind, st.tp, c)) for c in plan.stage_chunks(i)]
+        w.append(times)
+        runs.append(m * top // plan.dp_of(i))
+    if plan.u_shape:
+        chain = [w[0][0]] + [t[0] for t in w[1:]]
+        bound = max([runs[0] * sum(w[0])] + [runs[k] * chain[k] + sum(chain[:k])
+                                              for k in range(1, len(chain))])
+    else:
+        flat = [t[0] for t in w]
+        bound = max(runs[k] * flat[k] + sum(flat[:k]) for k in range(len(flat)))
+    return bound + dp_allreduce(plan, cost)
 
 
 def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
                max_stages: Optional[int] = None,
                objective: Optional[Objective] = None) -> ExhaustiveResult:
-    """The objective's pick over the whole (small) search space, and the fastest plan."""
+    """The objective's pick over the whole (small) search space, and the fastest plan. Plans
+    are simulated in the order of their lower bound (times the hourly price with ``cost``),
+    so the search stops at the first whose bound is past what the objective could pick."""
     objective = objective or Objective()
-    cost = make_cost(inventory, model, workload)
-    ushape = wants_ushape(inventory, workload)
+    cost = CostModel(model, inventory, workload.micro_batch_size, workload.dtype,
+                     workload.flash_attention, recompute=False)
+    ushape = inventory.edge is not None if workload.u_shape is None else bool(workload.u_shape)
     L, b, g = model.num_layers, workload.micro_batch_size, workload.global_batch_size
     emin = workload.edge_min_layers
-    kept: list[Evaluation] = []
-    fastest: Optional[float] = None
-    cheapest: Optional[float] = None
-    plans = sims = 0
-    for dp in range(1, inventory.total_devices + 1):
-        if (g // b) % dp or (ushape and inventory.kind(inventory.edge).count < dp):
+    by_cost = objective.minimise == "cost"
+    queue = []
+    for top in range(1, inventory.total_devices + 1):
+        if (g // b) % top:
             continue
-        m = g // (b * dp)
-        for stages in stage_sequences(inventory, model, ushape, dp, max_stages or L):
-            p = len(stages)
-            lows = [emin] + [1] * (p - 1) + [emin] if ushape else [1] * p
-            if ushape and p < 2:
-                continue
+        m = g // (b * top)
+        for seq in stage_sequences(inventory, model, ushape, top, max_stages or L):
+            stages = tuple(s for s, _ in seq)
+            dps = tuple(d for _, d in seq)
+            lows = [emin] + [1] * (len(stages) - 1) + [emin] if ushape else [1] * len(stages)
+            stage_dp = () if len(set(dps)) == 1 else dps
             for layers in _compositions(L, lows):
-                plan = Plan(stages, layers, ushape, dp, m)
-                if not _fits(plan, cost):  # a deeper prefetch holds more, so it fails too
-                    continue
-                plans += 1
-                bound = _lower_bound(plan, cost) + dp_allreduce(plan, cost)
-                slack = 1 + objective.tolerance
-                if objective.minimise == "time" and fastest is not None and bound > fastest * slack:
-                    continue
-                if (objective.minimise == "cost" and cheapest is not None
-                        and bound * hourly_price(plan, inventory) / 3600 > cheapest * slack):
-                    continue
-                # the U-shape's depth by the planner's own rule (every depth 0-3 simulated)
-                ev = choose_prefetch(simulate_plan(plan, cost), cost)
-                sims += MAX_PREFETCH + 1 if ushape else 1
-                if not ev.fits:
-                    continue
-                kept.append(ev)
-                t, c = ev.iteration_time, step_cost(ev, inventory)
-                fastest = t if fastest is None else min(fastest, t)
-                cheapest = c if cheapest is None else min(cheapest, c)
+                for prefetch in range(MAX_PREFETCH + 1 if ushape else 1):
+                    plan = Plan(stages, layers, ushape, top, m, prefetch, stage_dp)
+                    bound = _lower_bound(plan, cost)
+                    key = bound * hourly_price(plan, inventory) / 3600 if by_cost else bound
+                    queue.append((key, len(queue), plan))
+    queue.sort(key=lambda x: x[:2])
+    kept: list[Evaluation] = []
+    best: Optional[float] = None  # the fastest time (time) or the cheapest cost (cost) found
+    plans = sims = 0
+    for key, _, plan in queue:
+        if best is not None and key > best * (1 + objective.tolerance):
+            break  # every later plan is at least this slow (costly): none can be picked
+        ev = simulate_plan(plan, cost)
+        sims += 1
+        if not ev.fits:
+            rc = _recomputation(plan, ev, cost) if workload.recompute else None
+            if rc is None:
+                continue
+            ev = simulate_plan(replace(plan, recompute=rc), cost)
+            sims += 1
+        plans += 1
+        kept.append(ev)
+        value = step_cost(ev, inventory) if by_cost else ev.iteration_time
+        best = value if best is None else min(best, value)
     if not kept:
         return ExhaustiveResult(None, plans, sims)
-    best, _ = choose(kept, inventory, objective)
-    return ExhaustiveResult(best, plans, sims, min(kept, key=lambda e: e.iteration_time))
-
-
-def _fits(plan: Plan, cost: CostModel) -> bool:
-    plan = fit_recompute(plan, cost)  # with recomputation where the planner would use it
-    return all(cost.stage_memory(st.tp, plan.stage_chunks(i)).total <= cost.memory_limit(st.kind)
-               for i, st in enumerate(plan.stages))
+    pick, _ = choose(kept, inventory, objective)
+    return ExhaustiveResult(pick, plans, sims, min(kept, key=lambda e: e.iteration_time))

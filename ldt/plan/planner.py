@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 from ldt.config import ConfigError, ModelConfig
-from ldt.plan.candidates import orders, stage_sets
+from ldt.plan.candidates import SHARED_UP_TO, orders, stage_sets
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, closed_form,
                                with_layers)
@@ -234,15 +234,26 @@ def _split_sets(sets, cost: CostModel, ushape: bool, num_layers: int, opts: Plan
             for seq in orders(ss, ushape):
                 tried += 1
                 stages = tuple(StageSpec(k, t) for k, t in seq)
+                stage_dp = tuple(ss.dp_of_kind(k) for k, _ in seq) if ss.kind_dp else ()
                 layers = best_split(stages, ushape, ss.num_microbatches, cost, num_layers,
-                                    edge_min, memo)
+                                    edge_min, memo, stage_dp)
                 if layers is None:
                     continue
-                p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches)
+                p = Plan(stages, layers, ushape, ss.dp, ss.num_microbatches,
+                         stage_dp=stage_dp)
                 plans.append((p, closed_form(p, cost)))
                 ok = True
             fitted += ok
 
+    # the best set of each replica structure (dp, per-stage dp, the kinds used) first: the
+    # estimate's error differs between them (a set of many replicas has little fill and
+    # drain, one of a few layers per stage rounds them), and a structure must not lose on
+    # that error alone
+    firsts: dict = {}
+    if cost.inventory.total_devices <= SHARED_UP_TO:  # past it the sets are many, and the
+        for ss in lists[0]:  # plain lists serve (their errors matter less at scale)
+            firsts.setdefault((ss.dp, ss.kind_dp, tuple(name for name, _ in ss.groups)), ss)
+    take(firsts.values(), len(firsts))
     take(lists[0], opts.split_sets)
     take(_round_robin(lists[1:]), opts.objective_sets)
     return plans, tried
@@ -276,9 +287,21 @@ def _simulate_ranked(plans: list[tuple[Plan, float]], sim: Simulator, opts: Plan
             if id(pc) not in must and spent + sim.effort(pc[0]) > share:
                 continue  # too long for what is left; a shorter one may fit
             before = sim.work
-            out.append(sim(pc[0]))
+            out.append(_shallower_if_needed(sim(pc[0]), sim))
             side[2] += sim.work - before
     return sorted((e for e in out if e.fits), key=lambda e: e.iteration_time) or out
+
+
+def _shallower_if_needed(ev: Evaluation, sim: Simulator) -> Evaluation:
+    """A U-shape that does not fit at the search's prefetch depth (step 5 chose it on the best
+    closed form) at the deepest shallower one where it fits: a plan on fewer devices may fit
+    only with fewer micro-batches in flight."""
+    for depth in range(ev.plan.prefetch - 1, -1, -1):
+        if ev.fits:
+            break
+        shallower = sim(replace(ev.plan, prefetch=depth))
+        ev = shallower if shallower.fits else ev
+    return ev
 
 
 def _refine_starts(ranked: list[Evaluation], inventory: Inventory, objective: Objective,

@@ -30,6 +30,9 @@ class Simulator:
     GENERATE = 5
     """A schedule's first use costs this many plays of it: generating, lowering and checking
     the action lists takes ~5x as long as timing them once (U-shape, m=64)."""
+    GENERATE_LANES = 15
+    """The same for per-stage dp's lane schedules (:mod:`ldt.schedule.vdp`): ~15x (88 ms to
+    generate, lower and check a 3-stage U-shape's lanes at dp 2, m 32; 6 ms a play)."""
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
@@ -59,7 +62,9 @@ class Simulator:
 
     def _effort(self, plan: Plan) -> int:
         key, actions = schedule_actions(plan)
-        return actions * (1 if key in self.schedules else 1 + self.GENERATE)
+        if key in self.schedules:
+            return actions
+        return actions * (1 + (self.GENERATE_LANES if plan.stage_dp else self.GENERATE))
 
     @staticmethod
     def _short(plan: Plan) -> list[Plan]:

@@ -1,0 +1,124 @@
+"""The memory estimate's total, derived by hand from shapes (issue #45; docs/memory.md).
+
+``ldt-train`` and the elastic job refuse on the estimate's peak, so the peak itself is pinned,
+not only its parts: a small config whose middle stage's every term is counted here from the
+model's shapes and the schedule, term by term, and refusals whose limit sits one byte below
+and exactly at that peak. The estimate runs in this process (``ldt.memory.estimate_here``: a
+fake world entered and left).
+
+The config: a plain pipeline of three TP-1 cpu stages on ldt's runtime (``Et|t|tL``), a GPT of
+hidden 16, 2 heads of 8, FFN 64, vocabulary 256 (bytes), sequence 8, micro-batch 1, 4 micro-batches,
+fp32, LayerNorm with biases, learned positions, local attention, dropout 0 (ldt's default).
+Its middle stage holds one decoder layer and nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+H, A, F, V, S, B, M = 16, 2, 64, 256, 8, 1, 4
+FP32 = 4
+OVERRIDES = ["cluster=cpu_vtp", "cluster.stages.0.tp=1", "cluster.stages.2.tp=1",
+             "cluster.layout=Et|t|tL", "model=gpt_tiny", "model.num_layers=3",
+             f"model.hidden_size={H}", f"model.num_attention_heads={A}",
+             f"model.ffn_hidden_size={F}", f"model.vocab_size={V}", f"model.seq_length={S}",
+             f"train.micro_batch_size={B}", f"train.num_microbatches={M}", "train.runtime=ldt"]
+
+# ---- by hand -----------------------------------------------------------------------------
+# one decoder layer's parameters: two LayerNorms (weight, bias), QKV (h -> 3h, bias),
+# projection (h -> h, bias), fc1 (h -> f, bias), fc2 (f -> h, bias): 12 tensors
+LAYER_PARAMS = 2 * 2 * H + (H * 3 * H + 3 * H) + (H * H + H) + (H * F + F) + (F * H + H)
+LAYER_TENSORS = 12
+WEIGHTS = FP32 * LAYER_PARAMS
+GRADS = FP32 * LAYER_PARAMS  # DDP's fp32 gradient buffer
+ADAM = 2 * FP32 * LAYER_PARAMS + FP32 * LAYER_TENSORS  # two moments, a step counter a tensor
+T = S * B * H * FP32  # one [s, b, h] tensor: the boundary tensor
+STATS = 2 * S * B * FP32  # a LayerNorm's saved mean and inverse deviation, [s, b] fp32 each
+SCORES = B * A * S * S * FP32  # [b, heads, s, s] fp32
+# what one micro-batch leaves alive after the forward: the received input, LayerNorm 1's
+# statistics and output, the QKV output (q, k, v are views of it), the softmax's output (the
+# attention scores before it are not kept), the context (made contiguous for the projection),
+# the residual sum (LayerNorm 2's input), LayerNorm 2's statistics and output, fc1's output
+# (GeLU's input), GeLU's output (fc2's input), the layer's output
+ACTIVATIONS = (T + STATS + T + 3 * T + SCORES + T + T + STATS + T
+               + 2 * S * B * F * FP32 + T)
+# the schedule: 1F1B on the middle of three stages holds min(P - stage, m) = 2 micro-batches;
+# at its fullest moment (F2, after B0) it has posted the receives of F3's input and B1's
+# gradient, and B0's input gradient, sent just before, may still be crossing
+IN_FLIGHT, RECEIVES, SENT = 2, 2, 1
+# the highest point of a micro-batch's backward, at fc2's weight gradient: the output's
+# gradient, fc2's input gradient [s, b, f], its weight gradient [h, f] (before DDP's hook adds
+# it into the buffer), and what the process made once: megatron's buffer for the scores and
+# the causal mask [s, s] (bool)
+TRANSIENT = T + S * B * F * FP32 + H * F * FP32 + SCORES + S * S
+PEAK = (WEIGHTS + GRADS + ADAM + IN_FLIGHT * ACTIVATIONS + (RECEIVES + SENT) * T
+        + TRANSIENT)
+
+
+def _limited(limit_bytes: int) -> dict:
+    """The config with the middle stage's ``memory_gib`` at ``limit_bytes``."""
+    from omegaconf import OmegaConf
+
+    from ldt.hydra_app import compose
+
+    return OmegaConf.to_container(compose(
+        OVERRIDES + [f"cluster.stages.1.memory_gib={limit_bytes / 2**30!r}"]), resolve=True)
+
+
+def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_refused():
+    """Every term of the middle stage as its shapes say; its peak, 79984 bytes, their sum
+    (dropping any term of ``StageEstimate.peak`` changes it); a limit of PEAK - 1 bytes
+    refuses that stage, naming it, its peak and the largest part. (The estimate runs in the
+    test itself: mutation testing attributes a fixture's calls to no test.)"""
+    from ldt.config import to_train
+    from ldt.memory import estimate_here
+    from ldt.memory.report import refusal
+    from ldt.validate import validate
+
+    below = _limited(PEAK - 1)
+    got = estimate_here(below)
+    mid = got[1]
+    assert (mid.weights, mid.grads, mid.main_params, mid.optimizer) == (WEIGHTS, GRADS, 0, ADAM)
+    assert mid.activations == [ACTIVATIONS] and mid.inflight == (IN_FLIGHT,)
+    assert (mid.recv_buffers, mid.sent, mid.boundary_tensor) == (RECEIVES, SENT, T)
+    assert mid.transient == TRANSIENT
+    assert mid.step_transient < PEAK - mid.resident  # the pipeline's moment is the peak
+    assert PEAK == 79984 and mid.peak == PEAK
+    assert mid.components() == {
+        "weights": WEIGHTS, "gradients": GRADS, "fp32 main params": 0,
+        "optimizer states": ADAM, "activations": IN_FLIGHT * ACTIVATIONS,
+        "receive buffers": (RECEIVES + SENT) * T, "transient": TRANSIENT}
+    assert [s.fits for s in got] == [True, False, True]
+    topo = validate(below["cluster"], below["model"], check_devices=False)
+    line = refusal(mid, topo, to_train(below["train"]))
+    assert line.startswith(f"stage 1 (s1, ranks 1) needs {PEAK / 2**20:.2f} MiB per rank "
+                           f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
+                           " the largest part is optimizer states"), line
+
+
+def test_a_limit_at_the_peak_fits():
+    from ldt.memory import estimate_here
+
+    assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
+
+
+@pytest.mark.timeout(120)
+def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_path):
+    """``ldt-train`` with the middle stage's limit one byte below its peak: exit status 2, the
+    one line naming the stage, no run folder, nothing trained."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "ldt.train", *OVERRIDES,
+                           f"cluster.stages.1.memory_gib={(PEAK - 1) / 2**30!r}",
+                           f"run_dir={run}"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"ldt: does not fit: stage 1 (s1, ranks 1) needs "
+                               f"{PEAK / 2**20:.2f} MiB per rank (estimate) but "
+                               f"cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g}; "), lines[0]
+    assert "Traceback" not in proc.stderr and not run.exists()
+    assert "step" not in proc.stdout  # nothing trained

@@ -1,0 +1,276 @@
+"""The memory estimate's arithmetic and what a user reads (issue #45): ``StageEstimate``'s
+peak and its parts on numbers chosen by hand (each term a different power of two, so a term
+dropped or counted twice shows), when a config is estimated at all, and the table and the
+one-line refusal, read in full. No process, no model: the terms are given."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from ldt.memory import GIB, StageEstimate
+
+MIB = 2**20
+
+
+def stage(**over) -> StageEstimate:
+    """Weights 1, grads 2, main 4, optimizer 8 (resident 15); activations 16 x 2 + 32 x 1 (64);
+    transient 128; one receive and two sent tensors of 256 (768); step transient 3."""
+    base = dict(index=0, name="edge", device="cpu", tp=1, dp=1, ranks=[0], recompute="-",
+                attention="local", weights=1, grads=2, main_params=4, optimizer=8,
+                activations=[16, 32], inflight=(2, 1), transient=128, recv_buffers=1,
+                boundary_tensor=256, step_transient=3)
+    return StageEstimate(**(base | over))
+
+
+def test_the_peak_is_resident_plus_activations_plus_buffers_plus_transient():
+    st = stage()
+    assert (st.resident, st.activation_bytes, st.recv_tensor) == (15, 64, 256)
+    assert st.buffer_bytes == 256  # no sent tensor by default
+    st = stage(sent=2)
+    assert st.buffer_bytes == 256 + 2 * 256
+    assert st.peak == 15 + 64 + 768 + 128 == 975
+    assert st.peak_transient == 128
+    assert st.components() == {"weights": 1, "gradients": 2, "fp32 main params": 4,
+                               "optimizer states": 8, "activations": 64,
+                               "receive buffers": 768, "transient": 128}
+
+
+def test_a_sequence_parallel_receive_holds_the_whole_and_its_slice():
+    """A posted receive of a stage in 3 slices: the leader's whole tensor (256) and the slice
+    it scatters into, 256 // 3 = 85 bytes."""
+    assert stage(shards=3).recv_tensor == 256 + 85
+    assert stage(shards=3, recv_buffers=2, sent=1).buffer_bytes == 2 * 341 + 256
+    assert stage(shards=1).recv_tensor == 256
+
+
+@pytest.mark.parametrize("step,peak,transient", [
+    (64 + 256 + 128, 15 + 64 + 256 + 128, 128),  # equal: the pipeline's moment
+    (64 + 256 + 129, 15 + 64 + 256 + 129, 64 + 256 + 129),  # the optimizer step's
+])
+def test_the_optimizer_steps_transient_wins_only_above_the_pipelines_moment(step, peak,
+                                                                            transient):
+    st = stage(step_transient=step)
+    assert (st.peak, st.peak_transient) == (peak, transient)
+    assert st.components()["transient"] == transient
+
+
+def test_a_stage_fits_when_its_peak_is_at_most_its_limit():
+    peak = stage().peak
+    assert stage().fits and stage(limit=peak).fits
+    assert not stage(limit=peak - 1).fits
+
+
+def test_needs_estimate_asks_train_estimate_memory_then_any_stated_memory():
+    from ldt.memory import needs_estimate
+
+    def cfg(asked, *limits):
+        train = {} if asked == "unset" else {"estimate_memory": asked}
+        return {"train": train, "cluster": {"stages": [{"memory_gib": g} for g in limits]}}
+
+    assert needs_estimate(cfg(True, None)) and needs_estimate(cfg(1, None))
+    assert not needs_estimate(cfg(False, 40.0))
+    assert needs_estimate(cfg(None, None, 40.0)) and needs_estimate(cfg("unset", 40.0))
+    assert not needs_estimate(cfg(None, None, None)) and not needs_estimate(cfg("unset"))
+
+
+def test_what_a_process_makes_once_is_in_every_chunks_transient():
+    """The first chunk's measure made it (once 10, 0, 5 of transients 100, 50, 70): each
+    chunk's transient is its own without its once-made part, plus all of it (15)."""
+    from ldt.memory import _transients
+    from ldt.memory.measure import ChunkMemory
+
+    chunks = [ChunkMemory(0, 100, 10), ChunkMemory(0, 50, 0), ChunkMemory(0, 70, 5)]
+    assert _transients(chunks) == [105, 65, 80]
+
+
+# ---- the table and the refusal, read in full ------------------------------------------------
+def test_the_table_shows_every_part_per_stage_in_mib():
+    from ldt.memory.report import table
+
+    edge = stage(name="edge", ranks=[0], weights=MIB, grads=MIB, main_params=0,
+                 optimizer=2 * MIB, activations=[MIB // 2, MIB], inflight=(4, 1),
+                 transient=MIB // 4, recv_buffers=1, boundary_tensor=MIB // 8, sent=1,
+                 step_transient=0, limit=4 * MIB)
+    cloud = stage(index=1, name="cloud", tp=2, ranks=[1, 2, 3, 4], recompute="full",
+                  attention="flash", weights=3 * MIB, grads=3 * MIB, main_params=0,
+                  optimizer=0, activations=[MIB], inflight=(2,), transient=0, recv_buffers=0,
+                  boundary_tensor=0, step_transient=0)
+    assert table([edge, cloud]).split("\n") == [
+        "stage    ranks  tp  recompute  weights  grads  main  optim  act/mb x in flight  "
+        "buffers  transient  peak    limit",
+        "-------  -----  --  ---------  -------  -----  ----  -----  ------------------  "
+        "-------  ---------  ------  -----",
+        "0:edge   0      1   -          1.00     1.00   0.00  2.00   0.50x4 + 1.00x1     "
+        "0.25     0.25       7.50 !  4.00",
+        "1:cloud  1-4    2   full       3.00     3.00   0.00  0.00   1.00x2              "
+        "0.00     0.00       8.00    -",
+        "memory per rank, MiB (estimate: the stages' real chunks on fake tensors, two "
+        "micro-batches through megatron-core; attention flash/local); '!' exceeds the "
+        "stage's memory_gib"]
+
+
+def test_the_table_switches_to_gib_at_one_gib_and_lists_ranks_compactly():
+    from ldt.memory.report import _ranks, table
+
+    assert [_ranks(r) for r in ([5], [0, 1], [0, 1, 2], [0, 2, 3], [3, 4, 5, 6])] == \
+        ["5", "0,1", "0-2", "0,2,3", "3-6"]
+    at = stage(weights=GIB - 15 - 64 - 256 - 128 + 1)  # peak exactly 1 GiB
+    assert at.peak == GIB
+    assert "memory per rank, GiB" in table([at]) and " 1.00 " in table([at]).split("\n")[2]
+    below = stage(weights=GIB - 15 - 64 - 256 - 128)
+    assert "memory per rank, MiB" in table([below])
+
+
+def _topo(u_shape: bool, stages: int):
+    return SimpleNamespace(u_shape=u_shape, num_stages=stages)
+
+
+def test_a_refusal_names_the_stage_the_peak_the_limit_the_largest_part_and_the_levers():
+    """Activations the largest part, no recomputation, one replica, not the last stage of a
+    plain pipeline, no prefetch."""
+    from ldt.memory.report import refusal
+
+    st = stage(index=1, name="s1", tp=2, ranks=[1, 2], weights=MIB, grads=MIB, main_params=0,
+               optimizer=2 * MIB, activations=[MIB, 2 * MIB], inflight=(3, 1),
+               transient=0, recv_buffers=0, step_transient=0, limit=GIB // 1024)
+    assert refusal(st, _topo(False, 3), SimpleNamespace(prefetch=0)) == (
+        "stage 1 (s1, ranks 1,2) needs 9.00 MiB per rank (estimate) but "
+        "cluster.stages[1].memory_gib=0.000976562; the largest part is activations 5.00 MiB "
+        "(3 micro-batches x 1.00 MiB + 1 micro-batch x 2.00 MiB in flight); levers: recompute "
+        "that stage (cluster.stages[1].recompute.granularity=selective, or full with method "
+        "uniform, num_layers 1); more TP (cluster.stages[1].tp=4); fewer micro-batches in "
+        "flight (fewer stages after it, a smaller train.micro_batch_size)")
+
+
+def test_a_refusal_offers_full_recompute_the_distributed_optimizer_and_less_prefetch():
+    """Optimizer states the largest part (GiB), selective recomputation already, two
+    replicas without the distributed optimizer, the U-shape's edge with prefetch 2."""
+    from ldt.memory.report import refusal
+
+    st = stage(index=0, name="edge", dp=2, ranks=[0, 1], recompute="selective(layernorm)",
+               weights=GIB, grads=GIB, main_params=0, optimizer=3 * GIB, activations=[GIB],
+               inflight=(1,), transient=0, recv_buffers=0, step_transient=0, limit=4 * GIB)
+    assert refusal(st, _topo(True, 3), SimpleNamespace(prefetch=2)) == (
+        "stage 0 (edge, ranks 0,1) needs 6.00 GiB per rank (estimate) but "
+        "cluster.stages[0].memory_gib=4; the largest part is optimizer states 3.00 GiB; levers: "
+        "recompute that stage (cluster.stages[0].recompute.granularity=full with method "
+        "uniform, num_layers 1); more TP (cluster.stages[0].tp=2); the distributed optimizer "
+        "(train.distributed_optimizer=true); fewer micro-batches in flight (fewer stages after "
+        "it, train.prefetch < 2, a smaller train.micro_batch_size)")
+
+
+@pytest.mark.parametrize("u_shape,index,stages", [(True, 1, 3), (False, 2, 3)])
+def test_a_refusal_leaves_out_the_levers_that_cannot_act(u_shape, index, stages):
+    """Full recomputation already (no recompute lever), replicas with the distributed
+    optimizer, no stage after it (a U-shape's cloud stage, a plain pipeline's last), a train
+    config without prefetch."""
+    from ldt.memory.report import refusal
+
+    st = stage(index=index, name="c", tp=4, dp=2, ranks=[7], recompute="full(uniform,1)",
+               distributed_optimizer=True, activations=[GIB], inflight=(1,),
+               limit=GIB // 2)
+    assert refusal(st, _topo(u_shape, stages), SimpleNamespace()) == (
+        f"stage {index} (c, ranks 7) needs 1.00 GiB per rank (estimate) but "
+        f"cluster.stages[{index}].memory_gib=0.5; the largest part is activations 1.00 GiB "
+        f"(1 micro-batch x 1.00 GiB in flight); levers: more TP (cluster.stages[{index}].tp=8); "
+        "fewer micro-batches in flight (a smaller train.micro_batch_size)")
+
+
+def test_the_pre_flight_check_refuses_on_the_first_stage_that_does_not_fit(monkeypatch):
+    """``check`` (ldt-train's pre-flight): the table of every stage, and the refusal of the
+    first stage over its limit (stage 1 here, not stage 2), or None when all fit."""
+    from omegaconf import OmegaConf
+
+    import ldt.memory
+    from ldt.hydra_app import compose
+    from ldt.memory.report import check, refusal, table
+
+    cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "train.prefetch=1"]),
+                                 resolve=True)
+    fits = stage(limit=GIB)
+    over = [fits, stage(index=1, name="one", limit=10), stage(index=2, name="two", limit=10)]
+    topo = _topo(True, 3)
+    for got in ([fits], over):
+        monkeypatch.setattr(ldt.memory, "estimate", lambda c, got=got: got if c is cfg else 0)
+        shown, refused = check(cfg, topo)
+        assert shown == table(got)
+        assert refused == (None if got == [fits] else
+                           refusal(over[1], topo, SimpleNamespace(prefetch=1)))
+    assert "train.prefetch < 1" in refused  # the run's train config, not a default
+
+
+# ---- the measuring tools, on real tensors ------------------------------------------------------
+def test_live_peak_counts_live_storages_and_their_peak():
+    """torch's MemTracker reduced to live storage bytes: what exists now, the highest point
+    since reset_peak (the reset returns the bytes alive then), views counted once."""
+    import torch
+
+    from ldt.memory.measure import LivePeak
+
+    tracker = LivePeak()
+    with tracker:
+        base = tracker.reset_peak()
+        a = torch.empty(1000, dtype=torch.float32)  # 4000 bytes
+        view = a[10:20]
+        assert tracker.current() - base == 4000
+        b = torch.empty(500, dtype=torch.float64)  # 4000 more
+        assert tracker.current() - base == 8000 and tracker.peak() - base == 8000
+        del b
+        assert tracker.current() - base == 4000 and tracker.peak() - base == 8000
+        assert tracker.reset_peak() - base == 4000 and tracker.peak() - base == 4000
+        c = torch.empty(250, dtype=torch.float32)
+        assert tracker.peak() - base == 5000
+        del a, view, c
+        assert tracker.current() == base
+
+
+def test_attention_is_flash_on_cuda_stages_unless_asked():
+    from types import SimpleNamespace
+
+    from ldt.memory.measure import attention_of
+
+    te, local = SimpleNamespace(transformer_impl="auto"), SimpleNamespace(transformer_impl="local")
+    assert attention_of(te, "cuda") == "flash" and attention_of(local, "cuda") == "local"
+    assert attention_of(te, "cpu") == "local" and attention_of(te, "npu") == "local"
+    assert attention_of(te, "cpu", "flash") == "flash"
+    assert attention_of(te, "cuda", "local") == "local"
+
+
+def test_the_flash_stand_in_keeps_qkv_its_output_and_the_log_sum_exp():
+    """Grouped-query shapes (q 4 heads, k and v 2, head size 8, s 16, b 2): the stand-in's
+    output is [s, b, heads * d]; it keeps q, k, v, its output and an fp32 log-sum-exp [b,
+    heads, s]; its backward gives each input a gradient of that input's shape."""
+    import torch
+
+    from ldt.memory.measure import FlashAttention
+
+    q = torch.zeros(16, 2, 4, 8, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(16, 2, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.zeros(16, 2, 2, 8, dtype=torch.float64, requires_grad=True)
+    out = FlashAttention()(q, k, v, None)
+    assert tuple(out.shape) == (16, 2, 32) and out.dtype == torch.bfloat16
+    saved = out.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(16, 2, 4, 8), (16, 2, 2, 8), (16, 2, 2, 8),
+                                               (16, 2, 32), (2, 4, 16)]
+    assert saved[4].dtype == torch.float32 and saved[3].dtype == torch.bfloat16
+    out.sum().backward()
+    assert [tuple(t.grad.shape) for t in (q, k, v)] == [(16, 2, 4, 8), (16, 2, 2, 8),
+                                                         (16, 2, 2, 8)]
+    assert v.grad.dtype == torch.float64
+
+
+def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
+    import torch.distributed as dist
+
+    from ldt.memory import estimate_here
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match=r"estimate_here needs a process without a "
+                           r"process group .*; call ldt.memory.estimate instead"):
+            estimate_here({})
+    finally:
+        dist.destroy_process_group()
