@@ -64,17 +64,15 @@ def _job(cfg, save_hydra_files=None) -> int:
             if save_hydra_files is not None:  # this process keeps the run folder
                 lock.acquire()
             checked = _checked(cfg, hydra_cfg, rank, save_hydra_files)
-        except ValueError as exc:  # ConfigError, LayoutError: the config cannot work
-            if not isinstance(exc, _Refused):
+        # ValueError: ConfigError, LayoutError (the config cannot work); OSError: a full disk
+        # while .hydra/ is written, a file it cannot read
+        except (ValueError, OSError) as exc:
+            if isinstance(exc, OSError):
+                print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}",
+                      file=sys.stderr)
+            elif not isinstance(exc, _Refused):
                 where = f" (rank {rank})" if rank is not None else ""
                 print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
-            lock.release()
-            if fresh:
-                discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,
-                                   ours=True)
-            return EXIT_CONFIG
-        except OSError as exc:  # a full disk while .hydra/ is written, a file it cannot read
-            print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}", file=sys.stderr)
             lock.release()
             if fresh:
                 discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,

@@ -20,7 +20,6 @@ sequence length that does not fit). The few commands that should succeed, with w
 declare, are the tests at the end.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,22 +27,11 @@ import shutil
 import pytest
 import torch
 
+from faults import tree as _tree
 from tiny_files import _action_times, _hf_llama  # noqa: F401  (the other tests' too)
 
 SEQ_ERR = r"argument --seq-length: .* must be >= 1"
 EXISTS = r"already exists .* add --overwrite"
-
-
-def _tree(root) -> dict:
-    out = {}
-    for folder, dirs, files in os.walk(root):
-        for d in dirs:
-            out[os.path.relpath(os.path.join(folder, d), root)] = "dir"
-        for f in files:
-            path = os.path.join(folder, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = hashlib.sha1(fh.read()).hexdigest()
-    return out
 
 
 # ---- the scratch folder -------------------------------------------------------------------
