@@ -1,10 +1,34 @@
 import os
+import signal
 
 import pytest
 
 # Tests run on CPU/gloo; keep each process to one thread on this 2-core machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# A shell starts a background job (`make test &`, `nohup ... &`) with SIGINT ignored, and
+# Python then leaves it ignored: the tests of Ctrl-C (tests/test_interrupted_writers.py, whose
+# children inherit the setting) would see no interruption at all. Ctrl-C as a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def _signals_left_as_found():
+    """A test that leaves a stop signal's handler changed in pytest's process fails, and the
+    handler is put back: a later test that sends itself SIGINT, or starts a child (which
+    inherits an ignored signal), would otherwise fail far from the cause."""
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    yield
+    changed = {s.name: signal.getsignal(s) for s in STOP_SIGNALS
+               if signal.getsignal(s) is not before[s]}
+    for s in STOP_SIGNALS:
+        signal.signal(s, before[s])
+    assert not changed, f"the test left stop-signal handlers changed: {changed}"
 
 
 def pytest_terminal_summary(terminalreporter):
