@@ -117,8 +117,9 @@ def _worker(rank, world, model_dict, reps):
     cluster = ClusterConfig(stages=[StageConfig(f"s{i}", "cpu", t) for i, t in enumerate(TPS)])
     topo = validate(cluster, plain, world_size=world)
     state = ldt.initialize_vtp(topo, timeout_s=120)
+    from ldt.schedule.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "sequence_parallel_norms", "schedules"],
-                  ctx=SimpleNamespace(observers=[]))
+                  ctx=MegatronHooks())
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     tp, tp_rank = TPS[state.stage], state.info.tp_rank

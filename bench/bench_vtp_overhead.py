@@ -114,7 +114,8 @@ def _worker(rank, world, tps, model_dict, reps):
                 data_iterator=iter(batches) if reads_data else None, model=models[0], **common)
         else:
             _restore(ps, l_snap)
-            patches.apply(["schedules"], ctx=SimpleNamespace(observers=[]))
+            from ldt.schedule.forward_backward import MegatronHooks
+            patches.apply(["schedules"], ctx=MegatronHooks())
             from megatron.core.pipeline_parallel import get_forward_backward_func
             models = l_models
             if path == "ldt":

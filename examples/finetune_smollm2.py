@@ -145,7 +145,9 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
         c = LdtConfig(cluster=to_cluster(cluster), model=model, train=train)
         topo = validate(c.cluster, c.model, world_size=world, train=c.train)
         state = ldt.initialize_vtp(topo, timeout_s=600)
-        patches.apply(["cpu_shims", "optimizer_cpu", "rope_cpu", "schedules"])
+        from ldt.schedule.forward_backward import MegatronHooks
+        patches.apply(["cpu_shims", "optimizer_cpu", "rope_cpu", "schedules"],
+                      ctx=MegatronHooks())
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         try:

@@ -32,6 +32,20 @@ class Activation:
     timeout_s: Optional[float]
     patches: list
 
+    # what the init_model_parallel and schedules patches call back into (they sit below ldt's
+    # groups and runtime, so the caller hands them in)
+    @property
+    def initialize_vtp(self):
+        from ldt.parallel_state import initialize_vtp
+
+        return initialize_vtp
+
+    @property
+    def megatron_hooks(self):
+        from ldt.schedule.forward_backward import MegatronHooks
+
+        return MegatronHooks()
+
     def deactivate(self) -> None:
         from ldt import patches
 

@@ -2,8 +2,9 @@
 
 An existing Megatron-core script calls ``initialize_model_parallel(tp, pp)``; with ldt active
 that call builds the VTP state instead (each stage its own TP size), after checking that the
-script's ``pp`` agrees with the cluster. ctx: the :class:`~ldt.topology.Topology` to build
-(and optionally ``timeout_s`` via ``ctx.timeout_s`` when ctx is an ldt ActiveContext).
+script's ``pp`` agrees with the cluster. ctx: an object with ``topology`` (the Topology to
+build), ``initialize_vtp`` (the function that builds it, :func:`ldt.parallel_state.initialize_vtp`,
+passed in so that this adapter depends on megatron-core alone) and optionally ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ from ldt.patches.registry import register, swap_everywhere
 log = logging.getLogger("ldt")
 
 
-def _topology_of(ctx):
-    return getattr(ctx, "topology", ctx)
+def _checked(ctx):
+    if not (hasattr(ctx, "topology") and callable(getattr(ctx, "initialize_vtp", None))):
+        raise ConfigError(
+            "patch init_model_parallel needs ctx with .topology (the Topology to build) and "
+            f".initialize_vtp (ldt.parallel_state.initialize_vtp); got ctx={ctx!r}")
+    return ctx
 
 
 # Sizes ldt builds as 1 (or as given by the cluster); a script asking for more is refused.
@@ -58,19 +63,16 @@ def _stages_of(get_ranks, topo):
 @register("init_model_parallel",
           "parallel_state.initialize_model_parallel(tp, pp) builds the active VTP topology")
 def install(ctx):
-    if ctx is None:
-        raise ConfigError("patch init_model_parallel needs the topology to build (ctx=Topology)")
+    ctx = _checked(ctx)
     original = ps.initialize_model_parallel
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                                   pipeline_model_parallel_size: int = 1, *args, **kwargs):
-        from ldt.parallel_state import initialize_vtp
-
         kwargs = signature.bind(tensor_model_parallel_size, pipeline_model_parallel_size,
                                 *args, **kwargs).arguments  # positional ones by name too
-        topo = _topology_of(ctx)
+        topo = ctx.topology
         if pipeline_model_parallel_size != topo.num_stages:
             raise ConfigError(
                 f"initialize_model_parallel(pipeline_model_parallel_size="
@@ -80,7 +82,7 @@ def install(ctx):
             )
         _refuse_unsupported(kwargs)
         vpp = kwargs.get("virtual_pipeline_model_parallel_size")
-        state = initialize_vtp(
+        state = ctx.initialize_vtp(
             topo, timeout_s=getattr(ctx, "timeout_s", None),
             embedding_stages=_stages_of(kwargs.get("get_embedding_ranks"), topo),
             position_embedding_stages=_stages_of(kwargs.get("get_position_embedding_ranks"), topo))

@@ -7,8 +7,11 @@ a :class:`~ldt.boundary.communicator.VtpCommunicator` and the stage's process-gr
 collection when the caller
 passed neither. 1F1B, interleaved (incl. ``overlap_p2p_comm``) and no-pipelining all go
 through it. A U-shape topology gets ldt's own schedule (:func:`ldt.schedule.forward_backward.forward_backward_ldt`),
-since megatron has none with a wraparound loss stage. ctx: optional object with ``observers``
-(boundary observers for audit/NaN checks).
+since megatron has none with a wraparound loss stage.
+
+ctx: :class:`ldt.schedule.forward_backward.MegatronHooks` (or an object with one as
+``megatron_hooks``): the VTP state, the communicator and the U-shape schedule come from the
+caller, so this adapter depends on megatron-core alone and ldt's layers above it stay above it.
 
 The new function replaces the original under every module-level name bound to it
 (:func:`~ldt.patches.registry.swap_everywhere`), so a script that imported
@@ -22,23 +25,34 @@ import functools
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config
 
+from ldt.config import ConfigError
 from ldt.patches.registry import register, swap_everywhere
 
+HOOKS = ("state", "communicator", "ushape_schedule")  # what the caller's hooks provide
 
-def with_vtp_communicator(fn, observers=()):
+
+def hooks_of(ctx):
+    """The caller's hooks (ctx itself or its ``megatron_hooks``), checked."""
+    hooks = getattr(ctx, "megatron_hooks", ctx)
+    if hooks is None or not all(callable(getattr(hooks, h, None)) for h in HOOKS):
+        raise ConfigError(
+            f"patch schedules needs ctx=MegatronHooks(observers) from "
+            f"ldt.schedule.forward_backward (the VTP state, communicator and U-shape schedule "
+            f"it injects); got ctx={ctx!r}")
+    return hooks
+
+
+def with_vtp_communicator(fn, hooks):
     """Wrap one forward-backward function to inject ldt's communicator and groups."""
 
     @functools.wraps(fn)
     def forward_backward(**kwargs):
-        from ldt.boundary.communicator import VtpCommunicator
-        from ldt.parallel_state import get_vtp_state, is_vtp_initialized
-
-        if (is_vtp_initialized() and kwargs.get("p2p_communicator") is None
+        state = hooks.state()
+        if (state is not None and kwargs.get("p2p_communicator") is None
                 and kwargs.get("pg_collection") is None):
-            state = get_vtp_state()
             model = kwargs["model"]
             config = get_model_config(model[0] if isinstance(model, list) else model)
-            kwargs["p2p_communicator"] = VtpCommunicator(config, state, list(observers))
+            kwargs["p2p_communicator"] = hooks.communicator(config, state)
             kwargs["pg_collection"] = state.pg_collection()
         return fn(**kwargs)
 
@@ -49,19 +63,16 @@ def with_vtp_communicator(fn, observers=()):
 @register("schedules", "get_forward_backward_func() returns schedules using the VTP communicator")
 def install(ctx):
     original = schedules.get_forward_backward_func
-    observers = tuple(getattr(ctx, "observers", ()) or ())
+    hooks = hooks_of(ctx)
 
     @functools.wraps(original)
     def get_forward_backward_func(*args, **kwargs):
-        from ldt.parallel_state import get_vtp_state, is_vtp_initialized
-
-        if is_vtp_initialized() and get_vtp_state().topology.u_shape:
-            from ldt.schedule.forward_backward import forward_backward_ldt
-
-            return functools.partial(forward_backward_ldt, observers=observers)
+        state = hooks.state()
+        if state is not None and state.topology.u_shape:
+            return hooks.ushape_schedule()
         fn = original(*args, **kwargs)
         if fn is schedules.forward_backward_no_pipelining:
             return fn
-        return with_vtp_communicator(fn, observers)
+        return with_vtp_communicator(fn, hooks)
 
     return swap_everywhere(original, get_forward_backward_func)

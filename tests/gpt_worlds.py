@@ -65,8 +65,9 @@ def _setup(topo, observers=()):
     state = ldt.initialize_vtp(topo, timeout_s=60)
     from types import SimpleNamespace
 
+    from ldt.schedule.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "schedules", "recompute_norms"],
-                  ctx=SimpleNamespace(observers=list(observers)))
+                  ctx=MegatronHooks(tuple(observers)))
     from megatron.core import tensor_parallel
 
     tensor_parallel.model_parallel_cuda_manual_seed(123)  # as a Megatron script does

@@ -65,8 +65,9 @@ def run_case(case: dict) -> dict:
 
     model, topo = case["model"], validate(case["cluster"], case["model"])
     state = ldt.initialize_vtp(topo, timeout_s=60)
+    from ldt.schedule.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "rope_cpu", "schedules", "sequence_parallel_norms",
-                   "moe_without_te"])
+                   "moe_without_te"], ctx=MegatronHooks())
     from megatron.core.pipeline_parallel import get_forward_backward_func  # the patched one
 
     try:

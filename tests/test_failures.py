@@ -155,8 +155,9 @@ def _nan_at_boundary(rank, world):
     state = ldt.initialize_vtp(topo, timeout_s=30)
     check = FiniteCheck()
     check.new_step(0)
+    from ldt.schedule.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "schedules"],
-                  ctx=SimpleNamespace(observers=[CorruptSecondActivation(), check]))
+                  ctx=MegatronHooks((CorruptSecondActivation(), check)))
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     chunk = topo.split.stage_chunks(state.stage)[0]
     tp = topo.stages[state.stage].tp

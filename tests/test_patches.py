@@ -8,7 +8,7 @@ import pytest
 from packaging.version import Version
 
 from ldt import patches
-from ldt.config import ClusterConfig, StageConfig
+from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.launch import WorldError, run_local_world
 from ldt.patches import PatchError, check_megatron_version, versions
 from ldt.topology import Topology
@@ -75,7 +75,12 @@ def test_apply_and_revert_restore_megatron():
     from megatron.core.pipeline_parallel import schedules
 
     original = schedules.get_forward_backward_func
-    with patches.applied(["schedules"]) as done:
+    from ldt.schedule.forward_backward import MegatronHooks
+
+    with pytest.raises(ConfigError, match="patch schedules needs ctx=MegatronHooks"):
+        patches.apply(["schedules"])  # the adapter gets ldt's runtime from its caller
+    assert schedules.get_forward_backward_func is original
+    with patches.applied(["schedules"], ctx=MegatronHooks()) as done:
         assert done == ["schedules"] and patches.is_applied("schedules")
         assert schedules.get_forward_backward_func is not original
     assert schedules.get_forward_backward_func is original
@@ -91,7 +96,12 @@ def _script_like(rank, world, topo, pp):
     """What an existing Megatron-core script does, with the patch applied."""
     from megatron.core import parallel_state as ps
 
-    with patches.applied(["init_model_parallel"], ctx=topo):
+    from types import SimpleNamespace
+
+    from ldt.parallel_state import initialize_vtp
+
+    ctx = SimpleNamespace(topology=topo, initialize_vtp=initialize_vtp)
+    with patches.applied(["init_model_parallel"], ctx=ctx):
         ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
         out = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank())
     return out

@@ -10,6 +10,7 @@ the planner use.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from ldt.schedule.runtime import StageRoles, StepResult, run_actions
@@ -111,3 +112,26 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
                     model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                     micro_batch_size=micro_batch_size, comm=comm, state=state,
                     config=config, forward_only=forward_only, zero_bubble=zero_bubble).losses
+
+
+@dataclass(frozen=True)
+class MegatronHooks:
+    """What the ``schedules`` patch puts into megatron's forward-backward functions (ctx of
+    ``patches.apply([..., "schedules"])``): the VTP state, a communicator per call and, for a
+    U-shape, ldt's schedule. ``observers`` see every boundary tensor (audit, NaN checks)."""
+
+    observers: tuple = ()
+
+    def state(self):
+        """The active VTP state, or None (megatron's schedules then run unchanged)."""
+        from ldt.parallel_state import get_vtp_state, is_vtp_initialized
+
+        return get_vtp_state() if is_vtp_initialized() else None
+
+    def communicator(self, config, state):
+        from ldt.boundary.communicator import VtpCommunicator
+
+        return VtpCommunicator(config, state, list(self.observers))
+
+    def ushape_schedule(self):
+        return functools.partial(forward_backward_ldt, observers=self.observers)

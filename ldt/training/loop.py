@@ -66,7 +66,9 @@ def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
         cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
         names = cpu + ["schedules", "sequence_parallel_norms", "recompute_norms",
                        "moe_without_te"] + (["wgrad_split"] if c.train.schedule == "zb" else [])
-        patches.apply(names, ctx=SimpleNamespace(observers=observers))
+        from ldt.schedule.forward_backward import MegatronHooks
+
+        patches.apply(names, ctx=MegatronHooks(tuple(observers)))
         try:
             return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
         finally:
