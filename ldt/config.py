@@ -11,15 +11,18 @@ Checks that need only one config group live in ``__post_init__``; checks that ne
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from ldt import config_load
+from ldt.config_load import load_typed, typed
 from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
-from ldt.quiet import LOG_LEVELS
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""``train.log_level``'s choices (Python logging's levels; :mod:`ldt.quiet` sets them)."""
 MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
 
 
@@ -588,45 +591,38 @@ def register_configs() -> None:
     cs.store(group="train/optimizer", name="base_optimizer", node=OptimizerSettings)
 
 
+CONFIG_REF = "ldt/config.py or `ldt-train --cfg job`"
+"""Where a user finds every config key (named by refusals of an unknown key)."""
+
+
 def to_cluster(obj: Any) -> ClusterConfig:
     """A ClusterConfig from a dataclass, a DictConfig or a plain dict (for tests and the API)."""
     if isinstance(obj, ClusterConfig):
         return obj
-    return _typed(ClusterConfig, obj, "cluster")
+    return typed(ClusterConfig, obj, "cluster", ref=CONFIG_REF)
 
 
 def to_model(obj: Any) -> ModelConfig:
     if isinstance(obj, ModelConfig):
         return obj
-    return _typed(ModelConfig, obj, "model")
+    return typed(ModelConfig, obj, "model", ref=CONFIG_REF)
 
 
 def to_train(obj: Any) -> TrainConfig:
     if isinstance(obj, TrainConfig):
         return obj
-    return _typed(TrainConfig, obj, "train")
+    return typed(TrainConfig, obj, "train", ref=CONFIG_REF)
 
 
 def to_data(obj: Any) -> DataConfig:
     if isinstance(obj, DataConfig):
         return obj
-    return _typed(DataConfig, obj if obj is not None else {}, "data")
+    return typed(DataConfig, obj if obj is not None else {}, "data", ref=CONFIG_REF)
 
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
-    from ldt.userfiles import load_yaml
-
-    return to_cluster(load_yaml(path, "cluster file"))
-
-
-def _plain(obj: Any) -> Any:
-    """A plain container; drops Hydra's ``defaults`` list so a conf/ file also loads bare."""
-    if OmegaConf.is_config(obj):
-        obj = OmegaConf.to_container(obj, resolve=True)
-    if isinstance(obj, dict) and "defaults" in obj:
-        obj = {k: v for k, v in obj.items() if k != "defaults"}
-    return obj
+    return load_typed(ClusterConfig, path, "cluster", "cluster file", ref=CONFIG_REF)
 
 
 def unknown_key(key: str, value: str = "") -> Optional[str]:
@@ -634,72 +630,4 @@ def unknown_key(key: str, value: str = "") -> Optional[str]:
     ``value``) is not in the schema, naming the closest key that is, in one line; None when it
     is (or lies below a field that takes any key: ``train.peak_tflops.*``, ``data.blend``,
     ``cluster.link_delay_ms``)."""
-    import difflib
-    import typing
-
-    parts, owner, prefix = key.split("."), LdtConfig, ""
-    while parts:
-        name = parts.pop(0)
-        hints = typing.get_type_hints(owner)
-        if name not in hints:  # the closest name at this level, or anywhere from the top
-            rest = "".join("." + p for p in parts)
-            close = [prefix + c + rest for c in difflib.get_close_matches(name, list(hints), n=1)]
-            if not prefix:
-                close = difflib.get_close_matches(key, [*hints, *_schema_keys()], n=1)
-            given = f"{key}={value}: " if value else ""
-            fix = (f"did you mean {close[0]}{'=' + value if value else ''}?" if close
-                   else f"the keys of {prefix[:-1] or 'the config'}: {', '.join(hints)}")
-            return (f"{given}{key} is not a config key; {fix} (every key: ldt/config.py or "
-                    "`ldt-train --cfg job`)")
-        prefix += name + "."
-        kind = hints[name]
-        if typing.get_origin(kind) in (list, List) and parts and parts[0].isdigit():
-            prefix += parts.pop(0) + "."
-            kind = typing.get_args(kind)[0]
-        if not (isinstance(kind, type) and hasattr(kind, "__dataclass_fields__")):
-            return None  # a value (or a dict / Any): whatever lies below is its business
-        owner = kind
-    return None
-
-
-def _schema_keys(owner: type = None, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (a list of stages as ``cluster.stages.0.*``)."""
-    import typing
-
-    out = []
-    for name, kind in typing.get_type_hints(owner or LdtConfig).items():
-        path = prefix + name
-        if typing.get_origin(kind) in (list, List):
-            kind, path = typing.get_args(kind)[0], path + ".0"
-        if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__"):
-            out += _schema_keys(kind, path + ".")
-        else:
-            out.append(path)
-    return out
-
-
-def _typed(schema: type, obj: Any, group: str) -> Any:
-    """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    import difflib
-
-    from omegaconf.errors import ConfigKeyError
-
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _plain(obj)))
-    except ConfigKeyError as exc:  # a key the schema does not have (e.g. +train.typo=1)
-        owner = exc.object_type if isinstance(exc.object_type, type) else schema
-        key = exc.full_key if owner is schema else f"stages[i].{exc.key}"
-        names = [f.name for f in fields(owner)]
-        close = difflib.get_close_matches(str(exc.key), names, n=1)
-        hint = f", or did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
-        raise ConfigError(
-            f"{group}.{key} is not a field of {group} ({owner.__name__}); remove it{hint} "
-            "(all fields: ldt/config.py or `ldt-train --cfg job`)") from None
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(
-            f"{group}.{key}: {str(exc).splitlines()[0]}; check the spelling "
-            f"against the fields of {schema.__name__} (see ldt/config.py)"
-        ) from None
+    return config_load.unknown_key(LdtConfig, key, value, ref=CONFIG_REF)
