@@ -61,6 +61,19 @@ def typed(schema: type, obj: Any, group: str, source: str = "", ref: str = "") -
                           f"the fields of {schema.__name__} ({ref})") from None
 
 
+def config_dict(obj: Any) -> Any:
+    """A typed config as plain data for a YAML or JSON file: every field that has a value
+    (None, and a nested config left all None, are left out: they load back as the defaults)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        kept = {k: config_dict(v) for k, v in obj.items()}
+        return {k: v for k, v in kept.items() if v is not None and v != {}}
+    if isinstance(obj, (list, tuple)):
+        return [config_dict(v) for v in obj]
+    return obj
+
+
 def _dataclass_of(kind: Any) -> Optional[type]:
     """The dataclass a field holds (``X``, ``Optional[X]``), else None."""
     if typing.get_origin(kind) is typing.Union:

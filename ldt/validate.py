@@ -16,7 +16,7 @@ from ldt.config import (ClusterConfig, ConfigError, DataConfig, ModelConfig, Tra
 from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
 from ldt.data.files import check_data
 from ldt.device import check_devices_present
-from ldt.layout import split_layers
+from ldt.layout import split_of_counts
 from ldt.models.arch import full_shapes
 from ldt.models.recompute import check_stages
 from ldt.models.spec import transformer_impl
@@ -279,10 +279,7 @@ def _interleaved_example(topo: Topology) -> str:
     n = topo.split.num_layers if topo.split else 2 * topo.num_stages
     segs = 2 * topo.num_stages
     counts = [n // segs + (i < n % segs) for i in range(segs)]
-    text = "|".join("t" * c for c in counts)
-    text = "E" + text + "L"
-    split_layers(n, topo.num_stages, layout=text)  # the example must itself be valid
-    return text
+    return split_of_counts(counts, topo.num_stages).to_layout_string()
 
 
 def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig]) -> None:
