@@ -89,6 +89,19 @@ def test_the_plan_is_the_same_whatever_order_the_nodes_come_in(inventory, model)
                                 TRAIN).describe()
 
 
+def test_the_planned_cluster_keeps_what_was_configured(inventory, model):
+    """The plan replaces the stages, layout, dp and U-shape of the configured cluster
+    (dataclasses.replace): every other configured field reaches the world's cluster."""
+    configured = to_cluster({**CLUSTER, "host_staging": "always", "boundary_fanout": "never",
+                             "link_delay_ms": 0.5})
+    plan = plan_world(WORLDS["three hosts"], inventory, model, configured, TRAIN)
+    planned = to_cluster(plan.cluster)
+    assert (planned.inventory, planned.host_staging, planned.boundary_fanout,
+            planned.link_delay_ms) == ("cpu_elastic", "always", "never", 0.5)
+    assert planned.u_shape and planned.stages and planned.layout
+    assert [s.name for s in planned.stages][0] == "edge"
+
+
 def test_a_world_without_the_data_owner_is_refused(inventory, model):
     with pytest.raises(ElasticError) as err:
         plan_world(nodes(("cloud_cpu", 2), ("cloud_cpu", 1)), inventory, model, CONFIGURED, TRAIN)
