@@ -51,8 +51,8 @@ def typed(schema: type, obj: Any, group: str, source: str = "", ref: str = "") -
         names = [f.name for f in dataclasses.fields(owner)]
         close = difflib.get_close_matches(str(name), names, n=1)
         hint = f", or did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
-        raise ConfigError(f"{key}{where} is not a field of {owner.__name__}; remove it{hint} "
-                          f"(all fields: {ref})")
+        raise ConfigError(f"{key} is not a field of {owner.__name__}; remove it"
+                          f"{' from ' + source if source else ''}{hint} (all fields: {ref})")
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), obj))
     except OmegaConfBaseException as exc:  # omegaconf names the key; keep its first line
