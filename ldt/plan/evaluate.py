@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import Callable, Optional
 
 from ldt.layout import LayerSplit, split_of_counts
 from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
 from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
+
+_split = lru_cache(maxsize=4096)(split_of_counts)
+"""The planner asks for the same few splits of many plans."""
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -54,11 +58,11 @@ class Plan:
     def dp_of(self, stage: int) -> int:
         return self.stage_dp[stage] if self.stage_dp else self.dp
 
-    @cached_property
+    @property
     def split(self) -> LayerSplit:
         """Which segments (chunks) each stage holds: :func:`ldt.layout.split_of_counts`, the
         placement rule of every layout (a U-shape's stage 0: its first and last segment)."""
-        return split_of_counts(self.layers, self.num_stages, self.u_shape)
+        return _split(self.layers, self.num_stages, self.u_shape)
 
     def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None) -> list[ChunkLoad]:
         """The loads of a stage's chunks (``self.split``'s, with the micro-batches each holds in
