@@ -181,14 +181,15 @@ def test_one_loader_refuses_an_unknown_key_where_it_is_in_every_group(tmp_path):
     (tmp_path / "m.yaml").write_text("num_layers: 2\nhidden_size: 8\nnum_attention_heads: 2\n"
                                      "hiden_size: 8\n")
     with pytest.raises(ConfigError, match=r"^model\.hiden_size is not a field of ModelConfig; "
-                                          r"remove it from .*m\.yaml, or did you mean 'hidden_size'"):
+                                          r"remove it from .*m\.yaml, or did you mean "
+                                          r"'hidden_size'"):
         load_model(str(tmp_path / "m.yaml"))
     (tmp_path / "i.yaml").write_text("kinds:\n  - {name: a, device: cpu, count: 1, tflops: 1, "
                                      "memory_gib: 8, intra_bw_gbps: 1}\nlinks:\n  - {a: a, b: a, "
                                      "bandwith_gbps: 1}\n")
-    with pytest.raises(ConfigError, match=r"^inventory\.links\[0\]\.bandwith_gbps is not a field of "
-                                          r"Link; remove it from .*i\.yaml.*'bandwidth_gbps'.*"
-                                          r"ldt/plan/inventory\.py"):
+    with pytest.raises(ConfigError, match=r"^inventory\.links\[0\]\.bandwith_gbps is not a "
+                                          r"field of Link; remove it from .*i\.yaml.*"
+                                          r"'bandwidth_gbps'.*ldt/plan/inventory\.py"):
         load_inventory(str(tmp_path / "i.yaml"))
     assert to_cluster({"stages": [{"name": "a", "recompute": {"granularity": "selective"}}]}
                       ).stages[0].recompute.granularity == "selective"  # known keys load
