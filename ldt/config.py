@@ -6,87 +6,32 @@ onto these schemas (registered in the ConfigStore by :func:`register_configs`).
 
 Checks that need only one config group live in ``__post_init__``; checks that need several
 (world size, heads divisible by TP, layout vs layer count) live in :mod:`ldt.validate`.
+The config layer: this module (the cluster, train and data groups, the whole config, and
+``to_*`` for a dict that enters from Hydra, a file or the API), :mod:`ldt.config_model` (the
+model group), :mod:`ldt.config_checks` (refusals they share) and :mod:`ldt.config_load` (the
+one loader of typed YAML). Every name is importable from here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
+from ldt import config_load
+from ldt.config_checks import at_least, given
+from ldt.config_checks import (RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: F401
+                               RECOMPUTE_MODULES, check_recompute)  # re-exported
+from ldt.config_load import load_typed, typed
+from ldt.config_model import ModelConfig
 from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
-from ldt.quiet import LOG_LEVELS
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""``train.log_level``'s choices (Python logging's levels; :mod:`ldt.quiet` sets them)."""
 MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
-
-
-def _given(*values: Any) -> bool:
-    """True when no value is still MISSING ('???'): a bare schema instance is not checked."""
-    return all(v != MISSING for v in values)
-
-
-def _at_least(group: str, obj: Any, name: str, low: float, fix: str) -> None:
-    """Refuse ``group.name`` below ``low`` (or not a finite number)."""
-    value = getattr(obj, name)
-    if not _given(value) or value is None:
-        return
-    if not math.isfinite(value) or value < low:
-        finite = "" if isinstance(value, int) else "a finite number "
-        raise ConfigError(f"{group}.{name}={value} must be {finite}>= {low:g}; {fix}")
-
-
-RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-"""Megatron's selective-recompute modules that a dense model has (its MoE / MLA ones need a
-model ldt does not build)."""
-
-
-def check_recompute(field: Any, granularity, method, num_layers, modules) -> None:
-    """Refuse recompute settings megatron-core refuses (or would silently ignore), before any
-    process starts; ``field(name)`` spells a setting's key (``model.recompute_method``,
-    ``cluster.stages[0].recompute.method``)."""
-    if not _given(granularity, method, num_layers, modules):
-        return
-    g = field("granularity")
-    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
-        raise ConfigError(f"{g}={granularity!r} is not a recompute granularity; use none, "
-                          "selective or full")
-    if granularity == "full":
-        if method not in RECOMPUTE_METHODS:
-            raise ConfigError(
-                f"{g}=full needs {field('method')} (got {method!r}; megatron-core refuses full "
-                f"recompute without one): set it to uniform (each group of num_layers layers "
-                "keeps only its input) or block (the first num_layers layers of each chunk are "
-                "recomputed)")
-        if num_layers is None or num_layers < 1:
-            raise ConfigError(
-                f"{g}=full needs {field('num_layers')} >= 1 (got {num_layers!r}): the layers "
-                f"per uniform group, or recomputed per chunk with block; e.g. "
-                f"{field('num_layers')}=1")
-        if modules is not None:
-            raise ConfigError(f"{field('modules')}={list(modules)} applies to selective "
-                              f"recompute only; remove it, or set {g}=selective")
-        return
-    unused = [(k, v) for k, v in (("method", method), ("num_layers", num_layers)) if v is not None]
-    if unused:
-        key, value = unused[0]
-        raise ConfigError(
-            f"{field(key)}={value!r} with {g}={granularity!r}: it applies to full recompute "
-            f"only (megatron-core refuses recompute_num_layers with selective); remove it, or "
-            f"set {g}=full")
-    if modules is not None and granularity in (None, "none"):
-        raise ConfigError(f"{field('modules')}={list(modules)} without a granularity; set "
-                          f"{g}=selective, or remove it")
-    bad = [m for m in (modules or []) if m not in RECOMPUTE_MODULES]
-    if bad or (modules is not None and not modules):
-        raise ConfigError(
-            f"{field('modules')}={list(modules)}: "
-            + (f"{bad[0]!r} is not a recomputable module of a dense model; " if bad else
-               "empty; ") + f"use some of {', '.join(RECOMPUTE_MODULES)}")
 
 
 @dataclass
@@ -168,221 +113,6 @@ class ClusterConfig:
 
 
 @dataclass
-class ModelConfig:
-    name: str = "gpt"
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    num_attention_heads: int = MISSING
-    ffn_hidden_size: Optional[int] = None
-    """Defaults to 4 * hidden_size."""
-    num_query_groups: Optional[int] = None
-    """GQA groups; None means plain multi-head attention."""
-    vocab_size: int = 256
-    seq_length: int = 64
-    max_position_embeddings: Optional[int] = None
-    """Defaults to seq_length."""
-    params_dtype: str = "float32"
-    """``float32``, ``bfloat16`` or ``float16``; also the dtype of tensors at stage boundaries."""
-    tie_embeddings: bool = False
-    """Share input embedding and output head. On different stages (plain pipeline) the last
-    stage keeps a copy that megatron's embedding group keeps equal, across TP sizes."""
-    # ---- architecture (the family: GPT, Llama, Qwen2, ...), see ldt/models/build.py ----
-    position_embedding_type: str = "learned_absolute"
-    """``learned_absolute`` (a position table, GPT-2) or ``rope`` (rotary: Llama, Qwen2)."""
-    rotary_base: float = 10000.0
-    """RoPE base period (Hugging Face's ``rope_theta``); only with ``rope``."""
-    rotary_percent: float = 1.0
-    """Fraction of each head's dimensions RoPE rotates; only with ``rope``."""
-    rope_scaling: bool = False
-    """Llama 3.1+ RoPE scaling (Hugging Face's ``rope_type: llama3``; megatron's GPTModel
-    ``rope_scaling``): long wavelengths divided by ``rope_scaling_factor``, short ones kept,
-    the band between the two frequency factors interpolated."""
-    rope_scaling_factor: float = 8.0
-    """Hugging Face's ``factor`` (Llama 3.1 / 3.3: 8, Llama 3.2: 32)."""
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    """The context length the model was pre-trained with before scaling (Llama 3: 8192)."""
-    kv_channels: Optional[int] = None
-    """Head size (megatron's ``kv_channels``, Hugging Face's ``head_dim``); None:
-    hidden_size / num_attention_heads. Qwen3: 128 whatever the hidden size."""
-    qk_layernorm: bool = False
-    """Normalize queries and keys per head before RoPE (Qwen3's ``q_norm`` / ``k_norm``)."""
-    # ---- mixture of experts (megatron's MoE layer; ldt/models/build.py) ----
-    num_moe_experts: Optional[int] = None
-    """Routed experts per MoE layer; None: a dense model."""
-    moe_router_topk: int = 2
-    """Experts each token is routed to (Hugging Face's ``num_experts_per_tok``)."""
-    moe_ffn_hidden_size: Optional[int] = None
-    """One expert's MLP width (``moe_intermediate_size``); None: ffn_hidden_size."""
-    moe_layer_freq: Any = 1
-    """Which layers are MoE layers (megatron's): an int k (layers 0, k, 2k, ...) or a list
-    with one 0/1 per layer; the others are dense MLPs of ffn_hidden_size."""
-    moe_router_pre_softmax: bool = False
-    """Softmax over all experts, then top-k (the k weights are not renormalized: Hugging
-    Face's ``norm_topk_prob: false``); false: softmax over the top-k logits (renormalized)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Weight of the load-balancing loss (``router_aux_loss_coef``) added per MoE layer; its
-    value is logged as ``moe_aux_loss`` (0: not computed)."""
-    normalization: str = "LayerNorm"
-    """``LayerNorm`` or ``RMSNorm``."""
-    norm_epsilon: float = 1e-5
-    """The norms' epsilon (Hugging Face's ``rms_norm_eps``)."""
-    gated_linear_unit: bool = False
-    """Gated MLP: fc1 computes gate and up projections, fc2 takes ``act(gate) * up``."""
-    activation: str = "gelu"
-    """``gelu``, ``silu``, or ``swiglu`` (SiLU with a gate: needs gated_linear_unit=true)."""
-    add_bias_linear: bool = True
-    """Biases in every linear layer (GPT); Llama and Qwen2 have none."""
-    add_qkv_bias: bool = False
-    """Biases in the QKV projection even without add_bias_linear (Qwen2)."""
-    make_vocab_size_divisible_by: int = 128
-    """Megatron's rule: the vocabulary is padded to a multiple of this times the TP size of
-    every stage holding the embedding or the head (ldt.models.vocab)."""
-    transformer_impl: str = "auto"
-    """Megatron's layer implementation: ``local`` (megatron-core's own modules),
-    ``transformer_engine``, or ``auto`` (Transformer Engine on cuda stages where it is
-    installed, local elsewhere)."""
-    mtp_num_layers: int = 0
-    """Multi-token prediction (megatron-core's, as in DeepSeek-V3): this many MTP layers after
-    the decoder, the k-th predicting the token k+1 places ahead with its own loss; they sit
-    with the head (layout token ``m``, before ``L``), so on a U-shape's edge. 0: none."""
-    mtp_loss_scaling_factor: float = 0.1
-    """Weight of the MTP losses (their mean over the MTP layers) added to the training loss
-    (megatron-core's ``mtp_loss_scaling_factor``)."""
-    sequence_parallel: bool = False
-    """Megatron's sequence parallelism on every stage of TP > 1 (TP 1 stages run without):
-    activations outside attention and the MLP split along the sequence over the stage's TP
-    ranks. Stage boundaries gather and scatter the sequence (docs/design.md). Needs
-    seq_length to be a multiple of every such stage's TP size."""
-    recompute_granularity: Optional[str] = None
-    """Activation recomputation on every stage (megatron-core's): ``null`` / ``none`` (keep
-    every activation), ``selective`` or ``full``; ``cluster.stages[i].recompute`` overrides it
-    per stage (docs/memory.md)."""
-    recompute_method: Optional[str] = None
-    """``full`` only: ``uniform`` or ``block`` (megatron's; see RecomputeConfig)."""
-    recompute_num_layers: Optional[int] = None
-    """``full`` only: layers per uniform group, or layers recomputed per chunk with block."""
-    recompute_modules: Optional[List[str]] = None
-    """``selective`` only: from ``core_attn`` (the default), ``mlp``, ``layernorm``."""
-
-    def __post_init__(self) -> None:
-        if self.params_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(
-                f"model.params_dtype={self.params_dtype!r} is not supported; "
-                "use float32, bfloat16 or float16"
-            )
-        for name, what in (("num_layers", "the number of decoder layers"),
-                           ("hidden_size", "the model width"),
-                           ("num_attention_heads", "the number of attention heads"),
-                           ("vocab_size", "the vocabulary size"),
-                           ("seq_length", "the tokens per sample"),
-                           ("ffn_hidden_size", "the MLP width, or leave it unset (4 * hidden)"),
-                           ("num_query_groups", "the GQA groups, or leave it unset (MHA)"),
-                           ("max_position_embeddings", "a value >= seq_length, or leave it unset")):
-            _at_least("model", self, name, 1, f"set model.{name} to {what}")
-        heads, hidden = self.num_attention_heads, self.hidden_size
-        # Megatron-LM's rule (megatron-core would silently use hidden_size // heads): without
-        # kv_channels, the head size is hidden_size / num_attention_heads and must be whole.
-        if _given(heads, hidden) and getattr(self, "kv_channels", None) is None and hidden % heads:
-            near = sorted({hidden - hidden % heads, hidden - hidden % heads + heads} - {0})
-            divisors = [d for d in range(1, 129) if hidden % d == 0 and hidden // d >= 8]
-            raise ConfigError(
-                f"model.hidden_size={hidden} is not a multiple of model.num_attention_heads="
-                f"{heads}: megatron's head size is hidden_size / num_attention_heads "
-                f"(kv_channels), which must be whole; use model.hidden_size="
-                f"{' or '.join(map(str, near))}, "
-                f"or model.num_attention_heads in {divisors[-6:]} (a divisor of {hidden})")
-        groups = self.num_query_groups
-        if _given(heads, groups) and groups is not None and heads % groups:
-            raise ConfigError(
-                f"model.num_query_groups={groups} does not divide model.num_attention_heads="
-                f"{heads} (each group serves heads / groups query heads); use a divisor of "
-                f"{heads}, or leave num_query_groups unset for plain multi-head attention")
-        seq, pos = self.seq_length, self.max_position_embeddings
-        if _given(seq, pos) and pos is not None and pos < seq:
-            raise ConfigError(
-                f"model.max_position_embeddings={pos} < model.seq_length={seq}: the position "
-                f"embedding has no row for the later tokens; set max_position_embeddings >= "
-                f"{seq} or leave it unset")
-        for key, allowed in (("position_embedding_type", ("learned_absolute", "rope")),
-                             ("normalization", ("LayerNorm", "RMSNorm")),
-                             ("activation", ("gelu", "silu", "swiglu")),
-                             ("transformer_impl", ("auto", "local", "transformer_engine"))):
-            if getattr(self, key) not in allowed:
-                raise ConfigError(f"model.{key}={getattr(self, key)!r} is not supported; use "
-                                  f"one of {', '.join(allowed)}")
-        if self.activation == "swiglu" and not self.gated_linear_unit:
-            raise ConfigError("model.activation=swiglu is SiLU with a gate; set "
-                              "model.gated_linear_unit=true, or use model.activation=silu")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ConfigError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
-        check_recompute(lambda k: f"model.recompute_{k}", self.recompute_granularity,
-                        self.recompute_method, self.recompute_num_layers, self.recompute_modules)
-        self._check_rope_and_moe()
-        _at_least("model", self, "mtp_num_layers", 0, "0 builds no MTP layer")
-        _at_least("model", self, "mtp_loss_scaling_factor", 0, "megatron's default is 0.1")
-        if self.make_vocab_size_divisible_by < 1:
-            raise ConfigError(f"model.make_vocab_size_divisible_by="
-                              f"{self.make_vocab_size_divisible_by} must be >= 1")
-
-    def moe_layers(self) -> list[bool]:
-        """Whether each decoder layer is a MoE layer (megatron's ``moe_layer_freq`` rule)."""
-        if not self.num_moe_experts:
-            return [False] * self.num_layers
-        freq = self.moe_layer_freq
-        if isinstance(freq, int):
-            return [i % freq == 0 for i in range(self.num_layers)]
-        return [bool(x) for x in freq]
-
-    def _check_rope_and_moe(self) -> None:
-        if not _given(self.num_layers, self.moe_layer_freq):
-            return
-        for name in ("kv_channels", "num_moe_experts", "moe_ffn_hidden_size",
-                     "rope_original_max_position_embeddings"):
-            _at_least("model", self, name, 1, f"set model.{name} to a positive size, or leave "
-                                              "it unset")
-        if self.rope_scaling:
-            if self.position_embedding_type != "rope":
-                raise ConfigError("model.rope_scaling=true scales RoPE frequencies; it needs "
-                                  "model.position_embedding_type=rope")
-            _at_least("model", self, "rope_scaling_factor", 1, "Llama 3.1 uses 8")
-            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-            if not (math.isfinite(low) and math.isfinite(high) and 0 < low < high):
-                raise ConfigError(
-                    f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} "
-                    "must satisfy 0 < low < high (Llama 3.1: 1 and 4)")
-        if not self.num_moe_experts:
-            return
-        if self.add_bias_linear:
-            raise ConfigError("model.num_moe_experts with model.add_bias_linear=true: ldt's MoE "
-                              "families have no biases (megatron's experts take them only "
-                              "unsplit); set model.add_bias_linear=false")
-        _at_least("model", self, "moe_router_topk", 1, "Qwen3-MoE routes each token to 8")
-        if self.moe_router_topk > self.num_moe_experts:
-            raise ConfigError(
-                f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts="
-                f"{self.num_moe_experts}; route each token to at most that many experts")
-        _at_least("model", self, "moe_aux_loss_coeff", 0, "0 turns the load-balancing loss off")
-        freq = self.moe_layer_freq
-        if OmegaConf.is_config(freq):
-            freq = self.moe_layer_freq = list(OmegaConf.to_container(freq))
-        if isinstance(freq, bool) or not (
-                (isinstance(freq, int) and freq >= 1)
-                or (isinstance(freq, (list, tuple)) and len(freq) == self.num_layers
-                    and all(x in (0, 1) and not isinstance(x, float) for x in freq))):
-            raise ConfigError(
-                f"model.moe_layer_freq={freq!r}: give an int k >= 1 (layers 0, k, 2k, ... are "
-                f"MoE layers) or a list of {self.num_layers} entries, 1 for a MoE layer and 0 "
-                "for a dense one")
-        if isinstance(freq, (list, tuple)):
-            self.moe_layer_freq = [int(x) for x in freq]
-        if not any(self.moe_layers()):
-            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq!r} makes no layer a "
-                              "MoE layer; unset model.num_moe_experts for a dense model")
-
-
-@dataclass
 class OptimizerSettings:
     """``train.optimizer`` (conf/train/optimizer/{adam,sgd}.yaml): which megatron-core optimizer
     steps the fp32 main parameters, and its own settings (megatron's OptimizerConfig names)."""
@@ -395,14 +125,14 @@ class OptimizerSettings:
     sgd_momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        if _given(self.name) and self.name not in ("adam", "sgd"):
+        if given(self.name) and self.name not in ("adam", "sgd"):
             raise ConfigError(f"train.optimizer.name={self.name!r} is not supported; use "
                               "train/optimizer=adam or train/optimizer=sgd")
         for key in ("adam_beta1", "adam_beta2", "sgd_momentum"):
             value = getattr(self, key)
-            if _given(value) and not 0.0 <= value < 1.0:
+            if given(value) and not 0.0 <= value < 1.0:
                 raise ConfigError(f"train.optimizer.{key}={value} must be in [0, 1)")
-        _at_least("train.optimizer", self, "adam_eps", 0, "a typical value is 1e-8")
+        at_least("train.optimizer", self, "adam_eps", 0, "a typical value is 1e-8")
 
 
 @dataclass
@@ -504,38 +234,38 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.optimizer, dict):  # TrainConfig(**plain_dict), as tests build it
             self.optimizer = OptimizerSettings(**self.optimizer)
-        _at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
-        _at_least("train", self, "lr", 0, "a typical value is 1e-4 to 1e-3")
-        _at_least("train", self, "min_lr", 0, "the cosine decay ends at min_lr (0 is allowed)")
-        _at_least("train", self, "warmup_steps", 0, "0 starts at the full learning rate")
-        _at_least("train", self, "weight_decay", 0, "0 disables weight decay")
-        _at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
-        _at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
-        _at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
-        _at_least("train", self, "log_interval", 1, "1 reports every step")
-        _at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
-        _at_least("train", self, "ddp_bucket_size", 1, "None leaves it to megatron's DDP")
-        if _given(self.loss_scale) and self.loss_scale is not None and not (
+        at_least("train", self, "steps", 1, "set train.steps to the number of optimizer steps")
+        at_least("train", self, "lr", 0, "a typical value is 1e-4 to 1e-3")
+        at_least("train", self, "min_lr", 0, "the cosine decay ends at min_lr (0 is allowed)")
+        at_least("train", self, "warmup_steps", 0, "0 starts at the full learning rate")
+        at_least("train", self, "weight_decay", 0, "0 disables weight decay")
+        at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
+        at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
+        at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
+        at_least("train", self, "log_interval", 1, "1 reports every step")
+        at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
+        at_least("train", self, "ddp_bucket_size", 1, "None leaves it to megatron's DDP")
+        if given(self.loss_scale) and self.loss_scale is not None and not (
                 math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "
                               "or null for dynamic loss scaling")
-        if _given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
+        if given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
                                                  and 0 < self.comm_timeout_s <= MAX_TIMEOUT_S):
             raise ConfigError(
                 f"train.comm_timeout_s={self.comm_timeout_s} must be a finite number of seconds "
                 f"> 0, at most {MAX_TIMEOUT_S:g} (a year): a dead rank stops the others after "
                 "this long; e.g. 60")
-        if _given(self.lr, self.min_lr) and self.min_lr > self.lr:
+        if given(self.lr, self.min_lr) and self.min_lr > self.lr:
             raise ConfigError(
                 f"train.min_lr={self.min_lr} > train.lr={self.lr}: the schedule decays from lr "
                 f"down to min_lr; set train.min_lr <= {self.lr}")
-        for device, peak in (self.peak_tflops if _given(self.peak_tflops) else {}).items():
+        for device, peak in (self.peak_tflops if given(self.peak_tflops) else {}).items():
             if not (math.isfinite(peak) and peak >= 0):
                 raise ConfigError(f"train.peak_tflops.{device}={peak} must be a finite number "
                                   ">= 0 (TFLOP/s of one device; 0: unknown, no mfu)")
-        if _given(self.seed) and not 0 <= self.seed < 2**32:
+        if given(self.seed) and not 0 <= self.seed < 2**32:
             raise ConfigError(f"train.seed={self.seed} must be in [0, 2**32); e.g. 1234")
-        if _given(self.log_level) and str(self.log_level).upper() not in LOG_LEVELS:
+        if given(self.log_level) and str(self.log_level).upper() not in LOG_LEVELS:
             raise ConfigError(f"train.log_level={self.log_level!r} is not a logging level; use "
                               f"one of {', '.join(LOG_LEVELS)} (INFO shows megatron-core's)")
 
@@ -563,7 +293,7 @@ class DataConfig:
     other hosts build theirs in memory). None: ``$XDG_CACHE_HOME/ldt/indices`` (~/.cache)."""
 
     def __post_init__(self) -> None:
-        _at_least("data", self, "max_bytes", 1, "it caps how much of the corpus is read")
+        at_least("data", self, "max_bytes", 1, "it caps how much of the corpus is read")
 
 
 @dataclass
@@ -588,45 +318,39 @@ def register_configs() -> None:
     cs.store(group="train/optimizer", name="base_optimizer", node=OptimizerSettings)
 
 
+def _ref(schema: type) -> str:
+    """Where a user finds a group's keys (named by refusals of an unknown key)."""
+    return f"{config_load.fields_file(schema)} or `ldt-train --cfg job`"
+
+
 def to_cluster(obj: Any) -> ClusterConfig:
     """A ClusterConfig from a dataclass, a DictConfig or a plain dict (for tests and the API)."""
     if isinstance(obj, ClusterConfig):
         return obj
-    return _typed(ClusterConfig, obj, "cluster")
+    return typed(ClusterConfig, obj, "cluster", ref=_ref(ClusterConfig))
 
 
 def to_model(obj: Any) -> ModelConfig:
     if isinstance(obj, ModelConfig):
         return obj
-    return _typed(ModelConfig, obj, "model")
+    return typed(ModelConfig, obj, "model", ref=_ref(ModelConfig))
 
 
 def to_train(obj: Any) -> TrainConfig:
     if isinstance(obj, TrainConfig):
         return obj
-    return _typed(TrainConfig, obj, "train")
+    return typed(TrainConfig, obj, "train", ref=_ref(TrainConfig))
 
 
 def to_data(obj: Any) -> DataConfig:
     if isinstance(obj, DataConfig):
         return obj
-    return _typed(DataConfig, obj if obj is not None else {}, "data")
+    return typed(DataConfig, obj if obj is not None else {}, "data", ref=_ref(DataConfig))
 
 
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
-    from ldt.userfiles import load_yaml
-
-    return to_cluster(load_yaml(path, "cluster file"))
-
-
-def _plain(obj: Any) -> Any:
-    """A plain container; drops Hydra's ``defaults`` list so a conf/ file also loads bare."""
-    if OmegaConf.is_config(obj):
-        obj = OmegaConf.to_container(obj, resolve=True)
-    if isinstance(obj, dict) and "defaults" in obj:
-        obj = {k: v for k, v in obj.items() if k != "defaults"}
-    return obj
+    return load_typed(ClusterConfig, path, "cluster", "cluster file", ref=_ref(ClusterConfig))
 
 
 def unknown_key(key: str, value: str = "") -> Optional[str]:
@@ -634,72 +358,4 @@ def unknown_key(key: str, value: str = "") -> Optional[str]:
     ``value``) is not in the schema, naming the closest key that is, in one line; None when it
     is (or lies below a field that takes any key: ``train.peak_tflops.*``, ``data.blend``,
     ``cluster.link_delay_ms``)."""
-    import difflib
-    import typing
-
-    parts, owner, prefix = key.split("."), LdtConfig, ""
-    while parts:
-        name = parts.pop(0)
-        hints = typing.get_type_hints(owner)
-        if name not in hints:  # the closest name at this level, or anywhere from the top
-            rest = "".join("." + p for p in parts)
-            close = [prefix + c + rest for c in difflib.get_close_matches(name, list(hints), n=1)]
-            if not prefix:
-                close = difflib.get_close_matches(key, [*hints, *_schema_keys()], n=1)
-            given = f"{key}={value}: " if value else ""
-            fix = (f"did you mean {close[0]}{'=' + value if value else ''}?" if close
-                   else f"the keys of {prefix[:-1] or 'the config'}: {', '.join(hints)}")
-            return (f"{given}{key} is not a config key; {fix} (every key: ldt/config.py or "
-                    "`ldt-train --cfg job`)")
-        prefix += name + "."
-        kind = hints[name]
-        if typing.get_origin(kind) in (list, List) and parts and parts[0].isdigit():
-            prefix += parts.pop(0) + "."
-            kind = typing.get_args(kind)[0]
-        if not (isinstance(kind, type) and hasattr(kind, "__dataclass_fields__")):
-            return None  # a value (or a dict / Any): whatever lies below is its business
-        owner = kind
-    return None
-
-
-def _schema_keys(owner: type = None, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema (a list of stages as ``cluster.stages.0.*``)."""
-    import typing
-
-    out = []
-    for name, kind in typing.get_type_hints(owner or LdtConfig).items():
-        path = prefix + name
-        if typing.get_origin(kind) in (list, List):
-            kind, path = typing.get_args(kind)[0], path + ".0"
-        if isinstance(kind, type) and hasattr(kind, "__dataclass_fields__"):
-            out += _schema_keys(kind, path + ".")
-        else:
-            out.append(path)
-    return out
-
-
-def _typed(schema: type, obj: Any, group: str) -> Any:
-    """Merge onto the schema and build the dataclass; a wrong key or type is a ConfigError."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    import difflib
-
-    from omegaconf.errors import ConfigKeyError
-
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), _plain(obj)))
-    except ConfigKeyError as exc:  # a key the schema does not have (e.g. +train.typo=1)
-        owner = exc.object_type if isinstance(exc.object_type, type) else schema
-        key = exc.full_key if owner is schema else f"stages[i].{exc.key}"
-        names = [f.name for f in fields(owner)]
-        close = difflib.get_close_matches(str(exc.key), names, n=1)
-        hint = f", or did you mean {close[0]!r}?" if close else f"; known: {', '.join(names)}"
-        raise ConfigError(
-            f"{group}.{key} is not a field of {group} ({owner.__name__}); remove it{hint} "
-            "(all fields: ldt/config.py or `ldt-train --cfg job`)") from None
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "?"
-        raise ConfigError(
-            f"{group}.{key}: {str(exc).splitlines()[0]}; check the spelling "
-            f"against the fields of {schema.__name__} (see ldt/config.py)"
-        ) from None
+    return config_load.unknown_key(LdtConfig, key, value, ref=_ref(LdtConfig))

@@ -24,8 +24,10 @@ This module imports neither torch nor megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-__all__ = ["LayoutError", "Chunk", "LayerSplit", "parse_layout", "split_layers", "is_uniform"]
+__all__ = ["LayoutError", "Chunk", "LayerSplit", "parse_layout", "split_layers", "split_of_counts",
+           "is_uniform"]
 
 FIELD = "cluster.layout"
 MAX_TOKENS = 1_000_000  # guard against '((t*1000)*1000)*1000'-style blow-ups
@@ -185,6 +187,7 @@ class Chunk:
         return ",".join(parts) or "-"
 
     def to_layout_string(self) -> str:
+        """This chunk's segment of the layout string (``Et*3``): the one writer of the grammar."""
         parts = (("E", self.has_embedding), ("t", self.num_layers), ("m", self.num_mtp), ("L", self.has_head))
         return "".join(tok * n if n < 2 else f"{tok}*{n}" for tok, n in parts)
 
@@ -352,6 +355,21 @@ def split_layers(num_layers: int, num_stages: int, *, u_shape: bool = False,
         _validate(psegs, layout, num_layers, num_stages, u_shape, num_mtp)
         segs = [[sym for sym, _ in seg] for seg in psegs]
     _check_chunk_layers(segs, starts, layout, num_layers, num_stages, u_shape, min_chunk_layers)
+    return _place(segs, num_layers, num_stages, u_shape)
+
+
+def split_of_counts(layers: Sequence[int], num_stages: int, u_shape: bool = False) -> LayerSplit:
+    """The split with ``layers[i]`` decoder layers in segment i (E on the first, L on the last;
+    placed as :func:`split_layers` places a layout's segments), e.g. a planner's plan. Its
+    :meth:`LayerSplit.to_layout_string` is the plan's ``cluster.layout``."""
+    last = len(layers) - 1
+    segs = [(["E"] if i == 0 else []) + ["t"] * n + (["L"] if i == last else [])
+            for i, n in enumerate(layers)]
+    return _place(segs, sum(layers), num_stages, u_shape)
+
+
+def _place(segs: list[list[str]], num_layers: int, num_stages: int, u_shape: bool) -> LayerSplit:
+    """Segments (token lists, model order) onto stages: the placement rule of the docstring."""
     per_stage: list[list[Chunk]] = [[] for _ in range(num_stages)]
     offset = 0
     for i, seg in enumerate(segs):

@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+from ldt.config import LOG_LEVELS  # noqa: F401  (re-exported: ldt.run's --log-level choices)
 
 for _pattern in (
     r".*Transformer Engine and Apex are not installed.*",

@@ -8,18 +8,32 @@ fix, never later as a hang inside a collective. :func:`validate` returns the val
 from __future__ import annotations
 
 import os
+from math import prod
 from typing import Optional
 
-from ldt.config import (ConfigError, DataConfig, ModelConfig, TrainConfig, to_cluster, to_data,
-                        to_model, to_train)
+from ldt.config import (ClusterConfig, ConfigError, DataConfig, ModelConfig, TrainConfig,
+                        to_cluster, to_data, to_model, to_train)
+from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
+from ldt.data.files import check_data
 from ldt.device import check_devices_present
+from ldt.layout import split_of_counts
+from ldt.models.arch import full_shapes
+from ldt.models.recompute import check_stages
+from ldt.models.spec import transformer_impl
+from ldt.schedule.size import (available_bytes, check_fits, check_schedule_size, gib,
+                               runs_on_ldt_runtime)
+from ldt.storage.checkpoint_files import preflight, skipped
 from ldt.topology import Topology
+from ldt.userfiles import not_a
 
 
-def validate(cluster, model, world_size: Optional[int] = None, *,
+def validate(cluster: ClusterConfig, model: ModelConfig, world_size: Optional[int] = None, *,
              train: Optional[TrainConfig] = None, check_devices: bool = True) -> Topology:
-    """Validate a (cluster, model[, train]) combination; return its topology."""
-    model = to_model(model)
+    """Validate a (cluster, model[, train]) combination; return its topology. The configs are
+    typed once here (a dict from a test, the API or a resolved Hydra config; a typed config
+    passes as it is) and travel typed to every check."""
+    cluster, model = to_cluster(cluster), to_model(model)
+    train = None if train is None else to_train(train)
     topo = Topology.from_config(cluster, model)  # structure + layout vs model
     if world_size is not None and world_size != topo.world_size:
         raise ConfigError(
@@ -28,24 +42,20 @@ def validate(cluster, model, world_size: Optional[int] = None, *,
             "cluster.stages[*].dp / cluster.dp"
         )
     _check_model_vs_tp(topo, model)
-    from ldt.models.recompute import check_stages
-
-    check_stages(model, to_cluster(cluster), topo)
+    check_stages(model, cluster, topo)
     _check_experts(topo, model)
     _check_mtp(topo, model)
     if check_devices:
         check_devices_present(s.device for s in topo.stages)
-    from ldt.models.spec import transformer_impl
-
     for s in topo.stages:
         transformer_impl(model, s.device)
     if topo.is_vdp:
-        _check_vdp(topo, model, to_train(train) if train is not None else None)
+        _check_vdp(topo, model, train)
     if train is not None:
         _check_host_memory(topo, model)
-        _check_train(topo, to_train(train))
-        _check_precision(topo, model, to_train(train))
-        _check_checkpoint(to_train(train), model)
+        _check_train(topo, train)
+        _check_precision(topo, model, train)
+        _check_checkpoint(train, model)
     return topo
 
 
@@ -57,17 +67,16 @@ def _world_formula(topo: Topology) -> str:
             f"stage {topo.tp_sizes})")
 
 
-def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) -> list[str]:
+def check_files(data: DataConfig, model: ModelConfig, train: TrainConfig, topo: Topology,
+                rank: Optional[int] = None) -> list[str]:
     """Refuse a data file or a resume folder that cannot work; return warnings to print.
 
     Checked where they are read: the data file on the ranks of data stages (the cloud stages
     of a U-shape may not have it; ``rank=None``: all ranks are local), the checkpoint on all
     (sizes in :func:`validate`; every sha256 here when ``rank=None``, else each rank checks
     the files it reads as it loads them). Relative paths are taken from the working
-    directory, as the workers will.
+    directory, as the workers will. The configs are typed once here, as in :func:`validate`.
     """
-    from ldt.data.files import check_data
-
     data, model, train = to_data(data), to_model(model), to_train(train)
     warnings = []
     stage = topo.rank_info(rank).stage if rank is not None and rank < topo.world_size else None
@@ -76,30 +85,22 @@ def check_files(data, model, train, topo: Topology, rank: Optional[int] = None) 
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
     if (train.resume or train.load) and rank in (None, 0):  # a skipped save is said once
-        from ldt.storage.checkpoint_files import skipped
-
         note = skipped(train.resume or train.load)
         if note:
             warnings.append(f"{'train.resume' if train.resume else 'train.load'}: {note}")
     if rank is None and (train.resume or train.load):  # every rank is here: hash it once
-        from ldt.storage.checkpoint_files import preflight
-
         preflight(train.resume or train.load, "train.resume" if train.resume else "train.load",
                   hashes=True)
     return warnings
 
 
 def _check_data(data: DataConfig, model: ModelConfig, train: TrainConfig) -> list[str]:
-    from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
-
     if model.vocab_size < 256:
         raise ConfigError(
             f"model.vocab_size={model.vocab_size} cannot hold byte tokens (0..255), which is "
             "what ldt's data is; set model.vocab_size >= 256")
     path, what = data.path, f"data.path={data.path!r}"
     if path and not os.path.isfile(path):
-        from ldt.userfiles import not_a
-
         raise ConfigError(not_a(path, what, "file", "give a text file, or leave data.path "
                                 "unset for the built-in corpus"))
     head = b""
@@ -141,8 +142,6 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
         return
     # exists, complete, every file of the size its manifest says, a resume has steps left
     # (sha256 too: check_files on a launcher, or each rank on load)
-    from ldt.storage.checkpoint_files import preflight
-
     found = preflight(path, field, train.steps if train.resume else None, hashes=False)
     # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
     from ldt.storage.tensors import check_compatible
@@ -277,15 +276,10 @@ def _check_mtp(topo: Topology, model: ModelConfig) -> None:
 
 
 def _interleaved_example(topo: Topology) -> str:
-    from ldt.layout import split_layers
-
     n = topo.split.num_layers if topo.split else 2 * topo.num_stages
     segs = 2 * topo.num_stages
     counts = [n // segs + (i < n % segs) for i in range(segs)]
-    text = "|".join("t" * c for c in counts)
-    text = "E" + text + "L"
-    split_layers(n, topo.num_stages, layout=text)  # the example must itself be valid
-    return text
+    return split_of_counts(counts, topo.num_stages).to_layout_string()
 
 
 def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig]) -> None:
@@ -312,8 +306,6 @@ def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig])
 def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
     """ldt's runtime materialises each step's action lists (in every process of this host)
     and keeps every action's measured times: bounded by the host's memory before it starts."""
-    from ldt.schedule.size import check_fits, check_schedule_size, runs_on_ldt_runtime
-
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
     m = train.num_microbatches
     if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
@@ -334,10 +326,6 @@ def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
     state, no activation, each parameter on the fewest replicas any stage has) exceed what the
     host has available, before any process starts. Without it a typo such as
     ``model.vocab_size=1e11`` fails inside megatron's allocation on one rank."""
-    from math import prod
-
-    from ldt.models.arch import full_shapes
-    from ldt.schedule.size import available_bytes, gib
 
     if any(s.device != "cpu" for s in topo.stages) or "LOCAL_WORLD_SIZE" in os.environ:
         # device memory is the estimate's (train.estimate_memory); a rank of a started world
@@ -386,6 +374,11 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.boundary_noise={train.boundary_noise} is applied by ldt's runtime; use "
             "cluster.u_shape=true or train.runtime=ldt (megatron's own 1F1B does not apply it)")
+    _check_schedule(topo, train)
+
+
+def _check_schedule(topo: Topology, train: TrainConfig) -> None:
+    """The schedule, its runtime and prefetch depth for this cluster and layout."""
     if train.schedule not in ("auto", "1f1b", "interleaved", "zb"):
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b', 'interleaved' or 'zb'"

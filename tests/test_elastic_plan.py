@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import pytest
 
+from ldt.config import to_cluster
 from ldt.elastic.nodes import ElasticError, Node, node_from_env
 from ldt.elastic.replan import plan_world
 from ldt.elastic.world import check_launcher
@@ -23,6 +24,7 @@ from ldt.topology import Topology
 
 CLUSTER = {"inventory": "cpu_elastic", "stages": [], "u_shape": True, "dp": 1,
            "host_staging": "auto", "link_delay_ms": 0.0}
+CONFIGURED = to_cluster(CLUSTER)  # as plan_world takes it
 TRAIN = {"micro_batch_size": 2, "num_microbatches": 8}  # global batch 16
 
 
@@ -53,7 +55,7 @@ WORLDS = {
 @pytest.mark.parametrize("name", sorted(WORLDS))
 def test_a_plan_runs_on_the_nodes_there_are(name, inventory, model):
     world = WORLDS[name]
-    plan = plan_world(world, inventory, model, CLUSTER, TRAIN)
+    plan = plan_world(world, inventory, model, CONFIGURED, TRAIN)
     topo = Topology.from_config(plan.cluster, model)  # a valid cluster for this model
     assert plan.world_size == topo.world_size == len(plan.placement)
     # the global batch stays 16 sequences, whatever dp and micro-batches the plan picked
@@ -78,36 +80,49 @@ def test_a_plan_runs_on_the_nodes_there_are(name, inventory, model):
 
 def test_the_plan_is_the_same_whatever_order_the_nodes_come_in(inventory, model):
     world = WORLDS["replicas"]
-    one = plan_world(world, inventory, model, CLUSTER, TRAIN)
-    other = plan_world(list(reversed(world)), inventory, model, CLUSTER, TRAIN)
+    one = plan_world(world, inventory, model, CONFIGURED, TRAIN)
+    other = plan_world(list(reversed(world)), inventory, model, CONFIGURED, TRAIN)
     assert one == other and one.digest() == other.digest()
-    assert one.digest() != plan_world(WORLDS["three hosts"], inventory, model, CLUSTER,
+    assert one.digest() != plan_world(WORLDS["three hosts"], inventory, model, CONFIGURED,
                                       TRAIN).digest()
-    assert "idle" in plan_world(WORLDS["idle devices"], inventory, model, CLUSTER,
+    assert "idle" in plan_world(WORLDS["idle devices"], inventory, model, CONFIGURED,
                                 TRAIN).describe()
+
+
+def test_the_planned_cluster_keeps_what_was_configured(inventory, model):
+    """The plan replaces the stages, layout, dp and U-shape of the configured cluster
+    (dataclasses.replace): every other configured field reaches the world's cluster."""
+    configured = to_cluster({**CLUSTER, "host_staging": "always", "boundary_fanout": "never",
+                             "link_delay_ms": 0.5})
+    plan = plan_world(WORLDS["three hosts"], inventory, model, configured, TRAIN)
+    planned = to_cluster(plan.cluster)
+    assert (planned.inventory, planned.host_staging, planned.boundary_fanout,
+            planned.link_delay_ms) == ("cpu_elastic", "always", "never", 0.5)
+    assert planned.u_shape and planned.stages and planned.layout
+    assert [s.name for s in planned.stages][0] == "edge"
 
 
 def test_a_world_without_the_data_owner_is_refused(inventory, model):
     with pytest.raises(ElasticError) as err:
-        plan_world(nodes(("cloud_cpu", 2), ("cloud_cpu", 1)), inventory, model, CLUSTER, TRAIN)
+        plan_world(nodes(("cloud_cpu", 2), ("cloud_cpu", 1)), inventory, model, CONFIGURED, TRAIN)
     text = str(err.value)
     assert text.startswith("the data owner is gone: no node of the edge kind 'edge_cpu'")
     assert "node 0 (host0: 2 x cloud_cpu)" in text and "LDT_NODE_KIND=edge_cpu" in text
     assert "\n" not in text
     with pytest.raises(ElasticError, match="2 nodes say they are the data owner"):
         plan_world(nodes(("edge_cpu", 1), ("edge_cpu", 1), ("cloud_cpu", 2)), inventory, model,
-                   CLUSTER, TRAIN)
+                   CONFIGURED, TRAIN)
 
 
 def test_too_few_devices_stop_with_the_planners_reason(inventory, model):
     # the edge alone: a U-shape needs a cloud stage
     with pytest.raises(ElasticError, match=r"no plan fits the nodes there are \(node 0 "
                                            r"\(host0: 1 x edge_cpu\)\): no plan fits"):
-        plan_world(nodes(("edge_cpu", 1)), inventory, model, CLUSTER, TRAIN)
+        plan_world(nodes(("edge_cpu", 1)), inventory, model, CONFIGURED, TRAIN)
     # too little memory per device (1.001 GiB, of which the kind reserves 1)
     with pytest.raises(ElasticError, match="no plan fits the nodes there are.*GiB"):
         plan_world(nodes(("edge_cpu", 1, 1.001), ("cloud_cpu", 2, 1.001)), inventory, model,
-                   CLUSTER, TRAIN)
+                   CONFIGURED, TRAIN)
 
 
 def test_a_node_describes_itself_from_its_environment():
@@ -233,7 +248,7 @@ def test_a_ranks_failed_check_stops_all_and_only_a_finished_run_frees_the_idle(t
     from ldt.elastic.world import ElasticWorld
 
     plan = plan_world(WORLDS["three hosts"], load_inventory("cpu_elastic"),
-                      load_model("gpt_tiny"), CLUSTER, TRAIN)
+                      load_model("gpt_tiny"), CONFIGURED, TRAIN)
     store = dist.HashStore()
     got: dict[int, object] = {}
 
@@ -280,7 +295,7 @@ def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
     from ldt.elastic.job import check_memory
     from ldt.hydra_app import compose
 
-    plan = plan_world(WORLDS["three hosts"], inventory, model, CLUSTER, TRAIN)
+    plan = plan_world(WORLDS["three hosts"], inventory, model, CONFIGURED, TRAIN)
     assert all(st["memory_gib"] for st in plan.cluster["stages"])
     plain = OmegaConf.to_container(compose(["cluster=cpu_demo"]), resolve=True)
     plain["cluster"] = plan.cluster

@@ -292,3 +292,20 @@ def test_chunk_is_frozen():
     with pytest.raises(Exception):
         c.stage = 1  # type: ignore[misc]
     assert c.layers == range(0, 2)
+
+
+@pytest.mark.parametrize("counts,stages,u_shape,text", [
+    ((2, 3, 0, 1), 4, False, "Et*2|t*3||tL"),
+    ((1, 4, 4, 2), 3, True, "Et|t*4|t*4|t*2L"),
+    ((3, 3), 1, False, "Et*3|t*3L"),  # two chunks on one stage
+    ((5,), 1, False, "Et*5L"),
+])
+def test_a_split_of_counts_writes_the_layout_that_parses_back_to_it(counts, stages, u_shape,
+                                                                   text):
+    """The planner's layer counts become a layout through the one writer
+    (Chunk.to_layout_string), and split_layers places that layout exactly as the counts."""
+    from ldt.layout import split_of_counts
+
+    split = split_of_counts(counts, stages, u_shape)
+    assert split.to_layout_string() == text
+    assert split_layers(sum(counts), stages, u_shape=u_shape, layout=text) == split

@@ -176,3 +176,42 @@ def test_the_planners_pick_is_the_objectives_pick_over_the_whole_space(case, min
         assert any(brute.plan.recompute), brute.plan.describe()
     elif minimise == "time":
         assert brute.plan.stage_dp, brute.plan.describe()
+
+
+@pytest.mark.parametrize("plan_of", ["u_shape_vdp_recompute", "plain"])
+def test_a_plan_written_as_a_cluster_reads_back_as_the_plan(tmp_path, plan_of):
+    """plan -> planned_cluster (a ClusterConfig) -> the YAML ldt-plan writes -> the cluster file
+    read back -> cluster_to_plan: the same plan; and the chunks the planner prices are the
+    chunks the trainer's topology builds from that file."""
+    from dataclasses import replace
+
+    from ldt.plan import Plan, StageSpec, cluster_to_plan, planned_cluster
+    from ldt.plan.cost import Recompute
+    from ldt.topology import Topology
+
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    if plan_of == "plain":
+        npu = [k.name for k in inventory.kinds if k.device == "npu"][0]
+        planned = Plan((StageSpec(npu, 4), StageSpec(npu, 2), StageSpec(npu, 8)), (10, 12, 10),
+                       False, 2, 16)
+    else:
+        edge = inventory.edge
+        cloud = [k.name for k in inventory.kinds if k.name != edge][0]
+        planned = Plan((StageSpec(edge, 1), StageSpec(cloud, 4), StageSpec(cloud, 8)),
+                       (2, 14, 15, 1), True, 2, 16, prefetch=3, stage_dp=(1, 2, 2),
+                       recompute=(Recompute("selective", modules=("layernorm",)), None,
+                                  Recompute("full", "uniform", 2)))
+    best = simulate_plan(planned, make_cost(inventory, model, Workload(1, 64)))
+    planned = best.plan  # as priced (recomputation fitted where a stage would not fit)
+    cluster = planned_cluster(planned, inventory)
+    assert plan_of == "plain" or (planned.stage_dp and any(planned.recompute))
+    path = tmp_path / "planned.yaml"
+    path.write_text(cluster_yaml(best, inventory, model.name, 1))
+    read = load_cluster_yaml(str(path))
+    assert read == cluster
+    kinds = [s.kind for s in planned.stages]
+    assert cluster_to_plan(read, model, inventory, 16, kinds) == replace(planned, prefetch=0)
+    topo = Topology.from_config(read, model)
+    for i in range(planned.num_stages):
+        assert [(c.layers, c.embedding, c.head) for c in planned.stage_chunks(i)] == [
+            (c.num_layers, c.has_embedding, c.has_head) for c in topo.split.stage_chunks(i)]

@@ -162,6 +162,39 @@ def test_unknown_key_names_the_closest_key_at_its_level():
                                              "config: cluster, model, train, data, run_dir")
 
 
+def test_one_loader_refuses_an_unknown_key_where_it_is_in_every_group(tmp_path):
+    """ldt.config_load is the one loader of typed YAML: a dict (the API), a cluster file, a
+    shipped model or an inventory all refuse a key their schema lacks, naming its place (list
+    index included), the dataclass, and the closest field."""
+    from ldt.config import ConfigError, load_cluster_yaml, to_cluster
+    from ldt.plan import load_inventory, load_model
+
+    stages = [{"name": "a"}, {"name": "b", "devise": "cpu"}]
+    with pytest.raises(ConfigError, match=r"^cluster\.stages\[1\]\.devise is not a field of "
+                                          r"StageConfig; remove it, or did you mean 'device'\?"):
+        to_cluster({"stages": stages})
+    (tmp_path / "c.yaml").write_text("stages:\n  - {name: a, recompute: {granularty: full}}\n")
+    with pytest.raises(ConfigError, match=r"^cluster\.stages\[0\]\.recompute\.granularty is not a "
+                                          r"field of RecomputeConfig; remove it from .*c\.yaml, "
+                                          r"or did you mean 'granularity'"):
+        load_cluster_yaml(str(tmp_path / "c.yaml"))
+    (tmp_path / "m.yaml").write_text("num_layers: 2\nhidden_size: 8\nnum_attention_heads: 2\n"
+                                     "hiden_size: 8\n")
+    with pytest.raises(ConfigError, match=r"^model\.hiden_size is not a field of ModelConfig; "
+                                          r"remove it from .*m\.yaml, or did you mean "
+                                          r"'hidden_size'"):
+        load_model(str(tmp_path / "m.yaml"))
+    (tmp_path / "i.yaml").write_text("kinds:\n  - {name: a, device: cpu, count: 1, tflops: 1, "
+                                     "memory_gib: 8, intra_bw_gbps: 1}\nlinks:\n  - {a: a, b: a, "
+                                     "bandwith_gbps: 1}\n")
+    with pytest.raises(ConfigError, match=r"^inventory\.links\[0\]\.bandwith_gbps is not a "
+                                          r"field of Link; remove it from .*i\.yaml.*"
+                                          r"'bandwidth_gbps'.*ldt/plan/inventory\.py"):
+        load_inventory(str(tmp_path / "i.yaml"))
+    assert to_cluster({"stages": [{"name": "a", "recompute": {"granularity": "selective"}}]}
+                      ).stages[0].recompute.granularity == "selective"  # known keys load
+
+
 def test_validation_imports_neither_torch_nor_megatron(tmp_path):
     """A refused config answers before torch (1.4 s here) or megatron-core (4.5 s) load."""
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ldt.train",

@@ -338,20 +338,22 @@ def test_ldt_sim_prices_per_stage_dp():
     takes longer than two edges (same global batch); its all-reduce spans only the cloud."""
     from ldt.plan.convert import cluster_to_plan
     from ldt.plan.evaluate import simulate_plan
-    from ldt.plan.inventory import Workload, load_inventory
+    from ldt.plan.inventory import Workload, load_inventory, load_model
     from ldt.plan.planner import make_cost
-    from ldt.config import to_model
-    from ldt.plan.inventory import _load_plain, _resolve
+    from ldt.config import to_cluster
 
     inv = load_inventory("edge_cloud")
-    model = to_model(_load_plain(_resolve("llama_7b", "model")))
+    model = load_model("llama_7b")
     cost = make_cost(inv, model, Workload())
     stages = [{"name": "edge", "device": "cuda", "tp": 1}, {"name": "cloud", "device": "npu",
                                                             "tp": 8}]
-    uni = simulate_plan(cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model,
-                                        inv, 8), cost)
+    def to_plan(stages):
+        return cluster_to_plan(to_cluster({"stages": stages, "u_shape": True, "dp": 2}), model,
+                               inv, 8)
+
+    uni = simulate_plan(to_plan(stages), cost)
     stages[0]["dp"] = 1
-    vdp_plan = cluster_to_plan({"stages": stages, "u_shape": True, "dp": 2}, model, inv, 8)
+    vdp_plan = to_plan(stages)
     assert vdp_plan.stage_dp == (1, 2)
     vdp = simulate_plan(vdp_plan, cost)
     assert uni.pipeline_time < vdp.pipeline_time < 2.2 * uni.pipeline_time
@@ -362,9 +364,8 @@ def test_planner_step_gives_the_cloud_more_replicas_when_it_pays(tmp_path):
     """ldt.plan.planner._try_vdp on a cloud-bound U-shape (one fast edge card, eight V100s of
     which the uniform plan uses four): the cloud gets dp 2 behind the edge's one replica, the
     step is priced on the lane schedule, and the inventory is respected."""
-    from ldt.config import to_model
     from ldt.plan.evaluate import Plan, StageSpec, simulate_plan
-    from ldt.plan.inventory import Workload, _load_plain, _resolve, load_inventory
+    from ldt.plan.inventory import Workload, load_inventory, load_model
     from ldt.plan.planner import PlannerOptions, _try_vdp, make_cost
 
     path = tmp_path / "inv.yaml"
@@ -377,7 +378,7 @@ def test_planner_step_gives_the_cloud_more_replicas_when_it_pays(tmp_path):
         "links:\n  - {a: h100, b: v100, bandwidth_gbps: 12.5, latency_us: 100}\n"
         "  - {a: v100, b: v100, bandwidth_gbps: 150, latency_us: 5}\n")
     inv, work = load_inventory(str(path)), Workload()
-    cost = make_cost(inv, to_model(_load_plain(_resolve("llama_7b", "model"))), work)
+    cost = make_cost(inv, load_model("llama_7b"), work)
     base = simulate_plan(Plan((StageSpec("h100", 1), StageSpec("v100", 2), StageSpec("v100", 2)),
                               (4, 12, 12, 4), True, 1, 64), cost)
     best, sims, note = _try_vdp(base, cost, inv, work, PlannerOptions(), 1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from ldt.config import to_train
 from ldt.hydra_app import EXIT_CONFIG, run_app
 
 
@@ -36,7 +37,6 @@ def _estimate(cfg) -> int:
 
     from omegaconf import OmegaConf
 
-    from ldt.config import to_train
     from ldt.errors import one_line
     from ldt.memory import estimate
     from ldt.memory.report import refusal, table

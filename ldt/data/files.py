@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ldt.config import ConfigError
+from ldt.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from ldt.data.tokenizer import BYTES, load
 
 SPLIT_NAMES = ("train", "validation", "test")
 TRAIN, VALID, TEST = 0, 1, 2
@@ -195,18 +196,13 @@ def max_token_id(info: IndexInfo, limit_bytes: int = SCAN_BYTES) -> int:
     return int(ids.max()) if len(ids) else -1
 
 
-def check_data(data, model, train, topo=None, rank: Optional[int] = None) -> None:
+def check_data(data: DataConfig, model: ModelConfig, train: TrainConfig, topo=None,
+               rank: Optional[int] = None) -> None:
     """Refuse data settings that cannot train (ConfigError naming the file and the fix).
 
     With ``rank`` (a torchrun rank) only the config's own syntax is checked on ranks outside
     the data stages: the cloud never opens the data or the tokenizer, and need not have them.
     """
-    from ldt.config import DataConfig, TrainConfig, to_model
-    from ldt.data.tokenizer import BYTES, load
-
-    data = DataConfig(**data) if isinstance(data, dict) else data
-    train = TrainConfig(**train) if isinstance(train, dict) else train
-    model = to_model(model)
     if data.blend is None:
         if data.tokenizer != BYTES:
             raise ConfigError(

@@ -28,9 +28,10 @@ import json
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from ldt.config import ConfigError, ModelConfig
+from ldt.config import ClusterConfig, ConfigError, ModelConfig
+from ldt.config_load import config_dict
 from ldt.elastic.nodes import KIND_VAR, ElasticError, Node
-from ldt.plan import Inventory, Link, PlannerOptions, Workload, cluster_dict, plan
+from ldt.plan import Inventory, Link, PlannerOptions, Workload, plan, planned_cluster
 from ldt.topology import Topology
 
 # A smaller search than ldt-plan's, as it runs at every start; the planner's budgets count
@@ -41,8 +42,9 @@ PLANNER = PlannerOptions(simulate_min=6, simulate_max=64, refine_top=2, refine_s
 @dataclass(frozen=True)
 class WorldPlan:
     cluster: dict
-    """The planned ClusterConfig fields (stages, u_shape, layout, dp) plus the configured
-    ``inventory``, ``host_staging``, ``boundary_fanout`` and ``link_delay_ms``."""
+    """The planned cluster (:func:`ldt.plan.planned_cluster` over the configured one) as plain
+    data (:func:`ldt.config_load.config_dict`): what every rank compares, the run records and
+    the job trains with."""
     num_microbatches: int
     prefetch: int
     placement: tuple[tuple[int, int], ...]
@@ -50,6 +52,8 @@ class WorldPlan:
     nodes: tuple[Node, ...]
     iteration_s: float
     """The planner's predicted step time."""
+    rank_stages: tuple[int, ...] = ()
+    """Per ldt rank: its stage (:meth:`stage_nodes`)."""
 
     @property
     def world_size(self) -> int:
@@ -64,10 +68,8 @@ class WorldPlan:
 
     def stage_nodes(self) -> list[list[int]]:
         """The nodes each stage's replicas run on."""
-        topo = Topology.from_config(self.cluster)
-        out: list[list[int]] = [[] for _ in topo.stages]
-        for rank, (node, _) in enumerate(self.placement):
-            stage = topo.rank_info(rank).stage
+        out: list[list[int]] = [[] for _ in self.cluster["stages"]]
+        for stage, (node, _) in zip(self.rank_stages, self.placement):
             if node not in out[stage]:
                 out[stage].append(node)
         return out
@@ -95,17 +97,18 @@ class WorldPlan:
                 "per step")
 
 
-def global_batch(cluster: dict, train: dict) -> int:
+def global_batch(cluster: ClusterConfig, train: dict) -> int:
     """Sequences per step the run keeps: cluster.dp x train.num_microbatches x mbs."""
-    return int(cluster.get("dp") or 1) * int(train["num_microbatches"]) \
+    return int(cluster.dp or 1) * int(train["num_microbatches"]) \
         * int(train["micro_batch_size"])
 
 
-def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig, cluster: dict,
-               train: dict) -> WorldPlan:
-    """The pipeline for these nodes (raises :class:`ElasticError` with the reason)."""
+def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig,
+               cluster: ClusterConfig, train: dict) -> WorldPlan:
+    """The pipeline for these nodes (raises :class:`ElasticError` with the reason); ``cluster``
+    the configured one (its inventory, host staging, fan-out, link delays are kept)."""
     nodes = tuple(sorted(nodes, key=lambda n: n.index))
-    u_shape = bool(cluster.get("u_shape"))
+    u_shape = bool(cluster.u_shape)
     if u_shape:
         _check_edge(nodes, inventory)
     groups, inv = _planner_inventory(nodes, inventory, u_shape)
@@ -123,20 +126,22 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig, 
             f"{worst.memory.total / 2**30:.2f} GiB per device on stage {worst.index} "
             f"({worst.kind}, tp {worst.tp}) where {worst.memory_limit / 2**30:.2f} GiB are "
             "usable; add nodes, lower train.micro_batch_size, or raise the memory")
-    planned = cluster_dict(best.plan, inv)
     kind_of = {name: kind for name, (kind, _) in groups.items()}
     counts: dict[str, int] = {}
-    for i, (stage, spec) in enumerate(zip(planned["stages"], best.plan.stages)):
+    names = []
+    for i, spec in enumerate(best.plan.stages):
         kind = kind_of[spec.kind]
-        stage["name"] = "edge" if u_shape and i == 0 else f"{kind}{counts.get(kind, 0)}"
+        names.append("edge" if u_shape and i == 0 else f"{kind}{counts.get(kind, 0)}")
         counts[kind] = counts.get(kind, 0) + 1
-    for key in ("inventory", "host_staging", "boundary_fanout", "link_delay_ms"):
-        if key in cluster:
-            planned[key] = cluster[key]
-    placement = _place(planned, [s.kind for s in best.plan.stages], groups, nodes)
+    planned = planned_cluster(best.plan, inv, base=cluster)
+    planned = replace(planned, stages=[replace(st, name=name)
+                                       for st, name in zip(planned.stages, names)])
+    topo = Topology.from_config(planned)
+    placement = _place(topo, planned, [s.kind for s in best.plan.stages], groups, nodes)
     prefetch = best.plan.prefetch if u_shape else 0
-    return WorldPlan(planned, best.plan.num_microbatches, prefetch, placement, nodes,
-                     best.iteration_time)
+    return WorldPlan(config_dict(planned), best.plan.num_microbatches, prefetch, placement,
+                     nodes, best.iteration_time,
+                     tuple(topo.rank_info(r).stage for r in range(topo.world_size)))
 
 
 def _nodes(nodes: Sequence[Node]) -> str:
@@ -203,10 +208,9 @@ def _planner_inventory(nodes: Sequence[Node], inventory: Inventory, u_shape: boo
     return groups, inv
 
 
-def _place(cluster: dict, stage_kinds: list[str], groups: dict, nodes: Sequence[Node]
-           ) -> tuple[tuple[int, int], ...]:
+def _place(topo: Topology, cluster: ClusterConfig, stage_kinds: list[str], groups: dict,
+           nodes: Sequence[Node]) -> tuple[tuple[int, int], ...]:
     """(node, local rank) per ldt rank: each (stage, replica) TP group on one node."""
-    topo = Topology.from_config(cluster)
     free = {n.index: list(range(n.devices)) for n in nodes}
     placement: list[Optional[tuple[int, int]]] = [None] * topo.world_size
     for rank in range(topo.world_size):
@@ -218,7 +222,7 @@ def _place(cluster: dict, stage_kinds: list[str], groups: dict, nodes: Sequence[
         node = next((n.index for n in members if len(free[n.index]) >= tp), None)
         if node is None:
             raise ElasticError(
-                f"the plan's stage {info.stage} ({cluster['stages'][info.stage]['name']}, tp "
+                f"the plan's stage {info.stage} ({cluster.stages[info.stage].name}, tp "
                 f"{tp}) finds no node with {tp} free processes among {_nodes(members)}; "
                 "give the nodes of one kind the same --nproc-per-node")
         for k in range(tp):

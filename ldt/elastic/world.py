@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
+from ldt.config import to_cluster
 from ldt.elastic.nodes import ElasticError, Node, node_from_env
 from ldt.elastic.replan import WorldPlan, plan_world
+from ldt.plan import load_inventory
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK",
                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -124,10 +126,9 @@ def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] =
     check_launcher(env)
     import torch.distributed as dist
 
-    from ldt.plan import load_inventory
-
     rank, group, nodes_n = int(env["RANK"]), int(env["GROUP_RANK"]), int(env["GROUP_WORLD_SIZE"])
-    inventory = load_inventory(plain["cluster"]["inventory"])
+    cluster = to_cluster(plain["cluster"])  # the configured cluster, as Hydra resolved it
+    inventory = load_inventory(cluster.inventory)
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
@@ -147,7 +148,7 @@ def form_world(plain: dict, model, run: Optional[dict], env: Mapping[str, str] =
     if errors:
         raise ElasticError(errors[0])
     nodes = [Node(**d) for d in described]
-    world = plan_world(nodes, inventory, model, plain["cluster"], plain["train"])
+    world = plan_world(nodes, inventory, model, cluster, plain["train"])
     _agree(store, rank, int(env["WORLD_SIZE"]), world.digest())
     return ElasticWorld(world.rank_of(group, int(env["LOCAL_RANK"])), world, run, store)
 

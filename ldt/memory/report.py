@@ -9,6 +9,7 @@ shard over), fewer micro-batches in flight (prefetch, stages after it, the micro
 
 from __future__ import annotations
 
+from ldt.config import to_train
 from ldt.memory import GIB, StageEstimate
 
 MIB = 2**20
@@ -85,7 +86,6 @@ def refusal(stage: StageEstimate, topo, train) -> str:
 def check(cfg: dict, topo) -> tuple[str, str | None]:
     """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
     refusal (of the first stage that does not fit) None when every stage fits."""
-    from ldt.config import to_train
     from ldt.memory import estimate
 
     stages = estimate(cfg)

@@ -19,7 +19,8 @@ import math
 import os
 from typing import Mapping, Optional
 
-from ldt.config import ConfigError, ModelConfig
+from ldt.config import ConfigError, ModelConfig, to_model
+from ldt.userfiles import load_json_object
 
 MODEL_JSON = "model.json"
 
@@ -80,10 +81,6 @@ def write_model_json(folder: str, model: ModelConfig) -> None:
 
 def read_model_json(folder: str) -> Optional[ModelConfig]:
     """The ModelConfig a checkpoint was written for (None for a checkpoint without one)."""
-    from ldt.config import to_model
-
-    from ldt.userfiles import load_json_object
-
     path = os.path.join(folder, MODEL_JSON)
     if not os.path.exists(path):
         return None

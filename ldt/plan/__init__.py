@@ -21,7 +21,8 @@ from ldt.plan.inventory import (DeviceKind, Inventory, Link, Workload, load_inve
 from ldt.plan.objective import Objective, choose, devices, hourly_price, pareto_front, step_cost
 from ldt.plan.planner import PlannerOptions, PlanResult, make_cost, plan
 from ldt.plan.report import (cluster_dict, cluster_yaml, front_rows, front_table,
-                             planned_train_path, read_planned_train, summary, table, train_yaml)
+                             planned_cluster, planned_train_path, read_planned_train, summary,
+                             table, train_yaml)
 
 __all__ = [
     "ChunkLoad", "CostModel", "DeviceKind", "Evaluation", "ExhaustiveResult", "Inventory", "Link",
@@ -29,6 +30,7 @@ __all__ = [
     "Workload", "choose", "choose_prefetch", "closed_form", "cluster_dict", "cluster_to_plan",
     "cluster_yaml", "devices", "estimate_plan", "exhaustive", "export_timeline", "front_rows",
     "front_table", "hourly_price", "load_cluster", "load_inventory", "load_model", "make_cost",
-    "pareto_front", "plan", "planned_train_path", "read_planned_train", "simulate_plan",
+    "pareto_front", "plan", "planned_cluster", "planned_train_path", "read_planned_train",
+    "simulate_plan",
     "simulate_times", "step_cost", "summary", "table", "train_yaml", "valid_tp_sizes",
 ]

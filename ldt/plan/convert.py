@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ldt.config import ClusterConfig, ConfigError, ModelConfig, to_cluster
+from ldt.config import ClusterConfig, ConfigError, ModelConfig
+from ldt.config_load import load_group
 from ldt.layout import split_layers
 from ldt.models.recompute import stage_recompute
 from ldt.plan.cost import Recompute
 from ldt.plan.evaluate import Evaluation, Plan, StageSpec
-from ldt.plan.inventory import Inventory, _load_plain, _resolve
+from ldt.plan.inventory import Inventory
 from ldt.plan.schedule_api import to_chrome_trace, to_png
 
 
 def load_cluster(name_or_path: str) -> ClusterConfig:
     """A cluster file or a shipped ``conf/cluster/<name>``; Hydra's ``defaults`` list is ignored."""
-    return to_cluster(_load_plain(_resolve(name_or_path, "cluster")))
+    return load_group(ClusterConfig, name_or_path, "cluster")
 
 
 def stage_kinds(cluster: ClusterConfig, inventory: Inventory,
@@ -51,10 +52,9 @@ def stage_kinds(cluster: ClusterConfig, inventory: Inventory,
     return out
 
 
-def cluster_to_plan(cluster, model: ModelConfig, inventory: Inventory, num_microbatches: int,
-                    kinds: Optional[Sequence[str]] = None) -> Plan:
+def cluster_to_plan(cluster: ClusterConfig, model: ModelConfig, inventory: Inventory,
+                    num_microbatches: int, kinds: Optional[Sequence[str]] = None) -> Plan:
     """The Plan of an existing cluster config (one segment per stage, U-shape: P+1)."""
-    cluster = to_cluster(cluster)
     p = len(cluster.stages)
     split = split_layers(model.num_layers, p, u_shape=cluster.u_shape, layout=cluster.layout)
     if split.vpp_size != 1:

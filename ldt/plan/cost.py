@@ -57,7 +57,8 @@ from dataclasses import dataclass
 
 from typing import Optional
 
-from ldt.config import ModelConfig
+from ldt.config import ModelConfig, RecomputeConfig
+from ldt.config_load import config_dict
 from ldt.device import fans_out, piece_count
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
 
@@ -85,14 +86,16 @@ class Recompute:
             return None
         return cls(rc.granularity, rc.method, rc.num_layers, tuple(rc.modules or ()))
 
+    def to_config(self) -> RecomputeConfig:
+        """As ``cluster.stages[i].recompute``."""
+        full = self.granularity == "full"
+        return RecomputeConfig(self.granularity, self.method if full else None,
+                               self.num_layers if full else None,
+                               None if full or not self.modules else list(self.modules))
+
     def config(self) -> dict:
-        """The ``cluster.stages[i].recompute`` fields."""
-        out = {"granularity": self.granularity}
-        if self.granularity == "full":
-            out.update(method=self.method, num_layers=self.num_layers)
-        elif self.modules:
-            out["modules"] = list(self.modules)
-        return out
+        """The ``cluster.stages[i].recompute`` fields that are set, as plain data."""
+        return config_dict(self.to_config())
 
     def describe(self) -> str:
         if self.granularity == "full":

@@ -15,8 +15,13 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Optional
 
+from ldt.layout import LayerSplit, split_of_counts
 from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
 from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
+
+_split = lru_cache(maxsize=4096)(split_of_counts)
+"""The planner asks for the same few splits of many plans."""
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -53,23 +58,29 @@ class Plan:
     def dp_of(self, stage: int) -> int:
         return self.stage_dp[stage] if self.stage_dp else self.dp
 
+    @property
+    def split(self) -> LayerSplit:
+        """Which segments (chunks) each stage holds: :func:`ldt.layout.split_of_counts`, the
+        placement rule of every layout (a U-shape's stage 0: its first and last segment)."""
+        return _split(self.layers, self.num_stages, self.u_shape)
+
     def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None) -> list[ChunkLoad]:
-        """The chunks a stage holds; ``inflight`` overrides the closed-form in-flight counts
-        (edge: (start chunk, end chunk)), e.g. with the simulator's peaks."""
-        p, m, last = self.num_stages, self.num_microbatches, len(self.layers) - 1
+        """The loads of a stage's chunks (``self.split``'s, with the micro-batches each holds in
+        flight); ``inflight`` overrides the closed-form in-flight counts (edge: (start chunk,
+        end chunk)), e.g. with the simulator's peaks."""
+        p, m = self.num_stages, self.num_microbatches
         d = self.prefetch if self.u_shape else 0
-        rc = self.recompute_of(stage)
         # per-stage DP: a stage with 1/k of the replicas runs k micro-batches per uniform one
         # and holds k times the warm-up (ldt.schedule.vdp)
         k = self.dp // self.dp_of(stage)
         if self.u_shape and stage == 0:
-            start, end = inflight or (min((p + 2 * d) * k + 1, m * k), 1)
-            return [ChunkLoad(self.layers[0], embedding=True, inflight=start, recompute=rc),
-                    ChunkLoad(self.layers[last], head=True, inflight=end, recompute=rc)]
-        held = inflight[0] if inflight else min(
-            (p + (1 if self.u_shape else 0) - stage + d - 1) * k + 1, m * k)
-        return [ChunkLoad(self.layers[stage], embedding=stage == 0,
-                          head=not self.u_shape and stage == last, inflight=held, recompute=rc)]
+            held = inflight or (min((p + 2 * d) * k + 1, m * k), 1)
+        else:
+            held = inflight or (min((p + (1 if self.u_shape else 0) - stage + d - 1) * k + 1,
+                                    m * k),)
+        return [ChunkLoad(c.num_layers, embedding=c.has_embedding, head=c.has_head,
+                          inflight=n, recompute=self.recompute_of(stage))
+                for c, n in zip(self.split.stage_chunks(stage), held)]
 
     def recv_buffers(self, stage: int) -> int:
         """Receives a stage keeps posted at once (``ldt.schedule.lower``): one per incoming
@@ -85,12 +96,8 @@ class Plan:
         return 1 if stage in (0, p - 1) else 2
 
     def layout(self) -> str:
-        """The cluster.layout string of this split (ldt.layout grammar)."""
-        segs = []
-        for i, n in enumerate(self.layers):
-            tok = "" if n == 0 else "t" if n == 1 else f"t*{n}"
-            segs.append(("E" if i == 0 else "") + tok + ("L" if i == len(self.layers) - 1 else ""))
-        return "|".join(segs)
+        """The cluster.layout string of this split (written by :mod:`ldt.layout`)."""
+        return self.split.to_layout_string()
 
     def stage_names(self) -> list[str]:
         seen: dict[str, int] = {}
@@ -357,10 +364,7 @@ def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
 
 def _evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: dict[int, float],
                 inflight: dict[int, tuple[int, ...]], sim: Optional[SimResult]) -> Evaluation:
-    from ldt.layout import split_layers
-
-    split = split_layers(sum(plan.layers), plan.num_stages, u_shape=plan.u_shape,
-                         layout=plan.layout())
+    split = plan.split
     names, reports = plan.stage_names(), []
     for i, st in enumerate(plan.stages):
         chunks = plan.stage_chunks(i, inflight[i])

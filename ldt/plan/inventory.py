@@ -3,20 +3,20 @@
 An inventory describes hardware, not a pipeline: device *kinds* (how many, how fast, how much
 memory, how fast inside a node), *links* between kinds (bandwidth, latency) and, for the U-shape,
 which kind is the data owner's *edge*. The planner turns it into a cluster config
-(``conf/cluster/*.yaml``). Files live in ``conf/inventory/`` and load through OmegaConf onto the
-dataclasses below, so a typo in a key is an error, not a silent default.
+(``conf/cluster/*.yaml``). Files live in ``conf/inventory/`` and load onto the dataclasses below
+through :func:`ldt.config_load.load_group`, so a typo in a key is an error, not a silent default.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
-from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_model
+from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig
+from ldt.config_load import load_group
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -176,81 +176,14 @@ class Workload:
             raise ConfigError(f"workload.dtype={self.dtype!r}; use one of {sorted(DTYPE_BYTES)}")
 
 
-def _conf_dir() -> str:
-    import importlib.resources as resources
-
-    return str(resources.files("ldt.conf"))
-
-
-def _resolve(name_or_path: str, group: str) -> str:
-    """A path as given, or ``conf/<group>/<name>.yaml`` from the installed config tree."""
-    if os.path.exists(name_or_path):
-        return name_or_path
-    path = os.path.join(_conf_dir(), group, f"{name_or_path}.yaml")
-    if not os.path.exists(path):
-        shipped = sorted(f[:-5] for f in os.listdir(os.path.join(_conf_dir(), group))
-                         if f.endswith(".yaml"))
-        raise ConfigError(f"{group} {name_or_path!r} is neither a file nor a shipped config; "
-                          f"give a path or one of {shipped}")
-    return path
-
-
-def _load_plain(path: str, what: str = "YAML file") -> dict:
-    from omegaconf.errors import OmegaConfBaseException
-
-    from ldt.userfiles import load_yaml
-
-    try:
-        data = OmegaConf.to_container(load_yaml(path, what), resolve=True)
-    except OmegaConfBaseException as exc:  # an interpolation that does not resolve
-        raise ConfigError(f"{what} {path}: {str(exc).splitlines()[0]}") from None
-    data.pop("defaults", None)  # Hydra's list; not part of the schema
-    return data
-
-
 def load_inventory(name_or_path: str) -> Inventory:
     """Load ``conf/inventory/<name>.yaml`` (or a path), type-checked against :class:`Inventory`."""
-    from omegaconf.errors import OmegaConfBaseException
-
-    path = _resolve(name_or_path, "inventory")
-    plain = _load_plain(path, "inventory")
-    _check_keys(plain, path)
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Inventory), plain))
-    except OmegaConfBaseException as exc:  # omegaconf names the key; keep its first line
-        key = getattr(exc, "full_key", None)
-        where = f"inventory.{key}" if key else f"inventory {name_or_path!r}"
-        raise ConfigError(f"{where} in {path}: {str(exc).splitlines()[0]}; the fields are "
-                          "those of ldt/plan/inventory.py (Inventory, DeviceKind, Link)"
-                          ) from None
-
-
-def _check_keys(plain: dict, path: str) -> None:
-    """A key the schema lacks, named with where it is (``inventory.kinds[1].colour``)."""
-    import dataclasses
-    import difflib
-
-    def check(obj, schema, where: str) -> None:
-        if not isinstance(obj, dict):
-            return
-        names = [f.name for f in dataclasses.fields(schema)]
-        for key in obj:
-            if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(names)}"
-                raise ConfigError(f"{where}.{key} in {path} is not a field of "
-                                  f"{schema.__name__}; remove it ({hint})")
-
-    check(plain, Inventory, "inventory")
-    for name, schema in (("kinds", DeviceKind), ("links", Link)):
-        items = plain.get(name) if isinstance(plain, dict) else None
-        for i, item in enumerate(items if isinstance(items, list) else []):
-            check(item, schema, f"inventory.{name}[{i}]")
+    return load_group(Inventory, name_or_path, "inventory", "inventory")
 
 
 def load_model(name_or_path: str) -> ModelConfig:
     """Load ``conf/model/<name>.yaml`` (or a path) as a :class:`ModelConfig`."""
-    return to_model(_load_plain(_resolve(name_or_path, "model"), "model file"))
+    return load_group(ModelConfig, name_or_path, "model", "model file")
 
 
 def valid_tp_sizes(model: ModelConfig, limit: int) -> list[int]:

@@ -8,14 +8,18 @@ goes into comments at its top, where it is visible but cannot break loading.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from ldt.config import ClusterConfig, ConfigError, RecomputeConfig, StageConfig
+from ldt.config_load import config_dict
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
 from ldt.plan.inventory import Inventory
 from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
+from ldt.userfiles import load_yaml
 
 FRONT_ROWS = 8
 """Plans of the time/cost front that ldt-plan prints (the fastest, the pick, the cheapest and
@@ -28,20 +32,24 @@ def _usable_gib(inventory: Inventory, kind: str) -> float:
     return round(k.memory_gib - k.reserved_gib, 3)
 
 
+def planned_cluster(plan: Plan, inventory: Inventory,
+                    base: Optional[ClusterConfig] = None) -> ClusterConfig:
+    """The plan as a cluster config: ``base`` (the configured cluster: an elastic run's
+    inventory, host staging, fan-out, link delays; None: the schema's defaults) with the
+    planned stages, U-shape, layout and dp."""
+    stages = [StageConfig(name, inventory.kind(s.kind).device, s.tp,
+                          dp=plan.dp_of(i) if plan.stage_dp else None,
+                          recompute=plan.recompute_of(i).to_config() if plan.recompute_of(i)
+                          else RecomputeConfig(),
+                          memory_gib=_usable_gib(inventory, s.kind))
+              for i, (name, s) in enumerate(zip(plan.stage_names(), plan.stages))]
+    return replace(base or ClusterConfig(), stages=stages, u_shape=plan.u_shape,
+                   layout=plan.layout(), dp=plan.dp)
+
+
 def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
-    """The ClusterConfig fields of a plan (stages, u_shape, layout, dp)."""
-    names = plan.stage_names()
-    return {
-        "stages": [{"name": n, "device": inventory.kind(s.kind).device, "tp": s.tp,
-                    **({"dp": plan.dp_of(i)} if plan.stage_dp else {}),
-                    **({"recompute": plan.recompute_of(i).config()}
-                       if plan.recompute_of(i) else {}),
-                    "memory_gib": _usable_gib(inventory, s.kind)}
-                   for i, (n, s) in enumerate(zip(names, plan.stages))],
-        "u_shape": plan.u_shape,
-        "layout": plan.layout(),
-        "dp": plan.dp,
-    }
+    """The plan's cluster config as plain data (:func:`ldt.config_load.config_dict`)."""
+    return config_dict(planned_cluster(plan, inventory))
 
 
 def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int,
@@ -102,9 +110,6 @@ def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, int]
     path = planned_train_path(cluster_path)
     if path is None or not os.path.isfile(path):
         return None, {}
-    from ldt.config import ConfigError
-    from ldt.userfiles import load_yaml
-
     planned = load_yaml(path, "ldt-plan's train file")
     try:
         return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size",
