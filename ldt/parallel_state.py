@@ -21,8 +21,8 @@
 
 It then points megatron-core's ``parallel_state`` globals at them so Megatron code on each rank
 sees its own stage, through one name table (:data:`ldt.routes.MEGATRON_NAMES`, which
-:meth:`VtpState.pg_collection` reads as well): TP size and rank of the stage, pipeline rank = stage index, pipeline size =
-number of stages, next/prev pipeline rank = the neighbouring leaders (wrapping around), expert
+:meth:`VtpState.pg_collection` reads as well): TP size and rank of the stage, pipeline rank =
+stage index, pipeline size = number of stages, next/prev pipeline rank = the neighbouring leaders (wrapping around), expert
 groups per stage (a MoE model's experts spread over ``ep`` of the stage's TP ranks:
 :meth:`~ldt.topology.Topology.expert_groups`). The private-name writes live in
 :mod:`ldt.patches.megatron_state`, the only module that touches megatron's internals.
