@@ -54,7 +54,7 @@ def _worker(rank, world, model_dict, m, reps):
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.boundary.communicator import VtpCommunicator
-    from ldt.patches import megatron_state
+    from ldt.parallel_state import install_megatron
     from ldt.schedule.forward_backward import run_step
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate
@@ -75,7 +75,7 @@ def _worker(rank, world, model_dict, m, reps):
 
     def run(kind):
         state, chunks = states[kind], models[kind]
-        megatron_state.install(state)  # megatron's view of this stage (no new groups)
+        install_megatron(state)  # megatron's view of this stage (no new groups)
         zero_grads(chunks)
         reads = state.stage in state.topology.data_stages()
         out = {}

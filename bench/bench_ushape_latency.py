@@ -124,11 +124,9 @@ def _worker(out_path: str) -> None:
 
     def with_delay(ms: float):
         """This rank's state with ``ms`` on the edge's links (what cluster.link_delay_ms sets)."""
-        groups = {key: (dataclasses.replace(plan, delay_ms=ms if 0 in key else 0.0), group)
-                  for key, (plan, group) in state.boundary_groups.items()}
-        fanout = {key: (dataclasses.replace(plan, delay_ms=ms if 0 in key else 0.0), *rest)
-                  for key, (plan, *rest) in state.fanout_groups.items()}
-        return dataclasses.replace(state, boundary_groups=groups, fanout_groups=fanout)
+        routes = tuple(dataclasses.replace(r, delay_ms=ms if 0 in r.boundary else 0.0)
+                       for r in state.plan.routes)
+        return dataclasses.replace(state, plan=dataclasses.replace(state.plan, routes=routes))
 
     def run(prefetch: int, st, record: bool = False):
         zero_grads(models)

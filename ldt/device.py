@@ -1,16 +1,15 @@
 """Device layer: what a stage's device type means for torch and for communication.
 
 One place answers three questions: which torch device and process-group backend a stage uses,
-which device types this machine has, and how two neighbouring stages exchange tensors (the
-transport, and how a message reaches a TP stage's ranks: fan-out or a relay in pieces; the
-boundary transport carries it out, the planner prices it).
+which device types this machine has, and which transport two neighbouring stages' leaders
+share (how a message then reaches a TP stage's ranks, whole, in pieces or fanned out, is
+:mod:`ldt.routes`' policy).
 NCCL and HCCL cannot talk to each other, so a boundary between different device types (or over a
 backend without point-to-point) is host-staged: copy to CPU, send over gloo, copy back.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -24,32 +23,6 @@ if TYPE_CHECKING:  # torch loads on first use: config checks run before it (ldt-
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 # Backends whose point-to-point send/recv ldt relies on between stage leaders.
 P2P_BACKENDS = frozenset({"nccl", "hccl", "gloo"})
-
-
-# How a message reaches every TP rank of the stage across (ldt.boundary.relay carries it out,
-# ldt.plan.cost prices it). Relayed in k pieces it costs about link(n) + relay(n) / k + k *
-# (one message's overhead); the best k grows as sqrt(n). PIECE_UNIT_BYTES is where a second
-# piece starts to pay on loopback gloo (bench/RESULTS.md, p2p_boundary); MAX_PIECES bounds the
-# messages.
-PIECE_UNIT_BYTES = 128 * 1024
-MAX_PIECES = 16
-# Between nodes a message this small costs about a message's latency on a datacenter link
-# (64 KiB: ~50 us at 10 Gbit/s), so a copy per TP rank beats a relay hop there.
-CROSS_NODE_FANOUT_BYTES = 64 * 1024
-
-
-def piece_count(nbytes: int, unit_bytes: int = PIECE_UNIT_BYTES) -> int:
-    """The pieces a relayed message of ``nbytes`` crosses in (1: whole)."""
-    return max(1, min(MAX_PIECES, round(math.sqrt(nbytes / unit_bytes))))
-
-
-def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` goes from the sending leader straight to every TP rank
-    across a boundary whose stages do (``same_node``) or do not share a node, under
-    ``cluster.boundary_fanout``; else one copy crosses and the receiving leader relays it."""
-    if mode == "always":
-        return True
-    return mode == "auto" and (same_node or nbytes <= CROSS_NODE_FANOUT_BYTES)
 
 
 class Transport(str, Enum):

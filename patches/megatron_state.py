@@ -51,71 +51,26 @@ def _set(name: str, value) -> None:
     _WRITTEN.append(name)
 
 
-def install(state) -> None:
-    """Make Megatron code on this rank see its own stage (``state`` is an ldt VtpState)."""
+def install(state, names) -> None:
+    """Make Megatron code on this rank see its own stage. ``state``: an ldt VtpState (its
+    ``groups`` and ``members`` by role, ``stage``, ``rank``, ``cp_group``, ``topology``);
+    ``names``: megatron name -> role (``ldt.routes.MEGATRON_NAMES``; the names starting with
+    "_" are this module's globals, those naming RANKS take the role's members)."""
     check_megatron_version()
     ps.destroy_model_parallel()
-    topo, info = state.topology, state.info
-    tp_ranks = list(state.stage_ranks)
-    dp_ranks = list(topo.dp_ranks(info.stage, info.tp_rank))
-    replica = [r for s in range(topo.num_stages)  # per-stage DP: replica d of the uniform run
-               for r in topo.stage_ranks(s, info.dp_rank % topo.dp_of(s))]
-
-    _set("_TENSOR_MODEL_PARALLEL_GROUP", state.tp_group)
-    _set("_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", tp_ranks)
-    _set("_TENSOR_AND_CONTEXT_PARALLEL_GROUP", state.tp_group)  # context parallel size is 1
-
-    # Pipeline: rank = stage, size = stages. The group's members as this rank sees them: the
-    # leader of every other stage, itself for its own, so next/prev are the neighbouring
-    # leaders (wrapping around) and first/last name ranks of the first/last stage.
-    _set("_PIPELINE_MODEL_PARALLEL_GROUP", state.pp_group)
-    _set("_PIPELINE_GLOBAL_RANKS", state.pp_group.members())
-    _set("_MPU_PIPELINE_MODEL_PARALLEL_RANK", info.stage)
+    for name, role in names.items():
+        if not name.startswith("_"):  # a ProcessGroupCollection field
+            continue
+        if "_RANKS" in name:  # a member list (_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP too)
+            _set(name, list(state.members[role]))
+        else:
+            _set(name, None if role is None else state.groups.get(role))
+    # Pipeline: rank = stage, size = stages; the group's members (above) as this rank sees
+    # them: the leader of every other stage, itself for its own, so next/prev are the
+    # neighbouring leaders (wrapping around) and first/last name ranks of the first/last stage
+    topo = state.topology
+    _set("_MPU_PIPELINE_MODEL_PARALLEL_RANK", state.stage)
     _set("_MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", topo.num_stages)
-
-    _set("_DATA_PARALLEL_GROUP", state.dp_group)
-    _set("_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
-    _set("_DATA_PARALLEL_GLOBAL_RANKS", dp_ranks)
-    _set("_DATA_PARALLEL_GROUP_WITH_CP", state.dp_group)
-    _set("_DATA_PARALLEL_GROUP_WITH_CP_GLOO", state.dp_group_gloo)
-    _set("_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP", dp_ranks)
-    _set("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", state.dp_group)
-    _set("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", state.dp_group_gloo)
-    _set("_TENSOR_AND_DATA_PARALLEL_GROUP", state.tp_dp_group)
-    _set("_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", state.tp_dp_group)
-
-    _set("_MODEL_PARALLEL_GROUP", state.replica_group)
-    _set("_MODEL_PARALLEL_GLOBAL_RANKS", replica)
-    _set("_CONTEXT_PARALLEL_GROUP", state.cp_group)
-    _set("_CONTEXT_PARALLEL_GLOBAL_RANKS", [state.rank])
-
-    # Experts, per stage (Topology.expert_groups): the expert-parallel group (this
-    # rank alone where the stage has ep 1), the expert-TP group; expert-parallel and expert-TP
-    # ranks together are the stage's TP group, the expert data-parallel group is the dense
-    # one, and the expert x tensor x pipeline group is the replica. One distributed optimizer
-    # instance: no inter-instance group, as in megatron.
-    ep_ranks = [state.rank]
-    if topo.stages[info.stage].ep > 1:
-        ep_ranks = next(g for g in topo.expert_groups(info.stage, info.dp_rank)[0]
-                        if state.rank in g)
-    _set("_EXPERT_MODEL_PARALLEL_GROUP", state.ep_group)
-    _set("_EXPERT_MODEL_PARALLEL_RANKS", ep_ranks)
-    _set("_EXPERT_TENSOR_PARALLEL_GROUP", state.expt_tp_group)
-    _set("_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", state.tp_group)
-    _set("_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", state.replica_group)
-    _set("_EXPERT_DATA_PARALLEL_GROUP", state.dp_group)
-    _set("_EXPERT_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
-    _set("_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", state.dp_group)
-    _set("_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO", state.dp_group_gloo)
-    _set("_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", None)
-    _set("_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", state.dist_opt_group)
-
-    # Word embedding (tied with the head) and position embedding: None where this rank holds
-    # no copy, as megatron; the member lists are set on every rank of the replica.
-    _set("_EMBEDDING_GROUP", state.embd_group)
-    _set("_EMBEDDING_GLOBAL_RANKS", list(state.embedding_ranks))
-    _set("_POSITION_EMBEDDING_GROUP", state.pos_embd_group)
-    _set("_POSITION_EMBEDDING_GLOBAL_RANKS", list(state.position_embedding_ranks))
     split = topo.split
     if split is not None and not topo.u_shape and split.vpp_size > 1:
         # get_forward_backward_func() picks the interleaved schedule from this

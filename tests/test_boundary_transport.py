@@ -11,6 +11,7 @@ cross a boundary, activations travel along the boundary's arrow and gradients ag
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
 from ldt.boundary.lanes import LaneCommunicator, lane_of
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.parallel_state import StagePipelineGroup
+from ldt.routes import rank_plan
 from ldt.topology import Topology
 
 
@@ -129,22 +131,27 @@ def state(rank, tps=(1, 2, 1), u_shape=True, dps=None, devices=None):
               for i, t in enumerate(tps)]
     topo = Topology.from_config(ClusterConfig(stages=stages, u_shape=u_shape))
     info = topo.rank_info(rank)
-    groups = {}
-    for b in topo.boundaries():
-        if dps is None:
-            groups[(b.src_stage, b.dst_stage)] = (b, G(b.src_stage, b.dst_stage))
-        else:
-            for ra in range(dps[b.src_stage]):
-                for rb in range(dps[b.dst_stage]):
-                    key = (b.src_stage, b.dst_stage, ra, rb)
-                    groups[key] = (b, G(*key))
     return SimpleNamespace(topology=topo, info=info, stage=info.stage, is_leader=info.is_leader,
                            stage_ranks=topo.stage_ranks(info.stage, info.dp_rank),
                            tp_group=TP_GROUP,
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages,
                                                        topo.leaders()),
-                           boundary_groups=groups,
-                           fanout_groups={})  # the relay (fan-out: tests/test_p2p_handles.py)
+                           plan=plan_of(topo, dps),  # fan-out: tests/test_p2p_handles.py
+                           named_groups=named_groups(topo, dps))
+
+
+def plan_of(topo, dps=None):
+    """The topology's rank plan, with fan-out off (the relay; fan-out is test_p2p_handles')."""
+    plan = rank_plan(topo)
+    return dataclasses.replace(plan, routes=tuple(dataclasses.replace(r, fanout_group=None)
+                                                  for r in plan.routes))
+
+
+def named_groups(topo, dps=None):
+    """Each boundary's leader group as ``G(src, dst)`` (``G(src, dst, ra, rb)`` per replica
+    pair with per-stage DP), by its name in the plan."""
+    return {r.group: G(*r.boundary, *((r.src_replica, r.dst_replica) if dps else ()))
+            for r in rank_plan(topo).routes if r.direction == FORWARD}
 
 
 def config(**kw):
@@ -434,11 +441,9 @@ def test_receive_buffers_have_the_pipeline_dtype_and_the_stages_device(wire):
 def test_host_staged_receives_land_in_a_host_buffer_of_the_pipeline_dtype(wire):
     staged_state = state(0)
     cfg = config(pipeline_dtype=torch.bfloat16, variable_seq_lengths=True)
-    plan = staged_state.boundary_groups[(2, 0)][0]
-    staged_state.boundary_groups[(2, 0)] = (SimpleNamespace(host_staged=True, delay_ms=0.0,
-                                                            **{k: getattr(plan, k) for k in
-                                                               ("src_stage", "dst_stage")}),
-                                            G(2, 0))
+    staged_state.plan = dataclasses.replace(staged_state.plan, routes=tuple(
+        dataclasses.replace(r, host_staged=r.boundary == (2, 0))
+        for r in staged_state.plan.routes))
     wire.shape_in = [6, 1, 4]
     with torch.device("meta"):
         tensor, work = VtpCommunicator(cfg, staged_state).recv((2, 1, 4), 2, FORWARD)
@@ -496,8 +501,7 @@ def test_a_delayed_link_delivers_late_on_the_leader_only(wire):
     topo = Topology.from_config(ClusterConfig(stages=stages, link_delay_ms=[20.0, 0.0]))
     leader, other = state(1, tps=(1, 2), u_shape=False), state(2, tps=(1, 2), u_shape=False)
     for st in (leader, other):
-        st.boundary_groups = {(b.src_stage, b.dst_stage): (b, G(b.src_stage, b.dst_stage))
-                              for b in topo.boundaries()}
+        st.plan = plan_of(topo)
     _, work = VtpCommunicator(config(), leader).recv((2,), 0, FORWARD)
     assert work._delay.delay_s == pytest.approx(0.020)
     _, work = VtpCommunicator(config(), other).recv((2,), 0, FORWARD)

@@ -29,9 +29,10 @@ LAYERS = [
      "ldt.storage.runlock"],
     # 1 topology: who is in which stage
     ["ldt.topology"],
-    # 2 pure data and readers (no process groups): schedules as data, routing, the cost model
+    # 2 pure data and readers (no process groups): schedules as data, routing, the rank plan
+    #   (every group and boundary route), the cost model
     #   and planner, model shapes, data files, checkpoint folders
-    ["ldt.schedule", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
+    ["ldt.schedule", "ldt.routes", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
      "ldt.models.recompute",
      "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
      "ldt.storage"],

@@ -9,6 +9,7 @@ computes meanwhile does not wait again. (tests/test_hosts.py runs it for real ac
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ import torch
 from ldt.boundary import communicator as p2p
 from ldt.config import ConfigError
 from ldt.parallel_state import StagePipelineGroup
+from ldt.routes import rank_plan
 from ldt.topology import Topology
 
 DELAY = 0.15  # seconds; the tolerances below are a few ms of thread wake-up
@@ -31,12 +33,14 @@ def _state(rank, delay_ms, tps=(1, 2, 1)):
                                             zip(("edge", "cloud0", "cloud1"), tps)],
                                  "u_shape": True, "link_delay_ms": delay_ms})
     info = topo.rank_info(rank)
-    groups = {(b.src_stage, b.dst_stage): (b, object()) for b in topo.boundaries()}
+    plan = rank_plan(topo)  # without fan-out: the relay through the receiving leader
+    plan = dataclasses.replace(plan, routes=tuple(dataclasses.replace(r, fanout_group=None)
+                                                  for r in plan.routes))
     return SimpleNamespace(topology=topo, info=info, stage=info.stage, is_leader=info.is_leader,
                            stage_ranks=topo.stage_ranks(info.stage), tp_group=object(),
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages,
                                                        topo.leaders()),
-                           boundary_groups=groups, fanout_groups={})
+                           plan=plan, named_groups={g.name: object() for g in plan.groups})
 
 
 class FakeNet:

@@ -13,6 +13,7 @@ from ldt.boundary import communicator as p2p
 from ldt.boundary import functional
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.parallel_state import StagePipelineGroup
+from ldt.routes import rank_plan
 from ldt.topology import Topology
 
 
@@ -51,13 +52,11 @@ def _state(rank, tps=(1, 2, 1), host_staging=False, fanout="never", same_node=Tr
         u_shape=True,
         host_staging="always" if host_staging else "auto", boundary_fanout=fanout))
     info = topo.rank_info(rank)
-    groups = {(b.src_stage, b.dst_stage): (b, object()) for b in topo.boundaries()}
-    fan = {(b.src_stage, b.dst_stage): (b, object(), same_node)
-           for b in topo.fanout_boundaries()}
+    plan = rank_plan(topo, nodes=None if same_node else [str(r) for r in range(topo.world_size)])
     return SimpleNamespace(topology=topo, info=info, stage=info.stage, is_leader=info.is_leader,
                            stage_ranks=topo.stage_ranks(info.stage), tp_group=object(),
                            pp_group=StagePipelineGroup(info.stage, topo.num_stages, topo.leaders()),
-                           boundary_groups=groups, fanout_groups=fan)
+                           plan=plan, named_groups={g.name: object() for g in plan.groups})
 
 
 CONFIG = SimpleNamespace(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,
@@ -149,10 +148,10 @@ def test_two_stage_ring_separates_directions(rec):
     state = _state(rank=0, tps=(1, 1))
     comm = p2p.VtpCommunicator(CONFIG, state)
     assert comm.prev_stage == comm.next_stage == 1
-    fwd = comm._boundary(1, 0, p2p.FORWARD)  # activation 1 -> 0 (wraparound)
-    bwd = comm._boundary(1, 0, p2p.BACKWARD)  # gradient 1 -> 0 (of 0's output)
-    assert fwd is state.boundary_groups[(1, 0)] and bwd is state.boundary_groups[(0, 1)]
-    assert fwd[1] is not bwd[1]
+    fwd = comm._route(1, 0, p2p.FORWARD, None, sending=True)  # activation 1 -> 0 (wraparound)
+    bwd = comm._route(1, 0, p2p.BACKWARD, None, sending=True)  # gradient 1 -> 0 (of 0's output)
+    assert (fwd.boundary, bwd.boundary) == ((1, 0), (0, 1))
+    assert state.named_groups[fwd.group] is not state.named_groups[bwd.group]
 
 
 def test_overlap_mode_returns_megatron_handle_keys(rec):

@@ -224,8 +224,10 @@ def _observe(rank, world, topo):
     obs["dp_sum"] = t.item()
     # every boundary group carries one message from the sending leader
     got = {}
-    for (src, dst), (plan, group) in sorted(state.boundary_groups.items()):
-        src_rank, dst_rank = topo.leader(src, state.info.dp_rank), topo.leader(dst, state.info.dp_rank)
+    mine = [(r.boundary, r) for r in state.plan.routes  # this rank's boundaries
+            if r.direction == "F" and rank in (r.src_rank, r.dst_rank)]
+    for (src, dst), route in sorted(mine, key=lambda m: m[0]):
+        group, src_rank, dst_rank = state.named_groups[route.group], route.src_rank, route.dst_rank
         if rank == src_rank:
             dist.send(torch.tensor([float(100 * src + dst)]), dst_rank, group=group)
         else:
@@ -233,8 +235,10 @@ def _observe(rank, world, topo):
             dist.recv(buf, src_rank, group=group)
             got[f"{src}->{dst}"] = buf.item()
     obs["boundary_msgs"] = got
-    obs["fanout"] = {f"{a}->{b}": [dist.get_process_group_ranks(group), same_node]
-                     for (a, b), (_, group, same_node) in state.fanout_groups.items()}
+    obs["fanout"] = {f"{a}->{b}": [dist.get_process_group_ranks(
+                         state.named_groups[r.fanout_group]), r.same_node]
+                     for r in state.plan.routes if r.direction == "F"
+                     and r.fanout_group in state.named_groups for a, b in [r.boundary]}
     obs["getters"], obs["megatron_getters"] = _answers(), megatron_answers
     obs["collectives"] = _collectives(state, topo)
     obs["reference"] = _reference_api(state, topo)

@@ -22,7 +22,7 @@ import torch
 from ldt.boundary import relay
 from ldt.boundary.layout import SequenceLayout
 from ldt.boundary.relay import PieceGather, PieceRelay, owners, pieces
-from ldt.device import MAX_PIECES
+from ldt.routes import MAX_PIECES
 from ldt.launch import run_local_world
 from relay_worlds import SHAPES, relay_cases
 

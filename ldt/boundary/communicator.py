@@ -25,16 +25,15 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
-from ldt.boundary.relay import PIECE_UNIT_BYTES, PieceGather, PieceRelay, flat, pieces
-from ldt.boundary.work import BoundaryError, RecvWork, SendWork, boundary_error
+from ldt.boundary.relay import PieceGather, PieceRelay, flat, split
+from ldt.boundary.work import BoundaryError, Landing, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
-from ldt.device import fans_out, rank_device
+from ldt.device import rank_device
 from ldt.parallel_state import VtpState, get_vtp_state
+from ldt.routes import (BACKWARD, FANOUT, FORWARD, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry,
+                        Route)
 
-__all__ = ["BoundaryError", "BoundaryObserver", "VtpCommunicator"]
-
-FORWARD, BACKWARD = "F", "B"
-_TAGS = {FORWARD: 1, BACKWARD: 2}  # distinct per direction; groups are per boundary as well
+__all__ = ["BACKWARD", "FORWARD", "BoundaryError", "BoundaryObserver", "VtpCommunicator"]
 
 
 class BoundaryObserver(Protocol):
@@ -107,64 +106,67 @@ class VtpCommunicator(P2PCommunicator):
         Every rank of the stage calls it: a sequence-parallel stage gathers on the leader.
         ``peer_replica``: per-stage DP, the peer stage's replica (default: this rank's)."""
         state, layout = self.state, self.layout
-        full_shape = layout.full_shape(tensor.shape)
-        mine = state.info.dp_rank
-        peer = mine if peer_replica is None else peer_replica
-        fanout = self._fanout(state.stage, peer_stage, direction, peer,
-                              math.prod(full_shape) * tensor.element_size())
-        bounds = pieces(math.prod(full_shape), tensor.element_size(), self.piece_unit_bytes)
+        route = self._route(state.stage, peer_stage, direction, peer_replica, sending=True)
+        numel = math.prod(layout.full_shape(tensor.shape))
+        how = self._carry(route, numel * tensor.element_size())
+        bounds = split(numel, how.pieces)
         # piece by piece, a sequence-parallel leader sends while it still gathers; the send
         # transforms (noise) need the whole tensor first
         gather = (PieceGather(bounds, layout, tensor, state.tp_group, state.stage_ranks,
                               state.stage_ranks.index(state.info.rank))
-                  if layout.sharded and len(bounds) > 1 and not self.send_transforms
-                  and fanout is None else None)
+                  if layout.sharded and how.kind == PIECES and not self.send_transforms
+                  else None)
         whole = gather.whole if gather is not None else layout.gather(
             tensor, state.tp_group, state.stage_ranks[0], state.is_leader)
         if not state.is_leader:
             return None
-        src, dst = state.stage, peer_stage
-        plan, group = self._boundary(src, dst, direction, (mine, peer))
+        group = state.named_groups[route.group]
         payload = whole.detach()
         for transform in self.send_transforms:
-            payload = transform(payload, src, dst, direction)
-        if plan.host_staged and gather is None:
+            payload = transform(payload, route.src_stage, route.dst_stage, direction)
+        if route.host_staged and gather is None:
             payload = payload.to("cpu", copy=True)
         payload = payload.contiguous()
         if gather is None:
-            for obs in self.observers:
-                obs.on_send(src, dst, direction, payload)
-        dst_rank = state.topology.leader(peer_stage, peer)
-        what = self._describe("send", src, dst, direction, dst_rank)
-        works, keep = [], [payload]
+            self._observe_send(route, payload)
+        what = self._describe("send", route.src_stage, route.dst_stage, direction, route.dst_rank)
+        keep = [payload]
         try:
-            if layout.variable_seq_lengths:  # the shape first, as megatron does
-                work, buf = send_shape(payload.shape, dst_rank, group, direction,
-                                       "cpu" if plan.host_staged else payload.device)
-                works.append(work)
-                keep.append(buf)
-            if fanout is not None:  # straight to every TP rank across (ldt.boundary.relay)
-                _, fan_group, targets = fanout
-                works += [dist.isend(payload, dst=r, group=fan_group, tag=_TAGS[direction])
-                          for r in targets]
-            elif len(bounds) == 1:
-                works.append(dist.isend(payload, dst=dst_rank, group=group, tag=_TAGS[direction]))
-            else:  # in pieces (ldt.boundary.relay), each as soon as it is gathered
-                for k, (a, b) in enumerate(bounds):
-                    part = flat(payload)[a:b]
-                    if gather is not None:
-                        gather.wait_piece(k)
-                        if plan.host_staged:
-                            part = part.to("cpu", copy=True)
-                            keep.append(part)
-                    works.append(dist.isend(part, dst=dst_rank, group=group,
-                                            tag=_TAGS[direction]))
+            works = self._post_sends(payload, route, group, how, bounds, gather, keep)
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
         if gather is not None:  # the whole tensor is there now
-            for obs in self.observers:
-                obs.on_send(src, dst, direction, payload)
+            self._observe_send(route, payload)
         return SendWork(works, keep, what)
+
+    def _post_sends(self, payload, route: Route, group, how: Carry, bounds, gather,
+                    keep: list) -> list:
+        """The leader's isends of one message along ``route``, as ``how`` says."""
+        works = []
+        if self.layout.variable_seq_lengths:  # the shape first, as megatron does
+            work, buf = send_shape(payload.shape, route.dst_rank, group, route.direction,
+                                   "cpu" if route.host_staged else payload.device)
+            works.append(work)
+            keep.append(buf)
+        if how.kind == FANOUT:  # straight to every TP rank across (ldt.boundary.relay)
+            fan_group = self.state.named_groups[route.fanout_group]
+            return works + [dist.isend(payload, dst=r, group=fan_group, tag=route.tag)
+                            for r in route.receivers]
+        if how.kind == WHOLE:
+            return works + [dist.isend(payload, dst=route.dst_rank, group=group, tag=route.tag)]
+        for k, (a, b) in enumerate(bounds):  # in pieces, each as soon as it is gathered
+            part = flat(payload)[a:b]
+            if gather is not None:
+                gather.wait_piece(k)
+                if route.host_staged:
+                    part = part.to("cpu", copy=True)
+                    keep.append(part)
+            works.append(dist.isend(part, dst=route.dst_rank, group=group, tag=route.tag))
+        return works
+
+    def _observe_send(self, route: Route, payload: torch.Tensor) -> None:
+        for obs in self.observers:
+            obs.on_send(route.src_stage, route.dst_stage, route.direction, payload)
 
     def recv(self, shape, peer_stage: int, direction: str,
              peer_replica: Optional[int] = None) -> tuple[torch.Tensor, RecvWork]:
@@ -177,98 +179,111 @@ class VtpCommunicator(P2PCommunicator):
         dtype = self.config.pipeline_dtype
         if dtype is None:
             raise ConfigError("config.pipeline_dtype is None; set it to the model's params dtype")
-        works, staged, delay_s, full = [], None, 0.0, None
-        mine = self.state.info.dp_rank
-        peer = mine if peer_replica is None else peer_replica
-        src_rank = self.state.topology.leader(peer_stage, peer)
+        route = self._route(self.state.stage, peer_stage, direction, peer_replica,
+                            sending=False)
         leader, layout = self.state.is_leader, self.layout
         # with variable_seq_lengths the schedule's shape is a placeholder (megatron-core 0.17+
         # passes ``()``): the peer's message says it, and such a boundary never fans out
-        whole_shape = None if layout.variable_seq_lengths else layout.full_shape(shape)
-        fanout = None if whole_shape is None else self._fanout(
-            peer_stage, self.state.stage, direction, mine, math.prod(whole_shape) * dtype.itemsize)
-        if fanout is not None:
-            return self._recv_fanout(shape, fanout, src_rank, peer_stage, direction)
-        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank)
-        plan, group = (self._boundary(peer_stage, self.state.stage, direction, (peer, mine))
-                       if leader else (None, None))
+        if not layout.variable_seq_lengths:
+            whole_shape = layout.full_shape(shape)
+            how = self._carry(route, math.prod(whole_shape) * dtype.itemsize)
+            if how.kind == FANOUT:
+                return self._recv_fanout(shape, route)
+        what = self._describe("receive", peer_stage, self.state.stage, direction, route.src_rank)
+        group = self.state.named_groups[route.group] if leader else None
         if layout.variable_seq_lengths:
-            try:
-                got = recv_shape(src_rank, group, direction,
-                                 "cpu" if plan.host_staged else self.device) if leader else None
-                whole_shape = layout.share_shape(got, self.state.tp_group,
-                                                 self.state.stage_ranks[0], self.device)
-            except Exception as exc:
-                raise boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
+            whole_shape = self._recv_shape(route, group, what)
             shape = layout.local_shape(whole_shape)
+            how = self._carry(route, math.prod(whole_shape) * dtype.itemsize)
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
-        bounds = pieces(math.prod(whole_shape), tensor.element_size(), self.piece_unit_bytes)
-        if leader:
-            target = tensor.detach()
-            if layout.sharded:
-                full = target = torch.empty(whole_shape, dtype=dtype, device=self.device)
-            if plan.host_staged:
-                staged = torch.empty(whole_shape, dtype=dtype, device="cpu")
-                target = staged
-            parts = [target] if len(bounds) == 1 else [flat(target)[a:b] for a, b in bounds]
-            try:
-                works += [dist.irecv(part, src=src_rank, group=group, tag=_TAGS[direction])
-                          for part in parts]
-            except Exception as exc:
-                raise boundary_error(what, time.monotonic(), exc) from exc
-            delay_s = plan.delay_ms / 1e3
-        relay = None
+        bounds = split(math.prod(whole_shape), how.pieces)
+        landing = Landing(layout=layout)
+        works = (self._post_recvs(tensor, whole_shape, route, group, bounds, landing, what)
+                 if leader else [])
         if len(bounds) > 1:  # relayed piece by piece as the pieces arrive
-            relay = PieceRelay(bounds, layout, tensor, full, staged, self.state.tp_group,
-                               self.state.stage_ranks,
-                               self.state.stage_ranks.index(self.state.info.rank))
-        return tensor, RecvWork(
-            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
-            stage_size=len(self.state.stage_ranks), staged=staged,
-            on_ready=self._on_ready(peer_stage, direction), what=what, delay_s=delay_s,
-            layout=layout, full=full, relay=relay)
+            landing.relay = PieceRelay(bounds, layout, tensor, landing.full, landing.staged,
+                                       self.state.tp_group, self.state.stage_ranks,
+                                       self.state.stage_ranks.index(self.state.info.rank))
+        return tensor, self._recv_work(tensor, works, route, landing, what)
 
-    def _fanout(self, src: int, dst: int, direction: str, replica: int, nbytes: int):
-        """``(plan, group, receiving ranks)`` where a message from stage ``src`` to stage ``dst``
-        goes from the sending leader straight to every TP rank of the receiving stage
-        (:func:`ldt.device.fans_out`), else None. Both ends decide alike from the same
-        facts. ``replica``: the receiving stage's."""
-        key = (src, dst) if direction == FORWARD else (dst, src)
-        entry = self.state.fanout_groups.get(key)
-        if entry is None or self.layout.variable_seq_lengths:
-            return None
-        plan, group, same_node = entry
-        topo = self.state.topology
-        receiving = topo.stages[dst]
-        mode = self.boundary_fanout or topo.boundary_fanout
-        if receiving.tp == 1 or not fans_out(mode, same_node, nbytes):
-            return None
-        return plan, group, topo.stage_ranks(dst, replica)
+    def _recv_shape(self, route: Route, group, what: str) -> tuple[int, ...]:
+        """variable_seq_lengths: the whole shape the peer leader sent first, on every rank."""
+        state = self.state
+        try:
+            got = (recv_shape(route.src_rank, group, route.direction,
+                              "cpu" if route.host_staged else self.device)
+                   if state.is_leader else None)
+            return self.layout.share_shape(got, state.tp_group, state.stage_ranks[0],
+                                           self.device)
+        except Exception as exc:
+            raise boundary_error(what + " (its shape)", time.monotonic(), exc) from exc
 
-    def _recv_fanout(self, shape, fanout, src_rank: int, peer_stage: int, direction: str):
+    def _post_recvs(self, tensor, whole_shape, route: Route, group, bounds, landing: Landing,
+                    what: str) -> list:
+        """The leader's irecvs of one message (in pieces where ``bounds`` has several),
+        into the tensor, or its whole-tensor / host buffer (kept in ``landing``)."""
+        dtype, target = tensor.dtype, tensor.detach()
+        if self.layout.sharded:
+            landing.full = target = torch.empty(whole_shape, dtype=dtype, device=self.device)
+        if route.host_staged:
+            landing.staged = target = torch.empty(whole_shape, dtype=dtype, device="cpu")
+        parts = [target] if len(bounds) == 1 else [flat(target)[a:b] for a, b in bounds]
+        try:
+            return [dist.irecv(part, src=route.src_rank, group=group, tag=route.tag)
+                    for part in parts]
+        except Exception as exc:
+            raise boundary_error(what, time.monotonic(), exc) from exc
+
+    def _route(self, stage: int, peer_stage: int, direction: str,
+               peer_replica: Optional[int], sending: bool) -> Route:
+        """The plan's route of a message this rank's stage sends to / receives from
+        ``peer_stage`` (``peer_replica``: the peer's replica, default this rank's)."""
+        mine = self.state.info.dp_rank
+        peer = mine if peer_replica is None else peer_replica
+        if sending:
+            return self.state.plan.route(stage, peer_stage, direction, mine, peer)
+        return self.state.plan.route(peer_stage, stage, direction, peer, mine)
+
+    def _carry(self, route: Route, nbytes: int) -> Carry:
+        """How a message of ``nbytes`` crosses ``route`` (:meth:`ldt.routes.Route.transport`;
+        a shape that crosses first never fans out)."""
+        mode = "never" if self.layout.variable_seq_lengths else self.boundary_fanout
+        return route.transport(nbytes, self.piece_unit_bytes, mode)
+
+    def _recv_fanout(self, shape, route: Route):
         """Every rank's own receive of the sending leader's copy, no relay: the whole tensor
         (the sender does not know the layout here), of which a sequence-parallel rank keeps
         its slice."""
-        plan, group, _ = fanout
-        what = self._describe("receive", peer_stage, self.state.stage, direction, src_rank,
-                              direct=True)
+        what = self._describe("receive", route.src_stage, route.dst_stage, route.direction,
+                              route.src_rank, direct=True)
         dtype, layout = self.config.pipeline_dtype, self.layout
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
         whole_shape = layout.full_shape(shape)
         full = (torch.empty(whole_shape, dtype=dtype, device=self.device) if layout.sharded
                 else None)
-        staged = torch.empty(whole_shape, dtype=dtype, device="cpu") if plan.host_staged else None
+        staged = torch.empty(whole_shape, dtype=dtype, device="cpu") if route.host_staged else None
         target = staged if staged is not None else full if full is not None else tensor.detach()
+        group = self.state.named_groups[route.fanout_group]
         try:
-            works = [dist.irecv(target, src=src_rank, group=group, tag=_TAGS[direction])]
+            works = [dist.irecv(target, src=route.src_rank, group=group, tag=route.tag)]
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
-        return tensor, RecvWork(
-            tensor, works, tp_group=self.state.tp_group, leader=self.state.stage_ranks[0],
-            stage_size=1, staged=staged, on_ready=self._on_ready(peer_stage, direction),
-            what=what, delay_s=plan.delay_ms / 1e3, full=full,
-            keep_slice=(layout.tp, self.state.stage_ranks.index(self.state.info.rank))
-            if full is not None else None)
+        keep_slice = ((layout.tp, self.state.stage_ranks.index(self.state.info.rank))
+                      if full is not None else None)
+        landing = Landing(staged=staged, full=full, keep_slice=keep_slice)
+        return tensor, self._recv_work(tensor, works, route, landing, what, direct=True)
+
+    def _recv_work(self, tensor, works: list, route: Optional[Route], landing: Landing,
+                   what: str = "receive", direct: bool = False) -> RecvWork:
+        """The handle of a posted receive (the one place one is built). ``route``: None for a
+        group the caller built (ldt.boundary.functional); ``direct``: every rank received its
+        own copy (fan-out), so the stage relays nothing."""
+        st = self.state
+        return RecvWork(
+            tensor, works, tp_group=st.tp_group, leader=st.stage_ranks[0],
+            stage_size=1 if direct else len(st.stage_ranks), landing=landing,
+            on_ready=None if route is None else self._on_ready(route.src_stage, route.direction),
+            what=what, delay_s=0.0 if route is None else route.delay_ms / 1e3)
 
     def _on_ready(self, peer_stage: int, direction: str):
         """What a completed receive from ``peer_stage`` tells the observers (None: none)."""
@@ -281,15 +296,6 @@ class VtpCommunicator(P2PCommunicator):
                 obs.on_recv(src, dst, direction, t)
 
         return on_ready
-
-    def _boundary(self, src: int, dst: int, direction: str, replicas=(0, 0)):
-        """Activations travel along a boundary's arrow (src -> dst), gradients against it.
-        ``replicas``: the message's (source, destination) replicas; with per-stage DP every
-        routed replica pair of a boundary has its own group (ldt.boundary.lanes)."""
-        key = (src, dst) if direction == FORWARD else (dst, src)
-        if self.state.topology.is_vdp:
-            key += replicas if direction == FORWARD else replicas[::-1]
-        return self.state.boundary_groups[key]
 
     def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int,
                   direct: bool = False) -> str:

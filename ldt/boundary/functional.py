@@ -18,9 +18,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.boundary.communicator import _TAGS, BACKWARD, FORWARD, VtpCommunicator
-from ldt.boundary.work import RecvWork, SendWork
+from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
+from ldt.boundary.work import Landing, SendWork
 from ldt.config import ConfigError
+from ldt.cross_stage import StagePipelineGroup
+from ldt.routes import DATA_TAGS
 
 __all__ = ["vtp_recv_backward", "vtp_recv_forward", "vtp_send_backward", "vtp_send_forward"]
 
@@ -68,8 +70,6 @@ def _routes(comm: VtpCommunicator, routing, direction: str, sending: bool) -> li
     if len(groups) != len(peers):
         raise ConfigError(f"group= has {len(groups)} groups but the peer ranks are {peers}; "
                           "give one rank per group")
-    from ldt.cross_stage import StagePipelineGroup
-
     return [(None if g is None or isinstance(g, StagePipelineGroup) else g, int(r))
             for g, r in zip(groups, peers)]
 
@@ -100,7 +100,7 @@ def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optiona
                 payload = payload.to("cpu")
             payload = payload.contiguous()
             handles.append(SendWork([dist.isend(payload, dst=rank, group=group,
-                                                 tag=_TAGS[direction])], payload))
+                                                 tag=DATA_TAGS[direction])], payload))
     return handles if comm.state.is_leader else None
 
 
@@ -135,10 +135,8 @@ def _recv_over_groups(comm: VtpCommunicator, shape, routes, direction: str):
         target = tensor.detach()
         if any(dist.get_backend(g) == "gloo" for g, _ in routes) and comm.device.type != "cpu":
             staged = target = torch.empty(tuple(shape), dtype=dtype, device="cpu")
-        works = [dist.irecv(target, src=rank, group=g, tag=_TAGS[direction]) for g, rank in routes]
-    return tensor, RecvWork(tensor, works, tp_group=comm.state.tp_group,
-                                leader=comm.state.stage_ranks[0],
-                                stage_size=len(comm.state.stage_ranks), staged=staged)
+        works = [dist.irecv(target, src=rank, group=g, tag=DATA_TAGS[direction]) for g, rank in routes]
+    return tensor, comm._recv_work(tensor, works, None, Landing(staged=staged))
 
 
 class _SendOnlyConfig:

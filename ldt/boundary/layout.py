@@ -30,9 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ldt.config import ConfigError
-
-# tags of the shape messages (the tensors use 1 / 2, see ldt.boundary.communicator)
-SHAPE_TAGS = {"F": 3, "B": 4}
+from ldt.routes import SHAPE_TAGS  # the shape messages' tags (every wire tag is there)
 
 
 @dataclass(frozen=True)

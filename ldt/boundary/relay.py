@@ -18,7 +18,7 @@ of a stage) compute the same pieces from the element count alone. A small messag
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
 transfer makes exactly the calls it made before pieces existed.
 
-Fan-out (``cluster.boundary_fanout``, :func:`ldt.device.fans_out`): the sending leader sends its copy
+Fan-out (``cluster.boundary_fanout``, :meth:`ldt.routes.Route.transport`): the sending leader sends its copy
 (the same bytes: the send transforms ran once) straight to every TP rank of the receiving
 stage, which then needs no relay, at the price of a copy per TP rank on the link. Where the
 two stages share a node the link is memory (or the node's accelerator fabric) as the relay
@@ -37,16 +37,17 @@ import torch
 import torch.distributed as dist
 
 from ldt.boundary.layout import SequenceLayout
-from ldt.device import PIECE_UNIT_BYTES, piece_count
-
-# p2p tags inside a stage's TP group (gloo keeps p2p slots apart from collectives' slots)
-RELAY_TAG, GATHER_TAG = 5, 6
+from ldt.routes import GATHER_TAG, PIECE_UNIT_BYTES, RELAY_TAG, piece_count
 
 
 def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES
            ) -> list[tuple[int, int]]:
     """The element ranges ``[(start, stop)]`` a message of ``numel`` elements crosses in."""
-    count = piece_count(numel * element_size, unit_bytes)
+    return split(numel, piece_count(numel * element_size, unit_bytes))
+
+
+def split(numel: int, count: int) -> list[tuple[int, int]]:
+    """``numel`` elements as ``count`` contiguous ranges (the last may be shorter)."""
     step = -(-numel // count) if numel else 1
     return [(a, min(a + step, numel)) for a in range(0, max(numel, 1), step)]
 

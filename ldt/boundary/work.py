@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,6 +45,17 @@ class SendWork:
         return all(w.is_completed() for w in self._works)
 
 
+@dataclass
+class Landing:
+    """Where a received message lands before this rank's tensor has it (all optional)."""
+
+    staged: Optional[torch.Tensor] = None  # the leader's host buffer of a host-staged link
+    full: Optional[torch.Tensor] = None  # a sequence-parallel leader's (or fan-out) whole
+    layout: Optional[SequenceLayout] = None  # the stage's broadcast or sequence scatter
+    relay: Optional[PieceRelay] = None  # a message in pieces, relayed as they arrive
+    keep_slice: Optional[tuple[int, int]] = None  # (TP size, TP rank): keep a slice of full
+
+
 class RecvWork:
     """A posted boundary receive. ``wait()``: the leader's irecv, then the stage broadcast.
 
@@ -55,19 +67,17 @@ class RecvWork:
     """
 
     def __init__(self, tensor: torch.Tensor, works: list, *, tp_group, leader: int,
-                 stage_size: int, staged: Optional[torch.Tensor] = None, on_ready=None,
-                 what: str = "receive", delay_s: float = 0.0,
-                 layout: Optional[SequenceLayout] = None, full: Optional[torch.Tensor] = None,
-                 relay: Optional[PieceRelay] = None,
-                 keep_slice: Optional[tuple[int, int]] = None):
-        self.tensor, self._relay = tensor, relay
+                 stage_size: int, landing: Optional["Landing"] = None, on_ready=None,
+                 what: str = "receive", delay_s: float = 0.0):
+        landing = landing or Landing()
+        self.tensor, self._relay = tensor, landing.relay
         # a sequence-parallel stage: the leader receives ``full`` and scatters it
-        self._layout, self._full = layout, full
+        self._layout, self._full = landing.layout, landing.full
         # (TP size, TP rank): a sequence-parallel rank that received the whole tensor itself
         # (ldt.boundary.relay's fan-out) keeps its slice of ``full``
-        self._keep_slice = keep_slice
+        self._keep_slice = landing.keep_slice
         self._works, self._tp_group, self._leader = works, tp_group, leader
-        self._stage_size, self._staged, self._on_ready = stage_size, staged, on_ready
+        self._stage_size, self._staged, self._on_ready = stage_size, landing.staged, on_ready
         self._done, self._what, self._posted = False, what, time.monotonic()
         self._delay = LinkDelay(works, delay_s) if delay_s > 0 and works else None
 

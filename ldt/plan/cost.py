@@ -59,8 +59,8 @@ from typing import Optional
 
 from ldt.config import ModelConfig, RecomputeConfig
 from ldt.config_load import config_dict
-from ldt.device import fans_out, piece_count
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
+from ldt.routes import FANOUT, carry
 
 GB = 1e9
 GIB = 2**30
@@ -437,21 +437,23 @@ class CostModel:
 
     def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int) -> float:
         """One activation (or gradient) from a stage leader to the next stage, all its ranks,
-        as ``cluster.boundary_fanout=auto`` moves it between nodes (:func:`ldt.device.fans_out`;
-        the planner places stages on separate nodes): a small message as a copy per TP rank,
-        a larger one as one copy whose last piece the receiving leader relays."""
+        as ``cluster.boundary_fanout=auto`` moves it between nodes (the route policy a run
+        uses, :func:`ldt.routes.carry`; the planner places stages on separate nodes): a small
+        message as a copy per TP rank, a larger one as one copy whose last piece the receiving
+        leader relays."""
         key = (src_kind, dst_kind, dst_tp)
         if key in self._boundary_times:
             return self._boundary_times[key]
         nbytes = self.boundary_bytes()
         src, dst = self.inventory.kind(src_kind), self.inventory.kind(dst_kind)
         link = self.inventory.link(src_kind, dst_kind)
-        copies = dst_tp if dst_tp > 1 and fans_out("auto", False, nbytes) else 1
+        how = carry(nbytes, dst_tp, mode="auto", same_node=False)
+        copies = dst_tp if how.kind == FANOUT else 1
         t = copies * nbytes / (link.bandwidth_gbps * GB) + link.latency_us * 1e-6
         if src.device != dst.device:  # host-staged: copy to host, gloo, copy to device
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
         if dst_tp > 1 and copies == 1:  # the relay of the last piece inside the TP group
-            t += nbytes / piece_count(nbytes) / (dst.intra_bw_gbps * GB)
+            t += nbytes / how.pieces / (dst.intra_bw_gbps * GB)
         self._boundary_times[key] = t
         return t
 

@@ -1,0 +1,193 @@
+"""The rank plan (ldt.routes) without processes: small plans written out by hand, and the
+invariants every plan of 2..8 stages keeps (VTP, per-stage DP, expert groups, U-shape,
+fan-out modes, host staging). Ranks are computed here from the layout's formula (rank = dp
+rank * replica size + the TP sizes of the stages before + TP rank), not asked of the
+topology."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from ldt.config import ClusterConfig, ConfigError, StageConfig
+from ldt.routes import (BACKWARD, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES, PIECES, WHOLE,
+                        carry, rank_plan)
+from ldt.topology import Topology
+
+KIB, MIB = 1024, 1024 * 1024
+
+
+def topo(tps, *, u_shape=False, dp=1, dps=None, devices=None, fanout="auto", eps=None,
+         host_staging="auto"):
+    devices = devices or ["cpu"] * len(tps)
+    stages = [StageConfig(f"s{i}", devices[i], t, None if dps is None else dps[i],
+                          ep=1 if eps is None else eps[i]) for i, t in enumerate(tps)]
+    return Topology.from_config(ClusterConfig(stages=stages, u_shape=u_shape, dp=dp,
+                                              boundary_fanout=fanout,
+                                              host_staging=host_staging))
+
+
+def first_rank(tps, d, s):
+    """The layout's formula for uniform DP (topology module docstring)."""
+    return d * sum(tps) + sum(tps[:s])
+
+
+def by_role(plan, role):
+    return [g.ranks for g in plan.groups if g.role == role]
+
+
+# ---- small plans, by hand ---------------------------------------------------------------------
+
+def test_a_u_shape_of_three_stages():
+    """TP 1, 2, 1 with the return path: world 4 = [0] [1 2] [3]."""
+    plan = rank_plan(topo((1, 2, 1), u_shape=True))
+    assert [g.role for g in plan.groups] == (  # the order every rank creates them in
+        ["cp"] * 4 + ["tp"] * 3 + ["dp"] * 4 + ["leaders"] + ["boundary"] * 3 + ["fanout"] * 2
+        + ["pp", "embd", "pos_embd", "mp"])
+    assert by_role(plan, "cp") == [(0,), (1,), (2,), (3,)]
+    assert by_role(plan, "tp") == [(0,), (1, 2), (3,)]
+    assert by_role(plan, "dp") == [(0,), (1,), (2,), (3,)]
+    assert by_role(plan, "leaders") == [(0, 1, 3)]
+    assert by_role(plan, "boundary") == [(0, 1), (1, 3), (0, 3)]  # 0->1, 1->2, 2->0
+    assert by_role(plan, "fanout") == [(0, 1, 2), (1, 2, 3)]  # next to the TP 2 stage
+    peers = {(r.src_stage, r.dst_stage, r.direction): (r.src_rank, r.dst_rank, r.receivers)
+             for r in plan.routes}
+    assert peers == {
+        (0, 1, FORWARD): (0, 1, (1, 2)), (1, 0, BACKWARD): (1, 0, (0,)),
+        (1, 2, FORWARD): (1, 3, (3,)), (2, 1, BACKWARD): (3, 1, (1, 2)),
+        (2, 0, FORWARD): (3, 0, (0,)), (0, 2, BACKWARD): (0, 3, (3,)),
+    }
+    fwd, bwd = plan.route(0, 1, FORWARD), plan.route(1, 0, BACKWARD)
+    assert fwd.group == bwd.group and (fwd.tag, bwd.tag) == (1, 2)
+    assert plan.route(2, 0, FORWARD).group != plan.route(1, 0, BACKWARD).group
+    assert [g.ranks for g in plan.groups if g.role == "pp"] == [(0, 1, 2, 3)]
+    assert plan.embedding_stages == (0,)  # the edge holds embedding and head
+
+
+def test_two_replicas_keep_their_own_groups():
+    """TP 2, 1 and dp 2: world 6 = [0 1] [2] | [3 4] [5]."""
+    plan = rank_plan(topo((2, 1), dp=2))
+    assert by_role(plan, "tp") == [(0, 1), (2,), (3, 4), (5,)]
+    assert by_role(plan, "dp") == [(0, 3), (1, 4), (2, 5)]
+    assert by_role(plan, "tp_dp") == [(0, 1, 3, 4), (2, 5)]
+    assert by_role(plan, "leaders") == [(0, 2), (3, 5)]
+    assert by_role(plan, "boundary") == [(0, 2), (0, 2), (3, 5), (3, 5)]
+    assert by_role(plan, "fanout") == [(0, 1, 2), (0, 1, 2), (3, 4, 5), (3, 4, 5)]
+    route = plan.route(1, 0, BACKWARD, 1, 1)
+    assert (route.src_rank, route.dst_rank, route.receivers) == (5, 3, (3, 4))
+    assert plan.roles_of(4)["dist_opt"] == "ldt_dist_opt"
+    with pytest.raises(ConfigError, match="no boundary route"):
+        plan.route(1, 0, BACKWARD, 0, 1)  # replicas do not cross
+
+
+def test_per_stage_dp_routes_every_replica_pair():
+    """dp 1 then dp 2 (TP 1 each): world 3 = [0] [1] | [2]; replica 0 of stage 0 serves
+    both replicas of stage 1, each pair on its own group; no fan-out."""
+    plan = rank_plan(topo((1, 1), dps=(1, 2)))
+    assert by_role(plan, "tp") == [(0,), (1,), (2,)]
+    assert by_role(plan, "leaders") == [(0, 1, 2)]
+    assert by_role(plan, "replica0_leaders") == [(0, 1)]
+    assert by_role(plan, "boundary") == [(0, 1), (0, 2), (0, 1), (0, 2)]
+    assert by_role(plan, "fanout") == []
+    assert plan.route(0, 1, FORWARD, 0, 1).dst_rank == 2
+    assert plan.route(1, 0, BACKWARD, 1, 0).src_rank == 2
+    assert plan.route(1, 0, FORWARD, 1, 0).group != plan.route(0, 1, FORWARD, 0, 1).group
+    assert {g.name for g in plan.groups if g.role == "grad_stats"} == {"ldt_vdp_grad_stats"}
+
+
+def test_mixed_devices_stage_through_the_host():
+    """A CUDA stage of TP 2 before a CPU stage: native groups inside a stage (a gloo twin of
+    the DP groups), gloo and host staging across."""
+    plan = rank_plan(topo((2, 1), devices=["cuda", "cpu"]))
+    assert [(g.ranks, g.backend) for g in plan.groups if g.role in ("tp", "dp", "dp_gloo")] == [
+        ((0, 1), "nccl"), ((2,), "gloo"), ((0,), "nccl"), ((0,), "gloo"), ((1,), "nccl"),
+        ((1,), "gloo"), ((2,), "gloo")]
+    assert all(r.host_staged and r.backend == "gloo" for r in plan.routes)
+    assert plan.roles_of(2)["dp_gloo"] == plan.roles_of(2)["dp"]  # gloo is its own twin
+    assert not any(r.host_staged for r in rank_plan(topo((2, 1))).routes)
+
+
+def test_experts_fold_onto_the_tp_ranks():
+    """TP 4 with ep 2 (expert TP 2) on stage 1: [0] [1 2 3 4]."""
+    plan = rank_plan(topo((1, 4), eps=(1, 2)))
+    assert by_role(plan, "ep") == [(1, 3), (2, 4)]
+    assert by_role(plan, "expt_tp") == [(1, 2), (3, 4)]
+    assert plan.roles_of(0)["ep"] == plan.roles_of(0)["cp"] == "cp:0"  # ep 1: the rank alone
+    assert plan.roles_of(0)["expt_tp"] == "cp:0"  # and expert TP = TP = 1
+
+
+# ---- the transport policy -------------------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes,expected", [
+    (1 * KIB, (WHOLE, 1)), (128 * KIB, (WHOLE, 1)), (2 * MIB, (PIECES, 4)),
+    (5 * MIB // 2, (PIECES, 4)), (8 * MIB, (PIECES, 8)), (1024 * MIB, (PIECES, MAX_PIECES))])
+def test_a_relayed_message_goes_whole_or_in_sqrt_pieces(nbytes, expected):
+    """round(sqrt(bytes / 128 KiB)) pieces, at most 16: 2 MiB -> 4, 2.5 MiB -> sqrt(20) ->
+    4, 8 MiB -> 8."""
+    how = carry(nbytes, 2, mode="never", same_node=True)
+    assert (how.kind, how.pieces) == expected
+
+
+def test_fan_out_by_mode_node_and_size():
+    route = rank_plan(topo((1, 2))).route(0, 1, FORWARD)
+    assert route.transport(64 * MIB).kind == FANOUT  # auto, one node: at every size
+    assert route.transport(64 * MIB, mode="never").kind == PIECES
+    apart = rank_plan(topo((1, 2)), nodes=["a", "b", "b"]).route(0, 1, FORWARD)
+    assert not apart.same_node
+    assert apart.transport(64 * KIB).kind == FANOUT  # between nodes only a small message
+    assert apart.transport(64 * KIB + 1).kind == WHOLE
+    assert apart.transport(64 * KIB + 1, mode="always").kind == FANOUT
+    back = rank_plan(topo((1, 2))).route(1, 0, BACKWARD)
+    assert back.transport(1 * KIB).kind == WHOLE  # into a TP 1 stage: nothing to fan out to
+    never = rank_plan(topo((1, 2), fanout="never")).route(0, 1, FORWARD)
+    assert never.fanout_group is None and never.transport(1 * KIB, mode="always").kind == WHOLE
+
+
+# ---- invariants of every plan, P = 2..8 -----------------------------------------------------
+
+def _clusters():
+    for p in range(2, 9):
+        tps = tuple((i * 5 + 1) % 4 + 1 for i in range(p))  # 2, 3, 4, 1, ... TP per stage
+        yield dict(tps=tps, u_shape=p % 2 == 0, dp=1 + (p % 3 == 0), fanout="auto")
+        yield dict(tps=tps[::-1], u_shape=p % 2 == 1, dp=1, fanout=("never", "always")[p % 2])
+
+
+@pytest.mark.parametrize("kw", list(_clusters()), ids=lambda kw: f"tp{kw['tps']}")
+def test_every_plan_keeps_the_invariants(kw):
+    t = topo(kw["tps"], u_shape=kw["u_shape"], dp=kw["dp"], fanout=kw["fanout"])
+    plan, tps, dp, p = rank_plan(t), kw["tps"], kw["dp"], len(kw["tps"])
+    world = dp * sum(tps)
+    assert rank_plan(t) == plan  # one deterministic order
+    assert len({g.name for g in plan.groups}) == len(plan.groups)
+    stage_ranks = {(d, s): tuple(range(first_rank(tps, d, s), first_rank(tps, d, s) + tps[s]))
+                   for d in range(dp) for s in range(p)}
+    # each rank in exactly one TP group, which is its stage replica
+    tp_groups = by_role(plan, "tp")
+    assert sorted(tp_groups) == sorted(stage_ranks.values())
+    assert sorted(r for g in tp_groups for r in g) == list(range(world))
+    # every directed boundary, both directions, every replica: the two stages' leaders
+    pairs = [(s, (s + 1) % p) for s in range(p)]
+    assert len(plan.routes) == 2 * dp * p
+    for (a, b), d in itertools.product(pairs, range(dp)):
+        fwd, bwd = plan.route(a, b, FORWARD, d, d), plan.route(b, a, BACKWARD, d, d)
+        assert (fwd.src_rank, fwd.dst_rank) == (first_rank(tps, d, a), first_rank(tps, d, b))
+        assert (bwd.src_rank, bwd.dst_rank) == (fwd.dst_rank, fwd.src_rank)
+        assert fwd.group == bwd.group and (fwd.tag, bwd.tag) == (1, 2)
+        assert plan.group(fwd.group).ranks == tuple(sorted({fwd.src_rank, fwd.dst_rank}))
+        assert (fwd.receivers, bwd.receivers) == (stage_ranks[d, b], stage_ranks[d, a])
+        fans = kw["fanout"] != "never" and max(tps[a], tps[b]) > 1
+        assert (fwd.fanout_group is not None) == fans
+        if fans:
+            assert plan.group(fwd.fanout_group).ranks == tuple(sorted(
+                set(stage_ranks[d, a]) | set(stage_ranks[d, b])))
+    # every megatron name maps to a listed group every rank has (embedding: its stages)
+    for rank in range(world):
+        roles = plan.roles_of(rank)
+        for name, role in MEGATRON_NAMES.items():
+            stage = next(s for (_, s), ranks in stage_ranks.items() if rank in ranks)
+            if role in ("embd", "pos_embd"):
+                held = plan.embedding_stages if role == "embd" else (0,)
+                assert (role in roles) == (stage in held), (rank, name)
+            elif role is not None:
+                assert rank in plan.group(roles[role]).ranks, (rank, name, role)
