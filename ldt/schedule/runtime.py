@@ -8,8 +8,9 @@ posts the receive as early as the list says, the WAIT right before the compute t
 waits it (and runs the stage broadcast), and a send is let go (waited, its tensor freed) at
 the first action after it completed, the rest at the end of the step, so communication
 overlaps compute and a sent tensor does not outlive its transfer (held to the step's end,
-the edge of llama3_8b's U-shape plan kept 122 sent tensors of 64 MiB: 7.6 GiB). On an error the stage's action grid is printed with the failing
-action marked, which is what a user with a crashed pipeline needs.
+the edge of llama3_8b's U-shape plan would keep 122 sent tensors of 64 MiB: 7.6 GiB). On an
+error the stage's action grid is printed with the failing action marked, which is what a
+user with a crashed pipeline needs.
 
 Roles per op: on a U-shape edge (stage 0) FS runs the start chunk on data, FE runs the end
 chunk and the loss, BS its backward, BE the start chunk's backward; F / B run a stage's only

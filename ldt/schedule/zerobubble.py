@@ -28,8 +28,8 @@ Memory, as the paper counts it: a forward leaves the activations its backward ne
 the backward frees them but leaves what the W needs (``M_W``: the linear layers' inputs and
 output gradients, the W store), the W frees that. So there are two caps: ``max_held``, the
 micro-batches whose activations a chunk holds (forward run, backward not yet: what
-``SimResult.peak_inflight`` counts), by default exactly what today's schedule holds (1F1B's
-``P - s``; today's U-shape's per chunk), and ``max_wstore``, the W store's entries per stage
+``SimResult.peak_inflight`` counts), by default exactly what the unsplit schedule holds
+(1F1B's ``P - s``; the U-shape's per chunk), and ``max_wstore``, the W store's entries per stage
 (backward run, W not yet: ``SimResult.peak_wstore``), by default ``P`` (plain) or ``P + 1``
 (U-shape): as many as the stage holding most holds activations. ZB-H1 is the first cap at
 1F1B's values; the W store comes on top, and ``M_W`` is smaller than ``M_B``.
@@ -85,7 +85,7 @@ def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = 
     ``costs``: ``(0, "FS" | "FE" | "BS" | "BE" | "WS" | "WE")`` and ``(s, "F" | "B" | "W")``
     (default all 1); ``comm``: ``(0, 1), (1, 0), ..., (P - 1, 0), (0, P - 1) -> time``
     (default 0). ``max_held``: per logical chunk in data-flow order (start chunk, cloud stages
-    1..P-1, end chunk: P + 1 values, or one int for all); default what today's
+    1..P-1, end chunk: P + 1 values, or one int for all); default what the unsplit
     :func:`~ldt.schedule.generate.u_shape` holds: ``P + 1``, ``P - s + 1``, ``1``.
     ``max_wstore``: W store entries per stage (edge: both chunks together; default ``P + 1``)."""
     _require(num_stages >= 2 and num_microbatches >= 1,
@@ -97,9 +97,10 @@ def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = 
 
 
 def unsplit(costs: Costs) -> dict[tuple[int, str], float]:
-    """The cost table of the same work without the split (B = B + W): what today's schedules
-    (:func:`~ldt.schedule.generate.one_f_one_b`, :func:`~ldt.schedule.generate.u_shape`) are
-    timed with, for comparing them with a zero-bubble schedule on one workload."""
+    """The cost table of the same work without the split (B = B + W): what the unsplit
+    schedules (:func:`~ldt.schedule.generate.one_f_one_b`,
+    :func:`~ldt.schedule.generate.u_shape`) are timed with, for comparing them with a
+    zero-bubble schedule on one workload."""
     out = {k: v for k, v in costs.items() if Op(k[1]) not in WEIGHT_OPS}
     for (stage, op), t in costs.items():
         if Op(op) in WEIGHT_OPS:
@@ -150,9 +151,9 @@ def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[C
         return seen[key]
 
     candidates = []
-    today = _today_split(p, m, ushape, price, held, wstore)
-    if today is not None:
-        candidates.append((timed(today), today))
+    unsplit_order = _unsplit_order(p, m, ushape, price, held, wstore)
+    if unsplit_order is not None:
+        candidates.append((timed(unsplit_order), unsplit_order))
     # The play is greedy: with the real costs it can trade the critical path for a W that
     # fits now. The same play with every stage's costs evened out (each op its mean over the
     # stages; and all 1, the paper's equal case) keeps the regular zero-bubble pattern, which
@@ -199,10 +200,10 @@ def _cost_models(chunks: list[Chunk], price: dict, wire: dict) -> list[tuple[dic
     return models
 
 
-def _today_split(p: int, m: int, ushape: bool, price: dict, held: list[int],
+def _unsplit_order(p: int, m: int, ushape: bool, price: dict, held: list[int],
                  wstore: list[int]) -> Optional[Schedule]:
-    """Today's schedule with each W right after its backward: it times exactly as today's
-    unsplit schedule, so the one kept is never slower than today's (None where it holds more
+    """The unsplit schedule with each W right after its backward: it times exactly as the
+    unsplit schedule, so the one kept is never slower than that (None where it holds more
     than the caps allow)."""
     if ushape:
         cloud = [(price[(s, "B")] + price[(s, "W")]) / price[(s, "F")]
