@@ -42,7 +42,7 @@ play and keeps the best. No torch here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import product
 from typing import Optional, Union
 
@@ -128,44 +128,20 @@ def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[C
     chunks = chunks_of(p, ushape)
     price = _price(chunks, costs)
     wire = _wire(p, ushape, comm)
-    orders = ([(Op.BS, Op.BE), (Op.BE, Op.BS)], [(Op.FE, Op.FS), (Op.FS, Op.FE)]) if ushape \
-        else ([()], [()])
-    # and a tighter W store: every stage holds at most one more micro-batch (activations or W
-    # store) than the stage holding most activations, which is what ZB-H1 keeps
-    per_stage = [sum(held[c.index] for c in chunks if c.stage == s) for s in range(p)]
-    tight = [min(w, max(1, max(per_stage) - h + 1)) for w, h in zip(wstore, per_stage)]
-    # the fill policy per stage: all alike, or the edge / first stage unlike the others
-    fills = [(a,) + (b,) * (p - 1) for a in FILLS for b in FILLS]
-    kind = "ushape" if ushape else "1f1b"
-    seen: dict = {}
-
-    def timed(schedule: Schedule) -> tuple:
-        """(iteration, most micro-batches a stage holds) as the simulator times it with the
-        real costs (the play's own clock can only be later: it may idle before a W)."""
-        key = tuple(tuple(a) for s in sorted(schedule) for a in schedule[s])
-        if key not in seen:
-            sim = simulate(lower(schedule, kind), price, wire)
-            seen[key] = (sim.iteration_time, max(
-                sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0)
-                + sim.peak_wstore.get(s, 1) for s in range(p)))
-        return seen[key]
-
-    candidates = []
+    found = _Candidates(p, "ushape" if ushape else "1f1b", price, wire)
     unsplit_order = _unsplit_order(p, m, ushape, price, held, wstore)
     if unsplit_order is not None:
-        candidates.append((timed(unsplit_order), unsplit_order))
+        found.add(unsplit_order)
     # The play is greedy: with the real costs it can trade the critical path for a W that
     # fits now. The same play with every stage's costs evened out (each op its mean over the
     # stages; and all 1, the paper's equal case) keeps the regular zero-bubble pattern, which
     # on uneven costs is often faster: each is played, then timed with the real costs.
     best_real = None
     for model in _cost_models(chunks, price, wire):
-        for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders):
-            schedule = play(chunks, p, m, model[0], model[1], held, store, fill,
-                             b_order + f_order)[0]
-            candidates.append((timed(schedule), schedule))
-            if model[0] is price and (best_real is None or candidates[-1][0] < best_real[0]):
-                best_real = (candidates[-1][0], store, fill, b_order + f_order)
+        for store, fill, order in _variants(chunks, p, ushape, held, wstore):
+            score = found.add(play(chunks, p, m, model[0], model[1], held, store, fill, order)[0])
+            if model[0] is price and (best_real is None or score < best_real[0]):
+                best_real = (score, store, fill, order)
     # then, with the real costs, each stage's own fill policy, one stage at a time, while
     # that helps
     score, store, fill, order = best_real
@@ -174,11 +150,51 @@ def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[C
         improved = False
         for s in range(p):
             flip = fill[:s] + (FILLS[1 - FILLS.index(fill[s])],) + fill[s + 1:]
-            schedule = play(chunks, p, m, price, wire, held, store, flip, order)[0]
-            candidates.append((timed(schedule), schedule))
-            if candidates[-1][0] < score:
-                score, fill, improved = candidates[-1][0], flip, True
-    return min(candidates, key=lambda c: c[0])[1]
+            flipped = found.add(play(chunks, p, m, price, wire, held, store, flip, order)[0])
+            if flipped < score:
+                score, fill, improved = flipped, flip, True
+    return found.best()
+
+
+def _variants(chunks: list[Chunk], p: int, ushape: bool, held: list[int],
+              wstore: list[int]) -> Iterator[tuple]:
+    """(W store caps, fill policy per stage, chunk order) of every variant played."""
+    orders = ([(Op.BS, Op.BE), (Op.BE, Op.BS)], [(Op.FE, Op.FS), (Op.FS, Op.FE)]) if ushape \
+        else ([()], [()])
+    # and a tighter W store: every stage holds at most one more micro-batch (activations or W
+    # store) than the stage holding most activations, which is what ZB-H1 keeps
+    per_stage = [sum(held[c.index] for c in chunks if c.stage == s) for s in range(p)]
+    tight = [min(w, max(1, max(per_stage) - h + 1)) for w, h in zip(wstore, per_stage)]
+    # the fill policy per stage: all alike, or the edge / first stage unlike the others
+    fills = [(a,) + (b,) * (p - 1) for a in FILLS for b in FILLS]
+    for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders):
+        yield store, fill, b_order + f_order
+
+
+class _Candidates:
+    """Every schedule played, each with its score: (iteration, most micro-batches a stage
+    holds) as the simulator times it with the real costs (the play's own clock can only be
+    later: it may idle before a W)."""
+
+    def __init__(self, p: int, kind: str, price: dict, wire: dict) -> None:
+        self.p, self.kind, self.price, self.wire = p, kind, price, wire
+        self.seen: dict = {}
+        self.played: list[tuple[tuple, Schedule]] = []
+
+    def add(self, schedule: Schedule) -> tuple:
+        """Time ``schedule`` (once per distinct list), keep it; returns its score."""
+        key = tuple(tuple(a) for s in sorted(schedule) for a in schedule[s])
+        if key not in self.seen:
+            sim = simulate(lower(schedule, self.kind), self.price, self.wire)
+            self.seen[key] = (sim.iteration_time, max(
+                sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0)
+                + sim.peak_wstore.get(s, 1) for s in range(self.p)))
+        self.played.append((self.seen[key], schedule))
+        return self.seen[key]
+
+    def best(self) -> Schedule:
+        """The first of the fastest (then holding least)."""
+        return min(self.played, key=lambda c: c[0])[1]
 
 
 def _cost_models(chunks: list[Chunk], price: dict, wire: dict) -> list[tuple[dict, dict]]:
