@@ -43,6 +43,9 @@ from typing import Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ldt import patches
+from ldt.patches.registry import swap_attr
+
 PATCHES = ["cpu_shims", "optimizer_cpu", "rope_cpu", "sequence_parallel_norms",
            "recompute_norms", "moe_without_te", "fake_tensors"]
 
@@ -93,9 +96,6 @@ def fake_rank(world_size: int, rank: int,
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from ldt import patches
-    from ldt.patches.registry import swap_attr
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     new_group = dist.new_group

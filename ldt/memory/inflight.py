@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ldt.schedule import Op
+from ldt.schedule.routing import Lanes
+from ldt.schedule.size import runs_on_ldt_runtime
 
 
 SENDS_OUTLIVE = 2
@@ -71,8 +73,6 @@ class StageInflight:
 def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, StageInflight]:
     """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch);
     ``sequence_parallel``: the model's (a stage with TP > 1 then gathers what it sends)."""
-    from ldt.schedule.size import runs_on_ldt_runtime
-
     m = train.num_microbatches
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
     if vpp > 1:
@@ -93,12 +93,12 @@ def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, St
 
 
 def _lists(topo, train):
+    # late: forward_backward brings in the runtime (torch and megatron-core); this module
+    # only reads the action lists it makes
     from ldt.schedule.forward_backward import lane_schedules, stage_schedules
 
     prefetch = train.prefetch if topo.u_shape else 0
     if topo.is_vdp:
-        from ldt.schedule.routing import Lanes
-
         lanes = Lanes(tuple(topo.dp_sizes))
         return (lane_schedules(tuple(topo.dp_sizes), train.num_microbatches, topo.u_shape,
                                prefetch=prefetch), lambda lane: lanes.of(lane)[0])
@@ -121,8 +121,9 @@ def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
     ldt's runtime posts receives ahead (RECV .. WAIT) and lets a send go at its first action
     after the send completed, so a tensor only its send holds (an input gradient; a forward
     output is the chunk's until its backward, long after its send) is counted through the
-    next computation, which the transfer may overlap, and not after; megatron's own 1F1B (a plain pipeline's default runtime) receives right before the
-    computation that needs the tensor and waits for each send before it goes on, so neither
+    next computation, which the transfer may overlap, and not after; megatron's own 1F1B (a
+    plain pipeline's default runtime) receives right before the computation that needs the
+    tensor and waits for each send before it goes on, so neither
     buffers nor sent tensors outlive an exchange there: the one being consumed is the
     chunk's input (in its activations) or its output gradient (in the transient). Its loop
     keeps one tensor of the last exchange, though (measured: cpu_vtp's three stages): after
@@ -133,46 +134,55 @@ def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
     A sequence-parallel stage's leader (``gathers``) sends a whole ``[s, b, h]`` it gathered
     from the slices, so each of its forward sends is a new tensor from the start (its
     backward sends are gathered wholes too, as every input gradient is counted)."""
-    held = end = buffers = sent = backwards = 0
-    moments = []
-    sends = {a.op for a in actions if a.op in (Op.SEND_F, Op.SEND_B)}
-
-    recent = [0] * outlive  # sent before each of the last computations
-
-    def moment(stale_op, chunk=0):
-        nonlocal sent
-        if ldt_runtime:
-            recent.append(sent)
-            del recent[0]
-            extra = (buffers, sum(recent))
-            sent = 0
-        else:
-            extra = (0, int(backwards > 0 and stale_op in sends))
-        moments.append(Moment((held, end) if two_chunks else (held,), *extra, chunk))
-
+    walk = _Walk(two_chunks, ldt_runtime, outlive,
+                 {a.op for a in actions if a.op in (Op.SEND_F, Op.SEND_B)})
     for a in actions:
-        if a.op in (Op.F, Op.FS):
-            held += 1
-            moment(Op.SEND_F)
-        elif a.op is Op.FE:
-            end += 1
-            moment(Op.SEND_F, 1)
-        elif a.op in (Op.B, Op.BE):
-            moment(Op.SEND_B)
-            held -= 1
-            backwards += 1
-        elif a.op is Op.BS:
-            moment(Op.SEND_B, 1)
-            end -= 1
-        elif a.op is Op.SEND_F and gathers:
-            sent += 1  # a sequence-parallel leader sends the whole it gathered: a new tensor
-        elif a.op is Op.SEND_B:
-            sent += 1
-        elif a.op in (Op.RECV_F, Op.RECV_B):
-            buffers += 1
-        elif a.op in (Op.WAIT_F, Op.WAIT_B):
-            buffers -= 1
-    return moments
+        walk.step(a.op, gathers)
+    return walk.moments
+
+
+class _Walk:
+    """The counts along one lane's action list, and the moments taken so far."""
+
+    def __init__(self, two_chunks: bool, ldt_runtime: bool, outlive: int, sends: set) -> None:
+        self.two_chunks, self.ldt_runtime, self.sends = two_chunks, ldt_runtime, sends
+        self.held = self.end = self.buffers = self.sent = self.backwards = 0
+        self.recent = [0] * outlive  # sent before each of the last computations
+        self.moments: list[Moment] = []
+
+    def step(self, op: Op, gathers: bool) -> None:
+        if op in (Op.F, Op.FS):
+            self.held += 1
+            self._moment(Op.SEND_F)
+        elif op is Op.FE:
+            self.end += 1
+            self._moment(Op.SEND_F, 1)
+        elif op in (Op.B, Op.BE):
+            self._moment(Op.SEND_B)
+            self.held -= 1
+            self.backwards += 1
+        elif op is Op.BS:
+            self._moment(Op.SEND_B, 1)
+            self.end -= 1
+        elif op is Op.SEND_F and gathers:
+            self.sent += 1  # a sequence-parallel leader sends the whole it gathered: a new tensor
+        elif op is Op.SEND_B:
+            self.sent += 1
+        elif op in (Op.RECV_F, Op.RECV_B):
+            self.buffers += 1
+        elif op in (Op.WAIT_F, Op.WAIT_B):
+            self.buffers -= 1
+
+    def _moment(self, stale_op: Op, chunk: int = 0) -> None:
+        if self.ldt_runtime:
+            self.recent.append(self.sent)
+            del self.recent[0]
+            extra = (self.buffers, sum(self.recent))
+            self.sent = 0
+        else:
+            extra = (0, int(self.backwards > 0 and stale_op in self.sends))
+        self.moments.append(Moment((self.held, self.end) if self.two_chunks else (self.held,),
+                                   *extra, chunk))
 
 
 def _interleaved(p: int, stage: int, vpp: int, m: int) -> StageInflight:

@@ -34,7 +34,13 @@ import gc
 from dataclasses import dataclass
 
 import torch
+from megatron.core.utils import get_attr_wrapped_model
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
+
+from ldt.models.build import DTYPES
+from ldt.training.optim import build_stage_optimizer
+from ldt.training.stage import build_stage_models, make_forward_step
 
 
 @dataclass
@@ -127,25 +133,9 @@ def attention_of(model, device: str, attention: str = "auto") -> str:
 
 def measure_stage(c, topo, state, device: str, attention: str = "auto") -> StageMeasure:
     """Build this rank's stage under fake tensors and count it (see the module docstring)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    from ldt.models.build import DTYPES
-    from ldt.training.optim import build_stage_optimizer
-    from ldt.training.stage import build_stage_models, make_forward_step
-
     attn = attention_of(c.model, device, attention)
-    models = build_stage_models(c, topo, state)
-    if attn == "flash":
-        for gpt in models:
-            for layer in gpt.decoder.layers:
-                layer.self_attention.core_attention = FlashAttention()
     dtype = DTYPES[c.model.params_dtype]
-    for gpt in models:  # Float16Module's cast, done here: Module._apply cannot swap fake
-        if dtype != torch.float32:  # parameters (ldt.memory.fake); the position table and
-            for t in (*gpt.parameters(), *gpt.buffers()):  # RoPE buffers are made in fp32
-                if t.is_floating_point() and t.dtype != dtype:
-                    t.data = t.data.to(dtype)
-        gpt.bfloat16 = gpt.half = (lambda g=gpt: g)
+    models = _stage_models(c, topo, state, attn, dtype)
     shared = len({id(p) for g in models for p in g.parameters()}) < \
         sum(1 for g in models for _ in g.parameters())
     opt = build_stage_optimizer(c, topo, state, models, shared_chunks=shared)
@@ -159,15 +149,11 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     main_params = _new_bytes(seen, [p for o in inner for g in o.param_groups
                                     for p in g["params"]])
 
-    m, tp = c.model, topo.stages[state.stage].tp
-    b, s, h = c.train.micro_batch_size, m.seq_length, m.hidden_size
-    sp = 1 if not (m.sequence_parallel and tp > 1) else tp
-    chunks = topo.split.stage_chunks(state.stage)
+    batch = _MicroBatch.of(c, topo, state, dtype)
     # gloo's reduce-scatter (a cpu stage with sequence parallelism: megatron's linear
     # backward) returns a slice of a whole [s, b, h] copy it keeps until the wait returns;
     # the fake process group makes no copy (measured: cpu_vtp's last stage at TP 2, 32 KiB)
-    gloo_copy = s * b * h * dtype.itemsize if device == "cpu" and sp > 1 else 0
-    step_func: list = []  # the function that trains the stage; its causal mask is made once
+    gloo_copy = batch.boundary_bytes if device == "cpu" and batch.sp > 1 else 0
     tracker = LivePeak()
     # Everything counted above is known to the tracker before anything runs: a storage it has
     # not seen counts as new when an operation first touches it, so DDP's gradient hooks
@@ -175,57 +161,116 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     # backward's transient (4 bytes per parameter counted twice, measured: cpu_vtp s1 399872
     # bytes, +10% of its peak) and the step would count the main parameters as states.
     tracker.track_external(*models, *_storages_of(seen))
-    measured = []
+    chunks = topo.split.stage_chunks(state.stage)
+    last: list = []  # see _measure_chunk
     with tracker:
-        for chunk, run in zip(chunks, opt.chunks):
-            def forward():
-                # what a data stage's batch holds (ldt.data.bytes), made per micro-batch
-                if not step_func:
-                    step_func.append(make_forward_step(s))
-                batch = None
-                if chunk.has_embedding or chunk.has_head:
-                    tokens = torch.zeros(b, s, dtype=torch.long)
-                    batch = {"tokens": tokens, "labels": tokens.clone(),
-                             "loss_mask": torch.ones(b, s),
-                             "position_ids": torch.arange(s).repeat(b, 1)}
-                inp = None
-                if not chunk.has_embedding:
-                    inp = torch.zeros(s // sp, b, h, dtype=dtype, requires_grad=True)
-                get_attr_wrapped_model(run, "set_input_tensor")(inp)
-                out, loss = step_func[0](iter([batch]) if batch else None, run)
-                # the batch lives with its micro-batch: ldt's runtime keeps it from the start
-                # chunk's forward to the end chunk's (labels, loss mask: 4.6 KiB over cpu_vdp's
-                # edge); megatron's keeps less, a few bytes per token
-                return inp, loss(out)[0] if chunk.has_head else out, batch
-
-            # Two micro-batches, the second run while the first is alive: the first also makes
-            # what a process makes once (megatron's global buffer for local attention's scores:
-            # b*a/tp*s*s*4 bytes, 64 KiB on a TP 2 gpt_tiny rank), so the second says what each
-            # micro-batch in flight keeps, and the once-made part goes to the transient.
-            base = tracker.reset_peak()
-            first = forward()
-            mid = tracker.current()
-            second = forward()
-            held = tracker.current() - mid
-            for _, out, _ in (second, first):  # as a pipeline does: the last forward first
-                out.backward(torch.ones_like(out))
-            peak = tracker.peak() - base
-            del first, second
-            gc.collect()
-            measured.append(ChunkMemory(held, max(peak - 2 * held, 0) + gloo_copy,
-                                        max(tracker.current() - base, 0)))
-        for o in inner:  # the gradients megatron hands its optimizer are views of DDP's buffer
-            for g in o.param_groups:
-                g["foreach"] = device != "cpu"  # torch's default off CPU
-                for p in g["params"]:
-                    p.grad = torch.zeros_like(p)
-        base = tracker.reset_peak()
-        for o in inner:
-            o.step()
-        optimizer = tracker.current() - base
-        step_transient = tracker.peak() - tracker.current()
+        measured = [_measure_chunk(tracker, batch, chunk, run, gloo_copy, last)
+                    for chunk, run in zip(chunks, opt.chunks)]
+        optimizer, step_transient = _measure_step(tracker, inner, device)
     return StageMeasure(weights, grads, main_params, optimizer, measured, step_transient,
-                        s * b * h * dtype.itemsize, attn)
+                        batch.boundary_bytes, attn)
+
+
+def _stage_models(c, topo, state, attn: str, dtype: torch.dtype) -> list:
+    """The stage's chunks as training builds them, with flash attention's memory where the
+    stage runs it, in the model's dtype."""
+    models = build_stage_models(c, topo, state)
+    if attn == "flash":
+        for gpt in models:
+            for layer in gpt.decoder.layers:
+                layer.self_attention.core_attention = FlashAttention()
+    for gpt in models:  # Float16Module's cast, done here: Module._apply cannot swap fake
+        if dtype != torch.float32:  # parameters (ldt.memory.fake); the position table and
+            for t in (*gpt.parameters(), *gpt.buffers()):  # RoPE buffers are made in fp32
+                if t.is_floating_point() and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
+        gpt.bfloat16 = gpt.half = (lambda g=gpt: g)
+    return models
+
+
+@dataclass
+class _MicroBatch:
+    """One micro-batch of the stage: its sizes, and the forward step that trains it (its causal
+    mask is made once, by the first forward)."""
+
+    b: int
+    s: int
+    h: int
+    sp: int  # sequence-parallel shards of a boundary tensor
+    dtype: torch.dtype
+    step_func: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, c, topo, state, dtype: torch.dtype) -> "_MicroBatch":
+        m, tp = c.model, topo.stages[state.stage].tp
+        sp = 1 if not (m.sequence_parallel and tp > 1) else tp
+        return cls(c.train.micro_batch_size, m.seq_length, m.hidden_size, sp, dtype)
+
+    @property
+    def boundary_bytes(self) -> int:
+        """Bytes of one whole ``[s, b, h]`` boundary tensor."""
+        return self.s * self.b * self.h * self.dtype.itemsize
+
+    def forward(self, chunk, run) -> tuple:
+        """(input, loss or output, batch) of one forward through ``run``."""
+        b, s = self.b, self.s
+        if not self.step_func:
+            self.step_func.append(make_forward_step(s))
+        batch = None
+        if chunk.has_embedding or chunk.has_head:  # what a data stage's batch holds
+            tokens = torch.zeros(b, s, dtype=torch.long)  # (ldt.data.bytes), per micro-batch
+            batch = {"tokens": tokens, "labels": tokens.clone(),
+                     "loss_mask": torch.ones(b, s),
+                     "position_ids": torch.arange(s).repeat(b, 1)}
+        inp = None
+        if not chunk.has_embedding:
+            inp = torch.zeros(s // self.sp, b, self.h, dtype=self.dtype, requires_grad=True)
+        get_attr_wrapped_model(run, "set_input_tensor")(inp)
+        out, loss = self.step_func[0](iter([batch]) if batch else None, run)
+        # the batch lives with its micro-batch: ldt's runtime keeps it from the start
+        # chunk's forward to the end chunk's (labels, loss mask: 4.6 KiB over cpu_vdp's
+        # edge); megatron's keeps less, a few bytes per token
+        return inp, loss(out)[0] if chunk.has_head else out, batch
+
+
+def _measure_chunk(tracker: LivePeak, batch: _MicroBatch, chunk, run, gloo_copy: int,
+                   last: list) -> ChunkMemory:
+    """Two micro-batches through one chunk, the second run while the first is alive: the
+    first also makes what a process makes once (megatron's global buffer for local
+    attention's scores: b*a/tp*s*s*4 bytes, 64 KiB on a TP 2 gpt_tiny rank), so the second
+    says what each micro-batch in flight keeps, and the once-made part goes to the
+    transient.
+
+    ``last`` holds the first micro-batch's output and batch from here until the next chunk's
+    backward and through the optimizer step: the measure has always counted them so, and the
+    recorded figures (bench/results/memory.json) were measured that way (without it a
+    two-chunk edge's transient changes: 5800 -> 5832 bytes on test_memory_measure's MOE)."""
+    base = tracker.reset_peak()
+    first = batch.forward(chunk, run)
+    mid = tracker.current()
+    second = batch.forward(chunk, run)
+    held = tracker.current() - mid
+    for _, out, data in (second, first):  # as a pipeline does: the last forward first
+        last[:] = (out, data)
+        out.backward(torch.ones_like(out))
+    peak = tracker.peak() - base
+    del first, second
+    gc.collect()
+    return ChunkMemory(held, max(peak - 2 * held, 0) + gloo_copy,
+                       max(tracker.current() - base, 0))
+
+
+def _measure_step(tracker: LivePeak, inner: list, device: str) -> tuple[int, int]:
+    """(optimizer states, the step's transient): one step of each torch optimizer."""
+    for o in inner:  # the gradients megatron hands its optimizer are views of DDP's buffer
+        for g in o.param_groups:
+            g["foreach"] = device != "cpu"  # torch's default off CPU
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+    base = tracker.reset_peak()
+    for o in inner:
+        o.step()
+    return tracker.current() - base, tracker.peak() - tracker.current()
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -245,8 +290,6 @@ def _storages_of(seen: dict) -> list:
 
 def _new_bytes(seen: dict, tensors) -> int:
     """Bytes of the storages of ``tensors`` not in ``seen`` (which then holds them too)."""
-    from torch.distributed._tools.common_utils import get_untyped_storages
-
     total = 0
     for t in tensors:
         for st in get_untyped_storages(t):

@@ -21,6 +21,12 @@ import torch
 
 from ldt.config import ModelConfig
 from ldt.layout import Chunk
+from ldt.models.arch import EXPERTS
+from ldt.models.spec import TE, canonical_name, decoder_spec, layer_spec, transformer_impl
+from ldt.patches.rope_scaling import set_llama3_frequencies
+
+# megatron-core is imported inside the functions that build its modules: it takes seconds to
+# import, and the name helpers below serve checkpoint code that builds nothing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,8 +112,6 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
     ``ep``: the stage's expert-parallel size (MoE models)."""
     from megatron.core.models.gpt import GPTModel
 
-    from ldt.models.spec import decoder_spec, layer_spec, transformer_impl
-
     if chunk.num_mtp:  # megatron-core computes the MTP losses in the head's chunk
         config_overrides = dict(mtp_num_layers=chunk.num_mtp,
                                 mtp_loss_scaling_factor=model.mtp_loss_scaling_factor,
@@ -120,12 +124,30 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
             f"stage {chunk.stage} chunk {chunk.index} has no decoder layer; ldt needs at least "
             "one decoder layer per chunk for now; move a layer into it in cluster.layout"
         )
-    cls = GPTModel
-    if chunk.has_head and vocab_size and vocab_size > model.vocab_size:
-        cls = _padded_vocab_gpt_class()
+    padded = chunk.has_head and vocab_size and vocab_size > model.vocab_size
+    gpt = _gpt(_padded_vocab_gpt_class() if padded else GPTModel, model, chunk, config,
+               device, vocab_size, pg_collection)
+    if model.rope_scaling:
+        set_llama3_frequencies(
+            gpt.rotary_pos_emb, kv_channels=config.kv_channels,
+            rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+            factor=model.rope_scaling_factor, low_freq_factor=model.rope_low_freq_factor,
+            high_freq_factor=model.rope_high_freq_factor,
+            original_max_position_embeddings=model.rope_original_max_position_embeddings)
+    if padded:
+        gpt.real_vocab_size = model.vocab_size
+    _number_layers(gpt, model, chunk)
+    if device != "cpu":
+        gpt = gpt.to(device)
+    return gpt
+
+
+def _gpt(cls, model: ModelConfig, chunk: Chunk, config, device: str,
+         vocab_size: Optional[int], pg_collection):
+    """megatron-core's GPTModel (or ``cls``, a subclass) of the chunk's part of the model."""
     impl = transformer_impl(model, device)
     spec = layer_spec(model, impl)
-    gpt = cls(
+    return cls(
         config=config,
         transformer_layer_spec=decoder_spec(model, impl, config),
         vocab_size=vocab_size or model.vocab_size,
@@ -141,17 +163,11 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
         pg_collection=pg_collection,
         mtp_block_spec=_mtp_block_spec(spec, chunk.num_mtp, impl) if chunk.num_mtp else None,
     )
-    if model.rope_scaling:
-        from ldt.patches.rope_scaling import set_llama3_frequencies
 
-        set_llama3_frequencies(
-            gpt.rotary_pos_emb, kv_channels=config.kv_channels,
-            rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
-            factor=model.rope_scaling_factor, low_freq_factor=model.rope_low_freq_factor,
-            high_freq_factor=model.rope_high_freq_factor,
-            original_max_position_embeddings=model.rope_original_max_position_embeddings)
-    if cls is not GPTModel:
-        gpt.real_vocab_size = model.vocab_size
+
+def _number_layers(gpt, model: ModelConfig, chunk: Chunk) -> None:
+    """Global layer numbers: the chunk's decoder layers from its first layer, its MTP layers
+    after the model's decoder."""
     for i, layer in enumerate(gpt.decoder.layers):
         layer.layer_number = chunk.first_layer + i + 1
         if hasattr(layer.mlp, "router"):  # the aux-loss log is per global layer
@@ -159,9 +175,6 @@ def build_chunk(model: ModelConfig, chunk: Chunk, tp: int, *, device: str = "cpu
     for i, layer in enumerate(gpt.mtp.layers if chunk.num_mtp else ()):
         layer.layer_number = i + 1  # megatron counts its transformer layer after the decoder's
         layer.transformer_layer.layer_number = model.num_layers + i + 1
-    if device != "cpu":
-        gpt = gpt.to(device)
-    return gpt
 
 
 def _mtp_block_spec(decoder_layer_spec, num_mtp: int, impl: str):
@@ -172,8 +185,6 @@ def _mtp_block_spec(decoder_layer_spec, num_mtp: int, impl: str):
     one (every MTP layer in the head's chunk, as megatron-core 0.16 requires)."""
     from megatron.core.transformer.multi_token_prediction import (
         MultiTokenPredictionBlockSubmodules, get_mtp_layer_spec)
-
-    from ldt.models.spec import TE
 
     layer = get_mtp_layer_spec(decoder_layer_spec, use_transformer_engine=impl == TE)
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_mtp)
@@ -222,8 +233,6 @@ def global_param_name(chunk: Chunk, local_name: str, expert_offset: int = 0) -> 
     """``decoder.layers.<local>...`` -> ``decoder.layers.<global>...``, in the one canonical
     naming whatever the layer implementation (:func:`ldt.models.spec.canonical_name`);
     ``expert_offset``: the global number of this rank's first expert (expert parallelism)."""
-    from ldt.models.spec import canonical_name
-
     name = canonical_name(_shift_layer(local_name, chunk.first_layer))
     return shift_expert(name, expert_offset) if expert_offset else name
 
@@ -249,8 +258,6 @@ def _layer_of(name: str) -> Optional[int]:
 
 def shift_expert(name: str, offset: int) -> str:
     """A MoE expert parameter's name with its expert number moved by ``offset``."""
-    from ldt.models.arch import EXPERTS
-
     head, sep, tail = name.partition(EXPERTS)
     if not sep:
         return name

@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from ldt.models.sharding import shard
+from ldt.models.sharding import is_gated, shard, split_dim, tp_of
+from ldt.models.vocab import fit_rows, is_vocab_param
 
 _SCALED = ("self_attention.linear_proj.weight", "linear_fc2.weight")  # also every expert's
 
@@ -51,9 +52,6 @@ def init_chunk(module: torch.nn.Module, *, seed: int, num_layers: int, tp: int, 
     which depends on the layout's TP sizes) start at zero, so the real rows are the same
     whatever the padding. ``ep``: the stage's expert parallelism (``rename`` gives the
     experts their global numbers, :func:`ldt.models.build.param_names`)."""
-    from ldt.models.sharding import is_gated, split_dim, tp_of
-    from ldt.models.vocab import fit_rows, is_vocab_param
-
     gated = is_gated(module)
     with torch.no_grad():
         for local_name, p in module.named_parameters():

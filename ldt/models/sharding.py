@@ -22,6 +22,9 @@ from typing import Mapping, Optional
 
 import torch
 
+from ldt.models.arch import EXPERTS
+from ldt.models.vocab import fit_rows, is_vocab_param
+
 # suffix -> split dimension (None = replicated). ColumnParallel: output rows; RowParallel:
 # input columns (its bias is added after the all-reduce, so it is replicated).
 _RULES: tuple[tuple[str, Optional[int]], ...] = (
@@ -65,8 +68,6 @@ def tp_of(name: str, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, int]:
     """(TP size, TP rank) parameter ``name`` is split over on a stage of TP ``tp`` and expert
     parallelism ``ep``: a MoE expert's over the ``tp / ep`` ranks of its expert-TP group
     (:meth:`ldt.topology.Topology.expert_groups`), everything else over the stage's TP."""
-    from ldt.models.arch import EXPERTS
-
     if ep == 1 or EXPERTS not in name:
         return tp, tp_rank
     etp = tp // ep
@@ -107,8 +108,6 @@ def shard_into(name: str, full: torch.Tensor, local_shape, tp: int, tp_rank: int
                gated: bool = False) -> torch.Tensor:
     """The shard of ``full`` for a local parameter of ``local_shape``: vocabulary tensors get
     this model's padding first (a checkpoint may have been padded for other TP sizes)."""
-    from ldt.models.vocab import fit_rows, is_vocab_param
-
     if is_vocab_param(name):
         full = fit_rows(name, full, local_shape[0] * tp)
     return shard(name, full, tp, tp_rank, gated=gated)

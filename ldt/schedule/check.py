@@ -326,19 +326,42 @@ def play(
     ``program``: the schedule compiled by :func:`compile_play` (compiled here if not given).
     """
     program = program or compile_play(schedule, matches)
-    own = program.own_times(schedule, duration, local_time)
-    wire = program.transfer_times(comm_time)
-    start: dict[int, list[float]] = {s: [] for s in schedule}
-    end: dict[int, list[float]] = {s: [] for s in schedule}
-    clock: dict[int, float] = {s: (start_at or {}).get(s, 0) for s in schedule}
-    sent_at: list[Optional[float]] = [None] * len(wire)
-    posted: list[float] = [-inf] * len(wire)  # when a RECV's notice reaches the sender
-    parked: dict[int, int] = {}  # message -> the stage waiting for it
+    run = _Playing(schedule, program, program.own_times(schedule, duration, local_time),
+                   program.transfer_times(comm_time), start_at or {}, handshake)
     ready = deque(sorted(schedule))
-    while ready:
-        stage = ready.popleft()
-        codes, message, times = program.codes[stage], program.message[stage], own[stage]
-        starts, ends, now = start[stage], end[stage], clock[stage]
+    while ready:  # a stage runs until it parks; the stages its sends woke run after it
+        ready.extend(run.stage(ready.popleft()))
+    stuck = [s for s in sorted(schedule) if len(run.start[s]) < len(schedule[s])]
+    if stuck:
+        _raise_deadlock(schedule, matches, {s: len(run.start[s]) for s in stuck})
+    return Played(run.start, run.end)
+
+
+class _Playing:
+    """The clocks of :func:`play`: per stage the start and end of each action run so far, per
+    message when it was sent and which stage is parked on it."""
+
+    def __init__(self, schedule: Schedule, program: Program, own: dict, wire: list,
+                 start_at: dict[int, float], handshake: Optional[Callable[[Action], float]]):
+        self.schedule, self.program, self.own, self.wire = schedule, program, own, wire
+        self.handshake = handshake
+        self.start: dict[int, list[float]] = {s: [] for s in schedule}
+        self.end: dict[int, list[float]] = {s: [] for s in schedule}
+        self.clock: dict[int, float] = {s: start_at.get(s, 0) for s in schedule}
+        self.sent_at: list[Optional[float]] = [None] * len(wire)
+        self.posted: list[float] = [-inf] * len(wire)  # when a RECV's notice reaches the sender
+        self.parked: dict[int, int] = {}  # message -> the stage waiting for it
+
+    def stage(self, stage: int) -> list[int]:
+        """Run ``stage`` from where it stopped until its end or a WAIT whose SEND has not run;
+        returns the stages its SENDs woke. One loop, no call per action: the planner plays
+        each schedule under hundreds of costs."""
+        codes, message, times = self.program.codes[stage], self.program.message[stage], \
+            self.own[stage]
+        starts, ends, now = self.start[stage], self.end[stage], self.clock[stage]
+        sent_at, posted, parked, handshake = self.sent_at, self.posted, self.parked, \
+            self.handshake
+        woken = []
         index, count = len(starts), len(codes)
         while index < count:
             code = codes[index]
@@ -353,13 +376,13 @@ def play(
                     parked[msg] = stage
                     break
                 starts.append(now)
-                now = max(now, max(sent, posted[msg]) + wire[msg])
+                now = max(now, max(sent, posted[msg]) + self.wire[msg])
                 now = now + times[index]
                 ends.append(now)
             else:
                 starts.append(now)
                 if code == _RECV and handshake is not None and message[index] >= 0:
-                    posted[message[index]] = now + handshake(schedule[stage][index])
+                    posted[message[index]] = now + handshake(self.schedule[stage][index])
                 now = now + times[index]
                 ends.append(now)
                 if code == _SEND:
@@ -367,13 +390,10 @@ def play(
                     sent_at[msg] = starts[-1]
                     waiter = parked.pop(msg, None)
                     if waiter is not None:
-                        ready.append(waiter)
+                        woken.append(waiter)
             index += 1
-        clock[stage] = now
-    stuck = [s for s in sorted(schedule) if len(start[s]) < len(schedule[s])]
-    if stuck:
-        _raise_deadlock(schedule, matches, {s: len(start[s]) for s in stuck})
-    return Played(start, end)
+        self.clock[stage] = now
+        return woken
 
 
 def _raise_deadlock(schedule: Schedule, matches: dict[Slot, Slot], at: dict[int, int]) -> None:

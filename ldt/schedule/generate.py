@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from ldt.schedule.ir import FORWARD_OPS, Action, Channel, Op, Schedule
+from ldt.schedule.simulate import simulate
 
 KINDS = ("1f1b", "ushape")
 _EDGE_RANK = {Op.FS: 0, Op.FE: 1, Op.BS: 2, Op.BE: 3}
@@ -96,8 +97,6 @@ def _merge_edge(logical: Schedule, p: int, backward_ratio: Fraction,
                 latency: int = 0) -> list[Action]:
     """Merge logical stages 0 (start chunk) and P (end chunk) of a (P+1)-stage 1F1B into stage 0,
     played with ``latency`` (in cloud forwards) on the links to and from the edge."""
-    from ldt.schedule.simulate import simulate  # late: simulate imports check, not generate
-
     backward: int | Fraction = backward_ratio
     if backward_ratio.denominator == 1:
         backward = backward_ratio.numerator  # integers play faster than Fractions, same order

@@ -8,8 +8,9 @@ posts the receive as early as the list says, the WAIT right before the compute t
 waits it (and runs the stage broadcast), and a send is let go (waited, its tensor freed) at
 the first action after it completed, the rest at the end of the step, so communication
 overlaps compute and a sent tensor does not outlive its transfer (held to the step's end,
-the edge of llama3_8b's U-shape plan kept 122 sent tensors of 64 MiB: 7.6 GiB). On an error the stage's action grid is printed with the failing
-action marked, which is what a user with a crashed pipeline needs.
+the edge of llama3_8b's U-shape plan would keep 122 sent tensors of 64 MiB: 7.6 GiB). On an
+error the stage's action grid is printed with the failing action marked, which is what a
+user with a crashed pipeline needs.
 
 Roles per op: on a U-shape edge (stage 0) FS runs the start chunk on data, FE runs the end
 chunk and the loss, BS its backward, BE the start chunk's backward; F / B run a stage's only
@@ -27,10 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
 from ldt import progress
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
+from ldt.patches import versions
 from ldt.schedule import Action, Op, format_grid
+from ldt.schedule.wgrad import WgradStore
 
 _DIRECTION = {Op.RECV_F: FORWARD, Op.WAIT_F: FORWARD, Op.SEND_F: FORWARD,
               Op.RECV_B: BACKWARD, Op.WAIT_B: BACKWARD, Op.SEND_B: BACKWARD}
@@ -82,101 +87,126 @@ def run_actions(actions: list[Action], *, roles: StageRoles, comm: VtpCommunicat
                 record_timings: bool = False, keep_activations: bool = True) -> StepResult:
     """Execute one stage's lowered action list for one step. ``keep_activations=False`` is
     evaluation (a forward-only list): no forward keeps its input/output for a backward."""
-    from megatron.core.enums import ModelType
-    from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
-
-    from ldt.patches import versions
-
-    # megatron-core 0.16's backward_step takes the model type before the config
-    model_type = ((ModelType.encoder_or_decoder,) if versions.holds("backward_step_model_type")
-                  else ())
-    result = StepResult()
-    posted: dict[tuple, Any] = {}  # (direction, mb) -> (tensor, work)
-    ready: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> waited tensor
-    saved: dict[tuple, tuple] = {}  # (forward op, mb) -> (input, output)
-    to_send: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> tensor to send
-    batches: dict[int, Any] = {}  # mb -> batch, read once, used by FS and FE
-    sends = PendingSends()
-    # each backward op's last micro-batch in this list (per-stage DP: a lane's micro-batches
-    # are global ids, not 0..m-1), where megatron's DDP may start its gradient reduce
-    last_backward = {a.op: a.mb for a in actions if a.op in _BACKWARD_OF or a.op in _WEIGHTS}
-    store, split = _wgrad_store(actions, roles)  # None unless the list splits backwards
-
-    def data_for(op: Op, mb: int):
-        if op not in roles.reads_data or data_iterator is None:
-            return None
-        if mb not in batches:
-            batches[mb] = next(data_iterator)
-        batch = batches[mb] if op is not Op.FE else batches.pop(mb)
-        return iter([batch])
-
-    def forward(a: Action) -> None:
-        model = roles.chunks[a.op]
-        inp = ready.pop((FORWARD, a.mb), None)
-        is_loss = a.op in roles.computes_loss
-        # the chunk's own config: megatron's forward_step scales the MTP losses only when the
-        # config it gets has mtp_num_layers, and ldt gives only the head's chunk that
-        out, _ = forward_step(forward_step_func, data_for(a.op, a.mb), model, num_microbatches,
-                              inp, result.losses, getattr(model, "config", config),
-                              cp_group_size=1, current_microbatch=a.mb, is_last_stage=is_loss)
-        if keep_activations:
-            saved[(a.op, a.mb)] = (inp, out)
-        if not is_loss:
-            to_send[(FORWARD, a.mb)] = out
-
-    def backward(a: Action) -> None:
-        inp, out = saved.pop((_BACKWARD_OF[a.op], a.mb))
-        grad = None if a.op is Op.BS or (a.op is Op.B and Op.F in roles.computes_loss) \
-            else ready.pop((BACKWARD, a.mb))
-        # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
-        # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
-        capture = store.capture((a.mb, _CHUNK_NAME[a.op])) if a.op in split \
-            else contextlib.nullcontext()
-        with _no_sync(config, roles, a, last_backward[a.op]), capture:
-            in_grad = backward_step(inp, out, grad, *model_type, config)
-        if in_grad is not None:
-            to_send[(BACKWARD, a.mb)] = in_grad
-
+    step = _Step(actions, roles, comm, forward_step_func, data_iterator, num_microbatches,
+                 tensor_shape, config, keep_activations)
     record = progress.current()  # what this rank does now, for naming the rank a hang waits on
     for index, a in enumerate(actions):
         record.begin(str(a), waiting=a.op in (Op.WAIT_F, Op.WAIT_B))
         t0 = time.perf_counter()
         try:
-            sends.let_go_completed()  # a failed send raises here
+            step.sends.let_go_completed()  # a failed send raises here
             with _label(a):
-                if a.op in (Op.RECV_F, Op.RECV_B):
-                    direction = _DIRECTION[a.op]
-                    posted[(direction, a.mb)] = comm.recv(tensor_shape, a.peer, direction)
-                elif a.op in (Op.WAIT_F, Op.WAIT_B):
-                    key = (_DIRECTION[a.op], a.mb)
-                    tensor, work = posted.pop(key)
-                    work.wait()
-                    ready[key] = tensor
-                elif a.op in (Op.SEND_F, Op.SEND_B):
-                    tensor = to_send.pop((_DIRECTION[a.op], a.mb))
-                    work = comm.send(tensor, a.peer, _DIRECTION[a.op])
-                    if work is not None:
-                        sends.add(work)
-                elif a.op in _WEIGHTS:
-                    with _no_sync(config, roles, a, last_backward[a.op]):
-                        store.run((a.mb, _CHUNK_NAME[a.op]))
-                else:
-                    (backward if a.op in _BACKWARD_OF else forward)(a)
+                step.run(a)
             if record_timings:  # every action: a WAIT's span is its blocked time (calibration)
-                result.timings.append((a, t0, time.perf_counter()))
+                step.result.timings.append((a, t0, time.perf_counter()))
         except Exception as exc:
             grid = format_grid(schedule, mark=(a.stage, index)) if schedule else ""
             raise ActionError(
                 f"stage {a.stage} failed at action #{index} {a} ({type(exc).__name__}: {exc})\n"
                 f"{grid}") from exc
     record.begin("waiting for this step's sends", waiting=True)
-    sends.wait_all()
-    if store is not None:
-        store.finish()  # every deferred weight gradient has run
-    if posted or saved:
-        raise ActionError(f"step ended with unconsumed receives {sorted(posted)} or "
-                          f"activations {sorted(saved)}: the action list is inconsistent")
-    return result
+    step.finish()
+    return step.result
+
+
+class _Step:
+    """One step of one stage: the tensors between the actions that make and use them."""
+
+    def __init__(self, actions: list[Action], roles: StageRoles, comm: VtpCommunicator,
+                 forward_step_func: Callable, data_iterator: Optional[Iterator],
+                 num_microbatches: int, tensor_shape, config, keep_activations: bool) -> None:
+        self.roles, self.comm, self.config = roles, comm, config
+        self.forward_step_func, self.data_iterator = forward_step_func, data_iterator
+        self.num_microbatches, self.tensor_shape = num_microbatches, tensor_shape
+        self.keep_activations = keep_activations
+        # megatron-core 0.16's backward_step takes the model type before the config
+        self.model_type = ((ModelType.encoder_or_decoder,)
+                           if versions.holds("backward_step_model_type") else ())
+        self.result = StepResult()
+        self.posted: dict[tuple, Any] = {}  # (direction, mb) -> (tensor, work)
+        self.ready: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> waited tensor
+        self.saved: dict[tuple, tuple] = {}  # (forward op, mb) -> (input, output)
+        self.to_send: dict[tuple, torch.Tensor] = {}  # (direction, mb) -> tensor to send
+        self.batches: dict[int, Any] = {}  # mb -> batch, read once, used by FS and FE
+        self.sends = PendingSends()
+        # each backward op's last micro-batch in this list (per-stage DP: a lane's micro-batches
+        # are global ids, not 0..m-1), where megatron's DDP may start its gradient reduce
+        self.last_backward = {a.op: a.mb for a in actions
+                              if a.op in _BACKWARD_OF or a.op in _WEIGHTS}
+        # None unless the list splits backwards
+        self.store, self.split = _wgrad_store(actions, roles)
+
+    def run(self, a: Action) -> None:
+        if a.op in (Op.RECV_F, Op.RECV_B):
+            direction = _DIRECTION[a.op]
+            self.posted[(direction, a.mb)] = self.comm.recv(self.tensor_shape, a.peer, direction)
+        elif a.op in (Op.WAIT_F, Op.WAIT_B):
+            key = (_DIRECTION[a.op], a.mb)
+            tensor, work = self.posted.pop(key)
+            work.wait()
+            self.ready[key] = tensor
+        elif a.op in (Op.SEND_F, Op.SEND_B):
+            self._send(a)
+        elif a.op in _WEIGHTS:
+            with _no_sync(self.config, self.roles, a, self.last_backward[a.op]):
+                self.store.run((a.mb, _CHUNK_NAME[a.op]))
+        elif a.op in _BACKWARD_OF:
+            self._backward(a)
+        else:
+            self._forward(a)
+
+    def _send(self, a: Action) -> None:
+        tensor = self.to_send.pop((_DIRECTION[a.op], a.mb))
+        work = self.comm.send(tensor, a.peer, _DIRECTION[a.op])
+        if work is not None:
+            self.sends.add(work)
+
+    def _forward(self, a: Action) -> None:
+        model = self.roles.chunks[a.op]
+        inp = self.ready.pop((FORWARD, a.mb), None)
+        is_loss = a.op in self.roles.computes_loss
+        # the chunk's own config: megatron's forward_step scales the MTP losses only when the
+        # config it gets has mtp_num_layers, and ldt gives only the head's chunk that
+        out, _ = forward_step(self.forward_step_func, self._data_for(a.op, a.mb), model,
+                              self.num_microbatches, inp, self.result.losses,
+                              getattr(model, "config", self.config), cp_group_size=1,
+                              current_microbatch=a.mb, is_last_stage=is_loss)
+        if self.keep_activations:
+            self.saved[(a.op, a.mb)] = (inp, out)
+        if not is_loss:
+            self.to_send[(FORWARD, a.mb)] = out
+
+    def _data_for(self, op: Op, mb: int):
+        if op not in self.roles.reads_data or self.data_iterator is None:
+            return None
+        if mb not in self.batches:
+            self.batches[mb] = next(self.data_iterator)
+        batch = self.batches[mb] if op is not Op.FE else self.batches.pop(mb)
+        return iter([batch])
+
+    def _backward(self, a: Action) -> None:
+        inp, out = self.saved.pop((_BACKWARD_OF[a.op], a.mb))
+        grad = None if a.op is Op.BS or (a.op is Op.B and Op.F in self.roles.computes_loss) \
+            else self.ready.pop((BACKWARD, a.mb))
+        # megatron's DDP with overlap_grad_reduce: only the last micro-batch's backward may
+        # start the bucket reduces (config.no_sync_func, set as megatron's training loop does)
+        capture = self.store.capture((a.mb, _CHUNK_NAME[a.op])) if a.op in self.split \
+            else contextlib.nullcontext()
+        with _no_sync(self.config, self.roles, a, self.last_backward[a.op]), capture:
+            in_grad = backward_step(inp, out, grad, *self.model_type, self.config)
+        if in_grad is not None:
+            self.to_send[(BACKWARD, a.mb)] = in_grad
+
+    def finish(self) -> None:
+        """Wait the sends still in flight, run what the W store still holds, and check that
+        every receive and every kept activation was used."""
+        self.sends.wait_all()
+        if self.store is not None:
+            self.store.finish()  # every deferred weight gradient has run
+        if self.posted or self.saved:
+            raise ActionError(f"step ended with unconsumed receives {sorted(self.posted)} or "
+                              f"activations {sorted(self.saved)}: the action list is "
+                              "inconsistent")
 
 
 def _wgrad_store(actions: list[Action], roles: StageRoles) -> tuple:
@@ -186,8 +216,9 @@ def _wgrad_store(actions: list[Action], roles: StageRoles) -> tuple:
     split = frozenset(op for op in _BACKWARD_OF if _CHUNK_NAME[op] in names)
     if not split:
         return None, split
+    # late: importing a patch module registers its patch, and the registry applies patches in
+    # the order their modules were first imported (patches/registry.py)
     from ldt.patches.wgrad_split import WgradSeam
-    from ldt.schedule.wgrad import WgradStore
 
     return WgradStore(WgradSeam({_CHUNK_NAME[op]: roles.chunks[op] for op in split})), split
 

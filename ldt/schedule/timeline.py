@@ -12,8 +12,8 @@ import json
 import os
 from typing import Sequence
 
-from ldt.schedule.ir import Op
-from ldt.schedule.simulate import SimResult
+from ldt.schedule.ir import Op, parse_action
+from ldt.schedule.simulate import Event, SimResult
 
 # One colour per compute op: forwards in blues/greens, backwards in oranges/reds, the deferred
 # weight gradients (zero-bubble) in grey, pink and khaki.
@@ -168,9 +168,6 @@ def result_from_measurements(per_stage: list[list[tuple[str, float, float]]],
     """A SimResult from measured (action string, start s, end s) per stage, for the same
     trace and PNG as a simulation. Starts are relative to each stage's own step start, shifted
     by ``stage_offsets[stage]`` (its step start after the earliest stage's, when known)."""
-    from ldt.schedule.ir import parse_action
-    from ldt.schedule.simulate import Event
-
     events, busy = [], {}
     for stage, rows in enumerate(per_stage):
         busy[stage] = 0.0

@@ -26,6 +26,7 @@ from ldt.schedule.generate import (_EDGE_RANK, _input_channel, _output_channel, 
                                    forwards_of)
 from ldt.schedule.ir import Action, Op, LaneSchedule
 from ldt.schedule.routing import Lanes, microbatches_of
+from ldt.schedule.simulate import simulate
 
 
 def lane_microbatches(stage_dp: tuple[int, ...], m: int, step: int = 0) -> dict[int, list[int]]:
@@ -99,8 +100,6 @@ def vdp_u_shape(stage_dp: tuple[int, ...], m: int, backward_ratio: float = 2,
 
 def _play(plan: LaneSchedule, logical: Lanes, num_stages: int, backward_ratio: Fraction,
           latency: int = 0) -> dict:
-    from ldt.schedule.simulate import simulate
-
     backward = backward_ratio.numerator if backward_ratio.denominator == 1 else backward_ratio
     p = num_stages - 1
     slow = {(0, 1), (1, 0), (p - 1, p), (p, p - 1)}

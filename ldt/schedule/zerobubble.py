@@ -28,27 +28,28 @@ Memory, as the paper counts it: a forward leaves the activations its backward ne
 the backward frees them but leaves what the W needs (``M_W``: the linear layers' inputs and
 output gradients, the W store), the W frees that. So there are two caps: ``max_held``, the
 micro-batches whose activations a chunk holds (forward run, backward not yet: what
-``SimResult.peak_inflight`` counts), by default exactly what today's schedule holds (1F1B's
-``P - s``; today's U-shape's per chunk), and ``max_wstore``, the W store's entries per stage
+``SimResult.peak_inflight`` counts), by default exactly what the unsplit schedule holds
+(1F1B's ``P - s``; the U-shape's per chunk), and ``max_wstore``, the W store's entries per stage
 (backward run, W not yet: ``SimResult.peak_wstore``), by default ``P`` (plain) or ``P + 1``
 (U-shape): as many as the stage holding most holds activations. ZB-H1 is the first cap at
 1F1B's values; the W store comes on top, and ``M_W`` is smaller than ``M_B``.
 
 Every stage acts at a time when what it consumes has been sent, so the lists are deadlock-free by
 construction; :func:`~ldt.schedule.check.check_schedule` checks them anyway (tests: every P, m,
-uneven costs). No torch here.
+uneven costs). One play is :mod:`ldt.schedule.zerobubble_play`; this module chooses what to
+play and keeps the best. No torch here.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import product
-from math import inf
 from typing import Optional, Union
 
+from ldt.schedule.generate import lower, one_f_one_b, u_shape
 from ldt.schedule.ir import Action, Op, Schedule, WEIGHT_OPS
+from ldt.schedule.simulate import simulate
+from ldt.schedule.zerobubble_play import Chunk, chunks_of, play
 
 Costs = Mapping[tuple[int, str], float]
 """``(stage, op value) -> time`` of one micro-batch: the simulator's ``duration`` table."""
@@ -57,24 +58,6 @@ Comm = Mapping[tuple[int, int], float]
 Cap = Union[int, Sequence[int], None]
 
 FILLS = ("idle", "fit")
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """One logical stage of the data flow: which stage runs it and with which ops."""
-
-    index: int
-    stage: int
-    fwd: Op
-    bwd: Op
-    wgt: Op
-
-
-def _chunks(p: int, ushape: bool) -> list[_Chunk]:
-    if not ushape:
-        return [_Chunk(s, s, Op.F, Op.B, Op.W) for s in range(p)]
-    cloud = [_Chunk(s, s, Op.F, Op.B, Op.W) for s in range(1, p)]
-    return [_Chunk(0, 0, Op.FS, Op.BE, Op.WE), *cloud, _Chunk(p, 0, Op.FE, Op.BS, Op.WS)]
 
 
 def zb_h1(num_stages: int, num_microbatches: int, costs: Optional[Costs] = None,
@@ -102,7 +85,7 @@ def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = 
     ``costs``: ``(0, "FS" | "FE" | "BS" | "BE" | "WS" | "WE")`` and ``(s, "F" | "B" | "W")``
     (default all 1); ``comm``: ``(0, 1), (1, 0), ..., (P - 1, 0), (0, P - 1) -> time``
     (default 0). ``max_held``: per logical chunk in data-flow order (start chunk, cloud stages
-    1..P-1, end chunk: P + 1 values, or one int for all); default what today's
+    1..P-1, end chunk: P + 1 values, or one int for all); default what the unsplit
     :func:`~ldt.schedule.generate.u_shape` holds: ``P + 1``, ``P - s + 1``, ``1``.
     ``max_wstore``: W store entries per stage (edge: both chunks together; default ``P + 1``)."""
     _require(num_stages >= 2 and num_microbatches >= 1,
@@ -114,9 +97,10 @@ def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = 
 
 
 def unsplit(costs: Costs) -> dict[tuple[int, str], float]:
-    """The cost table of the same work without the split (B = B + W): what today's schedules
-    (:func:`~ldt.schedule.generate.one_f_one_b`, :func:`~ldt.schedule.generate.u_shape`) are
-    timed with, for comparing them with a zero-bubble schedule on one workload."""
+    """The cost table of the same work without the split (B = B + W): what the unsplit
+    schedules (:func:`~ldt.schedule.generate.one_f_one_b`,
+    :func:`~ldt.schedule.generate.u_shape`) are timed with, for comparing them with a
+    zero-bubble schedule on one workload."""
     out = {k: v for k, v in costs.items() if Op(k[1]) not in WEIGHT_OPS}
     for (stage, op), t in costs.items():
         if Op(op) in WEIGHT_OPS:
@@ -141,50 +125,23 @@ def _caps(value: Cap, default: list[int], n: int, name: str) -> list[int]:
 def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[Comm],
           held: list[int], wstore: list[int]) -> Schedule:
     """Play every variant of the choices and keep the fastest (then the one holding least)."""
-    from ldt.schedule.generate import lower
-    from ldt.schedule.simulate import simulate
-
-    chunks = _chunks(p, ushape)
+    chunks = chunks_of(p, ushape)
     price = _price(chunks, costs)
     wire = _wire(p, ushape, comm)
-    orders = ([(Op.BS, Op.BE), (Op.BE, Op.BS)], [(Op.FE, Op.FS), (Op.FS, Op.FE)]) if ushape \
-        else ([()], [()])
-    # and a tighter W store: every stage holds at most one more micro-batch (activations or W
-    # store) than the stage holding most activations, which is what ZB-H1 keeps
-    per_stage = [sum(held[c.index] for c in chunks if c.stage == s) for s in range(p)]
-    tight = [min(w, max(1, max(per_stage) - h + 1)) for w, h in zip(wstore, per_stage)]
-    # the fill policy per stage: all alike, or the edge / first stage unlike the others
-    fills = [(a,) + (b,) * (p - 1) for a in FILLS for b in FILLS]
-    kind = "ushape" if ushape else "1f1b"
-    seen: dict = {}
-
-    def timed(schedule: Schedule) -> tuple:
-        """(iteration, most micro-batches a stage holds) as the simulator times it with the
-        real costs (the play's own clock can only be later: it may idle before a W)."""
-        key = tuple(tuple(a) for s in sorted(schedule) for a in schedule[s])
-        if key not in seen:
-            sim = simulate(lower(schedule, kind), price, wire)
-            seen[key] = (sim.iteration_time, max(
-                sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0)
-                + sim.peak_wstore.get(s, 1) for s in range(p)))
-        return seen[key]
-
-    candidates = []
-    today = _today_split(p, m, ushape, price, held, wstore)
-    if today is not None:
-        candidates.append((timed(today), today))
+    found = _Candidates(p, "ushape" if ushape else "1f1b", price, wire)
+    unsplit_order = _unsplit_order(p, m, ushape, price, held, wstore)
+    if unsplit_order is not None:
+        found.add(unsplit_order)
     # The play is greedy: with the real costs it can trade the critical path for a W that
     # fits now. The same play with every stage's costs evened out (each op its mean over the
     # stages; and all 1, the paper's equal case) keeps the regular zero-bubble pattern, which
     # on uneven costs is often faster: each is played, then timed with the real costs.
     best_real = None
     for model in _cost_models(chunks, price, wire):
-        for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders):
-            schedule = _play(chunks, p, m, model[0], model[1], held, store, fill,
-                             b_order + f_order)[0]
-            candidates.append((timed(schedule), schedule))
-            if model[0] is price and (best_real is None or candidates[-1][0] < best_real[0]):
-                best_real = (candidates[-1][0], store, fill, b_order + f_order)
+        for store, fill, order in _variants(chunks, p, ushape, held, wstore):
+            score = found.add(play(chunks, p, m, model[0], model[1], held, store, fill, order)[0])
+            if model[0] is price and (best_real is None or score < best_real[0]):
+                best_real = (score, store, fill, order)
     # then, with the real costs, each stage's own fill policy, one stage at a time, while
     # that helps
     score, store, fill, order = best_real
@@ -193,14 +150,54 @@ def _best(p: int, m: int, ushape: bool, costs: Optional[Costs], comm: Optional[C
         improved = False
         for s in range(p):
             flip = fill[:s] + (FILLS[1 - FILLS.index(fill[s])],) + fill[s + 1:]
-            schedule = _play(chunks, p, m, price, wire, held, store, flip, order)[0]
-            candidates.append((timed(schedule), schedule))
-            if candidates[-1][0] < score:
-                score, fill, improved = candidates[-1][0], flip, True
-    return min(candidates, key=lambda c: c[0])[1]
+            flipped = found.add(play(chunks, p, m, price, wire, held, store, flip, order)[0])
+            if flipped < score:
+                score, fill, improved = flipped, flip, True
+    return found.best()
 
 
-def _cost_models(chunks: list[_Chunk], price: dict, wire: dict) -> list[tuple[dict, dict]]:
+def _variants(chunks: list[Chunk], p: int, ushape: bool, held: list[int],
+              wstore: list[int]) -> Iterator[tuple]:
+    """(W store caps, fill policy per stage, chunk order) of every variant played."""
+    orders = ([(Op.BS, Op.BE), (Op.BE, Op.BS)], [(Op.FE, Op.FS), (Op.FS, Op.FE)]) if ushape \
+        else ([()], [()])
+    # and a tighter W store: every stage holds at most one more micro-batch (activations or W
+    # store) than the stage holding most activations, which is what ZB-H1 keeps
+    per_stage = [sum(held[c.index] for c in chunks if c.stage == s) for s in range(p)]
+    tight = [min(w, max(1, max(per_stage) - h + 1)) for w, h in zip(wstore, per_stage)]
+    # the fill policy per stage: all alike, or the edge / first stage unlike the others
+    fills = [(a,) + (b,) * (p - 1) for a in FILLS for b in FILLS]
+    for store, fill, b_order, f_order in product(_unique([tight, wstore]), fills, *orders):
+        yield store, fill, b_order + f_order
+
+
+class _Candidates:
+    """Every schedule played, each with its score: (iteration, most micro-batches a stage
+    holds) as the simulator times it with the real costs (the play's own clock can only be
+    later: it may idle before a W)."""
+
+    def __init__(self, p: int, kind: str, price: dict, wire: dict) -> None:
+        self.p, self.kind, self.price, self.wire = p, kind, price, wire
+        self.seen: dict = {}
+        self.played: list[tuple[tuple, Schedule]] = []
+
+    def add(self, schedule: Schedule) -> tuple:
+        """Time ``schedule`` (once per distinct list), keep it; returns its score."""
+        key = tuple(tuple(a) for s in sorted(schedule) for a in schedule[s])
+        if key not in self.seen:
+            sim = simulate(lower(schedule, self.kind), self.price, self.wire)
+            self.seen[key] = (sim.iteration_time, max(
+                sim.peak_inflight[s] + sim.peak_inflight_end.get(s, 0)
+                + sim.peak_wstore.get(s, 1) for s in range(self.p)))
+        self.played.append((self.seen[key], schedule))
+        return self.seen[key]
+
+    def best(self) -> Schedule:
+        """The first of the fastest (then holding least)."""
+        return min(self.played, key=lambda c: c[0])[1]
+
+
+def _cost_models(chunks: list[Chunk], price: dict, wire: dict) -> list[tuple[dict, dict]]:
     """The real prices, each op's mean over the chunks, and all equal (with no link cost)."""
     models = [(price, wire)]
     by_op: dict[str, list] = {}
@@ -219,13 +216,11 @@ def _cost_models(chunks: list[_Chunk], price: dict, wire: dict) -> list[tuple[di
     return models
 
 
-def _today_split(p: int, m: int, ushape: bool, price: dict, held: list[int],
+def _unsplit_order(p: int, m: int, ushape: bool, price: dict, held: list[int],
                  wstore: list[int]) -> Optional[Schedule]:
-    """Today's schedule with each W right after its backward: it times exactly as today's
-    unsplit schedule, so the one kept is never slower than today's (None where it holds more
+    """The unsplit schedule with each W right after its backward: it times exactly as the
+    unsplit schedule, so the one kept is never slower than that (None where it holds more
     than the caps allow)."""
-    from ldt.schedule.generate import one_f_one_b, u_shape
-
     if ushape:
         cloud = [(price[(s, "B")] + price[(s, "W")]) / price[(s, "F")]
                  for s in range(1, p) if price[(s, "F")] > 0]
@@ -235,14 +230,14 @@ def _today_split(p: int, m: int, ushape: bool, price: dict, held: list[int],
         base = one_f_one_b(p, m)
     out = {s: [x for a in acts for x in ([a, Action(s, _W_OF[a.op], a.mb)] if a.op in _W_OF
                                          else [a])] for s, acts in base.items()}
-    counts = _held_peaks(out, _chunks(p, ushape))
+    counts = _held_peaks(out, chunks_of(p, ushape))
     return out if all(c <= cap for c, cap in zip(counts, held)) and min(wstore) >= 1 else None
 
 
 _W_OF = {b: w for w, b in WEIGHT_OPS.items()}
 
 
-def _held_peaks(schedule: Schedule, chunks: list[_Chunk]) -> list[int]:
+def _held_peaks(schedule: Schedule, chunks: list[Chunk]) -> list[int]:
     """Per chunk, the most micro-batches between its forward and its backward."""
     peaks = []
     for c in chunks:
@@ -261,7 +256,7 @@ def _unique(items: list) -> list:
     return [x for i, x in enumerate(items) if x not in items[:i]]
 
 
-def _price(chunks: list[_Chunk], costs: Optional[Costs]) -> dict[tuple[int, str], float]:
+def _price(chunks: list[Chunk], costs: Optional[Costs]) -> dict[tuple[int, str], float]:
     needed = [(c.stage, op.value) for c in chunks for op in (c.fwd, c.bwd, c.wgt)]
     if costs is None:
         return {k: 1 for k in needed}
@@ -282,166 +277,6 @@ def _wire(p: int, ushape: bool, comm: Optional[Comm]) -> dict[tuple[int, int], f
     _require(not missing, f"comm has no time for the boundaries {missing}; give each direction "
              "of each boundary (src, dst) a time (0 for none)")
     return {k: comm[k] for k in links}
-
-
-class _Stage:
-    """One stage during the play: its clock, its chunks and what it holds."""
-
-    def __init__(self, chunks: list[_Chunk], rank: dict) -> None:
-        self.chunks = sorted(chunks, key=lambda c: (rank.get(c.bwd, 0), c.index))  # B order
-        self.f_chunks = sorted(chunks, key=lambda c: (rank.get(c.fwd, 0), c.index))
-        self.clock = 0.0  # free from (or, while idle, the time it looks again)
-        self.idle_from: Optional[float] = None  # when it last ran out of work
-        self.waiting = False  # idle with no arrival known: woken by the next message
-        self.actions: list[Action] = []
-        self.pending: deque = deque()  # the W store: (chunk, mb) in B order
-        self.left = 0  # compute actions still to run
-        self.peak = 0  # most micro-batches held at once (activations + W store)
-
-
-def _play(chunks: list[_Chunk], p: int, m: int, price: dict, wire: dict, held_cap: list[int],
-          wstore_cap: list[int], fill: tuple, order: tuple) -> tuple[Schedule, float, int]:
-    """One list-scheduling play of the pipeline: (each stage's compute list, the time it
-    ends, the most micro-batches a stage holds). Its times are the simulator's: an action
-    starts when its stage is free and its input has arrived (sent at the producer's end)."""
-    n = len(chunks)
-    rank = {op: i for i, op in enumerate(order)}
-    stages = [_Stage([c for c in chunks if c.stage == s], rank) for s in range(p)]
-    for st in stages:
-        st.left = 3 * m * len(st.chunks)
-    f_ready = [[0.0] * m if c.index == 0 else [inf] * m for c in chunks]  # activation arrives
-    b_ready = [[inf] * m for _ in chunks]  # gradient (or, at the loss, the forward) is done
-    next_f, next_b = [0] * n, [0] * n
-    held = [0] * n  # forward run, backward not yet
-    end_time = 0.0
-
-    def duration(c: _Chunk, op: Op) -> float:
-        return price[(c.stage, op.value)]
-
-    def ready_b(st: _Stage, t: float) -> Optional[_Chunk]:
-        for c in st.chunks:
-            k = next_b[c.index]
-            if k < m and b_ready[c.index][k] <= t:
-                return c
-        return None
-
-    def ready_f(st: _Stage, t: float) -> Optional[_Chunk]:
-        for c in st.f_chunks:
-            i = c.index
-            if next_f[i] < m and f_ready[i][next_f[i]] <= t and held[i] < held_cap[i]:
-                return c
-        return None
-
-    def next_arrival(st: _Stage, t: float) -> float:
-        """The next known arrival the stage could act on (its wake-up time)."""
-        times = [b_ready[c.index][next_b[c.index]] for c in st.chunks if next_b[c.index] < m]
-        times += [f_ready[c.index][next_f[c.index]] for c in st.chunks
-                  if next_f[c.index] < m and held[c.index] < held_cap[c.index]]
-        return min((x for x in times if x > t), default=inf)
-
-    def expected(st: _Stage, t: float) -> float:
-        """The next arrival as far as it can be told now: a known one, or the earliest its
-        producer could send it if that producer is not scheduled yet (one step back)."""
-        times = []
-        for c in st.chunks:
-            i, k = c.index, next_b[c.index]
-            if k < m:
-                known = b_ready[i][k]
-                if known == inf and i + 1 < n:
-                    src = chunks[i + 1]
-                    known = max(stages[src.stage].clock, b_ready[i + 1][k]) + \
-                        duration(src, src.bwd) + wire.get((src.stage, c.stage), 0)
-                times.append(known)
-            k = next_f[i]
-            if k < m and held[i] < held_cap[i]:
-                known = f_ready[i][k]
-                if known == inf and i > 0:
-                    src = chunks[i - 1]
-                    known = max(stages[src.stage].clock, f_ready[i - 1][k]) + \
-                        duration(src, src.fwd) + wire.get((src.stage, c.stage), 0)
-                times.append(known)
-        return min((x for x in times if x > t), default=inf)
-
-    def deliver(dst: int, when: float) -> None:
-        """A message for ``dst`` arrives at ``when``: an idle ``dst`` looks again then."""
-        st = stages[dst]
-        if st.idle_from is not None and (st.waiting or when < st.clock):
-            st.clock = max(st.idle_from, when)
-            st.waiting = False
-
-    def run(s: int, c: _Chunk, op: Op, mb: int, t: float) -> None:
-        nonlocal end_time
-        st = stages[s]
-        st.actions.append(Action(s, op, mb))
-        st.idle_from, st.waiting = None, False
-        st.left -= 1
-        end = st.clock = t + duration(c, op)
-        end_time = max(end_time, end)
-        i = c.index
-        if op is c.fwd:
-            next_f[i] += 1
-            held[i] += 1
-            if i + 1 < n:
-                nxt = chunks[i + 1]
-                f_ready[i + 1][mb] = end + wire.get((s, nxt.stage), 0)
-                deliver(nxt.stage, f_ready[i + 1][mb])
-            else:
-                b_ready[i][mb] = end  # the loss: its backward may start at once
-        elif op is c.bwd:
-            next_b[i] += 1
-            held[i] -= 1
-            st.pending.append((c, mb))
-            if i > 0:
-                prv = chunks[i - 1]
-                b_ready[i - 1][mb] = end + wire.get((s, prv.stage), 0)
-                deliver(prv.stage, b_ready[i - 1][mb])
-        st.peak = max(st.peak, sum(held[x.index] for x in st.chunks) + len(st.pending))
-
-    def take_w(s: int, t: float) -> None:
-        c, mb = stages[s].pending.popleft()
-        run(s, c, c.wgt, mb, t)
-
-    def step(s: int) -> None:
-        st = stages[s]
-        t = st.clock
-        b = ready_b(st, t)
-        if b is not None and len(st.pending) < wstore_cap[s]:
-            run(s, b, b.bwd, next_b[b.index], t)
-            return
-        f = ready_f(st, t)
-        if f is not None:
-            run(s, f, f.fwd, next_f[f.index], t)
-            return
-        if st.pending:
-            if b is not None:  # the W store is full: a W makes room for the backward
-                take_w(s, t)
-                return
-            wait = expected(st, t)
-            w_time = duration(st.pending[0][0], st.pending[0][0].wgt)
-            if fill[s] == "idle" or wait == inf or wait - t >= w_time:
-                take_w(s, t)
-                return
-        wake = next_arrival(st, t)
-        if st.idle_from is None:
-            st.idle_from = t
-        if wake < inf:
-            st.clock = wake
-        else:
-            st.waiting = True
-
-    def free(x: int) -> tuple:  # the stage to act next: the earliest one that can
-        st = stages[x]
-        return (st.clock if st.left and not st.waiting else inf, x)
-
-    while True:
-        s = min(range(p), key=free)
-        if free(s)[0] == inf:
-            break
-        step(s)
-    if any(st.left for st in stages):
-        raise RuntimeError("zero-bubble play stopped with work left (a bug in the play: caps "
-                           f"{held_cap}, W store {wstore_cap})")
-    return {s: st.actions for s, st in enumerate(stages)}, end_time, max(st.peak for st in stages)
 
 
 def _require(condition: bool, message: str) -> None:

@@ -23,12 +23,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ldt.config import ConfigError, ModelConfig, to_model
+from ldt.models.arch import full_shapes, read_model_json, write_model_json
 from ldt.models.hf.families import Family, family_of_hf, family_of_model
+from ldt.storage import checkpoint_files as files
+from ldt.storage.atomic import check_output, new_folder
+from ldt.storage.runlock import check_not_training
+from ldt.storage.tensors import mark_complete, read_tensors, tensor_index, write_tensors
+from ldt.userfiles import load_json_object, not_a
 
 IMPORT_STEP = -1  # "before step 0": resume and load both start at step 0
 HF_CONFIG = "hf_config.json"
@@ -43,8 +52,6 @@ class SafetensorsFolder:
     naming it; so is a tensor that holds NaN or Inf."""
 
     def __init__(self, folder: str):
-        from ldt.userfiles import load_json_object
-
         self.folder = folder
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -64,8 +71,6 @@ class SafetensorsFolder:
                     self.file_of.update({k: name for k in f.keys()})
 
     def _open(self, name: str):
-        from safetensors import SafetensorError, safe_open
-
         path = os.path.join(self.folder, name)
         try:
             return safe_open(path, framework="pt")
@@ -81,8 +86,6 @@ class SafetensorsFolder:
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """The named tensors; each file is opened, read and closed (its mapping released)."""
-        from safetensors import SafetensorError
-
         by_file: dict[str, list[str]] = {}
         for n in names:
             by_file.setdefault(self.file_of[n], []).append(n)
@@ -111,13 +114,9 @@ def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
 
 def read_hf_config(folder: str):
     """transformers' config object of a local folder (never downloads)."""
-    from transformers import AutoConfig
-
-    from ldt.userfiles import load_json_object
+    from transformers import AutoConfig  # late: transformers takes seconds to import
 
     if not os.path.isdir(folder):
-        from ldt.userfiles import not_a
-
         raise ConfigError(not_a(folder, folder, "folder", "give a Hugging Face model folder "
                                 "(config.json and *.safetensors)"))
     path = os.path.join(folder, "config.json")
@@ -143,8 +142,6 @@ def model_config_of(folder: str) -> tuple[Family, ModelConfig]:
 
 def parts(model: ModelConfig) -> Iterator[list[str]]:
     """ldt names grouped as the checkpoint's parts: embedding, each layer, norm + head."""
-    from ldt.models.arch import full_shapes
-
     names = list(full_shapes(model))
     yield [n for n in names if n.startswith("embedding.")]
     for i in range(model.num_layers):
@@ -163,23 +160,8 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
     it was, and an existing ``out_dir`` is refused unless ``overwrite`` (then replaced whole).
     ``conf``: also write ``conf/model/<name>.yaml`` (keys ``name``, ``seq_length``,
     ``params_dtype``; None values take the model's), for ``hydra.searchpath``."""
-    from ldt.models.arch import full_shapes, write_model_json
-    from ldt.storage import checkpoint_files as files
-    from ldt.storage.atomic import new_folder
-    from ldt.storage.tensors import mark_complete, write_tensors
-
-    family, model = model_config_of(hf_dir)
-    source = SafetensorsFolder(hf_dir)
-    shapes = full_shapes(model)
-    try:  # each source tensor's shape, checked before any arithmetic
-        hf_expected = hf_shapes(read_hf_config(hf_dir))
-    except ConfigError:
-        raise
-    except Exception as exc:  # transformers cannot build the model config.json describes
-        raise ConfigError(f"{hf_dir}/config.json describes a model transformers cannot build "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                          "); fix config.json or restore it from the model's source") from None
-    tied_head = model.tie_embeddings and "lm_head.weight" not in source.names()
+    src = _HfSource.open(hf_dir)
+    model = src.model
     used: set[str] = set()
     written, dtype = [], None
     with new_folder(out_dir, flag="OUT", overwrite=overwrite,
@@ -187,57 +169,107 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
         for part, names in enumerate(parts(model)):
             tensors = {}
             for name in names:
-                hf_names, kind = family.sources(name)
-                if name == "output_layer.weight" and tied_head:
-                    hf_names = ("model.embed_tokens.weight",)
-                missing = [n for n in hf_names if n not in source.names()]
-                if missing:
-                    raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing; config.json "
-                                      f"says {family.architecture} with {model.num_layers} "
-                                      "layers")
-                parts_read = source.read(hf_names)
-                for n in hf_names:
-                    got, want = tuple(parts_read[n].shape), hf_expected.get(n)
-                    if want is not None and got != want:
-                        raise ConfigError(
-                            f"{hf_dir}: tensor {n} has shape {got}, but its config.json "
-                            f"({family.architecture}, hidden {model.hidden_size}, "
-                            f"{model.num_attention_heads} heads / {model.num_query_groups} KV "
-                            f"groups, vocab {model.vocab_size}) implies {want}: the weights "
-                            "and config.json are from different models; give the config.json "
-                            "the weights were saved with")
-                tensor = family.join(kind, [parts_read[n] for n in hf_names], model)
-                if tuple(tensor.shape) != shapes[name]:
-                    raise ConfigError(f"{hf_dir}: {' + '.join(hf_names)} gives {name} of shape "
-                                      f"{tuple(tensor.shape)}, but config.json implies "
-                                      f"{shapes[name]}")
-                tensors[name] = tensor
-                dtype = dtype or tensor.dtype
+                tensors[name], hf_names = src.tensor(name)
+                dtype = dtype or tensors[name].dtype
                 used.update(hf_names)
             write_tensors(tmp, part, tensors, IMPORT_STEP)
             written.append(f"stage_{part}")
             del tensors
-        unknown = sorted(n for n in source.names() - used if not family.dropped(n))
-        if unknown:
-            raise ConfigError(f"{hf_dir}: tensor {unknown[0]} has no rule in the {family.name} "
-                              "table (ldt/models/hf/families.py): the checkpoint's architecture "
-                              "differs from what config.json declares")
-        write_model_json(tmp, model)
-        shutil.copy(os.path.join(hf_dir, "config.json"), os.path.join(tmp, HF_CONFIG))
-        copied = _copy_tokenizer(hf_dir, tmp)
-        if conf is not None:
-            name = conf.get("name") or os.path.basename(os.path.abspath(out_dir))
-            write_model_yaml(model, os.path.join(tmp, "conf", "model", f"{name}.yaml"),
-                             seq_length=conf.get("seq_length"),
-                             params_dtype=conf.get("params_dtype")
-                             or str(dtype).replace("torch.", ""))
+        src.check_all_used(used)
+        copied = _write_import_files(tmp, src, out_dir, conf, dtype)
         mark_complete(tmp, IMPORT_STEP)
         files.verify(tmp, which=written, hashes=True)  # what is renamed is what was meant
-    log(f"ldt-convert: {family.architecture} ({model.num_layers} layers, hidden "
+    log(f"ldt-convert: {src.family.architecture} ({model.num_layers} layers, hidden "
         f"{model.hidden_size}, {model.num_attention_heads} heads / "
         f"{model.num_query_groups} KV groups, vocab {model.vocab_size}) -> {out_dir}"
         + (f"; tokenizer files: {', '.join(copied)}" if copied else ""))
     return model
+
+
+@dataclass
+class _HfSource:
+    """A Hugging Face folder being imported: its family and model, its tensors, and the shape
+    transformers gives each of them (checked before any arithmetic)."""
+
+    hf_dir: str
+    family: Family
+    model: ModelConfig
+    folder: SafetensorsFolder
+    shapes: dict
+    hf_expected: dict
+    tied_head: bool
+
+    @classmethod
+    def open(cls, hf_dir: str) -> "_HfSource":
+        family, model = model_config_of(hf_dir)
+        folder = SafetensorsFolder(hf_dir)
+        shapes = full_shapes(model)
+        try:  # each source tensor's shape, checked before any arithmetic
+            hf_expected = hf_shapes(read_hf_config(hf_dir))
+        except ConfigError:
+            raise
+        except Exception as exc:  # transformers cannot build the model config.json describes
+            raise ConfigError(
+                f"{hf_dir}/config.json describes a model transformers cannot build "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                "); fix config.json or restore it from the model's source") from None
+        tied_head = model.tie_embeddings and "lm_head.weight" not in folder.names()
+        return cls(hf_dir, family, model, folder, shapes, hf_expected, tied_head)
+
+    def tensor(self, name: str) -> tuple[torch.Tensor, tuple]:
+        """ldt's tensor ``name`` joined from its Hugging Face tensors, and their names."""
+        family, model, hf_dir = self.family, self.model, self.hf_dir
+        hf_names, kind = family.sources(name)
+        if name == "output_layer.weight" and self.tied_head:
+            hf_names = ("model.embed_tokens.weight",)
+        missing = [n for n in hf_names if n not in self.folder.names()]
+        if missing:
+            raise ConfigError(f"{hf_dir}: tensor {missing[0]} is missing; config.json says "
+                              f"{family.architecture} with {model.num_layers} layers")
+        parts_read = self.folder.read(hf_names)
+        for n in hf_names:
+            self._check_source_shape(n, tuple(parts_read[n].shape))
+        tensor = family.join(kind, [parts_read[n] for n in hf_names], model)
+        want = self.shapes[name]
+        if tuple(tensor.shape) != want:
+            raise ConfigError(f"{hf_dir}: {' + '.join(hf_names)} gives {name} of shape "
+                              f"{tuple(tensor.shape)}, but config.json implies {want}")
+        return tensor, hf_names
+
+    def _check_source_shape(self, n: str, got: tuple) -> None:
+        want, model = self.hf_expected.get(n), self.model
+        if want is not None and got != want:
+            raise ConfigError(
+                f"{self.hf_dir}: tensor {n} has shape {got}, but its config.json "
+                f"({self.family.architecture}, hidden {model.hidden_size}, "
+                f"{model.num_attention_heads} heads / {model.num_query_groups} KV "
+                f"groups, vocab {model.vocab_size}) implies {want}: the weights "
+                "and config.json are from different models; give the config.json "
+                "the weights were saved with")
+
+    def check_all_used(self, used: set[str]) -> None:
+        """Every tensor of the folder was read, or is one the family drops."""
+        unknown = sorted(n for n in self.folder.names() - used if not self.family.dropped(n))
+        if unknown:
+            raise ConfigError(f"{self.hf_dir}: tensor {unknown[0]} has no rule in the "
+                              f"{self.family.name} table (ldt/models/hf/families.py): the "
+                              "checkpoint's architecture differs from what config.json declares")
+
+
+def _write_import_files(tmp: str, src: _HfSource, out_dir: str, conf: Optional[dict],
+                        dtype) -> list[str]:
+    """model.json, the source's config.json, its tokenizer files and (``conf``) a model
+    YAML; returns the tokenizer files copied."""
+    write_model_json(tmp, src.model)
+    shutil.copy(os.path.join(src.hf_dir, "config.json"), os.path.join(tmp, HF_CONFIG))
+    copied = _copy_tokenizer(src.hf_dir, tmp)
+    if conf is not None:
+        name = conf.get("name") or os.path.basename(os.path.abspath(out_dir))
+        write_model_yaml(src.model, os.path.join(tmp, "conf", "model", f"{name}.yaml"),
+                         seq_length=conf.get("seq_length"),
+                         params_dtype=conf.get("params_dtype")
+                         or str(dtype).replace("torch.", ""))
+    return copied
 
 
 def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = None,
@@ -251,74 +283,19 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     and the folder is built beside ``out_dir`` and renamed into place when complete: an
     existing ``out_dir`` is refused unless ``overwrite``, and then replaced whole (no old
     ``model.safetensors`` is left beside the new shards)."""
-    from safetensors.torch import save_file
-
-    from ldt.models.arch import read_model_json
-    from ldt.storage import checkpoint_files as files
-    from ldt.storage.atomic import check_output, new_folder
-    from ldt.storage.tensors import read_tensors, tensor_index
-
-    from ldt.storage.runlock import check_not_training
-
     inputs = [("CHECKPOINT", ldt_path)]
     check_output(out_dir, flag="OUT", overwrite=overwrite, inputs=inputs)  # before any read
-    check_not_training(ldt_path, f"CHECKPOINT {ldt_path}")
-    found = files.latest(ldt_path)
-    if found is None and os.path.exists(ldt_path) and not os.path.isdir(ldt_path):
-        from ldt.userfiles import not_a
-
-        raise ConfigError(not_a(ldt_path, f"CHECKPOINT {ldt_path}", "folder", "give a run "
-                                "folder with checkpoints/, one of its checkpoints/step_N folders "
-                                "or an ldt-convert import"))
-    if found is None:
-        raise ConfigError(f"{ldt_path!r} holds no complete ldt checkpoint (no "
-                          f"{files.COMPLETE} marker); give a run folder with checkpoints/, "
-                          "one of its checkpoints/step_N folders or an ldt-convert import")
-    skipped = files.skipped(ldt_path)
-    if skipped:
-        log(f"ldt-convert: {skipped}")
-    stages = [p for p in files.parts(found) if p.startswith("stage_")]
-    files.verify(found, which=stages, hashes=True, field="CHECKPOINT")
-    model = read_model_json(found) or model
-    if model is None:
-        raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "
-                          "checkpoint written by ldt-train or ldt-convert import")
-    if model.mtp_num_layers:
-        raise ConfigError(
-            f"{found} has {model.mtp_num_layers} MTP layers (model.mtp_num_layers), which the "
-            "Hugging Face families ldt exports do not have; export would drop them: train "
-            "without MTP, or read the checkpoint with ldt.storage")
+    found = _checkpoint_to_export(ldt_path, log)
+    model = _exported_model(found, model)
     family = family_of_model(model)
     index = tensor_index(found)
-    dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
-    base = None
-    if os.path.exists(os.path.join(found, HF_CONFIG)):
-        from ldt.userfiles import load_json_object
-
-        base = load_json_object(os.path.join(found, HF_CONFIG), "the import's config.json")
-    hf_config = family.hf_config(model, dtype, base)
+    hf_config = _hf_config_of(found, model, family, index)
     expected = hf_shapes(hf_config)
     groups = list(parts(model))
     weight_map, total = {}, 0
     with new_folder(out_dir, flag="OUT", overwrite=overwrite, inputs=inputs) as tmp:
         for k, names in enumerate(groups):
-            if model.tie_embeddings:
-                names = [n for n in names if n != "output_layer.weight"]
-            full = read_tensors(index, names)
-            out = {}
-            for name in names:
-                tensor = full.pop(name)
-                check_finite(tensor, name, found)
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                    tensor = tensor[:model.vocab_size]  # drop the vocabulary padding
-                hf_names, kind = family.sources(name)
-                for hf_name, value in zip(hf_names, family.split(kind, tensor, model)):
-                    if expected.pop(hf_name, None) != tuple(value.shape):
-                        raise ConfigError(f"export of {found}: {name} gives {hf_name} of shape "
-                                          f"{tuple(value.shape)}, but transformers' "
-                                          f"{family.architecture} has "
-                                          f"{hf_shapes(hf_config).get(hf_name, 'no such tensor')}")
-                    out[hf_name] = value.contiguous()
+            out = _export_part(found, index, names, model, family, hf_config, expected)
             file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
             save_file(out, os.path.join(tmp, file), metadata={"format": "pt"})
             weight_map.update({n: file for n in out})
@@ -334,6 +311,76 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
         _check_shards(tmp, weight_map)
     log(f"ldt-convert: {found} -> {out_dir} ({family.architecture}, {len(groups)} files)")
     return out_dir
+
+
+def _checkpoint_to_export(ldt_path: str, log) -> str:
+    """The complete checkpoint folder ``ldt_path`` names, its tensor files verified against
+    their checksums; refused while a training run writes there."""
+    check_not_training(ldt_path, f"CHECKPOINT {ldt_path}")
+    found = files.latest(ldt_path)
+    if found is None and os.path.exists(ldt_path) and not os.path.isdir(ldt_path):
+        raise ConfigError(not_a(ldt_path, f"CHECKPOINT {ldt_path}", "folder", "give a run "
+                                "folder with checkpoints/, one of its checkpoints/step_N folders "
+                                "or an ldt-convert import"))
+    if found is None:
+        raise ConfigError(f"{ldt_path!r} holds no complete ldt checkpoint (no "
+                          f"{files.COMPLETE} marker); give a run folder with checkpoints/, "
+                          "one of its checkpoints/step_N folders or an ldt-convert import")
+    skipped = files.skipped(ldt_path)
+    if skipped:
+        log(f"ldt-convert: {skipped}")
+    stages = [p for p in files.parts(found) if p.startswith("stage_")]
+    files.verify(found, which=stages, hashes=True, field="CHECKPOINT")
+    return found
+
+
+def _exported_model(found: str, model: Optional[ModelConfig]) -> ModelConfig:
+    """The checkpoint's ModelConfig (its model.json, else ``model``), refused where a Hugging
+    Face family cannot hold it."""
+    model = read_model_json(found) or model
+    if model is None:
+        raise ConfigError(f"{found} has no model.json, so the model it holds is unknown; export a "
+                          "checkpoint written by ldt-train or ldt-convert import")
+    if model.mtp_num_layers:
+        raise ConfigError(
+            f"{found} has {model.mtp_num_layers} MTP layers (model.mtp_num_layers), which the "
+            "Hugging Face families ldt exports do not have; export would drop them: train "
+            "without MTP, or read the checkpoint with ldt.storage")
+    return model
+
+
+def _hf_config_of(found: str, model: ModelConfig, family: Family, index: dict):
+    """transformers' config of the export, in the checkpoint's dtype, on top of the imported
+    config.json where the checkpoint came from an import."""
+    dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
+    base = None
+    if os.path.exists(os.path.join(found, HF_CONFIG)):
+        base = load_json_object(os.path.join(found, HF_CONFIG), "the import's config.json")
+    return family.hf_config(model, dtype, base)
+
+
+def _export_part(found: str, index: dict, names: list[str], model: ModelConfig, family: Family,
+                 hf_config, expected: dict) -> dict[str, torch.Tensor]:
+    """One part's tensors under transformers' names; each is taken off ``expected`` (name ->
+    shape still to write), and a name or shape transformers would not load is refused."""
+    if model.tie_embeddings:
+        names = [n for n in names if n != "output_layer.weight"]
+    full = read_tensors(index, names)
+    out = {}
+    for name in names:
+        tensor = full.pop(name)
+        check_finite(tensor, name, found)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            tensor = tensor[:model.vocab_size]  # drop the vocabulary padding
+        hf_names, kind = family.sources(name)
+        for hf_name, value in zip(hf_names, family.split(kind, tensor, model)):
+            if expected.pop(hf_name, None) != tuple(value.shape):
+                raise ConfigError(f"export of {found}: {name} gives {hf_name} of shape "
+                                  f"{tuple(value.shape)}, but transformers' "
+                                  f"{family.architecture} has "
+                                  f"{hf_shapes(hf_config).get(hf_name, 'no such tensor')}")
+            out[hf_name] = value.contiguous()
+    return out
 
 
 def hf_shapes(hf_config) -> dict[str, tuple]:

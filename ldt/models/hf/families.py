@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from ldt.config import ConfigError, ModelConfig
+from ldt.models.arch import head_size
 
 # ---- the transformations ---------------------------------------------------------------------
 
@@ -171,8 +172,6 @@ class Family:
     def hf_config(self, model, dtype: torch.dtype, base: Optional[dict] = None):
         """A transformers config for ``model`` (non-architecture fields from ``base``)."""
         import transformers
-
-        from ldt.models.arch import head_size
 
         fields = dict(base or {})
         for key in ("rope_parameters", "rope_scaling", "rope_theta", "model_type",
