@@ -26,6 +26,7 @@ from ldt.quiet import set_log_level
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
 from ldt.storage.runlock import check_not_training, run_of
+from ldt.training.outputs import summary_json
 from ldt.validate import check_files, validate
 
 def check_run_dir_given(hydra_cfg) -> None:
@@ -183,8 +184,6 @@ def world_backend(cfg: LdtConfig) -> str:
 
 
 def summary_line(summary: dict) -> str:
-    from ldt.training.outputs import summary_json  # imports torch: a refusal must not wait
-
     return summary_json(_public(summary))
 
 

@@ -31,6 +31,7 @@ from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
 from ldt.storage.commit import _NO_SPACE, out_of_space
 from ldt.storage.runlock import RunLock
+from ldt.training.outputs import parity_max_abs_diff
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,7 +190,6 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
 def _launch_local(cfg: LdtConfig, topo) -> int:
     """Bare launch: start the whole world here; every child is reaped whatever happens. The
     ranks receive the typed config and the topology this process validated."""
-    from ldt.training.outputs import parity_max_abs_diff  # torch: once the config is accepted
 
     run_dir = cfg.run_dir
     try:
