@@ -85,7 +85,7 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     codes: list[int] = []  # each job's status
     held = HeldStderr(sys.stderr)  # Hydra's refusals, one line; the job's output streams
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
-                     version_base="1.3")(_job(task, hydra_subdir, codes, held))
+                     version_base="1.3")(_hydra_job(task, hydra_subdir, codes, held))
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
     sys.stderr = held
     try:
@@ -134,7 +134,7 @@ def _refused_command_line(args: Sequence[str], run_folder: bool) -> Optional[str
     return f"invalid config: {refused}" if refused else None
 
 
-def _job(task: Callable[..., int], hydra_subdir: Optional[str], codes: list[int],
+def _hydra_job(task: Callable[..., int], hydra_subdir: Optional[str], codes: list[int],
          held: HeldStderr) -> Callable[[DictConfig], int]:
     """The function Hydra calls once per job: runs ``task``, records its status in ``codes``."""
 
