@@ -177,10 +177,10 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
 
     from ldt import patches
     from ldt.data.bytes import TextData
+    from ldt.hydra_app import typed_config
     from ldt.models.build import build_chunk, param_names
     from ldt.models.init import init_chunk
     from ldt.models.vocab import model_vocab_size
-    from ldt.hydra_app import typed_config
     from ldt.training.optim import optimizer_config
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate

@@ -154,12 +154,12 @@ def _transients(chunks) -> list[int]:
 
 def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
     import ldt
+    from ldt.hydra_app import typed_config
     from ldt.memory.fake import fake_rank
     from ldt.memory.inflight import stage_inflight
     from ldt.memory.measure import cpu_topology, measure_stage
     from ldt.models.recompute import describe, stage_recompute
     from ldt.training import moe
-    from ldt.hydra_app import typed_config
     from ldt.validate import validate
 
     c = typed_config(cfg)
