@@ -76,16 +76,18 @@ def _worker(rank: int, world: int, cfg: dict, steps: int):
 
     import ldt
     from ldt import patches
-    from ldt.training.loop import parse
+    from ldt.hydra_app import typed_config
     from ldt.training.optim import build_stage_optimizer
     from ldt.training.stage import build_stage_models, make_forward_step
     from ldt.validate import validate
 
-    c = parse(cfg)
+    c = typed_config(cfg)
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     state = ldt.initialize_vtp(topo, timeout_s=60)
     names = ["cpu_shims", "optimizer_cpu", "schedules"]
-    patches.apply(names, ctx=SimpleNamespace(observers=[]))
+    from ldt.schedule.forward_backward import MegatronHooks
+
+    patches.apply(names, ctx=MegatronHooks())
     try:
         models = build_stage_models(c, topo, state)
         opt = build_stage_optimizer(c, topo, state, models, shared_chunks=False)

@@ -177,15 +177,15 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
 
     from ldt import patches
     from ldt.data.bytes import TextData
+    from ldt.hydra_app import typed_config
     from ldt.models.build import build_chunk, param_names
     from ldt.models.init import init_chunk
     from ldt.models.vocab import model_vocab_size
-    from ldt.training.loop import parse
     from ldt.training.optim import optimizer_config
     from ldt.training.stage import make_forward_step
     from ldt.validate import validate
 
-    c = parse(cfg)
+    c = typed_config(cfg)
     device = cfg["cluster"]["stages"][0]["device"]
     if device == "cuda":
         torch.cuda.set_device(0)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import tempfile
 from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from ldt.config import register_configs
+from ldt.config import (LdtConfig, register_configs, to_cluster, to_data, to_model,
+                        to_train, unknown_key)
+from ldt.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
 
 CONFIG_MODULE = "ldt.conf"
 CONFIG_NAME = "config"
@@ -33,6 +37,18 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
+
+
+def typed_config(cfg) -> LdtConfig:
+    """The resolved config as the :class:`~ldt.config.LdtConfig` every process of a run
+    receives (picklable); a plain dict (tests, the API, ``python -m`` tools) is typed here, once,
+    by config's own converters, naming a wrong field. An LdtConfig is returned as it is.
+    (It belongs beside those converters, in ldt/config.py.)"""
+    if isinstance(cfg, LdtConfig):
+        return cfg
+    return LdtConfig(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
+                     train=to_train(cfg["train"]), data=to_data(cfg.get("data")),
+                     run_dir=cfg.get("run_dir", LdtConfig.run_dir))
 
 
 def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
@@ -57,57 +73,19 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     other ranks write nothing there and learn the folder from rank 0 (the task does that once
     the world is up), so clocks that differ across nodes cannot split a run in two.
     """
-    import hydra
+    import hydra  # Hydra loads when an app runs: `import ldt` stays cheap
 
     register_configs()
     args = list(sys.argv[1:] if argv is None else argv)
-    if os.environ.get("RANK", "0") != "0":
-        if any(a in ("-m", "--multirun") for a in args):
-            print("ldt: --multirun under torchrun is not supported; launch torchrun once per job",
-                  file=sys.stderr)
-            return EXIT_CONFIG
-        args += ["hydra.output_subdir=null", "hydra.run.dir=."]
-    from ldt.hydra_guard import (HeldStderr, save_hydra_files, sweep_folder_in_use,
-                                 take_output_subdir)
-
-    if run_folder and any(a in ("-m", "--multirun") for a in args):
-        refused = sweep_folder_in_use(args)
-        if refused:
-            print(f"ldt: invalid config: {refused}", file=sys.stderr)
-            return EXIT_CONFIG
-    hydra_subdir = None
-    if run_folder and os.environ.get("RANK", "0") == "0":
-        # Hydra writes .hydra/ into the run folder before the job can look at it; the job
-        # writes it itself (``save_hydra_files``) once it knows the folder is its own
-        hydra_subdir, args = take_output_subdir(args)
-    scratch = None
-    if not run_folder:
-        import tempfile
-
-        scratch = tempfile.mkdtemp(prefix="ldt-hydra-")
-        args += [f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}",
-                 "hydra.output_subdir=null"]
-    refused = _unknown_key(args)
-    if refused:  # before Hydra, whose own refusal is eight lines and suggests a '+' that fails too
-        print(f"ldt: invalid config: {refused}", file=sys.stderr)
+    refused = _refused_command_line(args, run_folder)
+    if refused:
+        print(f"ldt: {refused}", file=sys.stderr)
         return EXIT_CONFIG
-    codes: list[int] = []
-
+    args, hydra_subdir, scratch = _hydra_args(args, run_folder)
+    codes: list[int] = []  # each job's status
     held = HeldStderr(sys.stderr)  # Hydra's refusals, one line; the job's output streams
-
-    @functools.wraps(task)  # Hydra names the job after the task's module
-    def job(cfg: DictConfig) -> int:
-        codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
-        held.release()
-        if hydra_subdir is None:
-            codes[-1] = int(task(cfg) or 0)
-        else:
-            codes[-1] = int(task(cfg, functools.partial(save_hydra_files, cfg, hydra_subdir))
-                            or 0)
-        return codes[-1]
-
     app = hydra.main(config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME,
-                     version_base="1.3")(job)
+                     version_base="1.3")(_hydra_job(task, hydra_subdir, codes, held))
     saved, sys.argv = sys.argv, [sys.argv[0], *args]
     sys.stderr = held
     try:
@@ -123,10 +101,55 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
         sys.stderr = held.real
         sys.argv = saved
         if scratch is not None:
-            import shutil
-
             shutil.rmtree(scratch, ignore_errors=True)
     return next((c for c in codes if c), 0)
+
+
+def _hydra_args(args: list[str], run_folder: bool):
+    """``(args for Hydra, the .hydra/ folder the job writes itself or None, a scratch run
+    folder to remove afterwards or None)``."""
+    if os.environ.get("RANK", "0") != "0":  # rank 0 keeps the run folder
+        args = [*args, "hydra.output_subdir=null", "hydra.run.dir=."]
+    hydra_subdir = None
+    if run_folder and os.environ.get("RANK", "0") == "0":
+        # Hydra writes .hydra/ into the run folder before the job can look at it; the job
+        # writes it itself (``save_hydra_files``) once it knows the folder is its own
+        hydra_subdir, args = take_output_subdir(args)
+    scratch = None if run_folder else tempfile.mkdtemp(prefix="ldt-hydra-")
+    if scratch is not None:
+        args = [*args, f"hydra.run.dir={scratch}", f"hydra.sweep.dir={scratch}",
+                "hydra.output_subdir=null"]
+    return args, hydra_subdir, scratch
+
+
+def _refused_command_line(args: Sequence[str], run_folder: bool) -> Optional[str]:
+    """Why ldt refuses the command line before Hydra sees it, as one line; None when it
+    does not: -m under torchrun, a multirun's folder in use, a key not in the schema (Hydra's
+    own refusal is eight lines and suggests a '+' that fails too)."""
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    if multirun and os.environ.get("RANK", "0") != "0":
+        return "--multirun under torchrun is not supported; launch torchrun once per job"
+    refused = sweep_folder_in_use(args) if run_folder and multirun else None
+    refused = refused or _unknown_key(args)
+    return f"invalid config: {refused}" if refused else None
+
+
+def _hydra_job(task: Callable[..., int], hydra_subdir: Optional[str], codes: list[int],
+         held: HeldStderr) -> Callable[[DictConfig], int]:
+    """The function Hydra calls once per job: runs ``task``, records its status in ``codes``."""
+
+    @functools.wraps(task)  # Hydra names the job after the task's module
+    def job(cfg: DictConfig) -> int:
+        codes.append(1)  # started; an exception leaves it failed (Hydra reports it, exit 1)
+        held.release()
+        if hydra_subdir is None:
+            codes[-1] = int(task(cfg) or 0)
+        else:
+            codes[-1] = int(task(cfg, functools.partial(save_hydra_files, cfg, hydra_subdir))
+                            or 0)
+        return codes[-1]
+
+    return job
 
 
 _FLAGS_WITH_VALUE = ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path",
@@ -141,8 +164,6 @@ def _unknown_key(args: Sequence[str]) -> Optional[str]:
     groups. Overrides Hydra cannot parse are left for it to refuse."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-
-    from ldt.config import unknown_key
 
     parser = OverridesParser.create()
     user_groups = any(a.split("=")[0] in ("-cd", "--config-dir") or a.startswith("hydra.searchpath")

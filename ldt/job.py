@@ -5,17 +5,33 @@ run folder named or discarded, joining torchrun's world and printing the summary
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+from dataclasses import replace
 from datetime import timedelta
+
+import psutil
 from typing import Optional
 
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ldt.config import ConfigError, LdtConfig, to_cluster
+from ldt.data.files import format_blend, parse_blend
+from ldt.device import backend_for
+from ldt.hydra_app import typed_config
+from ldt.memory import needs_estimate
+from ldt.memory import report as memory_report
+from ldt.quiet import set_log_level
+from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
+from ldt.storage.runlock import check_not_training, run_of
+from ldt.training.outputs import summary_json
+from ldt.validate import check_files, validate
 
 def check_run_dir_given(hydra_cfg) -> None:
     """train.resume=auto and elastic runs continue a run folder: it must be named, the same at
     every start (Hydra's default is a new time-stamped folder each time)."""
-    from ldt.config import ConfigError
-
     task, hydra = list(hydra_cfg.overrides.task), list(hydra_cfg.overrides.hydra)
     if any(o.startswith("run_dir=") for o in task) or any(
             o.startswith("hydra.run.dir=") and o != "hydra.run.dir=." for o in hydra):
@@ -33,8 +49,6 @@ def discard_run_folder(path: str, cwd: str, ours: bool = False) -> None:
     directory (``outputs/<date>``). ``ours``: the caller knows this process made the folder
     (:func:`new_run_folder`, asked before anything was written there), so it is removed with
     whatever this process wrote into it (a ``.hydra/`` a full disk cut short)."""
-    import shutil
-
     if not os.path.isdir(path) or (not ours and (os.listdir(path)
                                                  or not _made_by_this_process(path))):
         return
@@ -56,18 +70,12 @@ def new_run_folder(path: str) -> bool:
 
 def _made_by_this_process(path: str) -> bool:
     """Hydra made ``path`` in this process (an empty folder the user had is left alone)."""
-    import psutil
-
     return os.stat(path).st_ctime >= psutil.Process().create_time()  # (rounded down)
 
 
 def resolve(cfg, run_dir: str) -> dict:
     """The composed config as a plain dict, run folder and paths made absolute."""
     from hydra.utils import to_absolute_path
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from ldt.config import ConfigError
 
     try:
         plain = OmegaConf.to_container(cfg, resolve=True)
@@ -82,55 +90,52 @@ def resolve(cfg, run_dir: str) -> dict:
                 and not (key == "resume" and value == AUTO):
             plain[group][key] = to_absolute_path(value)
     if plain["data"].get("blend") is not None:
-        from ldt.data.files import format_blend, parse_blend
-
         plain["data"]["blend"] = format_blend(*parse_blend(plain["data"]["blend"],
                                                            base=to_absolute_path(".")))
     return plain
 
 
 def check(plain: dict, rank: Optional[int], world: Optional[int]):
-    """Validate a resolved config for a world of ``world`` processes: (topology, warnings)."""
-    from ldt.validate import check_files, validate
-
+    """Type and validate a resolved config for a world of ``world`` processes, once: ``(the
+    LdtConfig the ranks receive, topology, warnings)``."""
     if rank in (None, 0):
         _not_a_live_run(plain)
-    topo = validate(plain["cluster"], plain["model"], world_size=world, train=plain["train"])
-    warnings = check_files(plain["data"], plain["model"], plain["train"], topo, rank)
-    return topo, warnings
+    cfg = typed_config(plain)
+    topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
+    warnings = check_files(cfg.data, cfg.model, cfg.train, topo, rank)
+    return cfg, topo, warnings
 
 
 def _not_a_live_run(plain: dict) -> None:
     """Refuse ``train.resume`` / ``train.load`` in the folder of another run that is training
     now (:func:`ldt.storage.runlock.check_not_training`); this run's own folder, which it
     continues under its own lock, is its own."""
-    from ldt.storage.runlock import check_not_training, run_of
-
     train = plain["train"]
     path = train.get("resume") or train.get("load")
     if path and path != AUTO and run_of(path) != os.path.abspath(plain["run_dir"]):
         check_not_training(path, f"train.{'resume' if train.get('resume') else 'load'}={path}")
 
 
-def save_config(cfg: dict, run_dir: str) -> None:
-    from omegaconf import OmegaConf
-
-    from ldt.storage.atomic import replace_file
-
+def save_config(cfg: LdtConfig, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    replace_file(os.path.join(run_dir, "config.yaml"), OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    replace_file(os.path.join(run_dir, "config.yaml"),
+                 OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
-def join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] = None,
+def join_torchrun(cfg: LdtConfig, topo, auto: bool = False, complete: Optional[str] = None,
                    memory: str = "") -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
     rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more). A failure
     is one line from each failing rank (and its exit status), not a traceback: no launcher of
     ldt's sees the whole world to name the rank that failed first (ldt.training.failure)."""
-    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    rank = int(os.environ["RANK"])
+    # the rank's log level before megatron-core is imported (its import logs INFO records,
+    # which Hydra's handler would print from every rank)
+    set_log_level(cfg.train.log_level, rank)
+    # torch and megatron-core load here, once the config is accepted: ldt-train refuses a
+    # config that cannot work in about a second
     from ldt.training import failure
 
-    rank = int(os.environ["RANK"])
     doing = failure.track_progress()
     try:
         return _train_in_torchrun_world(cfg, topo, auto, complete, memory)
@@ -138,7 +143,7 @@ def join_torchrun(cfg: dict, topo, auto: bool = False, complete: Optional[str] =
         return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
 
 
-def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str],
+def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optional[str],
                              memory: str = "") -> int:
     import torch.distributed as dist
 
@@ -146,13 +151,13 @@ def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str
 
     if not dist.is_initialized():  # an elastic world joined in ldt.elastic.world
         dist.init_process_group(world_backend(cfg),
-                                timeout=timedelta(seconds=cfg["train"]["comm_timeout_s"]))
+                                timeout=timedelta(seconds=cfg.train.comm_timeout_s))
     # rank 0's run folder (only it kept Hydra's) and what train.resume=auto found there
-    holder = [cfg["run_dir"], (cfg["train"]["resume"], cfg["train"]["load"], complete)]
+    holder = [cfg.run_dir, (cfg.train.resume, cfg.train.load, complete)]
     dist.broadcast_object_list(holder, src=0)
-    cfg["run_dir"] = holder[0]
+    cfg.run_dir = holder[0]
     if auto:
-        cfg["train"]["resume"], cfg["train"]["load"], complete = holder[1]
+        cfg.train.resume, cfg.train.load, complete = holder[1]
     if complete:
         if dist.get_rank() == 0:
             print(f"ldt-train: {complete}", flush=True)
@@ -161,7 +166,7 @@ def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str
     if dist.get_rank() == 0:
         print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
         save_config(cfg, holder[0])
-    summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0])
+    summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0], topo=topo)
     code = 0
     if summary is not None and summary.get("stopped"):
         print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)
@@ -172,17 +177,13 @@ def _train_in_torchrun_world(cfg: dict, topo, auto: bool, complete: Optional[str
     return code
 
 
-def world_backend(cfg: dict) -> str:
+def world_backend(cfg: LdtConfig) -> str:
     """The default group's backend: native when every stage has one device type, else gloo."""
-    from ldt.device import backend_for
-
-    devices = {s["device"] for s in cfg["cluster"]["stages"]}
+    devices = {s.device for s in cfg.cluster.stages}
     return backend_for(devices.pop()) if len(devices) == 1 else "gloo"
 
 
 def summary_line(summary: dict) -> str:
-    from ldt.training.outputs import summary_json
-
     return summary_json(_public(summary))
 
 
@@ -209,16 +210,24 @@ def memory_estimate(plain: dict, topo) -> tuple[str, Optional[str]]:
     """``(text, refusal)``: the estimate to print under the rank map ("" when not asked for, or
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
     first stage over its ``memory_gib`` (None when every stage fits)."""
-    from ldt.memory import needs_estimate
-
     if not needs_estimate(plain):
         return "", None
-    from ldt.memory.report import check
-
     try:
-        text, refused = check(plain, topo)
+        text, refused = memory_report.check(plain, topo)
     except Exception as exc:
         print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
               "starting without it", file=sys.stderr)
         return "", None
     return "\n" + text, refused
+
+
+def reference_config(cfg: LdtConfig | dict) -> LdtConfig:
+    """The single-process reference of ``train.verify``: one stage, TP 1, the same global batch
+    (per-stage dp: the largest, docs/vdp.md)."""
+    cfg = typed_config(cfg)
+    dp = max([cfg.cluster.dp] + [st.dp for st in cfg.cluster.stages if st.dp is not None])
+    cluster = to_cluster({"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
+                          "u_shape": False, "layout": None, "dp": 1})
+    train = replace(cfg.train, num_microbatches=dp * cfg.train.num_microbatches,
+                    audit_comm=False, schedule="auto", overlap_p2p_comm=False, prefetch=0)
+    return replace(cfg, cluster=cluster, train=train)

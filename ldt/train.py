@@ -16,19 +16,25 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from typing import Optional, Sequence
 
+from ldt.config import LdtConfig
+from ldt.elastic.job import elastic_job
 from ldt.errors import one_line
-from ldt.hydra_app import EXIT_CONFIG
+from ldt.hydra_app import EXIT_CONFIG, run_app
 from ldt.job import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
-                     new_run_folder, resolve, save_config, summary_line)
-from ldt.storage.checkpoint_files import AUTO, resume_auto
+                     new_run_folder, reference_config, resolve, save_config, summary_line)
+from ldt.launch import WorldError, run_local_world
+from ldt.storage.atomic import check_run_folder
+from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
+from ldt.storage.commit import _NO_SPACE, out_of_space
+from ldt.storage.runlock import RunLock
+from ldt.training.outputs import parity_max_abs_diff
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ldt.hydra_app import run_app
-
     code = run_app(_job, argv)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
@@ -48,17 +54,21 @@ def _job(cfg, save_hydra_files=None) -> int:
     run's life (:mod:`ldt.storage.runlock`), taken before anything is read or written there."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ldt.storage.runlock import RunLock
-
     hydra_cfg = HydraConfig.get()
-    rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
     if cfg.cluster.get("inventory"):  # elastic: the stages are planned from the nodes there
-        from ldt.elastic.job import elastic_job
-
         return elastic_job(cfg, hydra_cfg, save_hydra_files)
-    lock = RunLock(hydra_cfg.runtime.output_dir, _run_dir_flag(hydra_cfg))
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
+    out = hydra_cfg.runtime.output_dir
+    lock = RunLock(out, _run_dir_flag(hydra_cfg))
     # a run folder this process made (Hydra, just now): a refusal removes it again
-    fresh = save_hydra_files is not None and new_run_folder(hydra_cfg.runtime.output_dir)
+    fresh = save_hydra_files is not None and new_run_folder(out)
+
+    def refused(code: int) -> int:
+        lock.release()
+        if fresh:
+            discard_run_folder(out, hydra_cfg.runtime.cwd, ours=True)
+        return code
+
     try:
         try:
             if save_hydra_files is not None:  # this process keeps the run folder
@@ -67,49 +77,46 @@ def _job(cfg, save_hydra_files=None) -> int:
         # ValueError: ConfigError, LayoutError (the config cannot work); OSError: a full disk
         # while .hydra/ is written, a file it cannot read
         except (ValueError, OSError) as exc:
-            if isinstance(exc, OSError):
-                print(f"ldt: {_cannot_write(exc, hydra_cfg.runtime.output_dir)}",
-                      file=sys.stderr)
-            elif not isinstance(exc, _Refused):
-                where = f" (rank {rank})" if rank is not None else ""
-                print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
-            lock.release()
-            if fresh:
-                discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd,
-                                   ours=True)
-            return EXIT_CONFIG
+            _say_refused(exc, out, rank)
+            return refused(EXIT_CONFIG)
         if checked is None:  # nothing left to train
             return 0
-        plain, topo, memory, complete = checked
-        choices = hydra_cfg.runtime.choices
-        what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
-                f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
-                + (", U-shape" if topo.u_shape else ""))
-        if rank is not None:
-            if rank == 0:
-                print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
-                      "processes", flush=True)
-            return join_torchrun(plain, topo, auto=cfg.train.get("resume") == AUTO,
-                                  complete=complete, memory=memory)
-        print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
-              f"ldt-train: run folder {plain['run_dir']}\n{topo.rank_map()}{memory}",
-              flush=True)
-        return _launch_local(plain, topo)
+        return _start(checked, hydra_cfg.runtime.choices, rank)
     except _Unwritable as exc:  # config.yaml, before the world starts
-        print(f"ldt: {_cannot_write(exc.__cause__, hydra_cfg.runtime.output_dir)}",
-              file=sys.stderr)
-        lock.release()
-        if fresh:
-            discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd, ours=True)
-        return 1
+        print(f"ldt: {_cannot_write(exc.__cause__, out)}", file=sys.stderr)
+        return refused(1)
     finally:
         lock.release()
 
 
+def _say_refused(exc: Exception, run_dir: str, rank: Optional[int]) -> None:
+    """One line on stderr for a launch refused before training (the memory check's refusal
+    has said its own)."""
+    if isinstance(exc, OSError):
+        print(f"ldt: {_cannot_write(exc, run_dir)}", file=sys.stderr)
+    elif not isinstance(exc, _Refused):
+        where = f" (rank {rank})" if rank is not None else ""
+        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
+
+
+def _start(checked, choices, rank: Optional[int]) -> int:
+    """Say what starts, then join torchrun's world (``rank`` set) or start it here."""
+    config, topo, memory, complete, auto = checked
+    what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
+            f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
+            + (", U-shape" if topo.u_shape else ""))
+    if rank is not None:
+        if rank == 0:
+            print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
+                  "processes", flush=True)
+        return join_torchrun(config, topo, auto=auto, complete=complete, memory=memory)
+    print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
+          f"ldt-train: run folder {config.run_dir}\n{topo.rank_map()}{memory}", flush=True)
+    return _launch_local(config, topo)
+
+
 def _cannot_write(exc: OSError, run_dir: str) -> str:
     """A run folder that cannot be written, as one line."""
-    from ldt.storage.commit import out_of_space
-
     if out_of_space(exc, run_dir):
         return (f"run_dir {run_dir}: no space left on its device; the run did not start: free "
                 "space there, or give a run_dir on another disk")
@@ -120,20 +127,20 @@ def _cannot_write(exc: OSError, run_dir: str) -> str:
 
 
 def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
-    """The config validated (and ``.hydra/`` written once it is): ``(plain, topology, the
-    memory estimate's text, train.resume=auto's "nothing left" line)``, or None when a bare
-    launch has nothing left to train; raises ValueError for a config that cannot work."""
-    from ldt.storage.atomic import check_run_folder
-
-    if cfg.train.get("resume") == AUTO:
+    """The config typed and validated (and ``.hydra/`` written once it is): ``(LdtConfig,
+    topology, the memory estimate's text, train.resume=auto's "nothing left" line, whether
+    train.resume is auto)``, or None when a bare launch has nothing left to train; raises
+    ValueError for a config that cannot work."""
+    auto = cfg.train.get("resume") == AUTO
+    if auto:
         check_run_dir_given(hydra_cfg)
-    plain, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+    plain, config, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
     complete = plain.pop("run_complete", None)
     if complete and rank is None:
         print(f"ldt-train: {complete}", flush=True)
         return None
     if save_hydra_files is not None:  # the folder that keeps the run's files
-        check_run_folder(plain["run_dir"], _resuming(cfg, plain))
+        check_run_folder(config.run_dir, _resuming(config, auto))
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
     memory = memory_check(plain, topo, rank)  # before .hydra/: a refusal leaves no folder
@@ -141,7 +148,7 @@ def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
         raise _Refused()
     if save_hydra_files is not None:
         save_hydra_files()
-    return plain, topo, memory, complete
+    return config, topo, memory, complete, auto
 
 
 class _Unwritable(Exception):
@@ -158,16 +165,15 @@ def _run_dir_flag(hydra_cfg) -> str:
                                   for o in hydra_cfg.overrides.hydra) else "run_dir"
 
 
-def _resuming(cfg, plain: dict) -> Optional[str]:
+def _resuming(config, auto: bool) -> Optional[str]:
     """What the run continues, for the run-folder check: train.resume, or with auto (even
     when it found no checkpoint yet) the run folder itself, which is then the run's own."""
-    return plain["train"]["resume"] or (plain["run_dir"] if cfg.train.get("resume") == AUTO
-                                        else None)
+    return config.train.resume or (config.run_dir if auto else None)
 
 
 def prepare(cfg, run_dir: str, rank: Optional[int] = None):
-    """The composed config as a plain dict (run folder and paths made absolute), validated:
-    ``(cfg, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron.
+    """The composed config resolved (run folder and paths made absolute), typed and validated:
+    ``(the plain dict, its LdtConfig, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron.
     ``train.resume=auto`` is resolved where the run folder is known (bare, torchrun's rank 0;
     the others learn it from rank 0); ``cfg["run_complete"]`` then says when nothing is left."""
     plain = resolve(cfg, run_dir)
@@ -177,26 +183,25 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
         else:  # torchrun's other ranks learn it from rank 0 (join_torchrun)
             plain["train"]["resume"] = None
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    topo, warnings = check(plain, rank, world)
-    return plain, topo, warnings
+    config, topo, warnings = check(plain, rank, world)
+    return plain, config, topo, warnings
 
 
-def _launch_local(cfg: dict, topo) -> int:
-    """Bare launch: start the whole world here; every child is reaped whatever happens."""
-    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
-    from ldt.launch import WorldError, run_local_world
-    from ldt.training.loop import reference_config, train_worker
+def _launch_local(cfg: LdtConfig, topo) -> int:
+    """Bare launch: start the whole world here; every child is reaped whatever happens. The
+    ranks receive the typed config and the topology this process validated."""
 
-    run_dir = os.path.abspath(cfg["run_dir"])
+    run_dir = cfg.run_dir
     try:
         save_config(cfg, run_dir)
     except OSError as exc:
         raise _Unwritable() from exc
-    timeout = cfg["train"]["comm_timeout_s"]
+    timeout = cfg.train.comm_timeout_s
     # prepare() (check_files with every rank local) checked the checkpoint's checksums
-    verified = bool(cfg["train"]["resume"] or cfg["train"].get("load"))
+    verified = bool(cfg.train.resume or cfg.train.load)
     try:
-        results = run_local_world(topo.world_size, train_worker, (cfg, run_dir, verified),
+        results = run_local_world(topo.world_size, _rank,
+                                  (cfg, run_dir, verified, None, topo),
                                   timeout_s=_job_timeout(cfg), comm_timeout_s=timeout,
                                   stop_grace_s=max(120.0, 2 * timeout))
     except WorldError as exc:
@@ -208,11 +213,10 @@ def _launch_local(cfg: dict, topo) -> int:
     if summary.get("stopped"):
         print(f"ldt: {summary['stopped'].message}", file=sys.stderr)
         return summary["stopped"].exit_code
-    if cfg["train"]["verify"]:
-        ref = run_local_world(1, train_worker, (reference_config(cfg), os.path.join(run_dir, "reference")),
+    if cfg.train.verify:
+        ref = run_local_world(1, _rank, (reference_config(cfg),
+                                                os.path.join(run_dir, "reference")),
                               timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
-        from ldt.training.outputs import parity_max_abs_diff
-
         try:
             summary["parity_max_abs_diff"] = parity_max_abs_diff(summary, ref)
         except ValueError as exc:
@@ -223,12 +227,17 @@ def _launch_local(cfg: dict, topo) -> int:
     return 0
 
 
+def _rank(rank: int, world: int, *args):
+    """A bare launch's rank (:func:`ldt.training.loop.train_worker`). megatron-core is imported
+    here, in the rank, never in the launcher: its import takes seconds and the launcher only
+    waits for the ranks."""
+    from ldt.training.loop import train_worker
+
+    return train_worker(rank, world, *args)
+
+
 def _stopped_early(exc, run_dir: str) -> int:
     """A stop signal ended the world before the ranks reached a step boundary."""
-    import signal
-
-    from ldt.storage.checkpoint_files import latest
-
     name = signal.Signals(exc.stopped_by).name
     last = latest(run_dir)
     print(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
@@ -236,29 +245,24 @@ def _stopped_early(exc, run_dir: str) -> int:
     return 128 + exc.stopped_by
 
 
-def _job_timeout(cfg: dict) -> float:
+def _job_timeout(cfg: LdtConfig) -> float:
     """A generous whole-job limit for bare launches (the comm timeout catches hangs first)."""
-    return max(600.0, 30.0 * cfg["train"]["steps"])
+    return max(600.0, 30.0 * cfg.train.steps)
 
 
 def _describe(exc, topo, run_dir: str = "") -> str:
     if exc.rank is None:
         return str(exc)
-    from ldt.storage.commit import _NO_SPACE
+    from ldt.training.failure import rank_label  # imports torch: the world has run
 
     last = exc.tb.strip().splitlines()[-1] if exc.tb.strip() else ""
     if any(words in last for words in _NO_SPACE):  # the run folder's disk filled up
-        from ldt.storage.checkpoint_files import latest
-        from ldt.training.failure import rank_label
-
         found = latest(run_dir) if run_dir else None
         resume = (f"the last complete checkpoint, {found}, is intact: free space and resume "
                   f"with {shlex.quote(f'train.resume={run_dir}')}" if found
                   else "no checkpoint was written: free space and run it again")
         return (f"{rank_label(topo, exc.rank)}: no space left on the device of the run folder "
                 f"{run_dir} ({last}); {resume}")
-    from ldt.training.failure import rank_label
-
     where = rank_label(topo, exc.rank)
     if exc.stalled:  # "rank N stopped making progress: ...": the others waited for it
         return str(exc).replace(f"rank {exc.rank} ", f"{where} ", 1)

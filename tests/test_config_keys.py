@@ -13,7 +13,7 @@ import pytest
 import torch.nn.functional as F
 
 from ldt.hydra_app import compose
-from ldt.training.loop import parse
+from ldt.hydra_app import typed_config
 
 
 _BASE = {}
@@ -30,7 +30,7 @@ def _cfg(*overrides):
         _BASE[key] = OmegaConf.to_container(compose(groups), resolve=True)
     dotted = [o for o in overrides if o not in groups]
     merged = OmegaConf.merge(OmegaConf.create(_BASE[key]), OmegaConf.from_dotlist(dotted))
-    return parse(OmegaConf.to_container(merged, resolve=True))
+    return typed_config(OmegaConf.to_container(merged, resolve=True))
 
 
 def _transformer_config(*overrides):

@@ -52,13 +52,14 @@ def reference(tmp_path_factory):
 
     from ldt.hydra_app import compose
     from ldt.launch import run_local_world
-    from ldt.training.loop import reference_config, train_worker
+    from ldt.job import reference_config
+    from ldt.training.loop import train_worker
 
     folder = str(tmp_path_factory.mktemp("reference"))
     cfg = OmegaConf.to_container(compose(["cluster=cpu_elastic", f"run_dir={folder}", *TRAIN]),
                                  resolve=True)
     ref = reference_config(cfg)
-    ref["train"]["resume"] = None
+    ref.train.resume = None
     return run_local_world(1, train_worker, (ref, folder), timeout_s=240)[0]["losses"]
 
 

@@ -90,8 +90,9 @@ def undisturbed(net, tmp_path_factory):
 def test_three_hosts_match_the_single_process_reference(undisturbed, tmp_path):
     from omegaconf import OmegaConf
 
+    from ldt.job import reference_config
     from ldt.launch import run_local_world
-    from ldt.training.loop import reference_config, train_worker
+    from ldt.training.loop import train_worker
 
     run_dir, edge_tx, results = undisturbed
     # the config the 3-host run trained with (its rank 0 saved it), as ldt-train --verify uses

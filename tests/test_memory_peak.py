@@ -14,10 +14,10 @@ def _topo(*over):
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
-    from ldt.training.loop import parse
+    from ldt.hydra_app import typed_config
     from ldt.validate import validate
 
-    c = parse(OmegaConf.to_container(compose(list(over)), resolve=True))
+    c = typed_config(OmegaConf.to_container(compose(list(over)), resolve=True))
     return validate(c.cluster, c.model, train=c.train, check_devices=False), c
 
 

@@ -21,7 +21,9 @@ import os
 import pytest
 
 from ldt.launch import run_local_world
-from ldt.training.loop import reference_config, train_worker
+from ldt.hydra_app import typed_config
+from ldt.job import reference_config
+from ldt.training.loop import train_worker
 
 STEPS = 3
 PARITY = 1e-5  # losses and weights, fp32
@@ -52,7 +54,8 @@ def _cfg(tps, *, dp=1, u_shape=False, layout=None, model=None, steps=STEPS, **tr
 
 
 def _train(cfg, run_dir) -> list[dict]:
-    world = sum(s["tp"] * (s.get("dp") or cfg["cluster"]["dp"]) for s in cfg["cluster"]["stages"])
+    cfg = typed_config(cfg)
+    world = sum(s.tp * (s.dp or cfg.cluster.dp) for s in cfg.cluster.stages)
     run_local_world(world, train_worker, (cfg, str(run_dir)), timeout_s=300, comm_timeout_s=60)
     with open(os.path.join(run_dir, "metrics.csv")) as f:
         return [{k: float(r[k]) for k in ("loss", "grad_norm", "lr")} for r in csv.DictReader(f)]

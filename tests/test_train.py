@@ -291,3 +291,74 @@ def test_mtp_on_the_edge_matches_the_reference_and_changes_training(tmp_path):
 
         model = to_model(yaml.safe_load(f)["model"])
     check_compatible(latest(str(tmp_path / "mtp")), model)  # every MTP tensor, its full shape
+
+
+def _fake_run(dp: int, num_mtp: int = 0, u_shape: bool = True):
+    """A stand-in for one rank's run of ``ldt.training.loop`` (no process group): the loss
+    stage of ``dp`` replicas."""
+    from types import SimpleNamespace as NS
+
+    topo = NS(dp_of=lambda stage: dp, u_shape=u_shape, is_vdp=False, loss_stage=lambda: 0)
+    state = NS(topology=topo, stage=0, dp_group_gloo="dp-gloo")
+    train = NS(num_microbatches=2, micro_batch_size=1, prefetch=0, schedule="auto",
+               runtime="auto")
+    cfg = NS(train=train, model=NS(seq_length=8, mtp_num_layers=num_mtp))
+    return NS(rank=0, cfg=cfg, topo=topo, state=state, observers=[], on_loss_stage=True)
+
+
+def test_a_run_builds_one_communicator_and_picks_its_runtime_once(monkeypatch):
+    """The schedule pass is chosen once per run: ldt's runtime with one communicator for every
+    pass (it was built on every pass), megatron's schedule fetched once (seen failing with the
+    communicator built inside the pass: 5 built for 4 passes)."""
+    from types import SimpleNamespace as NS
+
+    from ldt.training import loop
+
+    built, fetched, ran = [], [], []
+    monkeypatch.setattr(loop, "VtpCommunicator", lambda *a, **k: built.append(a) or object())
+    monkeypatch.setattr(loop, "send_transforms", lambda *a: [])
+    monkeypatch.setattr(loop, "make_forward_step", lambda *a: "forward_step")
+    monkeypatch.setattr(loop, "rank_device", lambda *a: "cpu")
+    monkeypatch.setattr(loop, "run_step", lambda **k: ran.append(k["comm"]) or NS(losses=[1],
+                                                                                  timings=[]))
+    schedule = lambda **k: ran.append("megatron") or [2]  # noqa: E731
+    monkeypatch.setattr(loop, "get_forward_backward_func",
+                        lambda: fetched.append(1) or schedule)
+    models = [NS(config="config")]
+    run_pass = loop._schedule_pass(_fake_run(1), models, None, ldt_runtime=True)
+    for _ in range(3):
+        assert run_pass(None) == ([1], [])
+    assert run_pass(None, True) == ([1], [])
+    assert len(built) == 1 and len(set(map(id, ran))) == 1 and not fetched
+    ran.clear()
+    run_pass = loop._schedule_pass(_fake_run(1), models, None, ldt_runtime=False)
+    assert [run_pass(None) for _ in range(3)] == [([2], [])] * 3
+    assert len(fetched) == 1 and ran == ["megatron"] * 3 and len(built) == 1
+
+
+@pytest.mark.parametrize("num_mtp", [0, 2])
+def test_the_step_loss_and_mtp_losses_are_reduced_in_one_all_reduce(monkeypatch, num_mtp):
+    """The loss stage's step loss and its MTP losses: means over the micro-batches, then over
+    the replicas, in one all-reduce (seen failing with the MTP losses reduced apart: 2 calls)."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from ldt.training import loop
+
+    calls = []
+
+    def all_reduce(value, group):  # the other replica's loss stage holds 2 * these values
+        calls.append(group)
+        value.mul_(3)
+
+    monkeypatch.setattr(loop.dist, "all_reduce", all_reduce)
+    monkeypatch.setitem(MTPLossLoggingHelper.tracker, "values",
+                        torch.tensor([0.5, 1.0][:num_mtp]))
+    losses = [{"lm loss": torch.tensor(1.0)}, {"lm loss": torch.tensor(2.0)}]
+    loss, mtp = loop._step_losses(_fake_run(dp=2, num_mtp=num_mtp), losses)
+    assert calls == ["dp-gloo"]
+    assert loss == pytest.approx(1.5 * 3 / 2)
+    assert mtp == pytest.approx([v / 2 * 3 / 2 for v in [0.5, 1.0][:num_mtp]])
+    calls.clear()
+    assert loop._step_losses(_fake_run(dp=1, num_mtp=num_mtp), losses)[0] == 1.5
+    assert calls == []

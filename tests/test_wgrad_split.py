@@ -120,10 +120,10 @@ def _compare(rank, world, tp: int, dp: int, sp: bool, fused: bool) -> dict:
     from megatron.core.tensor_parallel import layers
 
     from ldt import patches
-    from ldt.training.loop import parse
+    from ldt.hydra_app import typed_config
     from ldt.validate import validate
 
-    c = parse(_cfg(tp, dp, sp))
+    c = typed_config(_cfg(tp, dp, sp))
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     state = ldt.initialize_vtp(topo, timeout_s=60)
     names = ["cpu_shims", "optimizer_cpu", "sequence_parallel_norms"]

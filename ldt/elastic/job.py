@@ -9,19 +9,21 @@ from __future__ import annotations
 import os
 import sys
 
+from ldt.config import to_model
+from ldt.elastic.nodes import ElasticError
 from ldt.errors import one_line
 from ldt.hydra_app import EXIT_CONFIG
 from ldt.job import (check, check_run_dir_given, discard_run_folder, join_torchrun,
                      memory_estimate, resolve, world_backend)
 from ldt.storage.checkpoint_files import resume_auto
+from ldt.storage.runlock import RunLock
+
 
 def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
     """Under torchrun's elastic agent (docs/elastic.md): plan the world that is there from the
     nodes' descriptions, then train in it, continuing from the run folder's newest checkpoint.
     Errors are one line per node (its local rank 0 prints it). torchrun's rank 0, whose run
     folder is Hydra's, holds the folder's lock (:mod:`ldt.storage.runlock`) while it runs."""
-    from ldt.storage.runlock import RunLock
-
     lock = RunLock(hydra_cfg.runtime.output_dir)
     try:
         return _elastic_job(cfg, hydra_cfg, save_hydra_files, lock)
@@ -30,25 +32,13 @@ def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
 
 
 def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
-    from ldt.config import to_model
-    from ldt.elastic.nodes import ElasticError
-
     env = os.environ
     speak = env.get("LOCAL_RANK", "0") == "0"
     try:
         check_run_dir_given(hydra_cfg)
         plain = resolve(cfg, hydra_cfg.runtime.output_dir)
-        run = None
-        if env.get("RANK") == "0":  # the one rank whose run folder is Hydra's
-            try:
-                lock.acquire()
-                restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-                complete = resume_auto(plain["train"], plain["run_dir"], elastic=True,
-                                       restarted=restarted)
-                run = {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
-                       "load": plain["train"]["load"], "complete": complete}
-            except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
-                run = {"error": one_line(exc)}
+        run = _continued_run(plain, lock, env) if env.get("RANK") == "0" else None
+        # torch and megatron-core load here, once the config is accepted
         import ldt.quiet  # noqa: F401  (before megatron-core is imported)
         from ldt.elastic.world import form_world
 
@@ -64,14 +54,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
             print(f"ldt-train: node {env['GROUP_RANK']} local rank {env['LOCAL_RANK']} is idle "
                   f"in this world: {world.plan.describe()}", flush=True)
             return world.wait_idle()
-        plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
-        plain["train"].update(num_microbatches=world.plan.num_microbatches,
-                              prefetch=world.plan.prefetch, resume=world.run["resume"],
-                              load=world.run["load"])
-        try:  # what only some ranks read (data, checkpoint files): all stop if one cannot
-            topo, warnings = check(plain, world.rank, world.plan.world_size)
-        except ValueError as exc:
-            world.settle(one_line(exc))
+        config, topo, warnings = _planned(plain, world)
         memory = check_memory(plain, topo, world)
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
         if speak:
@@ -83,14 +66,47 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
         return EXIT_CONFIG
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
-    world.init_process_group(world_backend(plain), plain["train"]["comm_timeout_s"])
+    return _train_in(world, config, topo, memory, env)
+
+
+def _continued_run(plain: dict, lock, env) -> dict:
+    """torchrun's rank 0 (whose run folder is Hydra's) locks the folder and finds what the run
+    continues; every rank learns it (or why not) as the world forms."""
+    try:
+        lock.acquire()
+        restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        complete = resume_auto(plain["train"], plain["run_dir"], elastic=True,
+                               restarted=restarted)
+        return {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],
+                "load": plain["train"]["load"], "complete": complete}
+    except ValueError as exc:  # e.g. a damaged checkpoint.json: every rank says it
+        return {"error": one_line(exc)}
+
+
+def _planned(plain: dict, world):
+    """The config of the planned world, typed and validated: ``(LdtConfig, topology,
+    warnings)``. What only some ranks read (data, checkpoint files): all stop if one cannot."""
+    plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
+    plain["train"].update(num_microbatches=world.plan.num_microbatches,
+                          prefetch=world.plan.prefetch, resume=world.run["resume"],
+                          load=world.run["load"])
+    try:
+        return check(plain, world.rank, world.plan.world_size)
+    except ValueError as exc:
+        world.settle(one_line(exc))
+        raise  # (settle raised the first rank's error already)
+
+
+def _train_in(world, config, topo, memory: str, env) -> int:
+    """Form the planned world's process group and train in it."""
+    world.init_process_group(world_backend(config), config.train.comm_timeout_s)
     world.record(env)
     if world.rank == 0:
-        start = plain["train"]["resume"] or "a fresh start"
+        start = config.train.resume or "a fresh start"
         print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)
     code = 1
     try:
-        code = join_torchrun(plain, topo, memory=memory)
+        code = join_torchrun(config, topo, memory=memory)
         return code
     finally:
         world.finish(code)  # a finished run releases the idle processes

@@ -154,15 +154,15 @@ def _transients(chunks) -> list[int]:
 
 def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
     import ldt
+    from ldt.hydra_app import typed_config
     from ldt.memory.fake import fake_rank
     from ldt.memory.inflight import stage_inflight
     from ldt.memory.measure import cpu_topology, measure_stage
     from ldt.models.recompute import describe, stage_recompute
     from ldt.training import moe
-    from ldt.training.loop import parse
     from ldt.validate import validate
 
-    c = parse(cfg)
+    c = typed_config(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
     schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)
     out = []

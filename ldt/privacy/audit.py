@@ -63,7 +63,7 @@ def audit(opts: AuditOptions, log=print) -> dict:
     from ldt.storage.atomic import new_folder
     from ldt.train import prepare
 
-    cfg, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
+    cfg, _, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
     steps = opts.steps or cfg["train"]["steps"]
     check_options(opts, cfg, topo, steps)
     inputs = [(f, p) for f, p in (("--cloud-text", opts.cloud_text),

@@ -26,16 +26,22 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ldt.models.arch import MODEL_JSON, write_model_json
+from ldt.models.build import param_names, shift_expert
+from ldt.models.sharding import is_gated, shard_into, split_dim, tp_of, unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
                                            step_dir)
 from ldt.storage.tensors import write_tensors
+from ldt.training.optim import (load_param_state, param_state, reload_main_params,
+                                state_keys)
 
 
 def _named_params(models, chunks):
-    from ldt.models.build import param_names
-
     for chunk, gpt in zip(chunks, models):
         names = param_names(chunk, gpt)
         for name, p in gpt.named_parameters():
@@ -49,9 +55,6 @@ def _gather_full(name: str, local: torch.Tensor, state, gated: bool = False,
     position of a MoE layer's experts holds another expert on each expert-parallel rank: the
     leader (which holds the first block) gets every one of them, each joined from its
     expert-TP ranks (:meth:`ldt.topology.Topology.expert_groups`)."""
-    from ldt.models.build import shift_expert
-    from ldt.models.sharding import split_dim, tp_of, unshard
-
     tp, ep = len(state.stage_ranks), state.topology.stages[state.stage].ep
     size, _ = tp_of(name, tp, 0, ep)
     if tp == 1 or (size == tp and split_dim(name) is None):
@@ -88,10 +91,6 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
     save carries on. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
     target = step_dir(root, step)
-    from ldt.models.sharding import is_gated
-
-    from ldt.training.optim import param_state
-
     model_sd, optim_sd = {}, {}
     gated = is_gated(models[0])
     experts = models[0].config.num_moe_experts or 0
@@ -121,12 +120,8 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
             if errors:
                 raise files.DiskFullError(target)
             if model is not None:
-                from ldt.models.arch import write_model_json
-
                 with files.disk_full_at(target):
                     write_model_json(target, model)
-            from ldt.models.arch import MODEL_JSON
-
             files.carry_companions(origin, target, own=(MODEL_JSON,))
             files.seal(target, {**info, "step": step})
             files.prune(root, keep_last)
@@ -161,62 +156,32 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
     Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`).
     The files this rank reads are checked against their checksums unless ``verified`` (the
     launcher checked the whole checkpoint already)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from ldt.models.sharding import is_gated, shard_into, tp_of
-
-    gated = is_gated(models[0])
-
     field = "train.load" if weights_only else "train.resume"  # what the user gave
     found = latest(path)
     if found is None:
         raise CheckpointError(
             f"{field}={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
-    from ldt.training.optim import load_param_state, reload_main_params, state_keys
-
+    gated = is_gated(models[0])
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
     ep = state.topology.stages[state.stage].ep
     wanted = dict(_named_params(models, chunks))
-    with_state = optimizer is not None and not weights_only
-    kinds = state_keys(optimizer) if with_state else ()
+    kinds = state_keys(optimizer) if optimizer is not None and not weights_only else ()
     states = {}
     step = None
     for stage_dir in files.parts(found):
-        reader = FileSystemReader(os.path.join(found, stage_dir))
-        try:
-            keys = reader.read_metadata().state_dict_metadata
-        except Exception:  # a damaged .metadata: name the file if its checksum says so
-            files.verify(found, which=[stage_dir], field=field)
-            raise
-        names = [n for n in wanted if f"model.{n}" in keys]
-        if not names:
+        part = _read_part(found, stage_dir, wanted, kinds, verified, field)
+        if part is None:
             continue
-        if not verified:
-            files.verify(found, which=[stage_dir], field=field)
-        sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
-                                       dtype=keys[f"model.{n}"].properties.dtype)
-                        for n in names},
-              "optim": {n: {k: torch.empty(keys[f"optim.{n}.{k}"].size)
-                            for k in (*kinds, "main_param") if f"optim.{n}.{k}" in keys}
-                        | {"step": torch.zeros(())}
-                        for n in names if with_state and f"optim.{n}.{kinds[0]}" in keys},
-              "step": 0}
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(sd, storage_reader=reader,
-                     planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
-        step = sd["step"]
+        step = part["step"]
         with torch.no_grad():
-            for n in names:
+            for n, tensor in part["model"].items():
                 p = wanted.pop(n)
                 size, rank = tp_of(n, tp, tp_rank, ep)
-                p.copy_(shard_into(n, sd["model"][n], p.shape, size, rank, gated=gated))
-                if n in sd["optim"]:
+                p.copy_(shard_into(n, tensor, p.shape, size, rank, gated=gated))
+                if n in part["optim"]:
                     states[p] = {k: shard_into(n, v, p.shape, size, rank, gated=gated)
-                                 if k != "step" else v for k, v in sd["optim"][n].items()}
+                                 if k != "step" else v for k, v in part["optim"][n].items()}
     if wanted:
         raise CheckpointError(
             f"checkpoint {found} lacks parameters {sorted(wanted)[:5]}...: it is for another "
@@ -226,3 +191,34 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         for p, tensors in states.items():
             load_param_state(optimizer, p, tensors)
     return int(step) + 1
+
+
+def _read_part(found: str, stage_dir: str, wanted: dict, kinds: tuple, verified: bool,
+               field: str) -> Optional[dict]:
+    """The full tensors one stage folder holds of the ``wanted`` parameters (with their
+    optimizer state of ``kinds``): ``{"model", "optim", "step"}``, or None when it holds none
+    of them. Its files are checked against their checksums unless ``verified``."""
+    reader = FileSystemReader(os.path.join(found, stage_dir))
+    try:
+        keys = reader.read_metadata().state_dict_metadata
+    except Exception:  # a damaged .metadata: name the file if its checksum says so
+        files.verify(found, which=[stage_dir], field=field)
+        raise
+    names = [n for n in wanted if f"model.{n}" in keys]
+    if not names:
+        return None
+    if not verified:
+        files.verify(found, which=[stage_dir], field=field)
+    sd = {"model": {n: torch.empty(keys[f"model.{n}"].size,
+                                   dtype=keys[f"model.{n}"].properties.dtype)
+                    for n in names},
+          "optim": {n: {k: torch.empty(keys[f"optim.{n}.{k}"].size)
+                        for k in (*kinds, "main_param") if f"optim.{n}.{k}" in keys}
+                    | {"step": torch.zeros(())}
+                    for n in names if kinds and f"optim.{n}.{kinds[0]}" in keys},
+          "step": 0}
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(sd, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+    return sd

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ldt.models.build import causal_mask
+
 
 def logits_forward_step(state, seq_length: int):
     """A megatron ``forward_step_func`` reporting ``{"logits": [b, s, padded vocab]}``."""
-    from ldt.models.build import causal_mask
-
     mask = causal_mask(seq_length)
 
     def forward_step(data_iterator, model):

@@ -14,68 +14,82 @@ record (:mod:`ldt.progress`), which names the rank a hang waits for.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
-from ldt import progress
-from ldt.config import DataConfig, TrainConfig, to_cluster, to_model, to_train
-from ldt.training.guard import (StepGuard, StopSignals, nonfinite_stop, peak_memory_gib,
-                                save_failed_stop, signal_stop)
-from ldt.training.outputs import gather_timings, mtp_keys, write_outputs
+import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from ldt import patches, progress
+from ldt.boundary.communicator import VtpCommunicator
+from ldt.config import LdtConfig, TrainConfig
+from ldt.data import build_training_data
+from ldt.device import rank_device, use_device
+from ldt.hydra_app import typed_config
+from ldt.parallel_state import VtpState, destroy_vtp, initialize_vtp
+from ldt.privacy.defence import send_transforms
+from ldt.quiet import set_log_level
+from ldt.schedule.forward_backward import MegatronHooks, run_step
+from ldt.schedule.size import runs_on_ldt_runtime
+from ldt.topology import Topology
+from ldt.training import checkpoint, moe
+from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
+                                peak_memory_gib, save_failed_stop, signal_stop)
+from ldt.training.observe import CommAudit, FiniteCheck
+from ldt.training.optim import build_stage_optimizer, skip_to
+from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
+                                  gather_timings, memory_keys, model_flops_per_step, mtp_keys,
+                                  peak_flops, write_outputs)
 from ldt.training.stage import build_stage_models, make_forward_step
+from ldt.validate import validate
 
 
-def parse(cfg: dict) -> SimpleNamespace:
-    return SimpleNamespace(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
-                           train=to_train(cfg["train"]),
-                           data=DataConfig(**cfg.get("data", {})),
-                           reference=bool(cfg.get("reference", False)))
-
-
-def train_worker(rank: int, world: int, cfg: dict, run_dir: str,
-                 resume_verified: bool = False,
-                 observe: Optional[Callable] = None) -> Optional[dict]:
+def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
+                 resume_verified: bool = False, observe: Optional[Callable] = None,
+                 topo: Optional[Topology] = None) -> Optional[dict]:
     """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
     ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
+    ``cfg``: the launcher's :class:`~ldt.config.LdtConfig` (a plain dict, from tests and the
+    API, is typed here once). ``topo``: the topology when this process validated the config
+    already (the launchers); else it is validated here, before the first collective.
     ``resume_verified``: the launcher already checked the checkpoint's checksums
     (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
     boundary observers (ldt-audit's)."""
-    import ldt
-    from ldt import patches
-    from ldt.device import rank_device, use_device
-    from ldt.quiet import set_log_level
-    from ldt.validate import validate
-
-    c = parse(cfg)
-    set_log_level(c.train.log_level, rank)  # the same under torchrun as in a bare launch
-    topo = validate(c.cluster, c.model, world_size=world, train=c.train)
+    cfg = typed_config(cfg)
+    set_log_level(cfg.train.log_level, rank)  # the same under torchrun as in a bare launch
+    if topo is None:
+        topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
     _record_pid(run_dir, rank)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
-        state = ldt.initialize_vtp(topo, timeout_s=c.train.comm_timeout_s)
+        state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
         guard = StepGuard(state, signals, StepGuard.world_group())
-        stage = topo.stages[state.stage]
-        observers = _observers(c.train, run_dir, rank)
+        observers = _observers(cfg.train, run_dir, rank)
         if observe is not None:
             observers += observe(rank, topo, run_dir)
-        cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if stage.device == "cpu" else []
-        names = cpu + ["schedules", "sequence_parallel_norms", "recompute_norms",
-                       "moe_without_te"] + (["wgrad_split"] if c.train.schedule == "zb" else [])
-        from ldt.schedule.forward_backward import MegatronHooks
-
+        names = _patch_names(cfg.train, topo.stages[state.stage].device)
         patches.apply(names, ctx=MegatronHooks(tuple(observers)))
         try:
-            return _train(rank, c, topo, state, observers, run_dir, guard, resume_verified)
+            return _train(_Run(rank, cfg, topo, state, observers, run_dir, guard,
+                               resume_verified))
         finally:
             for obs in observers:  # the audit's message tap unwraps torch.distributed
                 getattr(obs, "close", lambda: None)()
             patches.revert(names)
-            ldt.destroy_vtp()
+            destroy_vtp()
+
+
+def _patch_names(train: TrainConfig, device: str) -> list[str]:
+    """The megatron-core patches this rank's stage trains with (:mod:`ldt.patches`)."""
+    cpu = ["cpu_shims", "optimizer_cpu", "rope_cpu"] if device == "cpu" else []
+    return cpu + ["schedules", "sequence_parallel_norms", "recompute_norms",
+                  "moe_without_te"] + (["wgrad_split"] if train.schedule == "zb" else [])
 
 
 def _record_pid(run_dir: str, rank: int) -> None:
@@ -87,8 +101,6 @@ def _record_pid(run_dir: str, rank: int) -> None:
 
 
 def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
-    from ldt.training.observe import CommAudit, FiniteCheck
-
     out: list = []
     if train.audit_comm:
         out.append(CommAudit(os.path.join(run_dir, "comm_audit.jsonl"), rank))
@@ -97,171 +109,240 @@ def _observers(train: TrainConfig, run_dir: str, rank: int) -> list:
     return out
 
 
-def _train(rank, c, topo, state, observers, run_dir, guard, resume_verified) -> Optional[dict]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+@dataclass
+class _Run:
+    """What one rank's run is given, fixed for its life."""
 
-    from ldt.data import build_training_data
-    from ldt.device import rank_device
-    from ldt.privacy.defence import send_transforms
-    from ldt.training.optim import build_stage_optimizer, skip_to
-    from ldt.schedule.forward_backward import run_step
+    rank: int
+    cfg: LdtConfig
+    topo: Topology
+    state: VtpState
+    observers: list
+    run_dir: str
+    guard: StepGuard
+    resume_verified: bool = False
 
-    from ldt.training import checkpoint, moe
+    @property
+    def on_loss_stage(self) -> bool:
+        return self.state.stage == self.topo.loss_stage()
 
-    t, m = c.train, c.train.num_microbatches
-    record = progress.current()
-    record.begin("building the model and optimizer")
-    models = build_stage_models(c, topo, state)
+    @property
+    def reporter(self) -> bool:
+        """The loss stage's leader of replica 0 writes the outputs and returns the summary."""
+        return self.on_loss_stage and self.state.is_leader and self.state.info.dp_rank == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return self.topo.dp * t.num_microbatches * t.micro_batch_size * self.cfg.model.seq_length
+
+
+@dataclass
+class _Stage:
+    """This rank's stage, built once: its chunks as the schedule runs them (DDP-wrapped), the
+    optimizer, the data (data stages; None elsewhere), the step to start from, and one pass of
+    the schedule on the runtime chosen for the run."""
+
+    chunks: list
+    models: list
+    opt: object
+    data: object
+    first_step: int
+    ldt_runtime: bool
+    run_pass: Callable  # (make_iterator, forward_only=False) -> (losses, timings)
+
+
+def _build_stage(run: _Run) -> _Stage:
+    cfg, topo, state = run.cfg, run.topo, run.state
+    progress.current().begin("building the model and optimizer")
+    models = build_stage_models(cfg, topo, state)
     chunks = topo.split.stage_chunks(state.stage)
     shared = len({id(p) for g in models for p in g.parameters()}) < \
         sum(1 for g in models for _ in g.parameters())  # U-shape edge: tied embedding + head
-    opt = build_stage_optimizer(c, topo, state, models, shared_chunks=shared)
-    first_step = 0
-    if t.resume:
-        record.begin("loading the checkpoint")
-        first_step = checkpoint.load(t.resume, models, chunks, opt, state,
-                                     verified=resume_verified)
-        skip_to(opt, first_step)  # learning rate of first_step
-    elif t.load:  # weights only (e.g. an imported Hugging Face model): step 0, fresh optimizer
-        record.begin("loading the checkpoint")
-        checkpoint.load(t.load, models, chunks, opt, state, verified=resume_verified,
-                        weights_only=True)
-    models = opt.chunks  # what the schedule runs: DDP (and Float16Module) wrapped
-    data = build_training_data(c, topo, state)  # every rank: indexed data builds collectively
-    reporter = state.stage == topo.loss_stage() and state.is_leader and state.info.dp_rank == 0
-    forward_step = make_forward_step(c.model.seq_length, rank_device(topo, rank))
-    tokens_per_step = topo.dp * m * t.micro_batch_size * c.model.seq_length
-    rows, timings = [], []  # timings: per step, (step start, this stage's (action, start, end))
-    ldt_runtime = uses_ldt_runtime(t, topo)
-    out = _Outputs(c, topo, run_dir, first_step) if reporter else None
-    device = topo.stages[state.stage].device
-    info = {"steps": t.steps}  # checkpoint.json; the model goes to model.json
-    transforms = send_transforms(t, topo, state.stage)  # once per run: one noise stream
-    stop = None
+    opt = build_stage_optimizer(cfg, topo, state, models, shared_chunks=shared)
+    first_step = _load_checkpoint(run, models, chunks, opt)
+    data = build_training_data(cfg, topo, state)  # every rank: indexed data builds collectively
+    ldt_runtime = uses_ldt_runtime(cfg.train, topo)
+    run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
+    return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass)
 
-    def pipeline_pass(make_iterator, forward_only: bool = False):
-        """One pass of the schedule over m micro-batches -> (loss stage's losses, timings)."""
+
+def _load_checkpoint(run: _Run, models, chunks, opt) -> int:
+    """``train.resume`` (weights, optimizer, step) or ``train.load`` (weights only, e.g. an
+    imported Hugging Face model: step 0, a fresh optimizer); returns the first step."""
+    t = run.cfg.train
+    if not (t.resume or t.load):
+        return 0
+    progress.current().begin("loading the checkpoint")
+    step = checkpoint.load(t.resume or t.load, models, chunks, opt, run.state,
+                           verified=run.resume_verified, weights_only=not t.resume)
+    if not t.resume:
+        return 0
+    skip_to(opt, step)  # learning rate of the first step
+    return step
+
+
+def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable:
+    """One pass of the schedule over the step's micro-batches -> (the loss stage's losses, the
+    actions' timings), on ldt's runtime (one communicator for the run) or megatron's."""
+    cfg, state = run.cfg, run.state
+    t, m, seq = cfg.train, cfg.train.num_microbatches, cfg.model.seq_length
+    forward_step = make_forward_step(seq, rank_device(run.topo, run.rank))
+    if ldt_runtime:
+        comm = VtpCommunicator(models[0].config, state, run.observers,
+                               send_transforms(t, run.topo, state.stage))  # one noise stream
+    else:
+        megatron_schedule = get_forward_backward_func()
+
+    def run_pass(make_iterator, forward_only: bool = False):
         iters = [None] * len(models) if data is None else [make_iterator() for _ in models]
         if ldt_runtime:
-            from ldt.boundary.communicator import VtpCommunicator
-
-            comm = VtpCommunicator(models[0].config, state, observers, transforms)
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
-                           model=models, num_microbatches=m, seq_length=c.model.seq_length,
+                           model=models, num_microbatches=m, seq_length=seq,
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=not forward_only,
                            forward_only=forward_only, prefetch=t.prefetch,
                            zero_bubble=t.schedule == "zb")
             return res.losses, res.timings
-        return get_forward_backward_func()(
+        return megatron_schedule(
             forward_step_func=forward_step, data_iterator=iters if len(models) > 1 else iters[0],
             model=models if len(models) > 1 else models[0], num_microbatches=m,
-            seq_length=c.model.seq_length, micro_batch_size=t.micro_batch_size,
-            forward_only=forward_only), []
+            seq_length=seq, micro_batch_size=t.micro_batch_size, forward_only=forward_only), []
 
-    for step in range(first_step, t.steps):
-        record.step(step)
-        for obs in observers:
-            obs.new_step(step)
-        opt.zero_grad()
-        t0 = time.perf_counter()
-        record.begin("forward-backward" + ("" if ldt_runtime else " (megatron's schedule)"))
-        moe.reset(c.model)
-        _reset_mtp_losses()  # an evaluation pass (training mode, no graph) adds to them too
-        losses, timed = pipeline_pass(lambda: data.step_iterator(step))
-        if ldt_runtime:
-            timings.append((t0, [(str(a), s - t0, e - t0) for a, s, e in timed]))
-        record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
-                     waiting=True)
-        lr, norm, _ = opt.step()
-        loss = None
-        if state.stage == topo.loss_stage():
-            record.begin("loss all-reduce", waiting=True)
-            loss = _mean_loss(losses, state)
-            mtp = _mtp_losses(state, len(losses), c.model.mtp_num_layers)
-        dt = time.perf_counter() - t0
-        row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
-                   tokens_per_s=tokens_per_step / dt, eval_loss=None)
-        if moe.tracks_aux_loss(c.model):
-            record.begin("MoE load-balancing loss all-reduce", waiting=True)
-            row["moe_aux_loss"] = moe.aux_loss(c.model, topo.dp * m, guard.group)
-        if c.model.mtp_num_layers and loss is not None:
-            row.update(zip(mtp_keys(c.model.mtp_num_layers), mtp))
-        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-            record.begin("evaluation")
-            with torch.no_grad():  # as megatron's evaluate(): held-out data, no graph, no grads
-                eval_losses, _ = pipeline_pass(data.eval_iterator if data else None, True)
-            if state.stage == topo.loss_stage():
-                row["eval_loss"] = _mean_loss(eval_losses, state)
-        record.begin("step boundary", waiting=True)
-        decision = guard.agree(loss=loss, grad_norm=norm, peak_gib=peak_memory_gib(device))
+    return run_pass
+
+
+def _train(run: _Run) -> Optional[dict]:
+    """Build the stage, step until the run ends or the ranks agree to stop, write outputs."""
+    stage = _build_stage(run)
+    out = _Outputs(run.cfg, run.topo, run.run_dir, stage.first_step) if run.reporter else None
+    rows, timings, stop = [], [], None  # timings: per step, (start, this stage's actions)
+    device = run.topo.stages[run.state.stage].device
+    for step in range(stage.first_step, run.cfg.train.steps):
+        row, timed = _step(run, stage, step)
+        progress.current().begin("step boundary", waiting=True)
+        decision = run.guard.agree(loss=row["loss"], grad_norm=row["grad_norm"],
+                                   peak_gib=peak_memory_gib(device))
         rows.append(row)
+        timings.append(timed)
         if out is not None:
             out.step(row, decision)
-        if decision.nonfinite and t.stop_on_nonfinite:
-            stop = nonfinite_stop(decision, step, loss, norm,
-                                  _stage_name(topo, topo.loss_stage()), checkpoint.latest(run_dir))
+        stop = _stop_or_save(run, stage, step, row, decision)
+        if stop is not None:
             break
-        saved = None
-        if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
-            record.begin("saving a checkpoint", waiting=True)
-            result = checkpoint.save(run_dir, step, opt.models, chunks, opt, state, info=info,
-                                     model=c.model, keep_last=t.keep_last, group=guard.group,
-                                     origin=t.resume or t.load)
-            if result.error:
-                stop = save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
-                break
-            saved = result.path
-        if decision.signum:
-            stop = signal_stop(decision.signum, step, saved, t.save_every,
-                               checkpoint.latest(run_dir), run_dir)
-            break
-    record.begin("writing outputs")
+    progress.current().begin("writing outputs")
     if out is not None:
         out.close()
-    timeline = gather_timings(timings, state) if ldt_runtime else None
-    if not reporter:
+    timeline = gather_timings(timings, run.state) if stage.ldt_runtime else None
+    if not run.reporter:
         return None
-    write_outputs(run_dir, rows, timeline, topo)
-    extra = {"stopped": stop} if stop is not None else {}
+    write_outputs(run.run_dir, rows, timeline, run.topo)
+    return _summary(run, stage.first_step, rows, stop)
+
+
+def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
+    """One training step up to the step boundary: its row of metrics, and its timings."""
+    cfg, record = run.cfg, progress.current()
+    record.step(step)
+    for obs in run.observers:
+        obs.new_step(step)
+    stage.opt.zero_grad()
+    t0 = time.perf_counter()
+    record.begin("forward-backward" + ("" if stage.ldt_runtime else " (megatron's schedule)"))
+    moe.reset(cfg.model)
+    _reset_mtp_losses()  # an evaluation pass (training mode, no graph) adds to them too
+    losses, timed = stage.run_pass(lambda: stage.data.step_iterator(step))
+    record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
+                 waiting=True)
+    lr, norm, _ = stage.opt.step()
+    loss, mtp = _step_losses(run, losses)
+    dt = time.perf_counter() - t0
+    row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
+               tokens_per_s=run.tokens_per_step / dt, eval_loss=None)
+    if moe.tracks_aux_loss(cfg.model):
+        record.begin("MoE load-balancing loss all-reduce", waiting=True)
+        row["moe_aux_loss"] = moe.aux_loss(cfg.model, run.topo.dp * cfg.train.num_microbatches,
+                                           run.guard.group)
+    if loss is not None:
+        row.update(zip(mtp_keys(cfg.model.mtp_num_layers), mtp))
+    if _evaluates(cfg.train, step):
+        row["eval_loss"] = _evaluate(run, stage)
+    return row, (t0, [(str(a), s - t0, e - t0) for a, s, e in timed])
+
+
+def _evaluates(t: TrainConfig, step: int) -> bool:
+    return bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
+
+
+def _evaluate(run: _Run, stage: _Stage) -> Optional[float]:
+    """The held-out loss (the loss stage's; None elsewhere), as megatron's evaluate(): no
+    graph, no gradients."""
+    progress.current().begin("evaluation")
+    with torch.no_grad():
+        losses, _ = stage.run_pass(stage.data.eval_iterator if stage.data else None, True)
+    return _mean_loss(losses, run.state) if run.on_loss_stage else None
+
+
+def _stop_or_save(run: _Run, stage: _Stage, step: int, row: dict,
+                  decision: Decision) -> Optional[Stop]:
+    """After the ranks agreed at a step boundary: why the run stops now (a non-finite loss,
+    a failed save, a stop signal after its checkpoint), or None to go on."""
+    t, run_dir = run.cfg.train, run.run_dir
+    if decision.nonfinite and t.stop_on_nonfinite:
+        where = _stage_name(run.topo, run.topo.loss_stage())
+        return nonfinite_stop(decision, step, row["loss"], row["grad_norm"], where,
+                              checkpoint.latest(run_dir))
+    saved = None
+    if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
+        progress.current().begin("saving a checkpoint", waiting=True)
+        result = checkpoint.save(run_dir, step, stage.opt.models, stage.chunks, stage.opt,
+                                 run.state, info={"steps": t.steps}, model=run.cfg.model,
+                                 keep_last=t.keep_last, group=run.guard.group,
+                                 origin=t.resume or t.load)
+        if result.error:
+            return save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
+        saved = result.path
+    if decision.signum:
+        return signal_stop(decision.signum, step, saved, t.save_every,
+                           checkpoint.latest(run_dir), run_dir)
+    return None
+
+
+def _summary(run: _Run, first_step: int, rows: list, stop: Optional[Stop]) -> dict:
+    """The reporting rank's run summary (the last line ``ldt-train`` prints)."""
+    t, num_mtp = run.cfg.train, run.cfg.model.mtp_num_layers
+    head = {"steps": t.steps, "first_step": first_step}
+    tail = {"run_dir": run.run_dir, **({"stopped": stop} if stop is not None else {})}
     if not rows:
-        return {"steps": t.steps, "first_step": first_step, "losses": [], "run_dir": run_dir,
-                **extra}
+        return {**head, "losses": [], **tail}
     steady = [r["step_time_s"] for r in rows[1:]] or [rows[0]["step_time_s"]]
     step_time = sorted(steady)[len(steady) // 2]
     evals = [r["eval_loss"] for r in rows if r["eval_loss"] is not None]
     aux = [r["moe_aux_loss"] for r in rows if r.get("moe_aux_loss") is not None]
-    return {"steps": t.steps, "first_step": first_step, "final_loss": rows[-1]["loss"],
-            "first_loss": rows[0]["loss"], "losses": [r["loss"] for r in rows],
-            **_mtp_summary(rows, c.model.mtp_num_layers),
-            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+    return {**head, "final_loss": rows[-1]["loss"], "first_loss": rows[0]["loss"],
+            "losses": [r["loss"] for r in rows], **_mtp_summary(rows, num_mtp),
+            "tokens_per_s": run.tokens_per_step / step_time, "step_time_s": step_time,
             **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
-            **({"moe_aux_loss": aux[-1], "moe_aux_losses": aux} if aux else {}),
-            "run_dir": run_dir, **extra}
+            **({"moe_aux_loss": aux[-1], "moe_aux_losses": aux} if aux else {}), **tail}
 
 
 class _Outputs:
     """The reporting rank's outputs of every step: metrics.csv, TensorBoard, the console."""
 
-    def __init__(self, c, topo, run_dir: str, first_step: int):
-        from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
-                                          memory_keys, model_flops_per_step, peak_flops)
-
-        t = c.train
-        from ldt.training.moe import tracks_aux_loss
-
+    def __init__(self, cfg: LdtConfig, topo: Topology, run_dir: str, first_step: int):
+        t = cfg.train
         self.memory_keys = memory_keys(topo.num_stages)
-        moe = ["moe_aux_loss"] if tracks_aux_loss(c.model) else []
-        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(c.model.mtp_num_layers), *moe,
-                                            *self.memory_keys], first_step)
+        aux = ["moe_aux_loss"] if moe.tracks_aux_loss(cfg.model) else []
+        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(cfg.model.mtp_num_layers),
+                                            *aux, *self.memory_keys], first_step)
         self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
         self.console = Console(first_step, t.steps, t.log_interval)
-        self.flops = model_flops_per_step(c.model, t.micro_batch_size,
+        self.flops = model_flops_per_step(cfg.model, t.micro_batch_size,
                                           topo.dp * t.num_microbatches)
         self.peak = peak_flops(topo, t.peak_tflops)
         self.devices = topo.world_size
 
-    def step(self, row: dict, decision) -> None:
+    def step(self, row: dict, decision: Decision) -> None:
         dt = row["step_time_s"]
         row["tflops_per_device"] = self.flops / dt / self.devices / 1e12
         row["mfu"] = self.flops / dt / self.peak if self.peak else None
@@ -283,26 +364,23 @@ def _stage_name(topo, stage: int) -> str:
 
 
 def _reset_mtp_losses() -> None:
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
     MTPLossLoggingHelper.tracker.pop("values", None)
 
 
-def _mtp_losses(state, microbatches: int, num_mtp: int) -> list[float]:
-    """Each MTP layer's loss this step, mean over the micro-batches and the loss stage's
-    replicas: megatron-core's MTPLossLoggingHelper keeps the sum of the micro-batches' means
-    (its own training loop divides it by their number and averages it over DP, as here)."""
-    import torch.distributed as dist
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    if not num_mtp:
-        return []
-    value = MTPLossLoggingHelper.tracker["values"].detach().float().cpu() / microbatches
-    dp = state.topology.dp_of(state.stage)
-    if dp > 1:  # every replica's loss stage, same (stage, TP rank) group
-        dist.all_reduce(value, group=state.dp_group_gloo)
-        value /= dp
-    return value.tolist()
+def _step_losses(run: _Run, losses: list) -> tuple[Optional[float], list[float]]:
+    """The step's loss and each MTP layer's, means over the micro-batches and the loss
+    stage's replicas, in one all-reduce; ``(None, [])`` off the loss stage. megatron-core's
+    MTPLossLoggingHelper keeps the sum of the micro-batches' MTP means (its own training loop
+    divides it by their number and averages it over DP, as here)."""
+    if not run.on_loss_stage:
+        return None, []
+    progress.current().begin("loss all-reduce", waiting=True)
+    values = [_microbatch_mean(losses)]
+    if run.cfg.model.mtp_num_layers:
+        values.append(MTPLossLoggingHelper.tracker["values"].detach().float().cpu()
+                      / len(losses))
+    means = _replica_mean(torch.cat(values), run.state).tolist()
+    return means[0], means[1:]
 
 
 def _mtp_summary(rows: list, num_mtp: int) -> dict:
@@ -314,35 +392,27 @@ def _mtp_summary(rows: list, num_mtp: int) -> dict:
     return {"mtp_losses": per_step, "final_mtp_loss": per_step[-1]}
 
 
-def _mean_loss(losses, state) -> float:
-    import torch.distributed as dist
+def _mean_loss(losses: list, state) -> float:
+    """The loss of a pass: mean over its micro-batches and the loss stage's replicas."""
+    return float(_replica_mean(_microbatch_mean(losses), state).item())
 
-    value = torch.stack([x["lm loss"].float() for x in losses]).mean().reshape(1).cpu()
-    dp = state.topology.dp_of(state.stage)  # per-stage DP: the loss stage's replicas
-    if dp > 1:  # every replica's loss stage, same (stage, TP rank) group
+
+def _microbatch_mean(losses: list) -> torch.Tensor:
+    return torch.stack([x["lm loss"].float() for x in losses]).mean().reshape(1).cpu()
+
+
+def _replica_mean(value: torch.Tensor, state) -> torch.Tensor:
+    """``value`` averaged over the loss stage's replicas (per-stage DP: its own dp), in place:
+    every replica's loss stage, same (stage, TP rank) group."""
+    dp = state.topology.dp_of(state.stage)
+    if dp > 1:
         dist.all_reduce(value, group=state.dp_group_gloo)
         value /= dp
-    return float(value.item())
+    return value
 
 
 def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
     """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
     train.runtime=ldt or train.schedule=zb."""
-    from ldt.schedule.size import runs_on_ldt_runtime
-
     return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp,
                                "ldt" if train.schedule == "zb" else train.runtime)
-
-
-def reference_config(cfg: dict) -> dict:
-    """The single-process reference of ``train.verify``: one stage, TP 1, the same global batch."""
-    ref = json.loads(json.dumps(cfg))
-    dp = int(cfg["cluster"].get("dp", 1))  # per-stage dp: the largest (docs/vdp.md)
-    dp = max([dp] + [int(st["dp"]) for st in cfg["cluster"]["stages"]
-                     if st.get("dp") is not None])
-    ref["cluster"] = {"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
-                      "u_shape": False, "layout": None, "dp": 1}
-    ref["train"]["num_microbatches"] = dp * int(cfg["train"]["num_microbatches"])
-    ref["train"].update(audit_comm=False, schedule="auto", overlap_p2p_comm=False, prefetch=0)
-    ref["reference"] = True
-    return ref

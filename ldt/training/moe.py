@@ -22,6 +22,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ldt.patches import versions
+
 AUX = "load_balancing_loss"  # megatron's tracker key (TopKRouter._apply_aux_loss)
 
 
@@ -33,8 +35,6 @@ def reset(model) -> None:
     """Empty megatron's tracker and size it for every layer of ``model`` (before a step)."""
     if not tracks_aux_loss(model):
         return
-    from ldt.patches import versions
-
     if versions.holds("moe_metrics_tracker"):
         from megatron.core.transformer.moe import moe_logging
 
@@ -51,8 +51,6 @@ def reset(model) -> None:
 
 def _tracked_values() -> Optional[torch.Tensor]:
     """The load-balancing loss per layer in megatron's tracker (None if nothing recorded)."""
-    from ldt.patches import versions
-
     if versions.holds("moe_metrics_tracker"):
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from ldt.parallel_state import get_vtp_state, is_vtp_initialized
+
 KIND = {"F": "activation", "B": "gradient"}
 
 
@@ -40,8 +42,6 @@ class CommAudit:
         self.path, self.rank, self.step = path, rank, 0
         self._file = open(path, "a", buffering=1)
         self.tap = None
-        from ldt.parallel_state import get_vtp_state, is_vtp_initialized
-
         if is_vtp_initialized():  # what is not an activation: see the module docstring
             self.tap = MessageTap(path.removesuffix(".jsonl") + "_messages.jsonl",
                                   get_vtp_state().topology, rank,

@@ -29,6 +29,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ldt.models.build import DTYPES
+from ldt.schedule.routing import grad_factor
+
 
 @dataclass
 class StageOptimizer:
@@ -99,8 +102,6 @@ def optimizer_config(c):
     """megatron-core's OptimizerConfig from ``train.*`` and the model's dtype."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from ldt.models.build import DTYPES
-
     t, dtype = c.train, DTYPES[c.model.params_dtype]
     fp32_main = main_params_in_fp32(c.model, t)
     return OptimizerConfig(
@@ -119,8 +120,6 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from ldt.models.build import DTYPES
 
     t, dtype = c.train, DTYPES[c.model.params_dtype]
     fp32_main = main_params_in_fp32(c.model, t)
@@ -149,8 +148,6 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
                                        pg_collection=pgs)
     factor = 1.0
     if topo.is_vdp:
-        from ldt.schedule.routing import grad_factor
-
         factor = grad_factor(topo.dp_of(state.stage), topo.dp_of(topo.loss_stage()))
         if not t.distributed_optimizer:
             # pg.mp is one replica's ranks, but per-stage DP has no replica that spans the

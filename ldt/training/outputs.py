@@ -15,6 +15,10 @@ import socket
 import sys
 from typing import Any, Optional
 
+from ldt.plan.cost import CostModel
+from ldt.schedule.timeline import median_step, result_from_measurements, to_chrome_trace, to_png
+from ldt.storage.atomic import replacing
+
 REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss",
                "tflops_per_device", "mfu")
 # action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
@@ -47,8 +51,6 @@ class MetricsLog:
                 old_keys = list(reader.fieldnames or [])
                 kept = [r for r in reader if r.get("step", "").isdigit()
                         and int(r["step"]) < first_step]
-        from ldt.storage.atomic import replacing
-
         self.keys = list(keys) + [k for k in old_keys if k not in keys]
         self._file = None
         try:
@@ -166,8 +168,6 @@ def _fmt(value, spec: str) -> str:
 def model_flops_per_step(model, micro_batch_size: int, microbatches: int) -> float:
     """Model FLOPs of one training step (forward + backward = 3x forward, no recomputation),
     from the planner's cost model: the same formula that prices plans."""
-    from ldt.plan.cost import CostModel
-
     cost = CostModel(model, None, micro_batch_size)
     return 3.0 * microbatches * (model.num_layers * cost.layer_flops() + cost.head_flops())
 
@@ -245,11 +245,6 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
     the run goes, by :class:`MetricsLog`)."""
     os.makedirs(run_dir, exist_ok=True)
     if timeline and rows:
-        from ldt.schedule.timeline import (median_step, result_from_measurements,
-                                           to_chrome_trace, to_png)
-
-        from ldt.storage.atomic import replacing
-
         with replacing(os.path.join(run_dir, "action_times.csv")) as tmp, \
                 open(tmp, "w", newline="") as f:  # whole: ldt-sim --measured reads it
             w = csv.writer(f)

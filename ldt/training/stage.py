@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from ldt.models.build import build_chunk, causal_mask, param_names
+from ldt.models.init import init_chunk
+from ldt.models.recompute import stage_recompute, transformer_kwargs
+from ldt.models.vocab import model_vocab_size
+
 
 def make_forward_step(seq_length: int, device="cpu"):
     """Megatron-style forward_step_func; stages without data get ``data_iterator=None``.
     ``device``: the stage's (the data come from the host; the mask and the batch go there)."""
-    from ldt.models.build import causal_mask
-
     mask = causal_mask(seq_length, device)
 
     def forward_step(data_iterator, model):
@@ -35,11 +38,6 @@ def _loss_func(loss_mask):
 
 def build_stage_models(c, topo, state) -> list:
     from megatron.core import tensor_parallel
-
-    from ldt.models.init import init_chunk
-    from ldt.models.build import build_chunk, param_names
-    from ldt.models.recompute import stage_recompute, transformer_kwargs
-    from ldt.models.vocab import model_vocab_size
 
     tensor_parallel.model_parallel_cuda_manual_seed(c.train.seed)
     chunks = topo.split.stage_chunks(state.stage)
