@@ -69,7 +69,6 @@ def _state_bytes(stage_opt) -> int:
 
 
 def _worker(rank: int, world: int, cfg: dict, steps: int):
-    from types import SimpleNamespace
 
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
