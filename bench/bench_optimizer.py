@@ -75,7 +75,7 @@ def _worker(rank: int, world: int, cfg: dict, steps: int):
 
     import ldt
     from ldt import patches
-    from ldt.hydra_app import typed_config
+    from ldt.config import typed_config
     from ldt.training.optim import build_stage_optimizer
     from ldt.training.stage import build_stage_models, make_forward_step
     from ldt.validate import validate

@@ -177,7 +177,7 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
 
     from ldt import patches
     from ldt.data.bytes import TextData
-    from ldt.hydra_app import typed_config
+    from ldt.config import typed_config
     from ldt.models.build import build_chunk, param_names
     from ldt.models.init import init_chunk
     from ldt.models.vocab import model_vocab_size

@@ -348,6 +348,18 @@ def to_data(obj: Any) -> DataConfig:
     return typed(DataConfig, obj if obj is not None else {}, "data", ref=_ref(DataConfig))
 
 
+def typed_config(cfg) -> LdtConfig:
+    """The resolved config as the :class:`~ldt.config.LdtConfig` every process of a run
+    receives (picklable); a plain dict (tests, the API, ``python -m`` tools) is typed here, once,
+    by config's own converters, naming a wrong field. An LdtConfig is returned as it is.
+    """
+    if isinstance(cfg, LdtConfig):
+        return cfg
+    return LdtConfig(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
+                     train=to_train(cfg["train"]), data=to_data(cfg.get("data")),
+                     run_dir=cfg.get("run_dir", LdtConfig.run_dir))
+
+
 def load_cluster_yaml(path: str) -> ClusterConfig:
     """Load a cluster file (as written by users or ``ldt-plan``), with type checking."""
     return load_typed(ClusterConfig, path, "cluster", "cluster file", ref=_ref(ClusterConfig))

@@ -17,8 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from ldt.config import (LdtConfig, register_configs, to_cluster, to_data, to_model,
-                        to_train, unknown_key)
+from ldt.config import register_configs, unknown_key
 from ldt.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
 
 CONFIG_MODULE = "ldt.conf"
@@ -37,18 +36,6 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
-
-
-def typed_config(cfg) -> LdtConfig:
-    """The resolved config as the :class:`~ldt.config.LdtConfig` every process of a run
-    receives (picklable); a plain dict (tests, the API, ``python -m`` tools) is typed here, once,
-    by config's own converters, naming a wrong field. An LdtConfig is returned as it is.
-    (It belongs beside those converters, in ldt/config.py.)"""
-    if isinstance(cfg, LdtConfig):
-        return cfg
-    return LdtConfig(cluster=to_cluster(cfg["cluster"]), model=to_model(cfg["model"]),
-                     train=to_train(cfg["train"]), data=to_data(cfg.get("data")),
-                     run_dir=cfg.get("run_dir", LdtConfig.run_dir))
 
 
 def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,

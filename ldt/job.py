@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ldt.config import ConfigError, LdtConfig, to_cluster
 from ldt.data.files import format_blend, parse_blend
 from ldt.device import backend_for
-from ldt.hydra_app import typed_config
+from ldt.config import typed_config
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
 from ldt.quiet import set_log_level

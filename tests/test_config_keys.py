@@ -13,7 +13,7 @@ import pytest
 import torch.nn.functional as F
 
 from ldt.hydra_app import compose
-from ldt.hydra_app import typed_config
+from ldt.config import typed_config
 
 
 _BASE = {}

@@ -14,7 +14,7 @@ def _topo(*over):
     from omegaconf import OmegaConf
 
     from ldt.hydra_app import compose
-    from ldt.hydra_app import typed_config
+    from ldt.config import typed_config
     from ldt.validate import validate
 
     c = typed_config(OmegaConf.to_container(compose(list(over)), resolve=True))

@@ -21,7 +21,7 @@ import os
 import pytest
 
 from ldt.launch import run_local_world
-from ldt.hydra_app import typed_config
+from ldt.config import typed_config
 from ldt.job import reference_config
 from ldt.training.loop import train_worker
 

@@ -120,7 +120,7 @@ def _compare(rank, world, tp: int, dp: int, sp: bool, fused: bool) -> dict:
     from megatron.core.tensor_parallel import layers
 
     from ldt import patches
-    from ldt.hydra_app import typed_config
+    from ldt.config import typed_config
     from ldt.validate import validate
 
     c = typed_config(_cfg(tp, dp, sp))

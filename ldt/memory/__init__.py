@@ -154,7 +154,7 @@ def _transients(chunks) -> list[int]:
 
 def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
     import ldt
-    from ldt.hydra_app import typed_config
+    from ldt.config import typed_config
     from ldt.memory.fake import fake_rank
     from ldt.memory.inflight import stage_inflight
     from ldt.memory.measure import cpu_topology, measure_stage

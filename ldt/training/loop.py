@@ -31,7 +31,7 @@ from ldt.boundary.communicator import VtpCommunicator
 from ldt.config import LdtConfig, TrainConfig
 from ldt.data import build_training_data
 from ldt.device import rank_device, use_device
-from ldt.hydra_app import typed_config
+from ldt.config import typed_config
 from ldt.parallel_state import VtpState, destroy_vtp, initialize_vtp
 from ldt.privacy.defence import send_transforms
 from ldt.quiet import set_log_level
