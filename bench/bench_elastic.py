@@ -71,7 +71,7 @@ def _case(how: str, save_every: int, port: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp, Hosts(len(NODES)) as net:
         run_dir = os.path.join(tmp, "run")
         run = RunFolder(run_dir)
-        args = ["-m", "ldt.train", "cluster=cpu_elastic", f"run_dir={run_dir}",
+        args = ["-m", "ldt.job.train", "cluster=cpu_elastic", f"run_dir={run_dir}",
                 f"train.steps={steps}", f"train.save_every={save_every}",
                 "train.num_microbatches=8", f"train.comm_timeout_s={COMM_TIMEOUT}",
                 "train.resume=auto"]

@@ -62,7 +62,7 @@ def _worker(out_path: str) -> None:
     from ldt import patches
     from ldt.config import ClusterConfig, StageConfig
     from ldt.boundary.communicator import VtpCommunicator
-    from ldt.topology import Topology
+    from ldt.topology.ranks import Topology
 
     dist.init_process_group("gloo")
     cfg = type("Cfg", (), dict(pipeline_dtype=torch.float32,

@@ -63,9 +63,9 @@ SCALED = {  # per model, the overrides of the "scaled" size: tensors of 0.5-1 Mi
 }
 LATER_IMPORTS = [  # what training imports after its process groups exist: imported before the
     # resident baseline, so the modules' own memory is not counted as the run's
-    "ldt.data", "ldt.data.bytes", "ldt.privacy.defence", "ldt.training.optim",
+    "ldt.data", "ldt.data.bytes", "ldt.boundary.noise", "ldt.training.optim",
     "ldt.training.checkpoint", "ldt.training.moe", "ldt.training.observe",
-    "ldt.schedule.forward_backward", "ldt.boundary.communicator", "megatron.core.models.gpt",
+    "ldt.pipeline.forward_backward", "ldt.boundary.communicator", "megatron.core.models.gpt",
     "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.pipeline_parallel",
 ]
 PLANS = [  # (model, inventory, micro-batch size)
@@ -101,7 +101,7 @@ SUMMARY = [
 def config(cluster: str, recompute: bool = False, sp: bool = False, *extra: str) -> dict:
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
 
     over = [f"cluster={cluster}", "train.steps=2", "train.tensorboard=false",
             "data.max_bytes=20000", f"model.sequence_parallel={str(sp).lower()}", *extra]
@@ -221,8 +221,8 @@ def resident_peaks(cfg: dict) -> list[dict]:
 def _resident_main(path: str) -> None:
     import json
 
-    from ldt.launch import run_local_world
-    from ldt.validate import validate
+    from ldt.launch.local import run_local_world
+    from ldt.topology.validate import validate
 
     cfg = json.load(open(path))
     topo = validate(cfg["cluster"], cfg["model"], check_devices=False)
@@ -238,9 +238,9 @@ def timed_worker(rank: int, world: int, cfg: dict, run_dir: str):
 
 
 def real_allocations(cases=REAL_CASES, sizes=("shipped", "scaled")) -> list[dict]:
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
     from ldt.memory import estimate
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     rows = []
     for size in sizes:
@@ -327,12 +327,12 @@ def _plain_model(model) -> dict:
 
 def recompute_cost(reps: int = 2) -> list[dict]:
     """cpu_demo (gpt_tiny) and the same with llama_tiny, recomputation off / on."""
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
     from ldt.memory import estimate
     from ldt.plan import load_inventory, simulate_plan
     from ldt.plan.convert import cluster_to_plan
     from ldt.plan.cost import CostModel, Recompute
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
     from dataclasses import replace
 
     from ldt.config import to_cluster, to_model

@@ -78,13 +78,13 @@ def _worker(rank: int, world: int, cfg: dict, steps: int):
     from ldt.config import typed_config
     from ldt.training.optim import build_stage_optimizer
     from ldt.training.stage import build_stage_models, make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     c = typed_config(cfg)
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)
     state = ldt.initialize_vtp(topo, timeout_s=60)
     names = ["cpu_shims", "optimizer_cpu", "schedules"]
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
 
     patches.apply(names, ctx=MegatronHooks())
     try:
@@ -110,7 +110,7 @@ def _worker(rank: int, world: int, cfg: dict, steps: int):
 
 
 def _run(cfg: dict, steps: int) -> dict:
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
 
     return run_local_world(DP, _worker, (cfg, steps), timeout_s=600)[0]
 

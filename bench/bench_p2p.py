@@ -19,7 +19,7 @@ was timed against megatron's two busy senders with more CPU than they had (issue
 * *whole*: the relay unpipelined (every message one piece, as before issue #27).
 
 ``auto`` picks per message from the nodes: here every rank is a node of its own, so it is the
-relay for every size measured (all above ``ldt.routes.CROSS_NODE_FANOUT_BYTES``); on one node
+relay for every size measured (all above ``ldt.topology.routes.CROSS_NODE_FANOUT_BYTES``); on one node
 it is fan-out. A round times about ``ROUND_BYTES`` of transfers back to back (each waited, as a
 pipeline waits one per micro-batch) between two world barriers; the figure is the median of the
 per-round ratios path / megatron, with quartiles, and each path's median. Every transfer sends
@@ -75,7 +75,7 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
     from ldt import patches
     from ldt.boundary.communicator import VtpCommunicator
     from ldt.config import ClusterConfig, StageConfig
-    from ldt.topology import Topology
+    from ldt.topology.ranks import Topology
 
     cfg = type("Cfg", (), dict(pipeline_dtype=torch.float32,
                                 virtual_pipeline_model_parallel_size=None,

@@ -110,14 +110,14 @@ def _worker(rank, world, model_dict, reps):
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.testing.grads import allreduce_sequence_parallel_grads
     from ldt.training.stage import make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     torch.manual_seed(0)
     plain = ModelConfig(**model_dict)
     cluster = ClusterConfig(stages=[StageConfig(f"s{i}", "cpu", t) for i, t in enumerate(TPS)])
     topo = validate(cluster, plain, world_size=world)
     state = ldt.initialize_vtp(topo, timeout_s=120)
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "sequence_parallel_norms", "schedules"],
                   ctx=MegatronHooks())
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -168,7 +168,7 @@ def _worker(rank, world, model_dict, reps):
 
 
 def main() -> dict:
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
 
     load = machine_load()
     results = run_local_world(sum(TPS), _worker, (MODEL, REPS), timeout_s=300)

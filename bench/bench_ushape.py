@@ -54,10 +54,10 @@ def _worker(rank, world, model_dict, m, reps):
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.boundary.communicator import VtpCommunicator
-    from ldt.parallel_state import install_megatron
-    from ldt.schedule.forward_backward import run_step
+    from ldt.groups.parallel_state import install_megatron
+    from ldt.pipeline.forward_backward import run_step
     from ldt.training.stage import make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     model = ModelConfig(**model_dict)
     stages = [StageConfig(f"s{i}", "cpu", 1) for i in range(3)]

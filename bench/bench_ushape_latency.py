@@ -104,9 +104,9 @@ def _worker(out_path: str) -> None:
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
     from ldt.boundary.communicator import VtpCommunicator
-    from ldt.schedule.forward_backward import run_step
+    from ldt.pipeline.forward_backward import run_step
     from ldt.training.stage import make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     dist.init_process_group("gloo")
     model = ModelConfig(**MODEL)

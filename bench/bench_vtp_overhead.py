@@ -71,10 +71,10 @@ def _worker(rank, world, tps, model_dict, reps):
     import ldt
     from ldt import patches
     from ldt.config import ClusterConfig, ModelConfig, StageConfig
-    from ldt.schedule.forward_backward import run_step
+    from ldt.pipeline.forward_backward import run_step
     from ldt.boundary.communicator import VtpCommunicator
     from ldt.training.stage import make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     torch.manual_seed(0)
     model = ModelConfig(**model_dict)
@@ -114,7 +114,7 @@ def _worker(rank, world, tps, model_dict, reps):
                 data_iterator=iter(batches) if reads_data else None, model=models[0], **common)
         else:
             _restore(ps, l_snap)
-            from ldt.schedule.forward_backward import MegatronHooks
+            from ldt.pipeline.forward_backward import MegatronHooks
             patches.apply(["schedules"], ctx=MegatronHooks())
             from megatron.core.pipeline_parallel import get_forward_backward_func
             models = l_models

@@ -136,8 +136,8 @@ def timed_step(fn) -> float:
 
 
 def ldt_train(run_dir: str, overrides: list[str], timeout_s: float = 240) -> dict:
-    """Run ``python -m ldt.train`` as a user would; return its last-line JSON summary."""
-    cmd = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides]
+    """Run ``python -m ldt.job.train`` as a user would; return its last-line JSON summary."""
+    cmd = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
@@ -158,7 +158,7 @@ def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, cpus: float =
     ranks); returns the summary line its loss stage's leader printed."""
     from ldt.testing.hosts import Hosts
 
-    argv = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides]
+    argv = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides]
     with Hosts(ranks, cpus=cpus) as net:
         results = net.start(argv, [1] * ranks, cwd=ROOT,
                             env={"PYTHONWARNINGS": "ignore"}).wait(timeout_s)
@@ -170,7 +170,7 @@ def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, cpus: float =
 
 def run_on_hosts(fn, args: tuple, ranks: int, cpus: float = HOST_CPUS,
                  timeout_s: float = 900) -> list:
-    """``ldt.launch.run_local_world(ranks, fn, args)`` with every rank on a host of ``cpus``
+    """``ldt.launch.local.run_local_world(ranks, fn, args)`` with every rank on a host of ``cpus``
     cores: ``fn(rank, world, *args)`` (a module-level function) runs in a gloo world joined
     as under torchrun; returns every rank's result, in rank order."""
     from ldt.testing.hosts import Hosts
@@ -199,7 +199,7 @@ def _host_rank(call: str, folder: str) -> None:
 
     import torch.distributed as dist
 
-    import ldt.quiet  # noqa: F401  (as a launched rank: warnings off before megatron-core)
+    import ldt.launch.quiet  # noqa: F401  (as a launched rank: warnings off before megatron-core)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     with open(call, "rb") as f:

@@ -100,7 +100,7 @@ def check_environment() -> dict:
 
     __import__("megatron.core")  # it imports
 
-    from ldt.device import available_device_types
+    from ldt.topology.device import available_device_types
     from ldt.patches.registry import check_megatron_version
 
     name = device_name()
@@ -232,8 +232,8 @@ def check_gpu_mutants() -> dict:
 # ---- mixed devices: ldt-train as a user runs it --------------------------------------------
 
 def ldt_train(run_dir: str, overrides: list, timeout_s: float = 150) -> dict:
-    """``python -m ldt.train`` and its JSON summary line (raises with the output's tail)."""
-    cmd = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides]
+    """``python -m ldt.job.train`` and its JSON summary line (raises with the output's tail)."""
+    cmd = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", flush=True)
     if proc.returncode != 0:
@@ -272,7 +272,7 @@ def stage_estimate(overrides: list, stage: int) -> int:
     from omegaconf import OmegaConf
 
     from ldt.config import to_model
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.memory import estimate
     from ldt.models.spec import TE, transformer_impl
 

@@ -43,7 +43,7 @@ def one_stage_config(device: str, rehearse: bool, steps: int, gpu_gib: float) ->
     """The composed config (a plain dict) of one stage on ``device`` holding the whole model."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
 
     cfg = OmegaConf.to_container(compose(
         model_overrides(rehearse, gpu_gib) + [f"train.steps={steps}", "train.tensorboard=false",
@@ -102,7 +102,7 @@ def instrumented_worker(rank: int, world: int, cfg: dict, run_dir: str) -> dict:
 def memory(device: str, rehearse: bool, out_dir: str, status, gpu_gib: float) -> dict:
     from bench.device_checks import fresh
     from ldt.config import to_model
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
     from ldt.memory import estimate
     from ldt.models.spec import TE, transformer_impl
 
@@ -183,7 +183,7 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
     from ldt.models.vocab import model_vocab_size
     from ldt.training.optim import optimizer_config
     from ldt.training.stage import make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     c = typed_config(cfg)
     device = cfg["cluster"]["stages"][0]["device"]
@@ -243,7 +243,7 @@ def megatron_worker(rank: int, world: int, cfg: dict) -> dict:
 def speed(device: str, rehearse: bool, out_dir: str, status, peak, gpu_gib: float) -> dict:
     from bench.device_checks import fresh, save
     from ldt.config import to_model
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
     from ldt.training.outputs import model_flops_per_step
 
     steps = WARMUP + (3 if rehearse else 8)

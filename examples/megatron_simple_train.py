@@ -3,11 +3,11 @@
 Nothing in it knows about ldt. Run it on a uniform cluster the Megatron way (torchrun, nccl,
 TP x PP) or on a heterogeneous one through ldt without editing it:
 
-    python -m ldt.run --cluster conf/cluster/cpu_vtp.yaml examples/megatron_simple_train.py --pp 3
+    python -m ldt.job.megatron --cluster conf/cluster/cpu_vtp.yaml examples/megatron_simple_train.py --pp 3
 
 The other activation route is one line at the top of a script (see examples/README.md):
 
-    import ldt.run; ldt.run.activate("conf/cluster/cpu_vtp.yaml")
+    import ldt; ldt.activate("conf/cluster/cpu_vtp.yaml")
 
 Every pipeline stage prints nothing; the last stage prints one line per step and, at the end,
 one JSON line with the losses.

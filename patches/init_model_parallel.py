@@ -3,7 +3,7 @@
 An existing Megatron-core script calls ``initialize_model_parallel(tp, pp)``; with ldt active
 that call builds the VTP state instead (each stage its own TP size), after checking that the
 script's ``pp`` agrees with the cluster. ctx: an object with ``topology`` (the Topology to
-build), ``initialize_vtp`` (the function that builds it, :func:`ldt.parallel_state.initialize_vtp`,
+build), ``initialize_vtp`` (the function that builds it, :func:`ldt.groups.parallel_state.initialize_vtp`,
 passed in so that this adapter depends on megatron-core alone) and optionally ``timeout_s``.
 """
 
@@ -25,7 +25,7 @@ def _checked(ctx):
     if not (hasattr(ctx, "topology") and callable(getattr(ctx, "initialize_vtp", None))):
         raise ConfigError(
             "patch init_model_parallel needs ctx with .topology (the Topology to build) and "
-            f".initialize_vtp (ldt.parallel_state.initialize_vtp); got ctx={ctx!r}")
+            f".initialize_vtp (ldt.groups.parallel_state.initialize_vtp); got ctx={ctx!r}")
     return ctx
 
 
@@ -94,5 +94,5 @@ def install(ctx):
             log.info("ldt: script asked for TP %d; stage %d runs TP %d from the cluster config",
                      tensor_model_parallel_size, state.stage, stage_tp)
 
-    # every name bound to it: a script may have imported it before ldt.run.activate()
+    # every name bound to it: a script may have imported it before ldt.activate()
     return swap_everywhere(original, initialize_model_parallel)

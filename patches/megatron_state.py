@@ -54,7 +54,7 @@ def _set(name: str, value) -> None:
 def install(state, names) -> None:
     """Make Megatron code on this rank see its own stage. ``state``: an ldt VtpState (its
     ``groups`` and ``members`` by role, ``stage``, ``rank``, ``cp_group``, ``topology``);
-    ``names``: megatron name -> role (``ldt.routes.MEGATRON_NAMES``; the names starting with
+    ``names``: megatron name -> role (``ldt.topology.routes.MEGATRON_NAMES``; the names starting with
     "_" are this module's globals, those naming RANKS take the role's members)."""
     check_megatron_version()
     ps.destroy_model_parallel()

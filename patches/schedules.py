@@ -6,16 +6,16 @@ from those. This patch wraps the function ``get_forward_backward_func()`` return
 a :class:`~ldt.boundary.communicator.VtpCommunicator` and the stage's process-group
 collection when the caller
 passed neither. 1F1B, interleaved (incl. ``overlap_p2p_comm``) and no-pipelining all go
-through it. A U-shape topology gets ldt's own schedule (:func:`ldt.schedule.forward_backward.forward_backward_ldt`),
+through it. A U-shape topology gets ldt's own schedule (:func:`ldt.pipeline.forward_backward.forward_backward_ldt`),
 since megatron has none with a wraparound loss stage.
 
-ctx: :class:`ldt.schedule.forward_backward.MegatronHooks` (or an object with one as
+ctx: :class:`ldt.pipeline.forward_backward.MegatronHooks` (or an object with one as
 ``megatron_hooks``): the VTP state, the communicator and the U-shape schedule come from the
 caller, so this adapter depends on megatron-core alone and ldt's layers above it stay above it.
 
 The new function replaces the original under every module-level name bound to it
 (:func:`~ldt.patches.registry.swap_everywhere`), so a script that imported
-``get_forward_backward_func`` before ``ldt.run.activate()`` gets ldt's too.
+``get_forward_backward_func`` before ``ldt.activate()`` gets ldt's too.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def hooks_of(ctx):
     if hooks is None or not all(callable(getattr(hooks, h, None)) for h in HOOKS):
         raise ConfigError(
             f"patch schedules needs ctx=MegatronHooks(observers) from "
-            f"ldt.schedule.forward_backward (the VTP state, communicator and U-shape schedule "
+            f"ldt.pipeline.forward_backward (the VTP state, communicator and U-shape schedule "
             f"it injects); got ctx={ctx!r}")
     return hooks
 

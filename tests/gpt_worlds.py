@@ -1,4 +1,4 @@
-"""Worker functions shared by the model-parity tests (run inside ldt.launch worlds).
+"""Worker functions shared by the model-parity tests (run inside ldt.launch.local worlds).
 
 The reference is megatron-core's own no-pipelining schedule on one process with the full
 model; the VTP runs load the same full weights, sharded per stage TP size, and must give the
@@ -65,7 +65,7 @@ def _setup(topo, observers=()):
     state = ldt.initialize_vtp(topo, timeout_s=60)
     from types import SimpleNamespace
 
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "schedules", "recompute_norms"],
                   ctx=MegatronHooks(tuple(observers)))
     from megatron.core import tensor_parallel
@@ -158,7 +158,7 @@ class TransportCount:
 
     def __enter__(self):
         from ldt.boundary.communicator import VtpCommunicator
-        from ldt.boundary.layout import SequenceLayout
+        from ldt.boundary.sequence import SequenceLayout
         from ldt.boundary.relay import PieceRelay
 
         self.calls, self._undo = dict.fromkeys(ROUTES, 0), []
@@ -213,7 +213,7 @@ def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False,
         return _collect(chunks, models, losses)
     # a plain pipeline's zero-bubble schedule (ZB-H1) runs on ldt's runtime, as ldt-train does
     if zero_bubble:
-        from ldt.schedule.forward_backward import forward_backward_ldt
+        from ldt.pipeline.forward_backward import forward_backward_ldt
 
         fb = functools.partial(forward_backward_ldt, zero_bubble=True)
     else:
@@ -240,9 +240,9 @@ def _collect(chunks, models, losses):
 
 def reference(rank, world, ms, seed=1234):
     """Full model on one process through megatron's no-pipelining schedule."""
-    from ldt.layout import split_layers
+    from ldt.config.layout import split_layers
     from ldt.models.build import build_chunk
-    from ldt.topology import Stage, Topology
+    from ldt.topology.ranks import Stage, Topology
 
     topo = Topology((Stage(0, "ref", "cpu", 1),),
                     split=split_layers(MODEL.num_layers, 1))
@@ -260,7 +260,7 @@ def variant_topology(topo, v: dict):
     """``topo`` with a variant's chunks per stage (``vpp``: an even layout of that many
     chunks per stage; the U-shape keeps its own), ``host_staging`` and ``transport``'s
     ``cluster.boundary_fanout`` (:data:`TRANSPORTS`)."""
-    from ldt.layout import split_layers
+    from ldt.config.layout import split_layers
 
     layout = None if topo.u_shape else even_layout(MODEL.num_layers,
                                                       v.get("vpp", 1) * topo.num_stages)

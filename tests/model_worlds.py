@@ -1,4 +1,4 @@
-"""Worker functions for the model-family tests (run inside one ldt.launch world).
+"""Worker functions for the model-family tests (run inside one ldt.launch.local world).
 
 Every case builds its stages exactly as ``ldt-train`` does (``build_stage_models``: the
 family from the ModelConfig, layout-invariant init, tying) and loads weights the way
@@ -61,11 +61,11 @@ def run_case(case: dict) -> dict:
     from ldt.training import checkpoint
     from ldt.training.logits import forward_logits
     from ldt.training.stage import build_stage_models
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     model, topo = case["model"], validate(case["cluster"], case["model"])
     state = ldt.initialize_vtp(topo, timeout_s=60)
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "rope_cpu", "schedules", "sequence_parallel_norms",
                    "moe_without_te"], ctx=MegatronHooks())
     from megatron.core.pipeline_parallel import get_forward_backward_func  # the patched one
@@ -125,7 +125,7 @@ def _oracle(checkpoint_path: str, chunks, models) -> list[str]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     from ldt.models.spec import canonical_name
-    from ldt.storage.tensors import read_tensors, tensor_index
+    from ldt.models.tensor_files import read_tensors, tensor_index
 
     index = tensor_index(checkpoint_path)
     fulls = read_tensors(index, list(index))

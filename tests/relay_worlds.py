@@ -1,4 +1,4 @@
-"""Worker for tests/test_relay.py: boundary transfers in pieces, run inside one ldt.launch world.
+"""Worker for tests/test_relay.py: boundary transfers in pieces, run inside one ldt.launch.local world.
 
 Stage 0 has TP 1, stage 1 TP 3 (4 ranks). Per case, stage 0 sends ``whole`` forward (stage 1
 relays it: broadcast, or with sequence parallelism a scatter in slices of a third, whose edges
@@ -78,7 +78,7 @@ def _case(state, shape, sp: bool, transform: bool, staged: bool) -> list[str]:
 def relay_cases(rank, world) -> list[str]:
     import ldt
     from ldt.config import ClusterConfig, StageConfig
-    from ldt.topology import Topology
+    from ldt.topology.ranks import Topology
 
     wrong = []
     for staged, fanout in [(s, f) for f in ("never", "always") for s in (False, True)]:

@@ -1,4 +1,4 @@
-"""Worker functions for the sequence-parallel parity tests (run inside ldt.launch worlds).
+"""Worker functions for the sequence-parallel parity tests (run inside ldt.launch.local worlds).
 
 Like :mod:`gpt_worlds` (same model, weights and batches), with ``sequence_parallel=True`` on
 every stage of TP > 1, the partial norm / bias gradients summed over TP afterwards (what
@@ -86,9 +86,9 @@ def _run(state, topo, full_state, m, *, sp: bool, overlap=False, lengths=None, r
 
 def reference(rank, world, m, lengths=None, seed=1234):
     """gpt_worlds' reference: the full model on one process (no sequence parallelism)."""
-    from ldt.layout import split_layers
+    from ldt.config.layout import split_layers
     from ldt.models.build import build_chunk
-    from ldt.topology import Stage, Topology
+    from ldt.topology.ranks import Stage, Topology
 
     topo = Topology((Stage(0, "ref", "cpu", 1),), split=split_layers(MODEL.num_layers, 1))
     state = _setup(topo)

@@ -52,7 +52,7 @@ def _flip(path, offset=64, n=100):
 
 
 def _reseal(folder):
-    from ldt.storage.tensors import mark_complete
+    from ldt.models.tensor_files import mark_complete
 
     for name in ("COMPLETE", "checkpoint.json"):
         os.remove(os.path.join(folder, name))
@@ -62,7 +62,7 @@ def _reseal(folder):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, tiny_model_files):
     """Everything the rows point at (built once; no row may change it)."""
-    from ldt.storage.tensors import read_tensors, tensor_index, write_tensors
+    from ldt.models.tensor_files import read_tensors, tensor_index, write_tensors
 
     w = tmp_path_factory.mktemp("world")
     shutil.copytree(tiny_model_files / "hf", w / "hf_a")
@@ -491,7 +491,7 @@ def _argv(args):
 
 
 def _main(tool):
-    from ldt import train
+    from ldt.job import train
     from ldt.tools import audit, convert, plan, preprocess, sim
 
     return {C: convert.main, P: preprocess.main, PL: plan.main, S: sim.main, A: audit.main,
@@ -510,12 +510,12 @@ def _run(tool, argv, capsys):
 @pytest.fixture
 def guarded(world, monkeypatch):
     """Run in the scratch folder, with every way to start a world replaced by a failure."""
-    import ldt.launch
+    import ldt.launch.local
 
     def no_world(*args, **kwargs):
         raise AssertionError("a world was started: this input should have been refused")
 
-    monkeypatch.setattr(ldt.launch, "run_local_world", no_world)
+    monkeypatch.setattr(ldt.launch.local, "run_local_world", no_world)
     monkeypatch.chdir(world)
     return world
 
@@ -594,11 +594,11 @@ def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsy
     itself is not started here."""
     import yaml
 
-    import ldt.train
+    import ldt.job.train
     from ldt.storage.runlock import LOCK_NAME, holder
 
     started = []
-    monkeypatch.setattr(ldt.train, "_launch_local",  # the launcher holds the lock meanwhile
+    monkeypatch.setattr(ldt.job.train, "_launch_local",  # the launcher holds the lock meanwhile
                         lambda cfg, topo: started.append(holder(cfg.run_dir)) or 0)
     run = guarded / "run_new"
     try:

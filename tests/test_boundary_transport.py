@@ -19,14 +19,14 @@ import torch
 
 from ldt.boundary import communicator as comm_mod
 from ldt.boundary import functional
-from ldt.boundary import layout as layout_mod
+from ldt.boundary import sequence as layout_mod
 from ldt.boundary import work as work_mod
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
 from ldt.boundary.lanes import LaneCommunicator, lane_of
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.parallel_state import StagePipelineGroup
-from ldt.routes import rank_plan
-from ldt.topology import Topology
+from ldt.groups.parallel_state import StagePipelineGroup
+from ldt.topology.routes import rank_plan
+from ldt.topology.ranks import Topology
 
 
 class Wire:
@@ -116,7 +116,7 @@ _GROUPS: dict = {}
 
 
 def G(*key):
-    """The group object of boundary ``key`` (one per key, as ldt.parallel_state builds them)."""
+    """The group object of boundary ``key`` (one per key, as ldt.groups.parallel_state builds them)."""
     return _GROUPS.setdefault(key, Group(f"boundary {key}"))
 
 
@@ -124,7 +124,7 @@ TP_GROUP = Group("tp")
 
 
 def state(rank, tps=(1, 2, 1), u_shape=True, dps=None, devices=None):
-    """A rank's VTP state as ldt.parallel_state builds it, with named groups (no world);
+    """A rank's VTP state as ldt.groups.parallel_state builds it, with named groups (no world);
     ``devices``: the stages' device types (default: every stage on the CPU)."""
     devices = devices or ["cpu"] * len(tps)
     stages = [StageConfig(f"s{i}", devices[i], t, None if dps is None else dps[i])

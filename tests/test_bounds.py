@@ -17,7 +17,7 @@ from ldt.schedule.size import (BYTES_PER_ACTION, BYTES_PER_TIMING, SHARE_OF_MEMO
 @pytest.mark.parametrize("stages", [2, 3, 5])
 @pytest.mark.parametrize("m", [1, 3, 8, 13])
 def test_the_estimate_bounds_the_generated_lists(kind, stages, m):
-    from ldt.schedule.forward_backward import stage_schedules
+    from ldt.pipeline.forward_backward import stage_schedules
 
     for prefetch in ((0, 2) if kind == "ushape" else (0,)):
         real = sum(len(a) for a in stage_schedules(kind, stages, m, prefetch=prefetch).values())
@@ -66,7 +66,7 @@ def test_validation_refuses_a_runaway_count_in_a_second():
     """The issue's train.num_microbatches=1e9 built schedules for 54 s until MemoryError."""
     import time
 
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     cluster = {"stages": [{"name": "edge"}, {"name": "cloud", "tp": 2}, {"name": "c1"}],
                "u_shape": True}

@@ -27,7 +27,7 @@ STEPS = 24
 
 
 def ldt_train(run_dir, *overrides, steps=STEPS):
-    return [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", f"train.steps={steps}",
+    return [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", f"train.steps={steps}",
             *overrides]
 
 
@@ -211,7 +211,7 @@ def test_a_bad_checkpoint_is_refused_before_training(tmp_path, full):
         shutil.copytree(source, step_dir)
         cases[how] = (step_dir, _damage(step_dir, how))
     from ldt.config import ConfigError, to_model
-    from ldt.storage.tensors import check_compatible
+    from ldt.models.tensor_files import check_compatible
 
     for how, (step_dir, damaged) in cases.items():
         with pytest.raises(files.CheckpointError, match=re.escape(damaged)):

@@ -1,4 +1,4 @@
-"""`ldt-train` and `python -m ldt.topology` are Hydra apps with Hydra's own command line.
+"""`ldt-train` and `ldt-rankmap` are Hydra apps with Hydra's own command line.
 
 Every call is a subprocess with a timeout, run in a fresh folder (so a run folder left behind
 would be seen). Only the multirun test starts worlds (two short runs, one after another).
@@ -88,13 +88,13 @@ def test_multirun_of_bad_configs_runs_every_job_and_exits_2(tmp_path):
 
 
 def test_topology_is_a_hydra_app_that_writes_nothing(tmp_path):
-    proc = run(tmp_path, "cluster=mixed_gpu_npu", "model=llama_7b", module="ldt.topology")
+    proc = run(tmp_path, "cluster=mixed_gpu_npu", "model=llama_7b", module="ldt.topology.ranks")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "3 stages, TP [4, 8, 8], dp 1, world 20" in proc.stdout
     assert "0->1:host_staged" in proc.stdout
-    proc = run(tmp_path, "--help", module="ldt.topology")
-    assert proc.returncode == 0 and "python -m ldt.topology" in proc.stdout
-    proc = run(tmp_path, "model.hidden_size=66", module="ldt.topology")
+    proc = run(tmp_path, "--help", module="ldt.topology.ranks")
+    assert proc.returncode == 0 and "ldt-rankmap" in proc.stdout
+    proc = run(tmp_path, "model.hidden_size=66", module="ldt.topology.ranks")
     assert proc.returncode == 2 and "model.hidden_size=66" in proc.stderr
     assert not list(tmp_path.iterdir())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch.nn.functional as F
 
-from ldt.hydra_app import compose
+from ldt.job.hydra import compose
 from ldt.config import typed_config
 
 
@@ -80,7 +80,7 @@ class _Recorder:
 def test_model_keys_reach_the_gpt_model(override, argument, value, monkeypatch):
     import megatron.core.models.gpt as gpt
 
-    from ldt.layout import Chunk
+    from ldt.config.layout import Chunk
     from ldt.models import build, spec
 
     monkeypatch.setattr(gpt, "GPTModel", _Recorder)

@@ -178,7 +178,7 @@ def _build(blend, tokenizer, topo, stage, dp_rank=0, m=2, cache_dir=None):
 def test_indexed_data_is_megatron_gpt_dataset(corpus, prefixes, one_process_world, tmp_path):
     import torch
 
-    from ldt.topology import Stage, Topology
+    from ldt.topology.ranks import Stage, Topology
 
     a, b = prefixes["a"].output_prefix, prefixes["b"].output_prefix
     blend = [0.3, a, 0.7, b]
@@ -225,7 +225,7 @@ def test_a_corpus_preprocessed_again_does_not_reuse_the_old_index_cache(corpus,
     corpus's sample indices, an IndexError inside training (#39). ldt keys the cache folder
     by the files themselves: the second build is the new corpus's, every sample readable."""
     import ldt.data.preprocess as pp
-    from ldt.topology import Stage, Topology
+    from ldt.topology.ranks import Stage, Topology
 
     topo = Topology((Stage(0, "edge", "cpu", 1), Stage(1, "cloud", "cpu", 1)), u_shape=True)
     prefix, cache = str(tmp_path / "c"), str(tmp_path / "cache")
@@ -331,7 +331,7 @@ def test_bad_input_exits_2_with_one_line(corpus, prefixes):
     for name, (files, overrides, expected) in cases.items():
         for fname, content in files:
             (root / fname).write_bytes(content)
-        proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={root}/run_{name}",
+        proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={root}/run_{name}",
                                f"data.tokenizer={corpus['tok']}", "model.vocab_size=320",
                                *overrides], capture_output=True, text=True, timeout=60)
         lines = _one_line(proc.stderr)

@@ -61,7 +61,7 @@ def blend(tmp_path_factory):
 
 
 def train(run_dir, blend, *overrides):
-    summary = run("-m", "ldt.train", f"run_dir={run_dir}", *blend["overrides"], *overrides)
+    summary = run("-m", "ldt.job.train", f"run_dir={run_dir}", *blend["overrides"], *overrides)
     with open(run_dir / "metrics.csv") as f:
         summary["losses"] = [float(r["loss"]) for r in csv.DictReader(f)]
     return summary

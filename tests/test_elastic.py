@@ -50,9 +50,9 @@ def reference(tmp_path_factory):
     """The same steps in one process (ldt's layouts all train the same model alike)."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
-    from ldt.launch import run_local_world
-    from ldt.job import reference_config
+    from ldt.job.hydra import compose
+    from ldt.launch.local import run_local_world
+    from ldt.job.prepare import reference_config
     from ldt.training.loop import train_worker
 
     folder = str(tmp_path_factory.mktemp("reference"))
@@ -69,7 +69,7 @@ def test_a_lost_host_is_replanned_around_and_a_returning_one_joins(reference, tm
     run_dir = str(tmp_path / "run")
     run = RunFolder(run_dir)
     with hosts.Hosts(len(NODES)) as net:
-        agents = ElasticAgents(net, NODES, ["-m", "ldt.train", "cluster=cpu_elastic",
+        agents = ElasticAgents(net, NODES, ["-m", "ldt.job.train", "cluster=cpu_elastic",
                                             f"run_dir={run_dir}", *TRAIN], min_nodes=2)
         agents.start_all()
         both = (0, 1)
@@ -140,7 +140,7 @@ def test_without_the_data_owner_torchrun_stops_after_its_restarts(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
            "--rdzv-id", "lone", "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "1",
-           "--local-addr", "127.0.0.1", "-m", "ldt.train", "cluster=cpu_elastic",
+           "--local-addr", "127.0.0.1", "-m", "ldt.job.train", "cluster=cpu_elastic",
            f"run_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=150)

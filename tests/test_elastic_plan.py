@@ -20,7 +20,7 @@ from ldt.elastic.nodes import ElasticError, Node, node_from_env
 from ldt.elastic.replan import plan_world
 from ldt.elastic.world import check_launcher
 from ldt.plan import load_inventory, load_model
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 CLUSTER = {"inventory": "cpu_elastic", "stages": [], "u_shape": True, "dp": 1,
            "host_staging": "auto", "link_delay_ms": 0.0}
@@ -292,8 +292,8 @@ def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
     not estimate (the same plan everywhere), they take rank 0's verdict."""
     from omegaconf import OmegaConf
 
-    from ldt.elastic.job import check_memory
-    from ldt.hydra_app import compose
+    from ldt.job.elastic import check_memory
+    from ldt.job.hydra import compose
 
     plan = plan_world(WORLDS["three hosts"], inventory, model, CONFIGURED, TRAIN)
     assert all(st["memory_gib"] for st in plan.cluster["stages"])

@@ -7,7 +7,7 @@ ldt that breaks the example fails ``make test``. What must hold is what the exam
 against transformers, which reads the GGUF file itself: ldt's logits on both layouts (a plain
 pipeline TP 1 | TP 3 and a U-shape with a TP 3 cloud), the held-out loss before training, and
 training that lowers it. ``examples/megatron_simple_train.py`` runs in
-``tests/test_run_script.py`` and ``tests/test_docs.py`` (examples/README.md's ``ldt.run`` block).
+``tests/test_run_script.py`` and ``tests/test_docs.py`` (examples/README.md's ``ldt.job.megatron`` block).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from ldt.launch import WorldError, run_local_world
+from ldt.launch.local import WorldError, run_local_world
 
 COMM_TIMEOUT = 10
 
@@ -68,7 +68,7 @@ def _kill_while_training(argv, run_dir, victim: int):
     (2, "stage 1 'cloud0', TP rank 1"),   # a non-leader
 ], ids=["edge_leader", "non_leader"])  # a middle stage's leader: the torchrun test below
 def test_killed_rank_stops_everything(tmp_path, victim, where):
-    code, err, elapsed = _kill_while_training([sys.executable, "-m", "ldt.train"], tmp_path,
+    code, err, elapsed = _kill_while_training([sys.executable, "-m", "ldt.job.train"], tmp_path,
                                               victim)
     assert code != 0
     assert f"rank {victim} ({where}) failed first" in err, err[-2000:]
@@ -88,7 +88,7 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code, bare, elapsed = _kill_while_training([sys.executable, "-m", "ldt.train"],
+    code, bare, elapsed = _kill_while_training([sys.executable, "-m", "ldt.job.train"],
                                                tmp_path / "bare", 1)
     assert code != 0 and elapsed < COMM_TIMEOUT + 15
     assert bare.strip().splitlines() == [
@@ -96,7 +96,7 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
         "exited with code -9 (killed by SIGKILL) before reporting"], bare[-3000:]
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ldt.train"]
+                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ldt.job.train"]
     code, err, elapsed = _kill_while_training(torchrun, tmp_path / "torchrun", 1)
     assert code != 0 and elapsed < COMM_TIMEOUT + 15
     assert "Error executing job" not in err and "HYDRA" not in err
@@ -148,14 +148,14 @@ def _nan_at_boundary(rank, world):
     from ldt.models.init import init_chunk
     from ldt.models.build import build_chunk, global_param_name
     from ldt.training.observe import FiniteCheck
-    from ldt.topology import Topology
+    from ldt.topology.ranks import Topology
 
     topo = Topology.from_config(ClusterConfig(stages=[StageConfig("edge", "cpu", 1),
                                                       StageConfig("cloud", "cpu", 2)]), MODEL)
     state = ldt.initialize_vtp(topo, timeout_s=30)
     check = FiniteCheck()
     check.new_step(0)
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
     patches.apply(["cpu_shims", "schedules"],
                   ctx=MegatronHooks((CorruptSecondActivation(), check)))
     tensor_parallel.model_parallel_cuda_manual_seed(1)
@@ -186,7 +186,7 @@ def test_a_hang_names_the_rank_everyone_waits_for(tmp_path):
     """Rank 2 (a non-leader of the middle stage) is stopped with SIGSTOP: its peers time out,
     and the report names rank 2, not the first rank that timed out."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}", "train.steps=100000",
+        [sys.executable, "-m", "ldt.job.train", f"run_dir={tmp_path}", "train.steps=100000",
          f"train.comm_timeout_s={COMM_TIMEOUT}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     pids = []
@@ -212,7 +212,7 @@ def test_a_hang_names_the_rank_everyone_waits_for(tmp_path):
 
 
 def test_blame_names_who_the_others_wait_for():
-    from ldt.progress import RankProgress, blame
+    from ldt.launch.progress import RankProgress, blame
 
     def rank(r, *, state="S", step=5, label="1F3", waiting=True, for_s=10.0, beat=0.2):
         return RankProgress(rank=r, alive=True, os_state=state, step=step, label=label,
@@ -257,7 +257,7 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step(sent):
 
 @pytest.mark.timeout(120)
 def test_a_nonfinite_loss_stops_the_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={tmp_path}",
                            "train.steps=20", "train.lr=1e30"],
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -301,7 +301,7 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
 
     from ldt.boundary.work import BoundaryError
     from ldt.config import ConfigError
-    from ldt.schedule.runtime import ActionError
+    from ldt.pipeline.runtime import ActionError
     from ldt.training.failure import reason, report
 
     cut = ("boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2 "
@@ -330,7 +330,7 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
     line = f"ldt: rank 0 (stage 0 'edge', TP rank 0) failed: {cut}"
     assert capsys.readouterr().err == line + "\n"
     seen = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
-    assert f"traceback : {line}\n" in ChildFailedError("ldt.train", {0: seen}).format_msg()
+    assert f"traceback : {line}\n" in ChildFailedError("ldt.job.train", {0: seen}).format_msg()
 
     assert report(_raised(KeyError("stage")), "rank 2 (stage 1 'cloud0', TP rank 1)") == 1
     err = capsys.readouterr().err.splitlines()

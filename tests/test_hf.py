@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ldt.config import to_model
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 from model_worlds import batches, world
 
 SEQ = 16
@@ -306,7 +306,7 @@ def test_the_command_lines_import_passes_the_load_checks(hf, tmp_path, capsys):
     checks of ``train.load=OUT`` take the parts (``stage_*``) and leave ``conf/`` alone, and a
     damaged part is reported in terms of ``train.load``, the field the user gave."""
     from ldt.storage import checkpoint_files as files
-    from ldt.storage.tensors import check_compatible
+    from ldt.models.tensor_files import check_compatible
     from ldt.tools.convert import main as convert
 
     folder, _, cfg, _ = hf["llama"]

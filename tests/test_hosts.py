@@ -44,7 +44,7 @@ OVERRIDES = ["cluster=cpu_demo", "train.prefetch=1", "cluster.link_delay_ms=[2,0
 
 
 def _train(net, run_dir, *extra, comm_timeout=10):
-    argv = [sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *OVERRIDES,
+    argv = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *OVERRIDES,
             f"train.comm_timeout_s={comm_timeout}", *extra]
     return net.start(argv, RANKS)
 
@@ -90,8 +90,8 @@ def undisturbed(net, tmp_path_factory):
 def test_three_hosts_match_the_single_process_reference(undisturbed, tmp_path):
     from omegaconf import OmegaConf
 
-    from ldt.job import reference_config
-    from ldt.launch import run_local_world
+    from ldt.job.prepare import reference_config
+    from ldt.launch.local import run_local_world
     from ldt.training.loop import train_worker
 
     run_dir, edge_tx, results = undisturbed

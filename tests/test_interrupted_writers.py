@@ -96,9 +96,9 @@ def test_a_checkpoint_save_and_a_run_folders_files(scratch, monkeypatch, capsys)
     and the run folder's config.yaml and metrics.csv rewritten for a resume at step 2."""
     import torch
 
-    from ldt.job import save_config
+    from ldt.job.prepare import save_config
     from ldt.storage import checkpoint_files as files
-    from ldt.storage.tensors import write_tensors
+    from ldt.models.tensor_files import write_tensors
     from ldt.tools.cli import guarded
     from ldt.training.outputs import MetricsLog
 

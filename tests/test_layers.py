@@ -4,7 +4,7 @@ Every module of the installed package (``ldt``, ``ldt.patches`` from ``patches/`
 from ``tools/``) has a layer in :data:`LAYERS` (the longest matching prefix wins); an import,
 at module level or inside a function, may only point to the same layer or a lower one. An
 ``if __name__ == "__main__":`` block is a command's entry, not a dependency, and is not counted
-(``python -m ldt.topology`` runs ``ldt.tools.rankmap`` that way). A module added without a layer
+(``ldt-rankmap`` runs ``ldt.tools.rankmap`` that way). A module added without a layer
 fails here: give it one.
 """
 
@@ -21,36 +21,36 @@ SOURCES = (("ldt", "ldt"), ("patches", "ldt.patches"), ("tools", "ldt.tools"))
 # low -> high; the steps of the data flow, with what several of them use at the bottom
 LAYERS = [
     # 0 foundation: config schema, layout grammar, device types, process launching, logging
-    ["ldt", "ldt.config", "ldt.layout", "ldt.device", "ldt.quiet", "ldt.progress",
-     "ldt._forkserver", "ldt.launch", "ldt.hydra_app", "ldt.hydra_guard",
+    ["ldt", "ldt.config", "ldt.config.layout", "ldt.topology.device", "ldt.launch.quiet", "ldt.launch.progress",
+     "ldt.launch.forkserver", "ldt.launch.local", "ldt.job.hydra", "ldt.job.hydra_guard",
      # reading a user's YAML / JSON, the one way ldt writes a file or a folder (and puts it
      # in place), and a run folder's lock
-     "ldt.errors", "ldt.userfiles", "ldt.storage.atomic", "ldt.storage.commit",
+     "ldt.config.errors", "ldt.config.userfiles", "ldt.storage.atomic", "ldt.storage.commit",
      "ldt.storage.runlock"],
     # 1 topology: who is in which stage
-    ["ldt.topology"],
+    ["ldt.topology.ranks"],
     # 2 pure data and readers (no process groups): schedules as data, routing, the rank plan
     #   (every group and boundary route), the cost model
     #   and planner, model shapes, data files, checkpoint folders
-    ["ldt.schedule", "ldt.routes", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
+    ["ldt.schedule", "ldt.topology.routes", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
      "ldt.models.recompute",
      "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
      "ldt.storage"],
     # 3 validation: every check before the first collective; an elastic world's plan
-    ["ldt.validate", "ldt.elastic"],
+    ["ldt.topology.validate", "ldt.elastic"],
     # 4 groups: process groups, megatron-core's view of them, the patches that install it
-    ["ldt.parallel_state", "ldt.cross_stage", "ldt.patches"],
+    ["ldt.groups.parallel_state", "ldt.groups.cross_stage", "ldt.patches"],
     # 5 stage models and their data
     ["ldt.models", "ldt.data"],
     # 6 boundary transport
     ["ldt.boundary", "ldt.p2p"],
     # 7 the schedule's runtime (walks an action list over the boundary)
-    ["ldt.schedule.runtime", "ldt.schedule.forward_backward", "ldt.patches.schedules"],
+    ["ldt.pipeline.runtime", "ldt.pipeline.forward_backward", "ldt.patches.schedules"],
     # 8 one rank's job: optimizer, loop, checkpoints, observation; what runs on top of it
-    ["ldt.training", "ldt.models.hf", "ldt.privacy.defence", "ldt.privacy.capture",
+    ["ldt.training", "ldt.models.hf", "ldt.boundary.noise", "ldt.privacy.capture",
      "ldt.testing", "ldt.memory"],
     # 9 entry points
-    ["ldt.train", "ldt.job", "ldt.elastic.job", "ldt.run", "ldt.privacy", "ldt.tools"],
+    ["ldt.job.train", "ldt.job.prepare", "ldt.job.elastic", "ldt.job.megatron", "ldt.privacy", "ldt.tools"],
 ]
 
 
@@ -161,11 +161,11 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     """The graph is read from the source: a function-local upward import is found."""
     path = tmp_path / "validate.py"
     path.write_text("def f():\n    from ldt.training.loop import train_worker\n"
-                    "if __name__ == '__main__':\n    import ldt.train\n")
-    found = _imports("ldt.validate", str(path), {"ldt.validate", "ldt.training.loop",
-                                                 "ldt.train", "ldt.training"})
+                    "if __name__ == '__main__':\n    import ldt.job.train\n")
+    found = _imports("ldt.topology.validate", str(path), {"ldt.topology.validate", "ldt.training.loop",
+                                                 "ldt.job.train", "ldt.training"})
     assert found == {"ldt.training.loop"}
-    assert layer_of("ldt.training.loop") > layer_of("ldt.validate")
+    assert layer_of("ldt.training.loop") > layer_of("ldt.topology.validate")
 
 
 def test_every_package_is_installed():

@@ -1,4 +1,4 @@
-"""Tests for ldt.layout: Megatron's layout grammar, the per-stage split and the U-shape rule."""
+"""Tests for ldt.config.layout: Megatron's layout grammar, the per-stage split and the U-shape rule."""
 
 import pathlib
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ldt.layout import Chunk, LayerSplit, LayoutError, is_uniform, parse_layout, split_layers
+from ldt.config.layout import Chunk, LayerSplit, LayoutError, is_uniform, parse_layout, split_layers
 
 E, t, m, L = "E", "t", "m", "L"
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -304,7 +304,7 @@ def test_a_split_of_counts_writes_the_layout_that_parses_back_to_it(counts, stag
                                                                    text):
     """The planner's layer counts become a layout through the one writer
     (Chunk.to_layout_string), and split_layers places that layout exactly as the counts."""
-    from ldt.layout import split_of_counts
+    from ldt.config.layout import split_of_counts
 
     split = split_of_counts(counts, stages, u_shape)
     assert split.to_layout_string() == text

@@ -19,9 +19,9 @@ import torch
 
 from ldt.boundary import communicator as p2p
 from ldt.config import ConfigError
-from ldt.parallel_state import StagePipelineGroup
-from ldt.routes import rank_plan
-from ldt.topology import Topology
+from ldt.groups.parallel_state import StagePipelineGroup
+from ldt.topology.routes import rank_plan
+from ldt.topology.ranks import Topology
 
 DELAY = 0.15  # seconds; the tolerances below are a few ms of thread wake-up
 CONFIG = SimpleNamespace(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,

@@ -5,7 +5,7 @@ dist-checkpointing, against the same script on megatron's own uniform parallel s
 runs once per layout, each in a local world started from this process (one forkserver for all):
 megatron's ``initialize_model_parallel`` with TP 1 and PP 2 / PP 3 (the baselines, CPU shims
 only), and ldt with VTP [1, 2], [2, 1] and [2, 1, 2]. For [2, 1, 2] the script is loaded first
-and ``ldt.run.activate()`` is called after its imports, as a user who adds the line below the
+and ``ldt.activate()`` is called after its imports, as a user who adds the line below the
 imports does. Layouts split the same layers; megatron initializes a sharded weight as slices of
 the same full weight (CPU initialization), so every run starts from the same model.
 """
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 
 SCRIPT = Path(__file__).parent / "scripts" / "mcore_tied_train.py"
 STEPS = 3
 LOSS_ATOL = 1e-5
 RUNS = {  # name: (world size, pp, how, VTP TP sizes)
     "uniform_pp2": (2, 2, "megatron", None),
-    "vtp_1_2": (3, 2, "ldt.run", [1, 2]),
-    "vtp_2_1": (3, 2, "ldt.run", [2, 1]),
+    "vtp_1_2": (3, 2, "ldt.job.megatron", [1, 2]),
+    "vtp_2_1": (3, 2, "ldt.job.megatron", [2, 1]),
     "uniform_pp3": (3, 3, "megatron", None),
     "vtp_2_1_2": (5, 3, "late_activate", [2, 1, 2]),
 }
@@ -46,8 +46,8 @@ def _run(rank, world, how, tps, args):
 
             patches.apply(["cpu_shims", "cuda_to_cpu"])
             runpy.run_path(str(SCRIPT), run_name="__main__")
-        elif how == "ldt.run":
-            from ldt.run import _run_script
+        elif how == "ldt.job.megatron":
+            from ldt.job.megatron import _run_script
 
             _run_script(rank, world, _cluster(tps), None, 60.0, str(SCRIPT), args)
         else:  # the script's imports first, then activate(), then its main
@@ -55,9 +55,9 @@ def _run(rank, world, how, tps, args):
             sys.modules[module.__name__] = module
             module.__file__ = str(SCRIPT)
             exec(compile(SCRIPT.read_text(), str(SCRIPT), "exec"), module.__dict__)
-            import ldt.run
+            import ldt.job.megatron
 
-            ldt.run.activate(_cluster(tps))
+            ldt.job.megatron.activate(_cluster(tps))
             module.main()
     finally:
         atexit._run_exitfuncs()  # the script's exit handlers, as when it ends as a program

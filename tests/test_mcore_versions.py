@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(python, run_dir, corpus, *overrides):
-    proc = subprocess.run([python, "-m", "ldt.train", f"run_dir={run_dir}", "cluster=cpu_vtp",
+    proc = subprocess.run([python, "-m", "ldt.job.train", f"run_dir={run_dir}", "cluster=cpu_vtp",
                            "train.steps=4", f"data.path={corpus}", *overrides],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig, RecomputeConfig, StageConfig
-from ldt.validate import validate
+from ldt.topology.validate import validate
 
 MODEL = ModelConfig(name="m", num_layers=6, hidden_size=64, num_attention_heads=4,
                     ffn_hidden_size=128, vocab_size=256, seq_length=16)
@@ -105,7 +105,7 @@ def test_a_moe_model_is_estimated():
     fp32 weights counted by hand."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.memory import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=qwen3_moe_tiny"]),

@@ -38,7 +38,7 @@ def estimated(over: tuple, attention: str = "auto", cluster: bool = True):
     fixture's or a cache's work to no test)."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.memory import estimate_here
 
     base = [o for o in OVERRIDES if cluster or not o.startswith("cluster")]

@@ -13,9 +13,9 @@ from ldt.memory.inflight import Moment, StageInflight, stage_inflight
 def _topo(*over):
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.config import typed_config
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     c = typed_config(OmegaConf.to_container(compose(list(over)), resolve=True))
     return validate(c.cluster, c.model, train=c.train, check_devices=False), c
@@ -72,7 +72,7 @@ def test_the_transient_does_not_count_the_gradient_buffer_again():
     bytes, 10% of its peak)."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.memory import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_vtp", "model.seq_length=8",

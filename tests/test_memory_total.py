@@ -59,7 +59,7 @@ def _limited(limit_bytes: int) -> dict:
     """The config with the middle stage's ``memory_gib`` at ``limit_bytes``."""
     from omegaconf import OmegaConf
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
 
     return OmegaConf.to_container(compose(
         OVERRIDES + [f"cluster.stages.1.memory_gib={limit_bytes / 2**30!r}"]), resolve=True)
@@ -73,7 +73,7 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     from ldt.config import to_train
     from ldt.memory import estimate_here
     from ldt.memory.report import refusal
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     below = _limited(PEAK - 1)
     got = estimate_here(below)
@@ -110,7 +110,7 @@ def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_pat
     import sys
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", *OVERRIDES,
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *OVERRIDES,
                            f"cluster.stages.1.memory_gib={(PEAK - 1) / 2**30!r}",
                            f"run_dir={run}"],
                           capture_output=True, text=True, timeout=100, cwd=tmp_path)

@@ -184,7 +184,7 @@ def test_the_pre_flight_check_refuses_on_the_first_stage_that_does_not_fit(monke
     from omegaconf import OmegaConf
 
     import ldt.memory
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.memory.report import check, refusal, table
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "train.prefetch=1"]),

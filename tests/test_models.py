@@ -21,7 +21,7 @@ PARITY = 1e-5
 
 
 def ldt_train(run_dir, *overrides, timeout=300, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={run_dir}", *overrides],
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides],
                           capture_output=True, text=True, timeout=timeout)
     if not ok:
         return proc
@@ -153,8 +153,8 @@ def test_model_config_refuses_what_cannot_work():
 
 
 def test_moe_and_expert_parallel_clusters_refused_before_any_process():
-    from ldt.hydra_app import compose
-    from ldt.validate import validate
+    from ldt.job.hydra import compose
+    from ldt.topology.validate import validate
 
     moe = to_model({**compose(["model=qwen3_moe_tiny"]).model,  # layers 1-4 are MoE layers
                     "num_attention_heads": 4, "num_query_groups": 4})  # up to TP 4
@@ -219,7 +219,7 @@ def test_hugging_face_configs_refused_by_name():
 def test_checkpoint_of_another_expert_count_is_refused(imported):
     """model.json records the MoE fields: a checkpoint written for 8 experts is refused by a
     run with 4, naming the field (and a dense checkpoint by a MoE run)."""
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.models.arch import check_arch
 
     moe = to_model(compose(["model=qwen3_moe_tiny"]).model)
@@ -254,7 +254,7 @@ def _qwen2_tiny_from_transformers(folder):
     """A random Qwen2ForCausalLM with exactly conf/model/qwen2_tiny.yaml's architecture."""
     import transformers
 
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
 
     m = to_model(compose(["model=qwen2_tiny"]).model)
     cfg = transformers.Qwen2Config(
@@ -313,7 +313,7 @@ def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
     the experts split over the stage's TP ranks (ep 1) and spread over them (ep 2: four whole
     experts of eight on each rank): verify parity, the same losses and load-balancing losses
     (1e-6 relative), and the same checkpoint, every expert under its global number."""
-    from ldt.storage.tensors import read_tensors, tensor_index
+    from ldt.models.tensor_files import read_tensors, tensor_index
 
     runs = {}
     for ep in (1, 2):
@@ -376,7 +376,7 @@ def test_mismatched_checkpoint_is_refused_before_any_collective(tmp_path, import
 
 def test_shape_mismatch_names_the_parameter(imported):
     from ldt.models.arch import check_shapes, full_shapes
-    from ldt.storage.tensors import check_compatible, tensor_index
+    from ldt.models.tensor_files import check_compatible, tensor_index
 
     _, cfg, ckpt = imported
     check_compatible(str(ckpt), cfg)  # the import fits its own config
@@ -404,7 +404,7 @@ def test_rope_shim_applies_and_reverts():
 
 
 def test_ldt_convert_command_line(tmp_path, imported, capsys):
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.models.arch import arch_of
     from ldt.tools.convert import main
 

@@ -20,9 +20,9 @@ import os
 
 import pytest
 
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 from ldt.config import typed_config
-from ldt.job import reference_config
+from ldt.job.prepare import reference_config
 from ldt.training.loop import train_worker
 
 STEPS = 3
@@ -62,7 +62,7 @@ def _train(cfg, run_dir) -> list[dict]:
 
 
 def _weights(run_dir) -> dict:
-    from ldt.storage.tensors import read_tensors, tensor_index
+    from ldt.models.tensor_files import read_tensors, tensor_index
 
     index = tensor_index(str(run_dir))
     return read_tensors(index, list(index))
@@ -217,7 +217,7 @@ def test_16bit_ushape_follows_the_reference(dtype, tmp_path):
 ])
 def test_refused_before_any_process(model, train, words):
     from ldt.config import ConfigError
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     cfg = _cfg([1, 2], dp=2, model=model, **train)
     with pytest.raises(ConfigError, match=words):

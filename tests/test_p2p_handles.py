@@ -12,9 +12,9 @@ import torch
 from ldt.boundary import communicator as p2p
 from ldt.boundary import functional
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.parallel_state import StagePipelineGroup
-from ldt.routes import rank_plan
-from ldt.topology import Topology
+from ldt.groups.parallel_state import StagePipelineGroup
+from ldt.topology.routes import rank_plan
+from ldt.topology.ranks import Topology
 
 
 class Recorder:
@@ -227,7 +227,7 @@ def test_the_runtime_lets_a_completed_send_go_before_its_next_action():
     import weakref
 
     from ldt.boundary.work import SendWork
-    from ldt.schedule.runtime import PendingSends
+    from ldt.pipeline.runtime import PendingSends
 
     done = {"a": False, "b": False}
     waited = []

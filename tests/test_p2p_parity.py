@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 from ldt.models.sharding import unshard
-from ldt.topology import Stage, Topology
+from ldt.topology.ranks import Stage, Topology
 
 M = 6  # micro-batches: a multiple of 2 and 3 stages (interleaved needs it)
 LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5

@@ -2,7 +2,7 @@
 
 One world per topology; each rank records what megatron-core and ldt report, the parent
 asserts against each topology's rank map written out by hand (RANK_MAPS), never against
-ldt.topology's own arithmetic (which is checked against the same maps). On a
+ldt.topology.ranks's own arithmetic (which is checked against the same maps). On a
 uniform topology the same world first builds megatron's own ``initialize_model_parallel``,
 and every getter of megatron-core's ``parallel_state`` must answer as it does there.
 Collectives megatron issues on ldt's cross-stage groups (pipeline, embedding, model parallel,
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ldt.config import ClusterConfig, StageConfig
-from ldt.launch import run_local_world
-from ldt.topology import Topology
+from ldt.launch.local import run_local_world
+from ldt.topology.ranks import Topology
 
 
 def cluster(tps, u_shape=False, dp=1):
@@ -256,7 +256,7 @@ TOPOLOGIES = {
 }
 # The expected rank map of each topology, written by hand from DESIGN.md's rule (ranks
 # contiguous per stage, TP innermost, the data-parallel replica outermost), not computed by
-# ldt.topology: per replica, per stage, its global ranks (the first is the stage's leader).
+# ldt.topology.ranks: per replica, per stage, its global ranks (the first is the stage's leader).
 RANK_MAPS = {
     "cpu_demo": [[[0], [1, 2], [3]]],
     "cpu_vtp": [[[0, 1], [2], [3, 4]]],
@@ -466,7 +466,7 @@ def test_reference_api_as_its_callers_use_it(world):
 def test_reference_api_before_initialization():
     """The reference answers before its state exists; so does ldt (no world here)."""
     import ldt
-    from ldt import parallel_state
+    from ldt.groups import parallel_state
 
     assert not parallel_state.is_vtp_initialized()
     assert ldt.is_vtp_stage_rank0() is True

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ldt.config import ClusterConfig, ConfigError, DataConfig, ModelConfig, TrainConfig
-from ldt.layout import LayoutError
+from ldt.config.layout import LayoutError
 
 # derandomize: the suite's run is reproducible (CI must not fail on a seed); explore more with
 # LDT_HYPOTHESIS_EXPLORE=1 (a fresh seed each run) when changing a parser.
@@ -52,7 +52,7 @@ layout_text = st.text(alphabet="EtmL|()*0123456789, xT\t-", max_size=40)
 @given(text=layout_text, num_layers=st.integers(0, 12), stages=st.integers(1, 5),
        u_shape=st.booleans())
 def test_any_layout_text_splits_or_is_refused(text, num_layers, stages, u_shape):
-    from ldt.layout import parse_layout, split_layers
+    from ldt.config.layout import parse_layout, split_layers
 
     refused_or_value(parse_layout, text)
     split = refused_or_value(split_layers, num_layers, stages, u_shape=u_shape, layout=text)
@@ -63,7 +63,7 @@ def test_any_layout_text_splits_or_is_refused(text, num_layers, stages, u_shape)
 @FAST
 @given(n=st.integers(1, 10**9), depth=st.integers(1, 6))
 def test_nested_repeats_are_refused_before_they_are_expanded(n, depth):
-    from ldt.layout import parse_layout
+    from ldt.config.layout import parse_layout
 
     text = "E" + "(" * depth + "t" + ")*9" * depth + f"*{n}L"
     out = refused_or_value(parse_layout, text)
@@ -115,7 +115,7 @@ small = st.integers(-2, 8)
        seq=small, m=st.integers(-1, 10**12), mbs=small, steps=st.integers(-1, 10**9))
 def test_any_small_world_validates_or_is_refused(tps, dp, u_shape, layout, layers, hidden,
                                                  heads, groups, vocab, seq, m, mbs, steps):
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     cluster = {"stages": [{"name": f"s{i}", "tp": t} for i, t in enumerate(tps)],
                "u_shape": u_shape, "layout": layout, "dp": dp}
@@ -150,7 +150,7 @@ def test_any_inventory_loads_or_is_refused(tmp_path_factory, doc):
 @FAST
 @given(text=st.text(max_size=80))
 def test_any_text_is_yaml_json_or_refused(tmp_path_factory, text):
-    from ldt.userfiles import load_json, load_yaml
+    from ldt.config.userfiles import load_json, load_yaml
 
     path = tmp_path_factory.mktemp("f") / "f.yaml"
     path.write_text(text)
@@ -161,7 +161,7 @@ def test_any_text_is_yaml_json_or_refused(tmp_path_factory, text):
 @pytest.mark.parametrize("text, where", [("a: [1,\nb: 2\n", ":3:1"), ("a:\n\t- 1\n", ":2:1"),
                                          ("{'a': 1,,}", ":1:9")])
 def test_a_yaml_error_names_line_and_column(tmp_path, text, where):
-    from ldt.userfiles import load_yaml
+    from ldt.config.userfiles import load_yaml
 
     path = tmp_path / "f.yaml"
     path.write_text(text)

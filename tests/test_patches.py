@@ -9,9 +9,9 @@ from packaging.version import Version
 
 from ldt import patches
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.launch import WorldError, run_local_world
+from ldt.launch.local import WorldError, run_local_world
 from ldt.patches import PatchError, check_megatron_version, versions
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +75,7 @@ def test_apply_and_revert_restore_megatron():
     from megatron.core.pipeline_parallel import schedules
 
     original = schedules.get_forward_backward_func
-    from ldt.schedule.forward_backward import MegatronHooks
+    from ldt.pipeline.forward_backward import MegatronHooks
 
     with pytest.raises(ConfigError, match="patch schedules needs ctx=MegatronHooks"):
         patches.apply(["schedules"])  # the adapter gets ldt's runtime from its caller
@@ -98,7 +98,7 @@ def _script_like(rank, world, topo, pp):
 
     from types import SimpleNamespace
 
-    from ldt.parallel_state import initialize_vtp
+    from ldt.groups.parallel_state import initialize_vtp
 
     ctx = SimpleNamespace(topology=topo, initialize_vtp=initialize_vtp)
     with patches.applied(["init_model_parallel"], ctx=ctx):
@@ -122,11 +122,11 @@ def test_initialize_model_parallel_pp_mismatch_is_explained():
 def _activate_too_late(rank, world):
     from megatron.core import parallel_state as ps
 
-    import ldt.run
+    import ldt.job.megatron
 
     ps.initialize_model_parallel(1, 1)
     try:
-        ldt.run.activate({"stages": [{"name": "a", "device": "cpu", "tp": 1}]})
+        ldt.job.megatron.activate({"stages": [{"name": "a", "device": "cpu", "tp": 1}]})
     finally:
         ps.destroy_model_parallel()
 
@@ -140,11 +140,11 @@ def test_activate_after_initialize_model_parallel_says_where_it_goes():
 def test_activate_refuses_per_stage_dp_before_any_collective():
     """A Megatron script runs megatron's schedules and one-replica model-parallel group:
     per-stage dp is ldt-train's, and activate() says so (no process group is needed)."""
-    import ldt.run
+    import ldt.job.megatron
     from ldt.config import ConfigError
 
     cluster = {"stages": [{"name": "edge", "device": "cpu", "tp": 1, "dp": 1},
                           {"name": "cloud", "device": "cpu", "tp": 1, "dp": 2}],
                "u_shape": True}
     with pytest.raises(ConfigError, match=r"stages\[\*\]\.dp = \[1, 2\].*ldt-train"):
-        ldt.run.activate(cluster, rank=0)
+        ldt.job.megatron.activate(cluster, rank=0)

@@ -8,7 +8,7 @@ from ldt.config import ConfigError
 from ldt.plan import (ChunkLoad, CostModel, Plan, StageSpec, Workload, load_inventory,
                       load_model, simulate_plan, simulate_times)
 from ldt.plan.evaluate import comm_table, op_table
-from ldt.plan.schedule_api import Op
+from ldt.schedule import Op
 from ldt.plan.synthetic import synthetic_inventory
 
 

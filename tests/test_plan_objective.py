@@ -14,7 +14,7 @@ from ldt.plan import (Evaluation, Objective, Plan, StageSpec, Workload, choose, 
                       exhaustive, load_model, make_cost, pareto_front, plan, simulate_plan,
                       step_cost)
 from ldt.plan.inventory import DeviceKind, Inventory
-from ldt.plan.simulator import Simulator, schedule_actions
+from ldt.plan.pricing import Simulator, schedule_actions
 from ldt.plan.synthetic import small_model, synthetic_inventory
 
 

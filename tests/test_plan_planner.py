@@ -5,12 +5,12 @@ from collections import Counter
 import pytest
 
 from ldt.config import ConfigError, load_cluster_yaml
-from ldt.layout import split_layers
+from ldt.config.layout import split_layers
 from ldt.plan import (Workload, cluster_yaml, exhaustive, load_inventory, load_model, make_cost,
                       plan, simulate_plan)
 from ldt.plan.evaluate import with_layers
 from ldt.plan.synthetic import small_model, synthetic_inventory
-from ldt.validate import validate
+from ldt.topology.validate import validate
 
 
 def _assert_uses_inventory(result, inventory):
@@ -187,7 +187,7 @@ def test_a_plan_written_as_a_cluster_reads_back_as_the_plan(tmp_path, plan_of):
 
     from ldt.plan import Plan, StageSpec, cluster_to_plan, planned_cluster
     from ldt.plan.cost import Recompute
-    from ldt.topology import Topology
+    from ldt.topology.ranks import Topology
 
     inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
     if plan_of == "plain":

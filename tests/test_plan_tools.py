@@ -10,7 +10,7 @@ from ldt.config import load_cluster_yaml
 from ldt.plan import load_model
 from ldt.tools import plan as plan_tool
 from ldt.tools import sim as sim_tool
-from ldt.validate import validate
+from ldt.topology.validate import validate
 
 
 def test_plan_help_exits_zero(capsys):
@@ -41,7 +41,7 @@ def test_plan_writes_valid_yaml_trace_and_png(tmp_path, capsys):
 
 def test_plan_out_creates_folders_and_a_train_file(tmp_path, capsys):
     """--out DIR/cluster/NAME.yaml: folders created, DIR/train/NAME.yaml has the micro-batches."""
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
 
     out = tmp_path / "plans" / "cluster" / "mine.yaml"
     rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--out", str(out)])

@@ -16,7 +16,7 @@ import torch
 
 from ldt.config import ConfigError, TrainConfig
 from ldt.privacy import attacks as A
-from ldt.privacy.defence import BoundaryNoise, send_transforms
+from ldt.boundary.noise import BoundaryNoise, send_transforms
 
 NOISE = 4.0
 
@@ -120,7 +120,7 @@ def test_boundary_noise_scale_seed_and_stages():
     assert not torch.equal(noise(x, 0, 1, "F"), noise(x, 0, 1, "F"))  # fresh draws per send
     assert BoundaryNoise(1.0, seed=1)(x.bfloat16(), 0, 1, "F").dtype == torch.bfloat16
 
-    from ldt.topology import Stage, Topology
+    from ldt.topology.ranks import Stage, Topology
 
     topo = Topology((Stage(0, "edge", "cpu", 1), Stage(1, "cloud", "cpu", 1)), u_shape=True)
     assert send_transforms(TrainConfig(), topo, 0) == []  # off by default
@@ -133,7 +133,7 @@ def test_boundary_noise_scale_seed_and_stages():
     (dict(boundary_noise=1.0, verify=True), "train.verify=true"),
 ])
 def test_bad_noise_settings_are_refused(train, message):
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
     from ldt.config import ModelConfig
 
     cluster = {"stages": [{"name": "edge"}, {"name": "cloud"}], "u_shape": True}

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from ldt.boundary import relay
-from ldt.boundary.layout import SequenceLayout
+from ldt.boundary.sequence import SequenceLayout
 from ldt.boundary.relay import PieceGather, PieceRelay, owners, pieces
-from ldt.routes import MAX_PIECES
-from ldt.launch import run_local_world
+from ldt.topology.routes import MAX_PIECES
+from ldt.launch.local import run_local_world
 from relay_worlds import SHAPES, relay_cases
 
 

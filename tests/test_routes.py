@@ -1,4 +1,4 @@
-"""The rank plan (ldt.routes) without processes: small plans written out by hand, and the
+"""The rank plan (ldt.topology.routes) without processes: small plans written out by hand, and the
 invariants every plan of 2..8 stages keeps (VTP, per-stage DP, expert groups, U-shape,
 fan-out modes, host staging). Ranks are computed here from the layout's formula (rank = dp
 rank * replica size + the TP sizes of the stages before + TP rank), not asked of the
@@ -11,9 +11,9 @@ import itertools
 import pytest
 
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.routes import (BACKWARD, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES, PIECES, WHOLE,
+from ldt.topology.routes import (BACKWARD, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES, PIECES, WHOLE,
                         carry, rank_plan)
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 KIB, MIB = 1024, 1024 * 1024
 

@@ -1,4 +1,4 @@
-"""An unmodified Megatron-core script under `python -m ldt.run`, VTP vs a uniform cluster.
+"""An unmodified Megatron-core script under `python -m ldt.job.megatron`, VTP vs a uniform cluster.
 
 Both pipelines have two stages with the same layers each (megatron splits them), so the VTP
 run ([2, 1]: TP 2 then TP 1) must reproduce the uniform run's losses; megatron initializes a
@@ -17,7 +17,7 @@ SCRIPT = ROOT / "examples" / "megatron_simple_train.py"
 
 
 def run_script(cluster_file, *args):
-    proc = subprocess.run([sys.executable, "-m", "ldt.run", "--cluster", str(cluster_file),
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.megatron", "--cluster", str(cluster_file),
                            "--timeout", "60", str(SCRIPT), *args],
                           capture_output=True, text=True, timeout=240)
     return proc
@@ -59,7 +59,7 @@ def test_script_pp_mismatch_is_explained(tmp_path):
         port = s.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                           "-m", "ldt.run", "--cluster", str(two), "--timeout", "60",
+                           "-m", "ldt.job.megatron", "--cluster", str(two), "--timeout", "60",
                            str(SCRIPT), "--pp", "3", "--steps", "1"],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -68,7 +68,7 @@ def test_script_pp_mismatch_is_explained(tmp_path):
     assert "Traceback" not in ranks_part, ranks_part[-3000:]
     lines = [x for x in ranks_part.splitlines()
              if x and not re.match(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/", x)]
-    want = {f"ldt.run: rank {r} (stage {r} '{name}', TP rank 0) failed: invalid config: "
+    want = {f"ldt.job.megatron: rank {r} (stage {r} '{name}', TP rank 0) failed: invalid config: "
             f"{refusal}" for r, name in ((0, "a"), (1, "b"))}
     assert 1 <= len(lines) <= 2 and set(lines) <= want, proc.stderr[-3000:]
     assert f"traceback : {lines[0]}" in summary

@@ -23,9 +23,9 @@ import sys
 import pytest
 import torch
 
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 from ldt.models.sharding import unshard
-from ldt.topology import Stage, Topology
+from ldt.topology.ranks import Stage, Topology
 from seqpar_worlds import MBS, MODEL, functional_api, reference, vtp_run
 from test_p2p_parity import FULL_BLOCK, FULL_UNIFORM, SELECTIVE_ALL, expected_recomputes
 
@@ -152,7 +152,7 @@ def test_a_sequence_length_the_tp_size_does_not_divide_is_refused():
     import dataclasses
 
     from ldt.config import ClusterConfig, ConfigError, StageConfig
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     cluster = ClusterConfig(stages=[StageConfig("a", "cpu", 1), StageConfig("b", "cpu", 4)])
     model = dataclasses.replace(MODEL, seq_length=18, sequence_parallel=True)
@@ -168,7 +168,7 @@ def test_ldt_train_verify_with_rmsnorm(tmp_path):
     of the marked gradients): 5 steps on TP 2/1/2 equal the single-process reference; with
     selective recomputation of every module a bias-free model allows (attention, MLP, norms:
     the same run) on every stage but the middle one, which recomputes whole layers."""
-    cmd = [sys.executable, "-m", "ldt.train", "cluster=cpu_vtp", "model=llama_tiny",
+    cmd = [sys.executable, "-m", "ldt.job.train", "cluster=cpu_vtp", "model=llama_tiny",
            "model.sequence_parallel=true", "train.steps=5", "train.verify=true",
            "model.recompute_granularity=selective",
            "model.recompute_modules=[core_attn,mlp,layernorm]",

@@ -222,13 +222,13 @@ def test_ldt_sim(world, measured, content, edit, value, rest):
                                            "train.num_microbatches=2", "model.vocab_size=100"]),
                           max_size=2, unique=True))
 def test_ldt_audit(world, monkeypatch, rest, overrides):
-    import ldt.launch
+    import ldt.launch.local
     from ldt.tools import audit
 
     def started(*args, **kwargs):
         raise _Started()
 
-    monkeypatch.setattr(ldt.launch, "run_local_world", started)
+    monkeypatch.setattr(ldt.launch.local, "run_local_world", started)
     argv = [*_argv(rest), *overrides]
     out = argv[argv.index("--out") + 1] if "--out" in argv else "outputs/audit"
     world.run(audit.main, argv, [out, argv[argv.index("--json") + 1]
@@ -246,10 +246,10 @@ def test_ldt_audit(world, monkeypatch, rest, overrides):
     max_size=3, unique=True),
     run_dir=st.sampled_from(["r1", "run", "folder", "ckpt", "corpus.txt"]))
 def test_ldt_train(world, monkeypatch, overrides, run_dir):
-    import ldt.train
+    import ldt.job.train
 
-    monkeypatch.setattr(ldt.train, "_launch_local", lambda cfg, topo: 0)
-    world.run(ldt.train.main, [f"run_dir={run_dir}", *overrides], [run_dir])
+    monkeypatch.setattr(ldt.job.train, "_launch_local", lambda cfg, topo: 0)
+    world.run(ldt.job.train.main, [f"run_dir={run_dir}", *overrides], [run_dir])
 
 
 @few(4)

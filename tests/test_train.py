@@ -16,7 +16,7 @@ PARITY = 1e-5
 
 
 def ldt_train(tmp_path, *overrides, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", *overrides, f"run_dir={tmp_path}"],
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *overrides, f"run_dir={tmp_path}"],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     last = proc.stdout.strip().splitlines()[-1]
@@ -136,13 +136,13 @@ def _shape(stdout: str) -> list[str]:
 
 
 def test_log_level_is_one_setting_for_a_rank(capsys):
-    """ldt.quiet.set_log_level: an ldt-train rank's logging (the whole process) at one level,
-    one line per record on stderr with the rank; under ``python -m ldt.run`` megatron-core's
+    """ldt.launch.quiet.set_log_level: an ldt-train rank's logging (the whole process) at one level,
+    one line per record on stderr with the rank; under ``python -m ldt.job.megatron`` megatron-core's
     loggers only, whatever the script set up for its own."""
     import logging
     import sys as _sys
 
-    from ldt.quiet import set_log_level
+    from ldt.launch.quiet import set_log_level
 
     root = logging.getLogger()
     touched = [logging.getLogger(name) for name in ("", "megatron", "ldt")]
@@ -157,7 +157,7 @@ def test_log_level_is_one_setting_for_a_rank(capsys):
         logging.getLogger("megatron.core.optimizer").info("Setting up optimizer with config")
         assert capsys.readouterr().err == "[rank 3] INFO megatron.core.optimizer: " \
                                           "Setting up optimizer with config\n"
-        # a script under ldt.run that logs at INFO to stdout keeps its own lines
+        # a script under ldt.job.megatron that logs at INFO to stdout keeps its own lines
         root.handlers[:] = [logging.StreamHandler(_sys.stdout)]
         root.setLevel("INFO")
         set_log_level("WARNING", 0, loggers=("megatron", "ldt"))
@@ -188,7 +188,7 @@ def test_joins_a_torchrun_world(tmp_path):
     cwd.mkdir()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            "4", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                           "-m", "ldt.train",
+                           "-m", "ldt.job.train",
                            "run_dir=out/rank${oc.env:RANK}", "train.steps=3"],
                           cwd=cwd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -263,7 +263,7 @@ def test_mtp_on_the_edge_matches_the_reference_and_changes_training(tmp_path):
     losses, not inputs) and the later ones differ from it (its gradients act); the checkpoint
     holds the MTP weights, with the shapes ldt.models.arch.full_shapes gives."""
     from ldt.storage.checkpoint_files import latest
-    from ldt.storage.tensors import check_compatible
+    from ldt.models.tensor_files import check_compatible
     from ldt.config import to_model
 
     edge_tp2 = "cluster.stages=[{name:edge,tp:2},{name:cloud,tp:1}]"

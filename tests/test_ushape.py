@@ -13,8 +13,8 @@ its receives took that route.
 import pytest
 
 from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
-from ldt.launch import run_local_world
-from ldt.topology import Stage, Topology
+from ldt.launch.local import run_local_world
+from ldt.topology.ranks import Stage, Topology
 from test_p2p_parity import FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, _assemble, expected_recomputes
 
 CASES = {"tp121": [1, 2, 1], "ring_tp21": [2, 1], "tp1111": [1, 1, 1, 1]}

@@ -133,7 +133,7 @@ def test_bad_config_is_refused(name, files, tmp_path):
     full_env.update(env)
     args = [o.replace("{tmp}", str(files)) for o in overrides]
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ldt.train", *args], env=full_env, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *args], env=full_env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=90)
     took = time.monotonic() - start
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
@@ -163,7 +163,7 @@ def test_unknown_key_names_the_closest_key_at_its_level():
 
 
 def test_one_loader_refuses_an_unknown_key_where_it_is_in_every_group(tmp_path):
-    """ldt.config_load is the one loader of typed YAML: a dict (the API), a cluster file, a
+    """ldt.config.load is the one loader of typed YAML: a dict (the API), a cluster file, a
     shipped model or an inventory all refuse a key their schema lacks, naming its place (list
     index included), the dataclass, and the closest field."""
     from ldt.config import ConfigError, load_cluster_yaml, to_cluster
@@ -197,7 +197,7 @@ def test_one_loader_refuses_an_unknown_key_where_it_is_in_every_group(tmp_path):
 
 def test_validation_imports_neither_torch_nor_megatron(tmp_path):
     """A refused config answers before torch (1.4 s here) or megatron-core (4.5 s) load."""
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ldt.train",
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ldt.job.train",
                            "model.hidden_size=66"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -209,8 +209,8 @@ def test_validation_imports_neither_torch_nor_megatron(tmp_path):
 
 def test_binary_data_file_is_a_warning(tmp_path):
     from ldt.config import DataConfig, ModelConfig, TrainConfig
-    from ldt.topology import Topology
-    from ldt.validate import check_files
+    from ldt.topology.ranks import Topology
+    from ldt.topology.validate import check_files
 
     path = tmp_path / "weights.bin"
     path.write_bytes(bytes(range(256)) * 64)

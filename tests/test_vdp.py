@@ -17,7 +17,7 @@ from ldt.schedule import simulate
 from ldt.schedule.ir import Op
 from ldt.schedule.routing import Lanes, boundary_pairs, grad_factor, microbatches_of
 from ldt.schedule.vdp import lane_cost, vdp_schedule
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 M = 2  # micro-batches per uniform replica
 LOSS_RTOL, GRAD_ATOL = 1e-6, 1e-5
@@ -57,7 +57,7 @@ def test_refuses_boundary_where_neither_dp_divides_the_other():
 
 
 def test_validate_names_world_formula_and_unsupported_combinations():
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     model = {"num_layers": 4, "hidden_size": 32, "num_attention_heads": 4}
     with pytest.raises(ConfigError, match=r"1\*1 \+ 2\*2 = 5"):
@@ -170,7 +170,7 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None):
     from ldt.models.build import build_chunk, global_param_name
     from ldt.models.sharding import load_full_state
     from ldt.p2p import VtpCommunicator
-    from ldt.schedule.forward_backward import run_step
+    from ldt.pipeline.forward_backward import run_step
     from ldt.schedule.routing import virtual_of
     from ldt.training.loop import _mean_loss
     from ldt.testing.grads import average_dp_grads
@@ -232,7 +232,7 @@ RECOMPUTE = {"ushape_edge2_cloud1": {0: {"granularity": "full", "method": "unifo
 @pytest.fixture(scope="module")
 def ref():
     from gpt_worlds import reference
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
 
     return run_local_world(1, reference, ([2 * M],), timeout_s=120)[0]
 
@@ -240,8 +240,8 @@ def ref():
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, ref):
     from gpt_worlds import MODEL, even_layout
-    from ldt.launch import run_local_world
-    from ldt.validate import validate
+    from ldt.launch.local import run_local_world
+    from ldt.topology.validate import validate
 
     dps, tps, u_shape = CASES[request.param]
     cluster = _cluster(dps, tps, u_shape,
@@ -316,7 +316,7 @@ def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
     import sys
 
     def train(run_dir, *overrides):
-        proc = subprocess.run([sys.executable, "-m", "ldt.train", f"run_dir={run_dir}",
+        proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}",
                                "train.steps=4", *overrides], capture_output=True, text=True,
                               timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]

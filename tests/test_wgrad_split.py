@@ -21,7 +21,7 @@ import contextlib
 
 import pytest
 
-from ldt.launch import run_local_world
+from ldt.launch.local import run_local_world
 from ldt.schedule.wgrad import WgradOrderError, WgradStore
 
 M = 4  # micro-batches per step
@@ -121,7 +121,7 @@ def _compare(rank, world, tp: int, dp: int, sp: bool, fused: bool) -> dict:
 
     from ldt import patches
     from ldt.config import typed_config
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     c = typed_config(_cfg(tp, dp, sp))
     topo = validate(c.cluster, c.model, world_size=world, train=c.train)

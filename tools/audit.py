@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args) -> int:
-    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
     from hydra.errors import HydraException
 
     from ldt.config import ConfigError

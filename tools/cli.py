@@ -100,8 +100,8 @@ def _report(prog: str, exc: BaseException) -> int:
     is re-raised: a traceback is for ldt's own bugs."""
     import signal
 
-    from ldt.errors import ConfigError, exception_chain, one_line
-    from ldt.layout import LayoutError
+    from ldt.config.errors import ConfigError, exception_chain, one_line
+    from ldt.config.layout import LayoutError
 
     chain = list(exception_chain(exc))
     for e in chain:

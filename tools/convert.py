@@ -54,7 +54,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     import warnings
 
-    import ldt.quiet  # noqa: F401
+    import ldt.launch.quiet  # noqa: F401
 
     # torch.distributed.checkpoint in one process (no_dist=True) says so on every file
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -14,7 +14,8 @@ import sys
 from typing import Sequence
 
 from ldt.config import to_train
-from ldt.hydra_app import EXIT_CONFIG, run_app
+from ldt.config.errors import EXIT_CONFIG
+from ldt.job.hydra import run_app
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,7 +38,7 @@ def _estimate(cfg) -> int:
 
     from omegaconf import OmegaConf
 
-    from ldt.errors import one_line
+    from ldt.config.errors import one_line
     from ldt.memory import estimate
     from ldt.memory.report import refusal, table
     from ldt.tools.rankmap import show_rank_map

@@ -5,7 +5,7 @@
 
 Prints the picked plan's per-stage table, the time/cost front the search met and why it picked
 that plan (or ``--json``), writes the cluster YAML with ``--out`` (validated with
-``ldt.validate`` first; missing folders are created) and the timeline with ``--trace`` /
+``ldt.topology.validate`` first; missing folders are created) and the timeline with ``--trace`` /
 ``--png``. Every file is written whole or not at all; files that exist are refused unless
 ``--overwrite``. ``--objective`` / ``--max-slowdown`` set what is picked
 (:mod:`ldt.plan.objective`). Thin over :mod:`ldt.plan`.
@@ -220,7 +220,7 @@ def _write_validated(path: str, text: str, model) -> None:
     """Write the YAML at ``path`` (a temporary of :func:`ldt.storage.atomic.new_files`) and
     check it loads and validates the way users will load it; a refusal leaves no file."""
     from ldt.config import load_cluster_yaml
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     with open(path, "w") as f:
         f.write(text)

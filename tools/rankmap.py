@@ -1,4 +1,4 @@
-"""``python -m ldt.topology [hydra flags] [overrides]``: print the rank map of a config.
+"""``ldt-rankmap [hydra flags] [overrides]``: print the rank map of a config.
 
 A Hydra app over the same ``conf/`` as ``ldt-train`` (so ``--help``, ``--cfg job`` and
 ``--config-dir`` work alike); it validates the config (not the devices: a rank map of a GPU/NPU
@@ -10,8 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from ldt.hydra_app import EXIT_CONFIG, run_app
-from ldt.validate import validate
+from ldt.config.errors import EXIT_CONFIG
+from ldt.job.hydra import run_app
+from ldt.topology.validate import validate
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def show_rank_map(cfg):
     Topology, or None after printing the refusal in one line. (ldt-memory starts the same way.)"""
     from hydra.core.hydra_config import HydraConfig
 
-    from ldt.errors import one_line
+    from ldt.config.errors import one_line
 
     try:
         topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,

@@ -88,7 +88,7 @@ def _simulate(args) -> int:
                           load_inventory, load_model, simulate_plan, summary, table)
     from ldt.schedule.size import check_schedule_size
     from ldt.storage.atomic import new_files
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     inputs = [(f"--{k}", getattr(args, k)) for k in ("cluster", "model", "inventory")
               if os.path.exists(getattr(args, k))]
@@ -146,7 +146,7 @@ def _stage_names(run_dir: str):
     """The run's stage names (its config.yaml), or None for a folder without one."""
     import os
 
-    from ldt.userfiles import load_yaml
+    from ldt.config.userfiles import load_yaml
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):

@@ -2,7 +2,7 @@
 
 A boundary transfer, in the order it happens:
 
-1. :mod:`ldt.boundary.layout`: with sequence parallelism, the sending stage's leader gathers
+1. :mod:`ldt.boundary.sequence`: with sequence parallelism, the sending stage's leader gathers
    its TP group's sequence slices (and the receiving leader later scatters them); with
    variable sequence lengths, the shape crosses first.
 2. :mod:`ldt.boundary.communicator`: the one leader-to-leader hop over the boundary's own
@@ -19,6 +19,6 @@ A boundary transfer, in the order it happens:
 4. :mod:`ldt.boundary.lanes`: with per-stage data parallelism, which replica of the
    neighbouring stage a message goes to or comes from (fan-in / fan-out).
 
-The groups these hops run on are built by :mod:`ldt.parallel_state` (with the collectives
-that span stages in :mod:`ldt.cross_stage`); nothing here creates a group.
+The groups these hops run on are built by :mod:`ldt.groups.parallel_state` (with the collectives
+that span stages in :mod:`ldt.groups.cross_stage`); nothing here creates a group.
 """

@@ -1,10 +1,10 @@
 """VTP boundary transport: leader send/recv + intra-stage broadcast, with async handles.
 
 Only a stage's leader (TP rank 0) talks to neighbouring stages, over that boundary's own group
-(see :mod:`ldt.parallel_state`). After a receive the leader broadcasts inside its TP group
+(see :mod:`ldt.groups.parallel_state`). After a receive the leader broadcasts inside its TP group
 (boundary activations and their gradients are replicated on every TP rank of a stage), or,
 with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
-its sequence slices on the leader (:mod:`ldt.boundary.layout`). A boundary the device layer
+its sequence slices on the leader (:mod:`ldt.boundary.sequence`). A boundary the device layer
 marks host-staged (different device types) copies to CPU, sends over gloo, and copies back to
 the device. The handles a transfer returns (wait semantics, link delay, the boundary's error)
 are :mod:`ldt.boundary.work`'s.
@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from ldt.boundary.layout import SequenceLayout, recv_shape, send_shape
+from ldt.boundary.sequence import SequenceLayout, recv_shape, send_shape
 from ldt.boundary.relay import PieceGather, PieceRelay, flat, split
 from ldt.boundary.work import BoundaryError, Landing, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
-from ldt.device import rank_device
-from ldt.parallel_state import VtpState, get_vtp_state
-from ldt.routes import (BACKWARD, FANOUT, FORWARD, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry,
+from ldt.topology.device import rank_device
+from ldt.groups.parallel_state import VtpState, get_vtp_state
+from ldt.topology.routes import (BACKWARD, FANOUT, FORWARD, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry,
                         Route)
 
 __all__ = ["BACKWARD", "FORWARD", "BoundaryError", "BoundaryObserver", "VtpCommunicator"]
@@ -72,7 +72,7 @@ class VtpCommunicator(P2PCommunicator):
         self.device = rank_device(topo, state.info.rank)  # this node's accelerator index
         self.observers = list(observers or [])
         # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
-        # observers and the peer see what actually crossed (e.g. ldt.privacy.defence's noise)
+        # observers and the peer see what actually crossed (e.g. ldt.boundary.noise's noise)
         self.send_transforms = list(send_transforms or [])
 
     # ---- the one hook megatron's public methods call ---------------------------------------
@@ -245,7 +245,7 @@ class VtpCommunicator(P2PCommunicator):
         return self.state.plan.route(peer_stage, stage, direction, peer, mine)
 
     def _carry(self, route: Route, nbytes: int) -> Carry:
-        """How a message of ``nbytes`` crosses ``route`` (:meth:`ldt.routes.Route.transport`;
+        """How a message of ``nbytes`` crosses ``route`` (:meth:`ldt.topology.routes.Route.transport`;
         a shape that crosses first never fans out)."""
         mode = "never" if self.layout.variable_seq_lengths else self.boundary_fanout
         return route.transport(nbytes, self.piece_unit_bytes, mode)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
 from ldt.boundary.work import Landing, SendWork
 from ldt.config import ConfigError
-from ldt.cross_stage import StagePipelineGroup
-from ldt.routes import DATA_TAGS
+from ldt.groups.cross_stage import StagePipelineGroup
+from ldt.topology.routes import DATA_TAGS
 
 __all__ = ["vtp_recv_backward", "vtp_recv_forward", "vtp_send_backward", "vtp_send_forward"]
 

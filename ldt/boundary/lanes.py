@@ -6,7 +6,7 @@ changes is *which* leader: micro-batch ``g`` runs on replica ``g mod dp_s`` of e
 (:mod:`ldt.schedule.routing`), so a replica of a stage with fewer replicas sends to (fan-out)
 and receives from (fan-in) several replicas of its neighbour, in turn, each pair on its own
 two-leader group (so every pair keeps its own FIFO channel, as a uniform boundary does;
-:func:`ldt.parallel_state.initialize_vtp` creates those groups). A data stage's replica reads
+:func:`ldt.groups.parallel_state.initialize_vtp` creates those groups). A data stage's replica reads
 its micro-batches through :class:`ldt.data.lanes.LaneData`.
 
 * :class:`LaneCommunicator` lets the runtime talk in lanes (the schedule's peers) and turns a

@@ -18,7 +18,7 @@ of a stage) compute the same pieces from the element count alone. A small messag
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
 transfer makes exactly the calls it made before pieces existed.
 
-Fan-out (``cluster.boundary_fanout``, :meth:`ldt.routes.Route.transport`): the sending leader sends its copy
+Fan-out (``cluster.boundary_fanout``, :meth:`ldt.topology.routes.Route.transport`): the sending leader sends its copy
 (the same bytes: the send transforms ran once) straight to every TP rank of the receiving
 stage, which then needs no relay, at the price of a copy per TP rank on the link. Where the
 two stages share a node the link is memory (or the node's accelerator fabric) as the relay
@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.boundary.layout import SequenceLayout
-from ldt.routes import GATHER_TAG, PIECE_UNIT_BYTES, RELAY_TAG, piece_count
+from ldt.boundary.sequence import SequenceLayout
+from ldt.topology.routes import GATHER_TAG, PIECE_UNIT_BYTES, RELAY_TAG, piece_count
 
 
 def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.boundary.layout import SequenceLayout
+from ldt.boundary.sequence import SequenceLayout
 from ldt.boundary.relay import PieceRelay
 
 

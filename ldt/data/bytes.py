@@ -3,7 +3,7 @@
 The default corpus is the Python standard library's own source files (present wherever Python
 is); ``data.path=`` trains on a user's text file instead. Tokens are bytes (vocabulary 256),
 so no tokenizer download is ever needed. Only data-owning stages create a :class:`TextData`
-(see :meth:`ldt.topology.Topology.data_stages`): the cloud stages of a U-shape never do.
+(see :meth:`ldt.topology.ranks.Topology.data_stages`): the cloud stages of a U-shape never do.
 """
 
 from __future__ import annotations

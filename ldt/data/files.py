@@ -239,7 +239,7 @@ def check_data(data: DataConfig, model: ModelConfig, train: TrainConfig, topo=No
 def _check_cache_dir(path: str) -> None:
     """``data.cache_dir``: a folder megatron-core can write its sample indices into (or make),
     refused here rather than as megatron's exception on rank 0 inside training."""
-    from ldt.userfiles import not_a
+    from ldt.config.userfiles import not_a
 
     named, fix = f"data.cache_dir={path!r}", ("give a folder for the sample indices, or leave "
                                               "data.cache_dir unset")

@@ -72,7 +72,7 @@ def check_inputs(inputs: list[str], output_prefix: str, fmt: str) -> list[str]:
         raise ConfigError(f"--format={fmt!r}; use one of {', '.join(FORMATS)}")
     paths = []
     for name in inputs:
-        from ldt.userfiles import require
+        from ldt.config.userfiles import require
 
         path = os.path.abspath(os.path.expanduser(name))
         require(path, f"--input {name}", "file", "give a text or JSONL file")
@@ -219,7 +219,7 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
         raise ConfigError(f"--tokenizer {tok.name} names no end-of-document token (no "
                           "eos_token in a tokenizer_config.json, none of "
                           "<|endoftext|>, </s>, ...); pass --eod-token TOKEN")
-    import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+    import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (not timed: seconds of imports)
 
     summary = Summary(prefix, workers=workers)

@@ -56,7 +56,7 @@ def resolve(spec: str, what: str = "data.tokenizer") -> TokenizerSource:
     if os.path.isfile(path):
         return _json_source(path)
     if os.path.exists(path):
-        from ldt.userfiles import not_a
+        from ldt.config.userfiles import not_a
 
         raise ConfigError(not_a(path, f"{what}={spec!r}", "file", "give the path of a "
                                 "tokenizer.json or of a folder holding a Hugging Face tokenizer, "

@@ -1,7 +1,7 @@
 """Elastic runs: plan the cluster from the nodes torchrun's elastic agent brought, at every start.
 
 ``cluster.inventory`` set (``cluster=cpu_elastic``) and launched with ``torchrun --nnodes
-MIN:MAX --rdzv-backend c10d --max-restarts N -m ldt.train ...``: each node names the kind of
+MIN:MAX --rdzv-backend c10d --max-restarts N -m ldt.job.train ...``: each node names the kind of
 its devices (``LDT_NODE_KIND``, :mod:`ldt.elastic.nodes`), the workers exchange that through
 the store torchrun formed, and every rank plans the same pipeline with ``ldt.plan`` for the
 nodes that are there (:mod:`ldt.elastic.replan`: pure, deterministic, the data owner's stage on

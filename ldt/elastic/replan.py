@@ -15,7 +15,7 @@ head, loss) lands on it and nowhere else. The global batch is the configured one
 ``cluster.dp x train.num_microbatches x train.micro_batch_size``; the planner picks dp and the
 micro-batches per replica that keep it.
 
-Placement: ldt's ranks are contiguous per stage, the replica outermost (:mod:`ldt.topology`);
+Placement: ldt's ranks are contiguous per stage, the replica outermost (:mod:`ldt.topology.ranks`);
 each (stage, replica) TP group goes, in rank order, to the first node of its planner kind with
 enough free processes, taking that node's lowest local ranks. Processes left over are idle for
 this world (they wait for the run to end).
@@ -29,10 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig
-from ldt.config_load import config_dict
+from ldt.config.load import config_dict
 from ldt.elastic.nodes import KIND_VAR, ElasticError, Node
 from ldt.plan import Inventory, Link, PlannerOptions, Workload, plan, planned_cluster
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 # A smaller search than ldt-plan's, as it runs at every start; the planner's budgets count
 # simulated actions, not seconds, so every rank plans the same plan whatever its speed.
@@ -43,7 +43,7 @@ PLANNER = PlannerOptions(simulate_min=6, simulate_max=64, refine_top=2, refine_s
 class WorldPlan:
     cluster: dict
     """The planned cluster (:func:`ldt.plan.planned_cluster` over the configured one) as plain
-    data (:func:`ldt.config_load.config_dict`): what every rank compares, the run records and
+    data (:func:`ldt.config.load.config_dict`): what every rank compares, the run records and
     the job trains with."""
     num_microbatches: int
     prefetch: int

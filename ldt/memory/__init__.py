@@ -118,7 +118,7 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
     ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
     (:class:`ldt.memory.fake.BalancedRouting`)."""
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
 
     return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
                            init_dist=False)[0]
@@ -160,7 +160,7 @@ def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[S
     from ldt.memory.measure import cpu_topology, measure_stage
     from ldt.models.recompute import describe, stage_recompute
     from ldt.training import moe
-    from ldt.validate import validate
+    from ldt.topology.validate import validate
 
     c = typed_config(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)

@@ -4,7 +4,7 @@ estimate's peak is the fullest of these moments with that chunk's transient on t
 count at its own maximum overshot: cpu_vtp's middle stage by a receive buffer it never holds
 while backwarding).
 
-The moments are read off the action lists the runtime walks (:mod:`ldt.schedule.forward_backward`:
+The moments are read off the action lists the runtime walks (:mod:`ldt.pipeline.forward_backward`:
 the U-shape, per-stage DP lanes, ``train.runtime=ldt``): a micro-batch's activations live from
 its forward (F, FS; FE for the edge's end chunk) to its backward (B, BE; BS), so the U-shape's
 edge holds its start chunk for the whole trip round the ring and its end chunk for one FE->BS,
@@ -95,7 +95,7 @@ def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, St
 def _lists(topo, train):
     # late: forward_backward brings in the runtime (torch and megatron-core); this module
     # only reads the action lists it makes
-    from ldt.schedule.forward_backward import lane_schedules, stage_schedules
+    from ldt.pipeline.forward_backward import lane_schedules, stage_schedules
 
     prefetch = train.prefetch if topo.u_shape else 0
     if topo.is_vdp:

@@ -20,7 +20,7 @@ import os
 from typing import Mapping, Optional
 
 from ldt.config import ConfigError, ModelConfig, to_model
-from ldt.userfiles import load_json_object
+from ldt.config.userfiles import load_json_object
 
 MODEL_JSON = "model.json"
 

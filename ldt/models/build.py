@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from ldt.config import ModelConfig
-from ldt.layout import Chunk
+from ldt.config.layout import Chunk
 from ldt.models.arch import EXPERTS
 from ldt.models.spec import TE, canonical_name, decoder_spec, layer_spec, transformer_impl
 from ldt.patches.rope_scaling import set_llama3_frequencies

@@ -67,7 +67,7 @@ _GATED = ("linear_fc1.weight", "linear_fc1.bias")  # the dense MLP's and every e
 def tp_of(name: str, tp: int, tp_rank: int, ep: int = 1) -> tuple[int, int]:
     """(TP size, TP rank) parameter ``name`` is split over on a stage of TP ``tp`` and expert
     parallelism ``ep``: a MoE expert's over the ``tp / ep`` ranks of its expert-TP group
-    (:meth:`ldt.topology.Topology.expert_groups`), everything else over the stage's TP."""
+    (:meth:`ldt.topology.ranks.Topology.expert_groups`), everything else over the stage's TP."""
     if ep == 1 or EXPERTS not in name:
         return tp, tp_rank
     etp = tp // ep

@@ -71,7 +71,7 @@ class ActionTime:
 
 def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     """Rows of an ``action_times.csv`` (a file, or a run folder holding one)."""
-    from ldt.userfiles import not_a, path_kind
+    from ldt.config.userfiles import not_a, path_kind
 
     if os.path.isdir(path):
         path = os.path.join(path, "action_times.csv")

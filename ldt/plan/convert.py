@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig
-from ldt.config_load import load_group
-from ldt.layout import split_layers
+from ldt.config.load import load_group
+from ldt.config.layout import split_layers
 from ldt.models.recompute import stage_recompute
 from ldt.plan.cost import Recompute
 from ldt.plan.evaluate import Evaluation, Plan, StageSpec
 from ldt.plan.inventory import Inventory
-from ldt.plan.schedule_api import to_chrome_trace, to_png
+from ldt.schedule import to_chrome_trace, to_png
 
 
 def load_cluster(name_or_path: str) -> ClusterConfig:

@@ -58,9 +58,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ldt.config import ModelConfig, RecomputeConfig
-from ldt.config_load import config_dict
+from ldt.config.load import config_dict
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
-from ldt.routes import FANOUT, carry
+from ldt.topology.routes import FANOUT, carry
 
 GB = 1e9
 GIB = 2**30
@@ -438,7 +438,7 @@ class CostModel:
     def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int) -> float:
         """One activation (or gradient) from a stage leader to the next stage, all its ranks,
         as ``cluster.boundary_fanout=auto`` moves it between nodes (the route policy a run
-        uses, :func:`ldt.routes.carry`; the planner places stages on separate nodes): a small
+        uses, :func:`ldt.topology.routes.carry`; the planner places stages on separate nodes): a small
         message as a copy per TP rank, a larger one as one copy whose last piece the receiving
         leader relays."""
         key = (src_kind, dst_kind, dst_tp)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable, Optional
 
-from ldt.layout import LayerSplit, split_of_counts
+from ldt.config.layout import LayerSplit, split_of_counts
 from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
-from ldt.plan.schedule_api import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
+from ldt.schedule import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
 
 _split = lru_cache(maxsize=4096)(split_of_counts)
 """The planner asks for the same few splits of many plans."""
@@ -60,7 +60,7 @@ class Plan:
 
     @property
     def split(self) -> LayerSplit:
-        """Which segments (chunks) each stage holds: :func:`ldt.layout.split_of_counts`, the
+        """Which segments (chunks) each stage holds: :func:`ldt.config.layout.split_of_counts`, the
         placement rule of every layout (a U-shape's stage 0: its first and last segment)."""
         return _split(self.layers, self.num_stages, self.u_shape)
 
@@ -96,7 +96,7 @@ class Plan:
         return 1 if stage in (0, p - 1) else 2
 
     def layout(self) -> str:
-        """The cluster.layout string of this split (written by :mod:`ldt.layout`)."""
+        """The cluster.layout string of this split (written by :mod:`ldt.config.layout`)."""
         return self.split.to_layout_string()
 
     def stage_names(self) -> list[str]:

@@ -4,7 +4,7 @@ An inventory describes hardware, not a pipeline: device *kinds* (how many, how f
 memory, how fast inside a node), *links* between kinds (bandwidth, latency) and, for the U-shape,
 which kind is the data owner's *edge*. The planner turns it into a cluster config
 (``conf/cluster/*.yaml``). Files live in ``conf/inventory/`` and load onto the dataclasses below
-through :func:`ldt.config_load.load_group`, so a typo in a key is an error, not a silent default.
+through :func:`ldt.config.load.load_group`, so a typo in a key is an error, not a silent default.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig
-from ldt.config_load import load_group
+from ldt.config.load import load_group
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -45,7 +45,7 @@ from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, clo
 from ldt.plan.inventory import Inventory, Workload
 from ldt.plan.objective import (Objective, choose, hourly_price, pareto_front, spread,
                                 step_cost)
-from ldt.plan.simulator import Simulator
+from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """What the planner hands back: a cluster YAML, a human table and a JSON summary.
 
 The YAML has exactly the keys of ``conf/cluster/*.yaml`` (``ClusterConfig``), so it loads with
-``ldt.config.load_cluster_yaml`` and validates with ``ldt.validate.validate``; the prediction
+``ldt.config.load_cluster_yaml`` and validates with ``ldt.topology.validate.validate``; the prediction
 goes into comments at its top, where it is visible but cannot break loading.
 """
 
@@ -14,12 +14,12 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from ldt.config import ClusterConfig, ConfigError, RecomputeConfig, StageConfig
-from ldt.config_load import config_dict
+from ldt.config.load import config_dict
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
 from ldt.plan.inventory import Inventory
 from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
-from ldt.userfiles import load_yaml
+from ldt.config.userfiles import load_yaml
 
 FRONT_ROWS = 8
 """Plans of the time/cost front that ldt-plan prints (the fastest, the pick, the cheapest and
@@ -48,7 +48,7 @@ def planned_cluster(plan: Plan, inventory: Inventory,
 
 
 def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
-    """The plan's cluster config as plain data (:func:`ldt.config_load.config_dict`)."""
+    """The plan's cluster config as plain data (:func:`ldt.config.load.config_dict`)."""
     return config_dict(planned_cluster(plan, inventory))
 
 

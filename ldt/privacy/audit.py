@@ -59,9 +59,9 @@ def audit(opts: AuditOptions, log=print) -> dict:
     """Check every option, then make the runs and attack them in a folder built beside
     ``opts.out`` and renamed into place when the report is complete: a refused or failed
     audit leaves ``out`` as it was."""
-    from ldt.hydra_app import compose
+    from ldt.job.hydra import compose
     from ldt.storage.atomic import new_folder
-    from ldt.train import prepare
+    from ldt.job.train import prepare
 
     cfg, _, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
     steps = opts.steps or cfg["train"]["steps"]
@@ -116,7 +116,7 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
                           "--steps")
     if opts.cloud_text is not None:
         text = opts.cloud_text
-        from ldt.userfiles import require
+        from ldt.config.userfiles import require
 
         require(text, f"--cloud-text {text}", "file", "give a text file of the cloud's own (or "
                 "leave it out for the built-in one)")
@@ -130,7 +130,7 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
 
         preflight(opts.checkpoint, "--checkpoint", hashes=True)
         from ldt.config import to_model
-        from ldt.storage.tensors import check_compatible
+        from ldt.models.tensor_files import check_compatible
 
         check_compatible(opts.checkpoint, to_model(model))  # the runs start from it
     # every captured token vector is float32 of the hidden size, loaded in full per channel
@@ -223,7 +223,7 @@ def _as_sent(vectors_truth, run: R.Run):
     the defence's setting (not its noise draws) and applies it to its own shadow data."""
     vectors, truth = vectors_truth
     if run.noise > 0:
-        from ldt.privacy.defence import BoundaryNoise
+        from ldt.boundary.noise import BoundaryNoise
 
         noise = BoundaryNoise(run.noise, seed=2024)  # the cloud's own draws
         per_message = run.cfg["train"]["micro_batch_size"] * vectors.seq_length

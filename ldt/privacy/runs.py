@@ -93,7 +93,7 @@ def audit_worker(rank: int, world: int, runs: list[Run]) -> list[Optional[dict]]
 
 def run_all(runs: list[Run], world_size: int, timeout_s: float) -> dict[str, dict]:
     """Run them (one local world); the summary of each run by name."""
-    from ldt.launch import run_local_world
+    from ldt.launch.local import run_local_world
 
     for r in runs:
         if os.path.exists(os.path.join(r.run_dir, "capture")):

@@ -33,7 +33,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
-from ldt.errors import ConfigError
+from ldt.config.errors import ConfigError
 from ldt.storage.commit import (OLD_MARK, TMP_MARK, commit_set, fsync_dir, fsync_file,  # noqa: F401
                                 out_of_space, put_in_place, remove, sibling, sweep)
 

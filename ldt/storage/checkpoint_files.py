@@ -11,8 +11,8 @@ folder; a folder without the marker is never loaded.
 What goes *into* a checkpoint is :mod:`ldt.training.checkpoint`'s business (the training
 state, gathered collectively) or a converter's (a model imported from elsewhere); both write
 through :func:`write_part` and :func:`seal`. Before a run starts, :func:`preflight` checks a
-``train.resume`` / ``train.load`` folder (``ldt.validate`` calls it; the model against the
-run's is ``ldt.storage.tensors.check_compatible``): every file against its size or
+``train.resume`` / ``train.load`` folder (``ldt.topology.validate`` calls it; the model against the
+run's is ``ldt.models.tensor_files.check_compatible``): every file against its size or
 checksum, and that there is something left to train; each problem is one line naming the
 file or the parameter and the fix.
 """
@@ -318,7 +318,7 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
                               "earlier run (with checkpoints/), one of its checkpoints/step_N "
                               "folders or an ldt-convert output folder")
     if not os.path.isdir(path):
-        from ldt.userfiles import not_a
+        from ldt.config.userfiles import not_a
 
         raise CheckpointError(not_a(path, f"{field}={path!r}", "folder", "give the run folder "
                                     "of an earlier run, one of its checkpoints/step_N folders "

@@ -37,7 +37,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
 
-from ldt.errors import exception_chain
+from ldt.config.errors import exception_chain
 
 TMP_MARK = ".ldt-tmp-"
 OLD_MARK = ".ldt-old-"

@@ -23,7 +23,7 @@ import sys
 import time
 from typing import Optional
 
-from ldt.errors import ConfigError
+from ldt.config.errors import ConfigError
 from ldt.storage.commit import host
 
 LOCK_NAME = ".ldt-lock"

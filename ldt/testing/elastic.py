@@ -31,7 +31,7 @@ RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
 class ElasticAgents:
     """One torchrun agent per host; ``nodes[i] = (LDT_NODE_KIND, --nproc-per-node)`` of host i.
 
-    ``args``: what torchrun runs (e.g. ``["-m", "ldt.train", "cluster=cpu_elastic", ...]``).
+    ``args``: what torchrun runs (e.g. ``["-m", "ldt.job.train", "cluster=cpu_elastic", ...]``).
     Every agent's output (its workers' included) goes to ``<workdir>/agent<i>.log``, appended
     across restarts of the host.
     """

@@ -5,7 +5,7 @@ Each stage leader gathers its stage's TP shards (model, the optimizer's fp32 mai
 moments, first gathered over the DP ranks when the distributed optimizer shards them) into full
 tensors under global names and writes them as part ``stage_<S>`` of ``step_<N>/`` (atomically, with
 checksums: :func:`ldt.storage.checkpoint_files.write_part`). When every part is in place, rank
-0 writes ``model.json`` (the ModelConfig, which :func:`ldt.storage.tensors.check_compatible`
+0 writes ``model.json`` (the ModelConfig, which :func:`ldt.models.tensor_files.check_compatible`
 compares) and seals
 the folder (``checkpoint.json`` with the step and the checksums of its top-level files, then
 ``COMPLETE``) and applies ``train.keep_last``. A save that fails (a full disk) on any writer
@@ -36,7 +36,7 @@ from ldt.models.sharding import is_gated, shard_into, split_dim, tp_of, unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
                                            step_dir)
-from ldt.storage.tensors import write_tensors
+from ldt.models.tensor_files import write_tensors
 from ldt.training.optim import (load_param_state, param_state, reload_main_params,
                                 state_keys)
 
@@ -54,7 +54,7 @@ def _gather_full(name: str, local: torch.Tensor, state, gated: bool = False,
     gated MLP; ``experts``: the model's MoE experts per layer. With expert parallelism a
     position of a MoE layer's experts holds another expert on each expert-parallel rank: the
     leader (which holds the first block) gets every one of them, each joined from its
-    expert-TP ranks (:meth:`ldt.topology.Topology.expert_groups`)."""
+    expert-TP ranks (:meth:`ldt.topology.ranks.Topology.expert_groups`)."""
     tp, ep = len(state.stage_ranks), state.topology.stages[state.stage].ep
     size, _ = tp_of(name, tp, 0, ep)
     if tp == 1 or (size == tp and split_dim(name) is None):

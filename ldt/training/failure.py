@@ -1,6 +1,6 @@
 """A rank's own failure report, where no ldt launcher watches the world (torchrun).
 
-The bare launcher (:mod:`ldt.launch`) sees every rank and names the one that failed first, in
+The bare launcher (:mod:`ldt.launch.local`) sees every rank and names the one that failed first, in
 one line. Under torchrun each rank only knows itself, so each failing rank says, in one line on
 stderr, who it is (rank, stage, TP rank), where it was (the step, and the action or phase from
 its progress record) and why:
@@ -28,12 +28,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ldt import progress
+from ldt.launch import progress
 from ldt.boundary.work import BoundaryError
 from ldt.config import ConfigError
-from ldt.hydra_app import EXIT_CONFIG
-from ldt.launch import is_peer_symptom
-from ldt.layout import LayoutError
+from ldt.config.errors import EXIT_CONFIG
+from ldt.launch.local import is_peer_symptom
+from ldt.config.layout import LayoutError
 from ldt.training.guard import EXIT_FAILED
 from ldt.training.observe import NonFiniteError
 

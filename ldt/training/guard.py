@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.launch import STOP_SIGNALS
+from ldt.launch.local import STOP_SIGNALS
 
 EXIT_FAILED = 1
 

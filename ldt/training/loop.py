@@ -1,7 +1,7 @@
 """The training loop of one rank: build its stage, then step.
 
-Flow (one owner per piece): config -> :func:`ldt.validate.validate` (topology) ->
-:func:`ldt.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.models.build` + :mod:`ldt.models.init`
+Flow (one owner per piece): config -> :func:`ldt.topology.validate.validate` (topology) ->
+:func:`ldt.groups.parallel_state.initialize_vtp` (groups) -> :mod:`ldt.models.build` + :mod:`ldt.models.init`
 (this stage's chunks) -> schedule (megatron's 1F1B / interleaved through the patched
 ``get_forward_backward_func``, or ldt's U-shape runtime) -> :mod:`ldt.training.optim`
 (megatron-core's DDP gradient reduce, ``finalize_model_grads``, optimizer with the global norm
@@ -9,7 +9,7 @@ and clipping, lr schedule). Only data stages build a :class:`~ldt.data.bytes.Tex
 After every step all ranks agree (:mod:`ldt.training.guard`) whether to stop (a signal, a
 non-finite loss, a failed save), so they stop together; the reporting rank writes the step's
 row (:mod:`ldt.training.outputs`) as it ends. Every phase is marked in this rank's progress
-record (:mod:`ldt.progress`), which names the rank a hang waits for.
+record (:mod:`ldt.launch.progress`), which names the rank a hang waits for.
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-import ldt.quiet  # noqa: F401  (before megatron-core is imported)
+import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from ldt import patches, progress
+from ldt import patches
+from ldt.launch import progress
 from ldt.boundary.communicator import VtpCommunicator
 from ldt.config import LdtConfig, TrainConfig
 from ldt.data import build_training_data
-from ldt.device import rank_device, use_device
+from ldt.topology.device import rank_device, use_device
 from ldt.config import typed_config
-from ldt.parallel_state import VtpState, destroy_vtp, initialize_vtp
-from ldt.privacy.defence import send_transforms
-from ldt.quiet import set_log_level
-from ldt.schedule.forward_backward import MegatronHooks, run_step
+from ldt.groups.parallel_state import VtpState, destroy_vtp, initialize_vtp
+from ldt.boundary.noise import send_transforms
+from ldt.launch.quiet import set_log_level
+from ldt.pipeline.forward_backward import MegatronHooks, run_step
 from ldt.schedule.size import runs_on_ldt_runtime
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 from ldt.training import checkpoint, moe
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
@@ -47,7 +48,7 @@ from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
                                   gather_timings, memory_keys, model_flops_per_step, mtp_keys,
                                   peak_flops, write_outputs)
 from ldt.training.stage import build_stage_models, make_forward_step
-from ldt.validate import validate
+from ldt.topology.validate import validate
 
 
 def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ldt.parallel_state import get_vtp_state, is_vtp_initialized
+from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 
 KIND = {"F": "activation", "B": "gradient"}
 
@@ -114,7 +114,7 @@ MESSAGE_CALLS = (
     "send_object_list", "recv_object_list")
 # the boundary transport (the leader link; the TP broadcast / sequence gather and scatter of
 # the same tensors): its tensors are CommAudit's activations and gradients
-TRANSPORT = ("ldt.boundary.communicator", "ldt.boundary.layout", "ldt.boundary.relay")
+TRANSPORT = ("ldt.boundary.communicator", "ldt.boundary.sequence", "ldt.boundary.relay")
 # a stage's own tensor-parallel math (inside one stage's TP group): activations and gradients
 # that never leave the stage, hundreds per step; not recorded
 STAGE_COMPUTE = "megatron.core.tensor_parallel."

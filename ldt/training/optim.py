@@ -15,7 +15,7 @@ norm (and of fp16's found-inf flag). Megatron reduces the squared norm over one 
 through the local ``pg.tp``, which is right for stages of different TP sizes. But with VTP that
 group spans stages that may run different device types and backends (an NCCL and an HCCL stage
 cannot share a native group). So that group is ldt's
-:class:`~ldt.cross_stage.StageHierarchyGroup`: a stage-local leg on the stage's own group plus
+:class:`~ldt.groups.cross_stage.StageHierarchyGroup`: a stage-local leg on the stage's own group plus
 one host-staged leg between the stage leaders over gloo. That group is the seam; the rest of
 megatron's optimizer, clipping included, runs untouched.
 """

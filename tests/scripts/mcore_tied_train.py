@@ -3,7 +3,7 @@
 Tied input embedding and output layer (megatron's default), megatron's
 DistributedDataParallel, ``finalize_model_grads`` with per-token loss, and dist-checkpointing
 save and load. Written for CUDA/NCCL and torchrun; ldt's tests run it on CPU (uniform through
-megatron's own ``initialize_model_parallel``, VTP through ``python -m ldt.run``).
+megatron's own ``initialize_model_parallel``, VTP through ``python -m ldt.job.megatron``).
 
 Writes ``--out``/rank_<r>.json: losses (last stage), the tied weight per step (first and last
 stage, gathered to the full vocabulary on TP rank 0) and the checkpoint round trip's result.

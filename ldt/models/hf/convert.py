@@ -4,7 +4,7 @@ Import (:func:`import_hf`): ``config.json`` gives the family and the ModelConfig
 safetensors files (one, or sharded with ``model.safetensors.index.json``) are opened lazily
 with the ``safetensors`` package and read one tensor at a time, one part of the model at a
 time (the embedding, each decoder layer, the final norm and head), each part written as one
-``stage_<k>`` folder through :func:`ldt.storage.tensors.write_tensors`. So the peak memory
+``stage_<k>`` folder through :func:`ldt.models.tensor_files.write_tensors`. So the peak memory
 is about one decoder layer, not the model. ``model.json`` records the architecture, the
 source's ``config.json`` and tokenizer files are copied next to it (``data.tokenizer=<out>``
 finds them), and COMPLETE is written last. The step recorded is -1: both ``train.load`` and
@@ -36,8 +36,8 @@ from ldt.models.hf.families import Family, family_of_hf, family_of_model
 from ldt.storage import checkpoint_files as files
 from ldt.storage.atomic import check_output, new_folder
 from ldt.storage.runlock import check_not_training
-from ldt.storage.tensors import mark_complete, read_tensors, tensor_index, write_tensors
-from ldt.userfiles import load_json_object, not_a
+from ldt.models.tensor_files import mark_complete, read_tensors, tensor_index, write_tensors
+from ldt.config.userfiles import load_json_object, not_a
 
 IMPORT_STEP = -1  # "before step 0": resume and load both start at step 0
 HF_CONFIG = "hf_config.json"

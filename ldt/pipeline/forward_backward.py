@@ -1,4 +1,4 @@
-"""ldt's own forward-backward function: the U-shape schedule run by :mod:`ldt.schedule.runtime`.
+"""ldt's own forward-backward function: the U-shape schedule run by :mod:`ldt.pipeline.runtime`.
 
 It has the signature of megatron-core's forward-backward functions, so with ldt active
 ``get_forward_backward_func()`` returns it for a U-shape cluster and a Megatron training loop
@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ldt.schedule.runtime import StageRoles, StepResult, run_actions
+from ldt.pipeline.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
 
 
@@ -95,7 +95,7 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     from megatron.core.utils import get_model_config
 
     from ldt.boundary.communicator import VtpCommunicator
-    from ldt.parallel_state import get_vtp_state
+    from ldt.groups.parallel_state import get_vtp_state
 
     if collect_non_loss_data:
         raise NotImplementedError(
@@ -124,7 +124,7 @@ class MegatronHooks:
 
     def state(self):
         """The active VTP state, or None (megatron's schedules then run unchanged)."""
-        from ldt.parallel_state import get_vtp_state, is_vtp_initialized
+        from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 
         return get_vtp_state() if is_vtp_initialized() else None
 

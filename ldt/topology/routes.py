@@ -1,13 +1,13 @@
 """Who talks to whom, and how: a rank plan, pure data computed once from a topology.
 
-:func:`rank_plan` derives from a :class:`~ldt.topology.Topology` (and the cluster options it
+:func:`rank_plan` derives from a :class:`~ldt.topology.ranks.Topology` (and the cluster options it
 carries: per-stage DP, expert parallelism, ``boundary_fanout``, device types, hence host
 staging, link delays) a :class:`RankPlan`:
 
 - ``groups``: every process group, as :class:`GroupSpec` (name, role, ranks, backend), in the
   one order every rank must create them (``torch.distributed.new_group`` is collective over the
-  world and matches groups by creation order). :mod:`ldt.parallel_state` creates exactly these.
-  The groups that span stages (:mod:`ldt.cross_stage`, written in Python over the native ones)
+  world and matches groups by creation order). :mod:`ldt.groups.parallel_state` creates exactly these.
+  The groups that span stages (:mod:`ldt.groups.cross_stage`, written in Python over the native ones)
   close the list with the backend :data:`CROSS_STAGE`; their ranks are the ranks holding one;
 - ``routes``: every message path across a stage boundary, as :class:`Route` (stages,
   replicas, the two leaders, the group it travels on, host staging, tag, and the transport
@@ -31,9 +31,9 @@ from functools import cached_property
 from typing import Optional, Sequence
 
 from ldt.config import ConfigError
-from ldt.device import backend_for
+from ldt.topology.device import backend_for
 from ldt.schedule.routing import boundary_pairs
-from ldt.topology import Topology
+from ldt.topology.ranks import Topology
 
 FORWARD, BACKWARD = "F", "B"  # activations travel along a boundary's arrow, gradients against
 # Wire tags, all of them. Data and shape tags are distinct per direction (a two-stage ring,
@@ -43,7 +43,7 @@ DATA_TAGS = {FORWARD: 1, BACKWARD: 2}
 SHAPE_TAGS = {FORWARD: 3, BACKWARD: 4}
 RELAY_TAG, GATHER_TAG = 5, 6
 
-CROSS_STAGE = "cross_stage"  # the backend of a group ldt.cross_stage writes in Python
+CROSS_STAGE = "cross_stage"  # the backend of a group ldt.groups.cross_stage writes in Python
 
 # How a message reaches every TP rank of the stage across (ldt.boundary.relay carries it out,
 # ldt.plan.cost prices it). Relayed in k pieces it costs about link(n) + relay(n) / k + k *
@@ -300,7 +300,7 @@ def _vdp_leader_groups(topo: Topology) -> list[GroupSpec]:
 
 
 def _cross_stage_groups(topo: Topology, emb: list[int], pos: list[int]) -> list[GroupSpec]:
-    """The groups megatron runs collectives on that span stages (ldt.cross_stage); ranks:
+    """The groups megatron runs collectives on that span stages (ldt.groups.cross_stage); ranks:
     those holding one (replica ``d``'s ranks see replica ``d`` of the uniform run)."""
     out = []
     for d in range(topo.dp):

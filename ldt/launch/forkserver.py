@@ -1,4 +1,4 @@
-"""Imported by ldt's forkserver (first of :data:`ldt.launch.PRELOAD`): how it meets its end.
+"""Imported by ldt's forkserver (first of :data:`ldt.launch.local.PRELOAD`): how it meets its end.
 
 The forkserver is a helper of the launcher and must end with it, not before: a SIGTERM or
 SIGHUP sent to the whole process group (``timeout``, a batch system, a closed terminal) goes
@@ -8,7 +8,7 @@ ends when the launcher does (EOF on its "alive" pipe), with a SystemExit; tearin
 interpreter that holds torch and megatron-core takes ~1.5 s for nothing (it has no state to
 flush), so it leaves through ``os._exit``. Its children drop that atexit handler (a script a
 rank runs may call the atexit handlers) and restore the default signal dispositions
-(:func:`ldt.launch._child`).
+(:func:`ldt.launch.local._child`).
 Imported anywhere else, this module does nothing.
 """
 

@@ -2,7 +2,7 @@
 
 A config that cannot work must fail here with one message naming the field, the value and the
 fix, never later as a hang inside a collective. :func:`validate` returns the validated
-:class:`~ldt.topology.Topology`, so callers cannot skip it.
+:class:`~ldt.topology.ranks.Topology`, so callers cannot skip it.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from ldt.config import (ClusterConfig, ConfigError, DataConfig, ModelConfig, Tra
                         to_cluster, to_data, to_model, to_train)
 from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
 from ldt.data.files import check_data
-from ldt.device import check_devices_present
-from ldt.layout import split_of_counts
+from ldt.topology.device import check_devices_present
+from ldt.config.layout import split_of_counts
 from ldt.models.arch import full_shapes
 from ldt.models.recompute import check_stages
 from ldt.models.spec import transformer_impl
 from ldt.schedule.size import (available_bytes, check_fits, check_schedule_size, gib,
                                runs_on_ldt_runtime)
 from ldt.storage.checkpoint_files import preflight, skipped
-from ldt.topology import Topology
-from ldt.userfiles import not_a
+from ldt.topology.ranks import Topology
+from ldt.config.userfiles import not_a
 
 
 def validate(cluster: ClusterConfig, model: ModelConfig, world_size: Optional[int] = None, *,
@@ -144,7 +144,7 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     # (sha256 too: check_files on a launcher, or each rank on load)
     found = preflight(path, field, train.steps if train.resume else None, hashes=False)
     # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
-    from ldt.storage.tensors import check_compatible
+    from ldt.models.tensor_files import check_compatible
 
     check_compatible(found, model)
 

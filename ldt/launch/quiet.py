@@ -1,6 +1,6 @@
 """Keep a rank's output to what its user can act on: warnings filtered, logging at one level.
 
-Imported first by every local worker (ldt.launch preloads it) and by ldt-train: "Transformer
+Imported first by every local worker (ldt.launch.local preloads it) and by ldt-train: "Transformer
 Engine / Apex not installed" and similar notes say nothing a CPU user can act on. Any other
 warning still shows.
 
@@ -15,7 +15,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from ldt.config import LOG_LEVELS  # noqa: F401  (re-exported: ldt.run's --log-level choices)
+from ldt.config import LOG_LEVELS  # noqa: F401  (re-exported: ldt.job.megatron's --log-level choices)
 
 for _pattern in (
     r".*Transformer Engine and Apex are not installed.*",
@@ -64,7 +64,7 @@ def set_log_level(level: str = "WARNING", rank: Optional[int] = None,
 
     The root's handlers are replaced (a rank is ldt's process: under torchrun Hydra's console
     handler would print to stdout, mixed with the progress lines); a named logger gets ldt's
-    handler and stops propagating, so a script's own logging setup (``python -m ldt.run``)
+    handler and stops propagating, so a script's own logging setup (``python -m ldt.job.megatron``)
     neither shows nor hides megatron-core's records. Calling it again replaces what it set.
     """
     handler = _RankHandler(sys.stderr)

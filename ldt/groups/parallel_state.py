@@ -1,7 +1,7 @@
 """VTP parallel state: every process group of a topology, created once, in one place.
 
 :func:`initialize_vtp` creates exactly the groups of the topology's rank plan
-(:func:`ldt.routes.rank_plan`, which says who is in which group and in what order):
+(:func:`ldt.topology.routes.rank_plan`, which says who is in which group and in what order):
 
 - a TP group per (replica, stage) with the stage's native backend;
 - a data-parallel group per (stage, TP rank) across replicas (+ a gloo twin where the native
@@ -11,20 +11,20 @@
   prev == next, still has one FIFO channel per (group, direction): a forward activation can
   never match a backward gradient, even on NCCL which ignores tags;
 - where a leader may send straight to every TP rank across a boundary
-  (:meth:`~ldt.topology.Topology.fanout_boundaries`), one group per directed boundary holding
+  (:meth:`~ldt.topology.ranks.Topology.fanout_boundaries`), one group per directed boundary holding
   every rank of both stages, and whether those ranks share one node (gathered once);
 - a gloo group of all leaders of a replica (the cross-stage channel for scalars, and for the
   cross-stage groups below);
-- the groups megatron-core runs collectives on that span stages (:mod:`ldt.cross_stage`): the
+- the groups megatron-core runs collectives on that span stages (:mod:`ldt.groups.cross_stage`): the
   pipeline group, the embedding and position-embedding groups, the model-parallel group and
   the distributed-optimizer instance group.
 
 It then points megatron-core's ``parallel_state`` globals at them so Megatron code on each rank
-sees its own stage, through one name table (:data:`ldt.routes.MEGATRON_NAMES`, which
+sees its own stage, through one name table (:data:`ldt.topology.routes.MEGATRON_NAMES`, which
 :meth:`VtpState.pg_collection` reads as well): TP size and rank of the stage, pipeline rank =
 stage index, pipeline size = number of stages, next/prev pipeline rank = the neighbouring leaders (wrapping around), expert
 groups per stage (a MoE model's experts spread over ``ep`` of the stage's TP ranks:
-:meth:`~ldt.topology.Topology.expert_groups`). The private-name writes live in
+:meth:`~ldt.topology.ranks.Topology.expert_groups`). The private-name writes live in
 :mod:`ldt.patches.megatron_state`, the only module that touches megatron's internals.
 
 Module state: the reference API (``is_vtp_stage_rank0()`` and friends) is a set of free
@@ -42,11 +42,11 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 
 from ldt.config import ConfigError
-from ldt.cross_stage import (EmbeddingGroup, OneReplicaPerStageGroup, StageHierarchyGroup,
+from ldt.groups.cross_stage import (EmbeddingGroup, OneReplicaPerStageGroup, StageHierarchyGroup,
                              StagePipelineGroup, register, unregister)
-from ldt.routes import (CROSS_STAGE, MEGATRON_NAMES, RankPlan, default_embedding_stages,
+from ldt.topology.routes import (CROSS_STAGE, MEGATRON_NAMES, RankPlan, default_embedding_stages,
                         rank_plan)
-from ldt.topology import RankInfo, Topology
+from ldt.topology.ranks import RankInfo, Topology
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -65,7 +65,7 @@ class VtpState:
     rank: int
     info: RankInfo
     plan: RankPlan
-    # role (ldt.routes: tp, dp, pp, mp, leaders...) -> this rank's group of that role (None
+    # role (ldt.topology.routes: tp, dp, pp, mp, leaders...) -> this rank's group of that role (None
     # where it holds none, e.g. the embedding group off the embedding stages)
     groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
     # plan group name -> group, for this rank's groups (the routes' boundary and fan-out groups)
@@ -102,7 +102,7 @@ class VtpState:
     position_embedding_ranks = property(lambda self: self.members["pos_embd"])
     dist_opt_group = property(lambda self: self.groups["dist_opt"])  # every replica
     # per-stage DP only: megatron's gradient-statistics group without the distributed
-    # optimizer (every stage counted once; see ldt.cross_stage.OneReplicaPerStageGroup)
+    # optimizer (every stage counted once; see ldt.groups.cross_stage.OneReplicaPerStageGroup)
     grad_stats_group = property(lambda self: self.groups.get("grad_stats"))
     ep_group = property(lambda self: self.groups["ep"])
     expt_tp_group = property(lambda self: self.groups["expt_tp"])
@@ -110,7 +110,7 @@ class VtpState:
     def pg_collection(self):
         """megatron-core's ProcessGroupCollection for this rank's stage (schedules, models,
         DDP, ``finalize_model_grads`` and the optimizer take groups from it), filled from
-        :data:`ldt.routes.MEGATRON_NAMES` as megatron's globals are."""
+        :data:`ldt.topology.routes.MEGATRON_NAMES` as megatron's globals are."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         from ldt.patches import megatron_state  # loads megatron-core
@@ -129,7 +129,7 @@ _STATE: Optional[VtpState] = None
 def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
                    embedding_stages: Optional[Sequence[int]] = None,
                    position_embedding_stages: Optional[Sequence[int]] = None) -> VtpState:
-    """Create every group of ``topology``'s :func:`~ldt.routes.rank_plan` (collective over
+    """Create every group of ``topology``'s :func:`~ldt.topology.routes.rank_plan` (collective over
     the whole world) and activate it.
 
     The world must already be initialized (``torch.distributed.init_process_group``) with
@@ -172,7 +172,7 @@ def _check_world(topology: Topology) -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized; call init_process_group first "
-            "(ldt-train and `python -m ldt.run` do it for you)"
+            "(ldt-train and `python -m ldt.job.megatron` do it for you)"
         )
     world = dist.get_world_size()
     if world != topology.world_size:
@@ -192,7 +192,7 @@ def _create_groups(plan: RankPlan, rank: int, timeout: timedelta) -> tuple[dict,
     named: dict[str, dist.ProcessGroup] = {}
     for spec in plan.groups:
         if spec.backend == CROSS_STAGE:
-            continue  # written in Python over these (ldt.cross_stage): _cross_stage_groups
+            continue  # written in Python over these (ldt.groups.cross_stage): _cross_stage_groups
         if spec.local:
             if rank in spec.ranks:
                 named[spec.name] = dist.new_group(list(spec.ranks), backend=spec.backend,
@@ -216,7 +216,7 @@ def _node_ids(world: int) -> list[str]:
 
 
 def _cross_stage_groups(state: VtpState) -> None:
-    """The groups that span stages, as :mod:`ldt.cross_stage` process groups, registered
+    """The groups that span stages, as :mod:`ldt.groups.cross_stage` process groups, registered
     with torch.distributed under the members this rank sees (``state.members``)."""
     topology, info, groups = state.topology, state.info, state.groups
     rank, d, plan = info.rank, info.dp_rank, state.plan

@@ -66,7 +66,7 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        from ldt.errors import ConfigError
+        from ldt.config.errors import ConfigError
 
         raise ConfigError(f"hydra.output_subdir={subdir}: cannot make {folder} "
                           f"({exc.strerror}); give a folder name inside the run folder "
@@ -150,7 +150,7 @@ def refusal_line(text: str) -> str:
             continue
         keep.append(ln.strip().rstrip(":") if ln.strip().endswith(":") else ln.strip())
     if any("not in '" in ln and "Key '" in ln for ln in keep):
-        keep.append("remove the key or fix its spelling (every key: ldt/config.py)")
+        keep.append("remove the key or fix its spelling (every key: ldt/config/schema.py)")
     return "; ".join(keep)
 
 

@@ -21,12 +21,13 @@ import sys
 from typing import Optional, Sequence
 
 from ldt.config import LdtConfig
-from ldt.elastic.job import elastic_job
-from ldt.errors import one_line
-from ldt.hydra_app import EXIT_CONFIG, run_app
-from ldt.job import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
+from ldt.job.elastic import elastic_job
+from ldt.config.errors import one_line
+from ldt.config.errors import EXIT_CONFIG
+from ldt.job.hydra import run_app
+from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
                      new_run_folder, reference_config, resolve, save_config, summary_line)
-from ldt.launch import WorldError, run_local_world
+from ldt.launch.local import WorldError, run_local_world
 from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
 from ldt.storage.commit import _NO_SPACE, out_of_space

@@ -31,7 +31,7 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
-from ldt import progress
+from ldt.launch import progress
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
 from ldt.patches import versions
 from ldt.schedule import Action, Op, format_grid

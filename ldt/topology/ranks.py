@@ -12,7 +12,7 @@ a stage (TP rank 0) is its *leader*:
 the only rank that talks to neighbouring stages. Everything else (parallel state, p2p, the
 trainer) asks this object instead of recomputing the layout.
 
-``python -m ldt.topology cluster=cpu_demo`` prints the rank map of a config
+``ldt-rankmap cluster=cpu_demo`` prints the rank map of a config
 (:mod:`ldt.tools.rankmap`).
 """
 
@@ -24,8 +24,8 @@ from functools import cached_property
 from typing import Optional
 
 from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
-from ldt.device import BoundaryPlan, plan_boundary
-from ldt.layout import LayerSplit
+from ldt.topology.device import BoundaryPlan, plan_boundary
+from ldt.config.layout import LayerSplit
 
 FANOUT_MODES = ("auto", "never", "always")  # cluster.boundary_fanout
 
@@ -169,7 +169,7 @@ class Topology:
                    stage_dp=stage_dp, boundary_fanout=str(cluster.boundary_fanout))
         if model is None:
             return topo
-        from ldt.layout import split_layers
+        from ldt.config.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
                              layout=cluster.layout, min_chunk_layers=1,
@@ -360,10 +360,3 @@ def _link_delays(value, num_stages: int, u_shape: bool) -> tuple[float, ...]:
                               "of milliseconds >= 0")
     values = [float(v) for v in values]
     return tuple(values) if any(values) else ()
-
-
-if __name__ == "__main__":  # the rank-map command lives with the tools: it validates, and
-    # validation sits above this module
-    from ldt.tools.rankmap import main
-
-    sys.exit(main())

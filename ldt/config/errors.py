@@ -3,8 +3,11 @@
 :class:`ConfigError` is what every refusal raises (a config, a command-line flag, a file a
 user gave, an output that would damage what they have); entry points print its message as
 one line and exit 2. ``ldt.config`` re-exports it, so ``from ldt.config import ConfigError``
-keeps working; it lives here so that modules below the schema (``ldt.userfiles``) can raise it.
+keeps working; it lives here so that modules below the schema (``ldt.config.userfiles``) can raise it.
 """
+
+
+EXIT_CONFIG = 2  # a refused config or command line
 
 
 class ConfigError(ValueError):

@@ -20,8 +20,8 @@ from typing import Any, List, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ldt.errors import ConfigError
-from ldt.userfiles import load_yaml
+from ldt.config.errors import ConfigError
+from ldt.config.userfiles import load_yaml
 
 
 def plain(obj: Any) -> Any:
@@ -34,7 +34,7 @@ def plain(obj: Any) -> Any:
 
 
 def fields_file(schema: type) -> str:
-    """Where a schema's fields are written down (``ldt/config.py``), for error messages."""
+    """Where a schema's fields are written down (``ldt/config/schema.py``), for error messages."""
     return schema.__module__.replace(".", "/") + ".py"
 
 

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Optional
 
-from ldt.errors import ConfigError
+from ldt.config.errors import ConfigError
 
 
 def _where(path: str, line: int, column: int) -> str:

@@ -3,7 +3,7 @@
 One place answers three questions: which torch device and process-group backend a stage uses,
 which device types this machine has, and which transport two neighbouring stages' leaders
 share (how a message then reaches a TP stage's ranks, whole, in pieces or fanned out, is
-:mod:`ldt.routes`' policy).
+:mod:`ldt.topology.routes`' policy).
 NCCL and HCCL cannot talk to each other, so a boundary between different device types (or over a
 backend without point-to-point) is host-staged: copy to CPU, send over gloo, copy back.
 """

@@ -2,7 +2,7 @@
 
 :func:`run_app` turns a task function into a Hydra application with Hydra's own command line
 (``--help``, ``--cfg job``, ``--info``, ``-m``, ``--config-dir``, ``--config-name``,
-``hydra.run.dir=...``): ``ldt-train`` and ``python -m ldt.topology`` are built with it.
+``hydra.run.dir=...``): ``ldt-train`` and ``ldt-rankmap`` are built with it.
 :func:`compose` gives the same config without an application (for the API and tests).
 """
 
@@ -17,12 +17,12 @@ from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
+from ldt.config.errors import EXIT_CONFIG
 from ldt.config import register_configs, unknown_key
-from ldt.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
+from ldt.job.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
 
 CONFIG_MODULE = "ldt.conf"
 CONFIG_NAME = "config"
-EXIT_CONFIG = 2
 """Exit status of a config (or command line) that cannot work."""
 
 
@@ -48,7 +48,7 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     even its ``.hydra/``), which writes Hydra's ``config.yaml``, ``hydra.yaml`` and
     ``overrides.yaml`` into ``hydra.output_subdir`` (``.hydra``) as Hydra would have.
 
-    ``run_folder=False`` is for apps that write nothing (``python -m ldt.topology``): Hydra's
+    ``run_folder=False`` is for apps that write nothing (``ldt-rankmap``): Hydra's
     folders then go to a temporary directory that is removed afterwards.
 
     ``task(cfg)`` runs once per job (once, or once per multirun job, one after another) and

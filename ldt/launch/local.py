@@ -1,13 +1,13 @@
 """Start a local world of processes (gloo on 127.0.0.1): it never hangs and never orphans.
 
-Used by a bare ``ldt-train`` / ``python -m ldt.run`` on one machine and by the multi-process
+Used by a bare ``ldt-train`` / ``python -m ldt.job.megatron`` on one machine and by the multi-process
 tests. Children are forked from a forkserver that has already imported torch and megatron-core
 (importing them costs ~5 s and ~360 MB per process here), rendezvous through a TCPStore owned
 by the parent on a free port, and report back through one pipe each (pipes, unlike queues,
 leave no semaphores behind). The first failure (exception, signal, non-zero exit) or the
 timeout kills every child; the error names the rank that failed first and carries its
 traceback, or, when every failure is a timeout, the rank the others were waiting for
-(:mod:`ldt.progress`).
+(:mod:`ldt.launch.progress`).
 
 Lifetimes. Every child watches a lifeline, the read end of a pipe whose only write end the
 launcher holds: EOF means the launcher is gone, however it died (SIGKILL included), and the
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
-from ldt import progress as _progress
+from ldt.launch import progress as _progress
 
-PRELOAD = ["ldt._forkserver", "ldt.quiet", "torch", "torch.distributed",
+PRELOAD = ["ldt.launch.forkserver", "ldt.launch.quiet", "torch", "torch.distributed",
            "megatron.core.parallel_state", "megatron.core.models.gpt",
            "megatron.core.pipeline_parallel.schedules", "ldt"]
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -79,9 +79,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
            slots: Any) -> None:
     _detach_from_forkserver()
     _die_with_parent()
-    atexit.unregister(os._exit)  # the forkserver's way out (ldt._forkserver): not a rank's,
-    # whose atexit handlers a script runner (ldt.run) calls before the rank reports
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt._forkserver)
+    atexit.unregister(os._exit)  # the forkserver's way out (ldt.launch.forkserver): not a rank's,
+    # whose atexit handlers a script runner (ldt.job.megatron) calls before the rank reports
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt.launch.forkserver)
         signal.signal(sig, signal.SIG_DFL)
     record = _progress.attach(slots[rank])
     record.start(os.getpid())

@@ -1,4 +1,4 @@
-"""Run an existing Megatron-core script with VTP: ``python -m ldt.run --cluster FILE.yaml script.py args``.
+"""Run an existing Megatron-core script with VTP: ``python -m ldt.job.megatron --cluster FILE.yaml script.py args``.
 
 The script is unchanged: it calls ``torch.distributed.init_process_group``,
 ``parallel_state.initialize_model_parallel(tp, pp)``, builds a GPTModel for its pipeline stage
@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ldt.config import ConfigError, load_cluster_yaml, to_cluster
-from ldt.hydra_app import EXIT_CONFIG
-from ldt.quiet import LOG_LEVELS
-from ldt.topology import Topology
+from ldt.config.errors import EXIT_CONFIG
+from ldt.launch.quiet import LOG_LEVELS
+from ldt.topology.ranks import Topology
 
 
 @dataclass
@@ -36,13 +36,13 @@ class Activation:
     # groups and runtime, so the caller hands them in)
     @property
     def initialize_vtp(self):
-        from ldt.parallel_state import initialize_vtp
+        from ldt.groups.parallel_state import initialize_vtp
 
         return initialize_vtp
 
     @property
     def megatron_hooks(self):
-        from ldt.schedule.forward_backward import MegatronHooks
+        from ldt.pipeline.forward_backward import MegatronHooks
 
         return MegatronHooks()
 
@@ -61,18 +61,18 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     ``cluster``: a path to a cluster YAML, a ClusterConfig or a dict. The stage device of this
     rank (``RANK`` from the environment) decides whether the CPU shims are applied.
     """
-    import ldt.quiet  # noqa: F401
+    import ldt.launch.quiet  # noqa: F401
     from megatron.core import parallel_state as ps
 
     from ldt import patches
-    from ldt.parallel_state import is_vtp_initialized
+    from ldt.groups.parallel_state import is_vtp_initialized
 
     if ps.model_parallel_is_initialized() and not is_vtp_initialized():
         raise ConfigError(
-            "ldt.run.activate() was called after parallel_state.initialize_model_parallel(): "
+            "ldt.activate() was called after parallel_state.initialize_model_parallel(): "
             "megatron's uniform groups are already built. Call activate() before "
             "initialize_model_parallel (anywhere above it in the script), or run the script "
-            "unchanged with `python -m ldt.run --cluster FILE.yaml script.py`")
+            "unchanged with `python -m ldt.job.megatron --cluster FILE.yaml script.py`")
 
     cfg = load_cluster_yaml(cluster) if isinstance(cluster, (str, os.PathLike)) else to_cluster(cluster)
     if u_shape is not None:
@@ -99,7 +99,7 @@ def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
                 timeout_s: float, script: str, args: list, log_level: str = "WARNING") -> None:
     import atexit
 
-    from ldt.quiet import set_log_level
+    from ldt.launch.quiet import set_log_level
 
     # megatron-core's and ldt's logging are ldt's business here, whatever the script sets up
     # for its own (a script's logging.basicConfig(level=INFO) would show megatron's INFO)
@@ -116,7 +116,7 @@ def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ldt.run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m ldt.job.megatron", description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", required=True, help="cluster YAML (stages, u_shape, dp)")
     parser.add_argument("--u-shape", action="store_true", default=None,
                         help="force the U-shape (stage 0 runs the head and the loss)")
@@ -133,11 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster = dataclasses.asdict(load_cluster_yaml(ns.cluster))
     except ConfigError as exc:
-        print(f"ldt.run: invalid config: {exc}", file=sys.stderr)
+        print(f"ldt.job.megatron: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if "RANK" in os.environ:  # torchrun: this process is one rank of its world
         return _torchrun_rank(cluster, ns)
-    from ldt.launch import WorldError, run_local_world
+    from ldt.launch.local import WorldError, run_local_world
 
     topo = Topology.from_config(to_cluster(cluster))
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}  # the script's env:// joins our store
@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         timeout_s=max(ns.timeout, 60.0) * 4, comm_timeout_s=ns.timeout,
                         env=env, init_dist=False)
     except WorldError as exc:
-        print(f"ldt.run: {exc}", file=sys.stderr)
+        print(f"ldt.job.megatron: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -166,7 +166,7 @@ def _torchrun_rank(cluster: dict, ns) -> int:
         if failure.reason(exc) is None:
             raise
         topo = Topology.from_config(to_cluster(cluster))
-        return failure.report(exc, failure.rank_label(topo, rank), prog="ldt.run")
+        return failure.report(exc, failure.rank_label(topo, rank), prog="ldt.job.megatron")
     return 0
 
 

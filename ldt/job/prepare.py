@@ -1,5 +1,5 @@
-"""What both of ``ldt-train``'s jobs do (the configured world, :mod:`ldt.train`, and the elastic
-one, :mod:`ldt.elastic.job`): the config resolved and checked, the memory estimate's refusal, the
+"""What both of ``ldt-train``'s jobs do (the configured world, :mod:`ldt.job.train`, and the elastic
+one, :mod:`ldt.job.elastic`): the config resolved and checked, the memory estimate's refusal, the
 run folder named or discarded, joining torchrun's world and printing the summary."""
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ldt.config import ConfigError, LdtConfig, to_cluster
 from ldt.data.files import format_blend, parse_blend
-from ldt.device import backend_for
+from ldt.topology.device import backend_for
 from ldt.config import typed_config
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
-from ldt.quiet import set_log_level
+from ldt.launch.quiet import set_log_level
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
 from ldt.storage.runlock import check_not_training, run_of
 from ldt.training.outputs import summary_json
-from ldt.validate import check_files, validate
+from ldt.topology.validate import check_files, validate
 
 def check_run_dir_given(hydra_cfg) -> None:
     """train.resume=auto and elastic runs continue a run folder: it must be named, the same at

@@ -5,10 +5,10 @@ and a docstring, so a typo in a key is an error and not a silent default. Hydra 
 onto these schemas (registered in the ConfigStore by :func:`register_configs`).
 
 Checks that need only one config group live in ``__post_init__``; checks that need several
-(world size, heads divisible by TP, layout vs layer count) live in :mod:`ldt.validate`.
+(world size, heads divisible by TP, layout vs layer count) live in :mod:`ldt.topology.validate`.
 The config layer: this module (the cluster, train and data groups, the whole config, and
-``to_*`` for a dict that enters from Hydra, a file or the API), :mod:`ldt.config_model` (the
-model group), :mod:`ldt.config_checks` (refusals they share) and :mod:`ldt.config_load` (the
+``to_*`` for a dict that enters from Hydra, a file or the API), :mod:`ldt.config.model` (the
+model group), :mod:`ldt.config.checks` (refusals they share) and :mod:`ldt.config.load` (the
 one loader of typed YAML). Every name is importable from here.
 """
 
@@ -20,17 +20,17 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from ldt import config_load
-from ldt.config_checks import at_least, given
-from ldt.config_checks import (RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: F401
+from ldt.config import load as config_load
+from ldt.config.checks import at_least, given
+from ldt.config.checks import (RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: F401
                                RECOMPUTE_MODULES, check_recompute)  # re-exported
-from ldt.config_load import load_typed, typed
-from ldt.config_model import ModelConfig
-from ldt.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+from ldt.config.load import load_typed, typed
+from ldt.config.model import ModelConfig
+from ldt.config.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-"""``train.log_level``'s choices (Python logging's levels; :mod:`ldt.quiet` sets them)."""
+"""``train.log_level``'s choices (Python logging's levels; :mod:`ldt.launch.quiet` sets them)."""
 MAX_TIMEOUT_S = 365 * 24 * 3600.0  # far below what timedelta and the process groups can hold
 
 

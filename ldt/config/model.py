@@ -9,8 +9,8 @@ from typing import Any, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 
-from ldt.config_checks import at_least, check_recompute, given
-from ldt.errors import ConfigError
+from ldt.config.checks import at_least, check_recompute, given
+from ldt.config.errors import ConfigError
 
 
 @dataclass

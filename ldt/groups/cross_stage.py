@@ -169,8 +169,8 @@ class StagePipelineGroup(CrossStageGroup):
         raise RuntimeError(
             f"{what} over ldt's pipeline group: megatron's own P2PCommunicator is running, so "
             "the schedule did not come from ldt's get_forward_backward_func. Apply ldt before "
-            "the first schedule runs: ldt.run.activate(...) above initialize_model_parallel, "
-            "or `python -m ldt.run --cluster FILE.yaml script.py`")
+            "the first schedule runs: ldt.job.megatron.activate(...) above initialize_model_parallel, "
+            "or `python -m ldt.job.megatron --cluster FILE.yaml script.py`")
 
     def send(self, *args, **kwargs):
         self._point_to_point("send")

@@ -1,5 +1,5 @@
 """Refusals shared by the config schemas: a value below its bound, and recompute settings
-megatron-core refuses (model-wide in :class:`~ldt.config_model.ModelConfig`, per stage in
+megatron-core refuses (model-wide in :class:`~ldt.config.model.ModelConfig`, per stage in
 ``cluster.stages[i].recompute``). Each names the field, the value and the fix in one line."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from ldt.errors import ConfigError
+from ldt.config.errors import ConfigError
 
 
 def given(*values: Any) -> bool:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ldt.config import ConfigError
-from ldt.routes import SHAPE_TAGS  # the shape messages' tags (every wire tag is there)
+from ldt.topology.routes import SHAPE_TAGS  # the shape messages' tags (every wire tag is there)
 
 
 @dataclass(frozen=True)

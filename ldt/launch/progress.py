@@ -1,6 +1,6 @@
 """Per-rank progress: what each rank of a local world is doing, and whom a hang waits for.
 
-Every rank of :func:`ldt.launch.run_local_world` owns one :class:`ProgressSlot` in memory
+Every rank of :func:`ldt.launch.local.run_local_world` owns one :class:`ProgressSlot` in memory
 shared with the launcher. The training loop and the schedule runtime mark what they start
 (``begin(label, waiting=...)``: a compute action, or a wait on peers: a receive, a collective,
 the step-boundary agreement); the rank's lifeline thread stamps a heartbeat twice a second.

@@ -1,0 +1,2 @@
+"""Processes: start a local world that never hangs or orphans, its forkserver, per-rank
+progress, and what a rank prints."""
