@@ -23,10 +23,14 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ldt.config import ConfigError
+import ldt.launch.quiet
+from ldt.storage.atomic import check_output, write_text
+from ldt.tools.cli import Parser, count
+from ldt.tools.cli import guarded
+
 
 def parser() -> argparse.ArgumentParser:
-    from ldt.tools.cli import Parser, count
-
     p = Parser(prog="ldt-audit", description=__doc__.split("\n\n")[0],
                formatter_class=argparse.RawDescriptionHelpFormatter,
                epilog=__doc__.split("\n\n", 1)[1])
@@ -53,19 +57,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ldt.tools.cli import guarded
-
     args = parser().parse_args(argv)
     return guarded("ldt-audit", lambda: _run(args))
 
 
 def _run(args) -> int:
-    import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
     from hydra.errors import HydraException
 
-    from ldt.config import ConfigError
     from ldt.privacy.audit import AuditOptions, audit, format_report
-    from ldt.storage.atomic import check_output, write_text
 
     try:
         noise = tuple(float(x) for x in args.noise.split(",") if x.strip())

@@ -15,6 +15,10 @@ import math
 import sys
 from typing import Callable, Optional
 
+from ldt.config.errors import ConfigError, exception_chain, one_line
+from ldt.config.layout import LayoutError
+from ldt.storage.commit import out_of_space
+
 EXIT_USAGE = 2
 
 
@@ -100,9 +104,6 @@ def _report(prog: str, exc: BaseException) -> int:
     is re-raised: a traceback is for ldt's own bugs."""
     import signal
 
-    from ldt.config.errors import ConfigError, exception_chain, one_line
-    from ldt.config.layout import LayoutError
-
     chain = list(exception_chain(exc))
     for e in chain:
         if isinstance(e, KeyboardInterrupt):
@@ -121,8 +122,6 @@ def _report(prog: str, exc: BaseException) -> int:
             return EXIT_USAGE
     for e in chain:
         if isinstance(e, OSError):
-            from ldt.storage.commit import out_of_space
-
             where = f" {e.filename}" if getattr(e, "filename", None) else ""
             if out_of_space(e, "."):
                 print(f"{prog}: no space left on the device{' of' + where if where else ''}; "

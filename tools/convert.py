@@ -24,10 +24,13 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
+from ldt.config import ConfigError
+import ldt.launch.quiet
+from ldt.tools.cli import Parser, count
+from ldt.tools.cli import guarded
+
 
 def parser() -> argparse.ArgumentParser:
-    from ldt.tools.cli import Parser, count
-
     p = Parser(prog="ldt-convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face folder -> ldt checkpoint")
@@ -49,12 +52,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ldt.tools.cli import guarded
-
     args = parser().parse_args(argv)
     import warnings
-
-    import ldt.launch.quiet  # noqa: F401
 
     # torch.distributed.checkpoint in one process (no_dist=True) says so on every file
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -64,8 +63,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _with_hf_extra(command, args) -> int:
     """Without the hf extra, say which extra to install (not a traceback)."""
-    from ldt.config import ConfigError
-
     try:
         return command(args)
     except ModuleNotFoundError as exc:
@@ -84,7 +81,6 @@ def _export(args) -> int:
 
 
 def _import(args) -> int:
-    from ldt.config import ConfigError
     from ldt.models.hf import import_hf, model_config_of
 
     name = args.name or re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(

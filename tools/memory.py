@@ -15,7 +15,9 @@ from typing import Sequence
 
 from ldt.config import to_train
 from ldt.config.errors import EXIT_CONFIG
+from ldt.config.errors import one_line
 from ldt.job.hydra import run_app
+from ldt.tools.rankmap import show_rank_map
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,10 +40,8 @@ def _estimate(cfg) -> int:
 
     from omegaconf import OmegaConf
 
-    from ldt.config.errors import one_line
-    from ldt.memory import estimate
+    from ldt.memory import estimate  # torch and megatron-core: not for --help
     from ldt.memory.report import refusal, table
-    from ldt.tools.rankmap import show_rank_map
 
     plain = OmegaConf.to_container(cfg, resolve=True)
     topo = show_rank_map(cfg)

@@ -24,10 +24,21 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from ldt.config import ConfigError
+from ldt.config import load_cluster_yaml
+from ldt.plan import Objective
+from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, front_rows,
+                      front_table, load_inventory, load_model, plan, summary, table)
+from ldt.plan import planned_train_path
+from ldt.plan import train_yaml
+from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
+from ldt.storage.atomic import check_output, new_files
+from ldt.tools.cli import Parser, count, number
+from ldt.tools.cli import guarded
+from ldt.topology.validate import validate
+
 
 def parser() -> argparse.ArgumentParser:
-    from ldt.tools.cli import Parser, count, number
-
     p = Parser(prog="ldt-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--inventory", required=True, help="conf/inventory name or path to a YAML")
     p.add_argument("--model", required=True, help="conf/model name or path to a YAML")
@@ -70,17 +81,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ldt.tools.cli import guarded
-
     args = parser().parse_args(argv)
     return guarded("ldt-plan", lambda: _run(args))
 
 
 def _run(args) -> int:
-    from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, front_rows,
-                          front_table, load_inventory, load_model, plan, summary, table)
-    from ldt.storage.atomic import check_output, new_files
-
     outputs = _outputs(args)  # checked before the planner runs: a refusal is immediate
     inputs = [(f, v) for f, v in (("--inventory", args.inventory), ("--model", args.model))
               if os.path.exists(v)]
@@ -134,9 +139,6 @@ TRAIN_FLAG = "--out (its train/ file)"
 
 def _objective(args):
     """The objective from --objective / --max-slowdown (one of them decides the tolerance)."""
-    from ldt.config import ConfigError
-    from ldt.plan import Objective
-
     if args.max_slowdown is None:
         return Objective(args.objective)
     if args.objective == "cost":
@@ -147,8 +149,6 @@ def _objective(args):
 
 def _check_shape(args, inventory, model) -> None:
     """Flags that leave the planner nothing to search, said as such (not as 'no plan fits')."""
-    from ldt.config import ConfigError
-
     u_shape = args.u_shape if args.u_shape is not None else inventory.edge is not None
     if not u_shape:
         return
@@ -165,8 +165,6 @@ def _check_shape(args, inventory, model) -> None:
 def _check_size(args, inventory, model) -> None:
     """The planner simulates schedules of up to global-batch / mbs micro-batches (over the
     replicas of per-stage DP too) over up to every device: bounded first."""
-    from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
-
     stages = min(args.max_stages or inventory.total_devices, model.num_layers + 2)
     per_mb = actions_per_step(stages, 1) * BYTES_PER_ACTION
     m = args.global_batch // args.mbs
@@ -180,7 +178,6 @@ def _outputs(args) -> list[tuple[str, str]]:
     out = []
     if args.out:
         out.append((args.out, "--out"))
-        from ldt.plan import planned_train_path  # the rule ldt-sim reads it back by
 
         train = planned_train_path(args.out)
         if train:
@@ -195,8 +192,6 @@ def _shown(cluster_path: str, path: str) -> str:
 
 
 def _train_text(cluster_path: str, best, model_name: str, mbs: int) -> str:
-    from ldt.plan import train_yaml
-
     stem = os.path.splitext(os.path.basename(cluster_path))[0]
     return train_yaml(best, model_name, mbs, stem)
 
@@ -219,9 +214,6 @@ def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
 def _write_validated(path: str, text: str, model) -> None:
     """Write the YAML at ``path`` (a temporary of :func:`ldt.storage.atomic.new_files`) and
     check it loads and validates the way users will load it; a refusal leaves no file."""
-    from ldt.config import load_cluster_yaml
-    from ldt.topology.validate import validate
-
     with open(path, "w") as f:
         f.write(text)
     validate(load_cluster_yaml(path), model, check_devices=False)

@@ -18,14 +18,16 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from ldt.data.preprocess import FORMATS, TEXT_DOCUMENTS
+from ldt.data.preprocess import preprocess
+from ldt.tools.cli import Parser, count
+from ldt.tools.cli import guarded
+
 EXIT_INPUT = 2
 
 
 def parser() -> argparse.ArgumentParser:
     import os
-
-    from ldt.data.preprocess import FORMATS, TEXT_DOCUMENTS
-    from ldt.tools.cli import Parser, count
 
     p = Parser(prog="ldt-preprocess", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="text or JSONL files, in order")
@@ -52,15 +54,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ldt.tools.cli import guarded
-
     args = parser().parse_args(argv)
     return guarded("ldt-preprocess", lambda: _run(args))
 
 
 def _run(args) -> int:
-    from ldt.data.preprocess import preprocess
-
     summary = preprocess(args.input, args.output_prefix, args.tokenizer,
                          workers=args.workers, fmt=args.format, json_key=args.json_key,
                          text_documents=args.text_documents, eod_token=args.eod_token,

@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from ldt.config.errors import EXIT_CONFIG
+from ldt.config.errors import one_line
 from ldt.job.hydra import run_app
 from ldt.topology.validate import validate
 
@@ -27,8 +28,6 @@ def show_rank_map(cfg):
     """Validate ``cfg`` (not the devices) and print which config it is and its rank map; the
     Topology, or None after printing the refusal in one line. (ldt-memory starts the same way.)"""
     from hydra.core.hydra_config import HydraConfig
-
-    from ldt.config.errors import one_line
 
     try:
         topo = validate(cfg.cluster, cfg.model, world_size=None, train=cfg.train,

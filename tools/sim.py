@@ -20,10 +20,22 @@ import json
 import sys
 from typing import Optional, Sequence
 
+from ldt.config import ConfigError
+from ldt.config.userfiles import load_yaml
+from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster, load_inventory,
+                      load_model, simulate_plan, summary, table)
+from ldt.plan import calibrate
+from ldt.plan import read_planned_train
+from ldt.schedule.size import check_schedule_size
+from ldt.schedule.timeline import to_chrome_trace, to_png
+from ldt.storage.atomic import check_output
+from ldt.storage.atomic import new_files
+from ldt.tools.cli import Parser, count
+from ldt.tools.cli import guarded
+from ldt.topology.validate import validate
+
 
 def parser() -> argparse.ArgumentParser:
-    from ldt.tools.cli import Parser, count
-
     p = Parser(prog="ldt-sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", help="conf/cluster name or path to a YAML")
     p.add_argument("--model", help="conf/model name or path to a YAML")
@@ -52,8 +64,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ldt.tools.cli import guarded
-
     p = parser()
     args = p.parse_args(argv)
     if args.measured:
@@ -71,8 +81,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _outputs(args, inputs) -> list[tuple[str, str]]:
     """(path, flag) of the files this run writes, refused before any work if they exist."""
-    from ldt.storage.atomic import check_output
-
     out = [(getattr(args, k), f"--{k}") for k in ("trace", "png") if getattr(args, k)]
     for path, flag in out:
         check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
@@ -82,13 +90,6 @@ def _outputs(args, inputs) -> list[tuple[str, str]]:
 def _simulate(args) -> int:
     import os
     from dataclasses import replace
-
-    from ldt.config import ConfigError
-    from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
-                          load_inventory, load_model, simulate_plan, summary, table)
-    from ldt.schedule.size import check_schedule_size
-    from ldt.storage.atomic import new_files
-    from ldt.topology.validate import validate
 
     inputs = [(f"--{k}", getattr(args, k)) for k in ("cluster", "model", "inventory")
               if os.path.exists(getattr(args, k))]
@@ -127,8 +128,6 @@ def _simulate(args) -> int:
 def _take_planned(args) -> None:
     """Settings not given on the command line from the train file ldt-plan wrote next to the
     cluster file (``DIR/train/NAME.yaml``): the simulator prices the plan as it was planned."""
-    from ldt.plan import read_planned_train
-
     path, planned = read_planned_train(args.cluster) if args.cluster else (None, {})
     taken = []
     for arg, key, default in (("num_microbatches", "num_microbatches", None),
@@ -146,8 +145,6 @@ def _stage_names(run_dir: str):
     """The run's stage names (its config.yaml), or None for a folder without one."""
     import os
 
-    from ldt.config.userfiles import load_yaml
-
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None
@@ -156,11 +153,6 @@ def _stage_names(run_dir: str):
 
 
 def _replay(args) -> int:
-    from ldt.config import ConfigError
-    from ldt.plan import calibrate
-    from ldt.schedule.timeline import to_chrome_trace, to_png
-    from ldt.storage.atomic import new_files
-
     outputs = _outputs(args, [("--measured", args.measured)])
     try:
         rows = calibrate.steady(calibrate.read_action_times(args.measured), args.skip)

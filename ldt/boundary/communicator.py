@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from ldt.boundary.sequence import SequenceLayout, recv_shape, send_shape
 from ldt.boundary.relay import PieceGather, PieceRelay, flat, split
+from ldt.boundary.sequence import SequenceLayout, recv_shape, send_shape
 from ldt.boundary.work import BoundaryError, Landing, RecvWork, SendWork, boundary_error
 from ldt.config import ConfigError
-from ldt.topology.device import rank_device
 from ldt.groups.parallel_state import VtpState, get_vtp_state
+from ldt.topology.device import rank_device
 from ldt.topology.routes import (BACKWARD, FANOUT, FORWARD, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry,
                         Route)
 

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ldt.boundary.sequence import SequenceLayout
 from ldt.boundary.relay import PieceRelay
+from ldt.boundary.sequence import SequenceLayout
 
 
 class BoundaryError(RuntimeError):

@@ -20,13 +20,13 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from ldt.config import load as config_load
 from ldt.config.checks import at_least, given
 from ldt.config.checks import (RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,  # noqa: F401
                                RECOMPUTE_MODULES, check_recompute)  # re-exported
+from ldt.config.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
+import ldt.config.load as config_load
 from ldt.config.load import load_typed, typed
 from ldt.config.model import ModelConfig
-from ldt.config.errors import ConfigError  # noqa: F401  (re-exported: every refusal raises it)
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

@@ -8,18 +8,20 @@ indexed datasets (:mod:`ldt.data.indexed`, ``data.blend``) written by ``ldt-prep
 
 from __future__ import annotations
 
+from ldt.data.bytes import TextData
+from ldt.data.indexed import build_indexed
+from ldt.data.lanes import LaneData
+from ldt.schedule.routing import microbatches_of
+
 
 def build_training_data(c, topo, state):
     """This rank's data (None off the data stages). Every rank calls it: building indexed
     data runs megatron-core's world-wide barriers."""
     owns = state.stage in topo.data_stages()
     if c.data.blend is not None:
-        from ldt.data.indexed import build_indexed
-
         return _per_lane(build_indexed(c.data, c.model, c.train, topo, state), c, topo, state)
     if not owns:
         return None
-    from ldt.data.bytes import TextData
 
     return _per_lane(TextData(c.data.path, c.model.seq_length, c.train.micro_batch_size,
                               c.train.num_microbatches, dp_rank=state.info.dp_rank, dp=topo.dp,
@@ -31,8 +33,6 @@ def _per_lane(data, c, topo, state):
     """Per-stage DP: this replica's micro-batches as routing gives them (ldt.data.lanes)."""
     if data is None or not topo.is_vdp:
         return data
-    from ldt.schedule.routing import microbatches_of
-    from ldt.data.lanes import LaneData
 
     mbs = microbatches_of(state.info.dp_rank, topo.dp_of(state.stage),
                           c.train.num_microbatches, topo.dp)

@@ -26,7 +26,9 @@ from typing import Any, Optional
 import numpy as np
 
 from ldt.config import ConfigError, DataConfig, ModelConfig, TrainConfig
+from ldt.config.userfiles import not_a
 from ldt.data.tokenizer import BYTES, load
+from ldt.storage.commit import set_in_progress
 
 SPLIT_NAMES = ("train", "validation", "test")
 TRAIN, VALID, TEST = 0, 1, 2
@@ -140,8 +142,6 @@ class IndexInfo:
 
 def read_index(prefix: str) -> IndexInfo:
     """The ``.idx`` of ``prefix``, checked against its ``.bin``; ConfigError names the file."""
-    from ldt.storage.commit import set_in_progress
-
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     redo = "re-run ldt-preprocess to write both files again"
     busy = set_in_progress(bin_)
@@ -239,8 +239,6 @@ def check_data(data: DataConfig, model: ModelConfig, train: TrainConfig, topo=No
 def _check_cache_dir(path: str) -> None:
     """``data.cache_dir``: a folder megatron-core can write its sample indices into (or make),
     refused here rather than as megatron's exception on rank 0 inside training."""
-    from ldt.config.userfiles import not_a
-
     named, fix = f"data.cache_dir={path!r}", ("give a folder for the sample indices, or leave "
                                               "data.cache_dir unset")
     if os.path.exists(path):

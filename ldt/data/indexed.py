@@ -35,6 +35,7 @@ from typing import Iterator, Optional
 
 from ldt.data.files import (SPLIT_NAMES, TRAIN, VALID, parse_blend, read_index, split_bookends,
                             used_splits)
+from ldt.data.tokenizer import TokenIds, load
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
@@ -76,8 +77,6 @@ def build_indexed(data, model, train, topo, state) -> Optional[IndexedData]:
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder)
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    from ldt.data.tokenizer import TokenIds, load
 
     owns = state.stage in topo.data_stages()
     prefixes, weights = parse_blend(data.blend)

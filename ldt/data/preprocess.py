@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from ldt.config import ConfigError
+from ldt.config.userfiles import require
+from ldt.data.tokenizer import load
+import ldt.launch.quiet
+from ldt.storage.atomic import check_output, new_files
 
 FORMATS = ("auto", "jsonl", "text")
 TEXT_DOCUMENTS = ("paragraph", "line", "file")
@@ -72,8 +76,6 @@ def check_inputs(inputs: list[str], output_prefix: str, fmt: str) -> list[str]:
         raise ConfigError(f"--format={fmt!r}; use one of {', '.join(FORMATS)}")
     paths = []
     for name in inputs:
-        from ldt.config.userfiles import require
-
         path = os.path.abspath(os.path.expanduser(name))
         require(path, f"--input {name}", "file", "give a text or JSONL file")
         if os.path.getsize(path) == 0:
@@ -169,8 +171,6 @@ _WORKER: dict = {}
 def _init_worker(spec: str, eod_token: Optional[str], dtype, tok=None) -> None:
     """One core per worker: the Rust tokenizer's own thread pool is off, so ``--workers`` is
     the one knob (and workers do not oversubscribe the machine)."""
-    from ldt.data.tokenizer import load
-
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER.update(tok=tok or load(spec, "--tokenizer", eod_token), dtype=dtype)
 
@@ -203,9 +203,6 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
     skipped); ConfigError on bad input (nothing written). Outputs that exist are refused
     unless ``overwrite``; then the three are replaced together (an old ``.bad_lines.tsv`` goes
     when this run has no bad line)."""
-    from ldt.data.tokenizer import load
-    from ldt.storage.atomic import check_output, new_files
-
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be >= 1")
     paths = check_inputs(inputs, output_prefix, fmt)
@@ -219,7 +216,6 @@ def preprocess(inputs: list[str], output_prefix: str, tokenizer: str = "bytes", 
         raise ConfigError(f"--tokenizer {tok.name} names no end-of-document token (no "
                           "eos_token in a tokenizer_config.json, none of "
                           "<|endoftext|>, </s>, ...); pass --eod-token TOKEN")
-    import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
     import megatron.core.datasets.indexed_dataset  # noqa: F401  (not timed: seconds of imports)
 
     summary = Summary(prefix, workers=workers)

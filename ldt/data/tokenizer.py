@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ldt.config import ConfigError
+from ldt.config.userfiles import not_a
 
 BYTES = "bytes"
 BYTES_EOD = 0  # as megatron-core's ByteLevelTokenizer: NUL never occurs in text
@@ -56,8 +57,6 @@ def resolve(spec: str, what: str = "data.tokenizer") -> TokenizerSource:
     if os.path.isfile(path):
         return _json_source(path)
     if os.path.exists(path):
-        from ldt.config.userfiles import not_a
-
         raise ConfigError(not_a(path, f"{what}={spec!r}", "file", "give the path of a "
                                 "tokenizer.json or of a folder holding a Hugging Face tokenizer, "
                                 "or 'bytes'"))

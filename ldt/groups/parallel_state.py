@@ -44,9 +44,10 @@ import torch.distributed as dist
 from ldt.config import ConfigError
 from ldt.groups.cross_stage import (EmbeddingGroup, OneReplicaPerStageGroup, StageHierarchyGroup,
                              StagePipelineGroup, register, unregister)
+from ldt.patches import megatron_state
+from ldt.topology.ranks import RankInfo, Topology
 from ldt.topology.routes import (CROSS_STAGE, MEGATRON_NAMES, RankPlan, default_embedding_stages,
                         rank_plan)
-from ldt.topology.ranks import RankInfo, Topology
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -113,8 +114,6 @@ class VtpState:
         :data:`ldt.topology.routes.MEGATRON_NAMES` as megatron's globals are."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from ldt.patches import megatron_state  # loads megatron-core
-
         pgs = ProcessGroupCollection()
         for name, role in MEGATRON_NAMES.items():
             if not name.startswith("_"):  # a ProcessGroupCollection field
@@ -163,8 +162,6 @@ def initialize_vtp(topology: Topology, timeout_s: Optional[float] = None, *,
 
 def install_megatron(state: VtpState) -> None:
     """Point megatron-core's globals at ``state``'s groups (no new groups)."""
-    from ldt.patches import megatron_state  # loads megatron-core
-
     megatron_state.install(state, MEGATRON_NAMES)
 
 
@@ -278,7 +275,6 @@ def destroy_vtp() -> None:
     global _STATE
     if _STATE is None:
         return
-    from ldt.patches import megatron_state
 
     megatron_state.uninstall()
     for g in _STATE.python_groups:

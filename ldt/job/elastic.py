@@ -10,11 +10,13 @@ import os
 import sys
 
 from ldt.config import to_model
-from ldt.elastic.nodes import ElasticError
 from ldt.config.errors import one_line
 from ldt.config.errors import EXIT_CONFIG
+from ldt.elastic.nodes import ElasticError
+from ldt.elastic.world import form_world
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun,
                      memory_estimate, resolve, world_backend)
+import ldt.launch.quiet
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
 
@@ -39,8 +41,6 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
         plain = resolve(cfg, hydra_cfg.runtime.output_dir)
         run = _continued_run(plain, lock, env) if env.get("RANK") == "0" else None
         # torch and megatron-core load here, once the config is accepted
-        import ldt.launch.quiet  # noqa: F401  (before megatron-core is imported)
-        from ldt.elastic.world import form_world
 
         timeout = max(120.0, 4 * plain["train"]["comm_timeout_s"])  # the nodes' start-up skew
         world = form_world(plain, to_model(plain["model"]), run, env, timeout)

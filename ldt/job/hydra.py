@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 
-from ldt.config.errors import EXIT_CONFIG
 from ldt.config import register_configs, unknown_key
+from ldt.config.errors import EXIT_CONFIG
 from ldt.job.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
 
 CONFIG_MODULE = "ldt.conf"

@@ -16,6 +16,10 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
+from ldt.config.errors import ConfigError
+from ldt.storage.atomic import holds_anything
+from ldt.storage.atomic import replace_file
+
 
 def take_output_subdir(args: list[str]) -> tuple[Optional[str], list[str]]:
     """The ``hydra.output_subdir`` the user asked for ('.hydra' unless given; '' for none),
@@ -57,8 +61,6 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from ldt.storage.atomic import replace_file
-
     if not subdir:
         return
     hydra_cfg = HydraConfig.get()
@@ -66,8 +68,6 @@ def save_hydra_files(cfg: DictConfig, subdir: str) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as exc:
-        from ldt.config.errors import ConfigError
-
         raise ConfigError(f"hydra.output_subdir={subdir}: cannot make {folder} "
                           f"({exc.strerror}); give a folder name inside the run folder "
                           "(default .hydra) or null") from None
@@ -154,15 +154,12 @@ def refusal_line(text: str) -> str:
     return "; ".join(keep)
 
 
-
 def sweep_folder_in_use(args: Sequence[str]) -> Optional[str]:
     """With ``-m``, Hydra writes ``multirun.yaml`` into the sweep folder before any job can
     look at it: a sweep folder given on the command line (``hydra.sweep.dir=`` or
     ``run_dir=``) that already holds anything is refused here, in one line."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
-
-    from ldt.storage.atomic import holds_anything
 
     given = {}
     for arg in args:

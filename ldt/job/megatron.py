@@ -18,9 +18,12 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
+from ldt import patches
 from ldt.config import ConfigError, load_cluster_yaml, to_cluster
 from ldt.config.errors import EXIT_CONFIG
+import ldt.launch.quiet
 from ldt.launch.quiet import LOG_LEVELS
+from ldt.launch.quiet import set_log_level
 from ldt.topology.ranks import Topology
 
 
@@ -47,8 +50,6 @@ class Activation:
         return MegatronHooks()
 
     def deactivate(self) -> None:
-        from ldt import patches
-
         patches.revert(self.patches)
 
 
@@ -61,10 +62,8 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
     ``cluster``: a path to a cluster YAML, a ClusterConfig or a dict. The stage device of this
     rank (``RANK`` from the environment) decides whether the CPU shims are applied.
     """
-    import ldt.launch.quiet  # noqa: F401
     from megatron.core import parallel_state as ps
 
-    from ldt import patches
     from ldt.groups.parallel_state import is_vtp_initialized
 
     if ps.model_parallel_is_initialized() and not is_vtp_initialized():
@@ -98,8 +97,6 @@ def activate(cluster, *, u_shape: Optional[bool] = None, timeout_s: Optional[flo
 def _run_script(rank: int, world: int, cluster: dict, u_shape: Optional[bool],
                 timeout_s: float, script: str, args: list, log_level: str = "WARNING") -> None:
     import atexit
-
-    from ldt.launch.quiet import set_log_level
 
     # megatron-core's and ldt's logging are ldt's business here, whatever the script sets up
     # for its own (a script's logging.basicConfig(level=INFO) would show megatron's INFO)

@@ -21,9 +21,9 @@ import sys
 from typing import Optional, Sequence
 
 from ldt.config import LdtConfig
-from ldt.job.elastic import elastic_job
 from ldt.config.errors import one_line
 from ldt.config.errors import EXIT_CONFIG
+from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
                      new_run_folder, reference_config, resolve, save_config, summary_line)

@@ -27,6 +27,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import ldt
+from ldt.config import typed_config
+from ldt.launch import local
+from ldt.memory.fake import fake_rank
+from ldt.memory.inflight import stage_inflight
+from ldt.memory.measure import cpu_topology, measure_stage
+from ldt.models.recompute import describe, stage_recompute
+from ldt.topology.validate import validate
+from ldt.training import moe
+
 GIB = 2**30
 
 
@@ -118,9 +128,7 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
     ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
     (:class:`ldt.memory.fake.BalancedRouting`)."""
-    from ldt.launch.local import run_local_world
-
-    return run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
+    return local.run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
                            init_dist=False)[0]
 
 
@@ -153,15 +161,6 @@ def _transients(chunks) -> list[int]:
 
 
 def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
-    import ldt
-    from ldt.config import typed_config
-    from ldt.memory.fake import fake_rank
-    from ldt.memory.inflight import stage_inflight
-    from ldt.memory.measure import cpu_topology, measure_stage
-    from ldt.models.recompute import describe, stage_recompute
-    from ldt.training import moe
-    from ldt.topology.validate import validate
-
     c = typed_config(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
     schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ldt.pipeline.forward_backward import lane_schedules, stage_schedules
 from ldt.schedule import Op
 from ldt.schedule.routing import Lanes
 from ldt.schedule.size import runs_on_ldt_runtime
@@ -93,10 +94,6 @@ def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, St
 
 
 def _lists(topo, train):
-    # late: forward_backward brings in the runtime (torch and megatron-core); this module
-    # only reads the action lists it makes
-    from ldt.pipeline.forward_backward import lane_schedules, stage_schedules
-
     prefetch = train.prefetch if topo.u_shape else 0
     if topo.is_vdp:
         lanes = Lanes(tuple(topo.dp_sizes))

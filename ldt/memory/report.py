@@ -9,6 +9,7 @@ shard over), fewer micro-batches in flight (prefetch, stages after it, the micro
 
 from __future__ import annotations
 
+from ldt import memory
 from ldt.config import to_train
 from ldt.memory import GIB, StageEstimate
 
@@ -86,8 +87,6 @@ def refusal(stage: StageEstimate, topo, train) -> str:
 def check(cfg: dict, topo) -> tuple[str, str | None]:
     """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
     refusal (of the first stage that does not fit) None when every stage fits."""
-    from ldt.memory import estimate
-
-    stages = estimate(cfg)
+    stages = memory.estimate(cfg)
     over = next((s for s in stages if not s.fits), None)
     return table(stages), None if over is None else refusal(over, topo, to_train(cfg["train"]))

@@ -21,6 +21,8 @@ from typing import Mapping, Optional
 
 from ldt.config import ConfigError, ModelConfig, to_model
 from ldt.config.userfiles import load_json_object
+from ldt.models.vocab import is_vocab_param
+from ldt.storage.atomic import replace_file
 
 MODEL_JSON = "model.json"
 
@@ -72,8 +74,6 @@ def expert_names(layer_prefix: str, model: ModelConfig) -> list[str]:
 
 def write_model_json(folder: str, model: ModelConfig) -> None:
     """``folder/model.json``: the whole ModelConfig (its architecture is what loads check)."""
-    from ldt.storage.atomic import replace_file
-
     os.makedirs(folder, exist_ok=True)
     replace_file(os.path.join(folder, MODEL_JSON), json.dumps(dataclasses.asdict(model),
                                                               indent=1))
@@ -163,8 +163,6 @@ def check_arch(saved: ModelConfig, model: ModelConfig, where: str) -> None:
 def check_shapes(shapes: Mapping[str, tuple], model: ModelConfig, where: str) -> None:
     """Every parameter of ``model`` is in the checkpoint with its full shape (vocabulary rows:
     at least the vocabulary; padding is refitted on load), and nothing else is."""
-    from ldt.models.vocab import is_vocab_param
-
     want = full_shapes(model)
     for name, shape in want.items():
         if name not in shapes:

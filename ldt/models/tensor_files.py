@@ -15,8 +15,8 @@ import os
 import warnings
 from typing import Optional
 
-import torch
-
+from ldt.config import ConfigError
+from ldt.models.arch import check_arch, check_shapes, read_model_json
 from ldt.storage import checkpoint_files as files
 from ldt.storage.checkpoint_files import COMPLETE, latest
 
@@ -61,6 +61,7 @@ def tensor_index(path: str) -> dict:
 
 def read_tensors(index: dict, names) -> dict:
     """Full tensors ``names`` (stored dtype) from a :func:`tensor_index`, one folder at a time."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -83,9 +84,6 @@ def read_tensors(index: dict, names) -> dict:
 def check_compatible(path: str, model) -> None:
     """Refuse a checkpoint whose architecture or tensor shapes do not fit ``model`` (a
     ConfigError naming the field or the parameter); reads metadata only, no collective."""
-    from ldt.config import ConfigError
-    from ldt.models.arch import check_arch, check_shapes, read_model_json
-
     found = latest(path)
     if found is None:
         raise ConfigError(f"{path!r} holds no complete checkpoint (no {COMPLETE} marker); give "

@@ -17,9 +17,10 @@ resumes exactly into a layout that pads differently.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Parameters whose dimension 0 is the (padded) vocabulary.
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -69,4 +70,6 @@ def fit_rows(name: str, tensor: torch.Tensor, rows: int,
                          f"the vocabulary of {vocab_size} (check model.vocab_size)")
     if have >= rows:
         return tensor[:rows]
+    import torch  # here: the vocabulary's sizes are checked before a run, without torch
+
     return torch.cat([tensor, tensor.new_zeros((rows - have, *tensor.shape[1:]))])

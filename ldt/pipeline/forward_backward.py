@@ -13,8 +13,15 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron.core.utils import get_model_config
+
+from ldt.boundary.communicator import VtpCommunicator
+from ldt.boundary.lanes import LaneCommunicator, lane_of
+from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 from ldt.pipeline.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
+from ldt.schedule.vdp import vdp_schedule
+from ldt.schedule.zerobubble import zb_h1, zb_u_shape
 
 
 @functools.lru_cache(maxsize=64)
@@ -25,8 +32,6 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
     ``zero_bubble``: the backwards split into B and W, :mod:`ldt.schedule.zerobubble`, with
     equal costs until measured ones are passed in)."""
     if zero_bubble:
-        from ldt.schedule.zerobubble import zb_h1, zb_u_shape
-
         compute = (zb_u_shape if kind == "ushape" else zb_h1)(num_stages, num_microbatches)
     elif kind == "ushape":
         compute = u_shape(num_stages, num_microbatches, prefetch=prefetch)
@@ -43,8 +48,6 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
 def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
                    forward_only: bool = False, prefetch: int = 0):
     """Per-stage DP: the checked lane lists (:mod:`ldt.schedule.vdp`)."""
-    from ldt.schedule.vdp import vdp_schedule
-
     return vdp_schedule(stage_dp, num_microbatches, u_shape, forward_only,
                         prefetch=prefetch if u_shape else 0)
 
@@ -61,7 +64,6 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
     if topo.is_vdp:  # per-stage DP: this replica's lane; peers are lanes; m of its own
-        from ldt.boundary.lanes import LaneCommunicator, lane_of
 
         schedule = lane_schedules(tuple(topo.dp_sizes), num_microbatches, topo.u_shape,
                                   forward_only, prefetch)
@@ -92,11 +94,6 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     """Megatron-compatible forward-backward over ldt's schedule; returns the loss stage's
     ``forward_data_store`` (empty elsewhere), like megatron's schedules. ``zero_bubble``:
     ldt's own argument, the zero-bubble schedule (the ``wgrad_split`` patch applied)."""
-    from megatron.core.utils import get_model_config
-
-    from ldt.boundary.communicator import VtpCommunicator
-    from ldt.groups.parallel_state import get_vtp_state
-
     if collect_non_loss_data:
         raise NotImplementedError(
             "collect_non_loss_data is not supported by ldt's schedule runtime; collect what "
@@ -124,13 +121,9 @@ class MegatronHooks:
 
     def state(self):
         """The active VTP state, or None (megatron's schedules then run unchanged)."""
-        from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
-
         return get_vtp_state() if is_vtp_initialized() else None
 
     def communicator(self, config, state):
-        from ldt.boundary.communicator import VtpCommunicator
-
         return VtpCommunicator(config, state, list(self.observers))
 
     def ushape_schedule(self):

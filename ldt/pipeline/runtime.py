@@ -31,9 +31,10 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
 
-from ldt.launch import progress
 from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
+from ldt.launch import progress
 from ldt.patches import versions
+from ldt.patches.wgrad_split import WgradSeam
 from ldt.schedule import Action, Op, format_grid
 from ldt.schedule.wgrad import WgradStore
 
@@ -218,7 +219,6 @@ def _wgrad_store(actions: list[Action], roles: StageRoles) -> tuple:
         return None, split
     # late: importing a patch module registers its patch, and the registry applies patches in
     # the order their modules were first imported (patches/registry.py)
-    from ldt.patches.wgrad_split import WgradSeam
 
     return WgradStore(WgradSeam({_CHUNK_NAME[op]: roles.chunks[op] for op in split})), split
 

@@ -37,7 +37,10 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ldt.config import ConfigError
+from ldt.config.userfiles import not_a, path_kind
 from ldt.schedule import Action, Op, Schedule, SimResult, parse_action, simulate
+from ldt.schedule.check import ScheduleError, check_structure
 from ldt.schedule.ir import COMM_OPS, SEND_OPS, WAIT_OPS
 
 CostTable = dict[tuple[int, Op], float]
@@ -71,20 +74,15 @@ class ActionTime:
 
 def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     """Rows of an ``action_times.csv`` (a file, or a run folder holding one)."""
-    from ldt.config.userfiles import not_a, path_kind
-
     if os.path.isdir(path):
         path = os.path.join(path, "action_times.csv")
     if path_kind(path) not in ("file", "missing"):
-        from ldt.config import ConfigError
-
         raise ConfigError(not_a(path, str(path), "file", "give an ldt-train run folder or its "
                                 "action_times.csv"))
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{path} does not exist: ldt-train writes action_times.csv into its run_dir when "
             "ldt's runtime runs the pipeline (the U-shape, or train.runtime=ldt)")
-    from ldt.config import ConfigError
 
     rows = []
     with open(path, newline="") as f:
@@ -168,7 +166,6 @@ def calibrate(rows: Iterable[ActionTime]) -> Calibration:
     for r in rows:
         by_step[r.step].append(r)
     schedule = _action_lists(by_step[min(by_step)])
-    from ldt.schedule.check import ScheduleError, check_structure
 
     try:  # rows a run wrote form its schedule; rows of two runs, or edited ones, may not
         check_structure(schedule)
@@ -214,7 +211,6 @@ def step_spans(rows: Iterable[ActionTime]) -> dict[int, float]:
     return {step: last[step] - first[step] for step in first}
 
 
-
 def _action_lists(step_rows: list[ActionTime]) -> Schedule:
     per_stage: dict[int, list[ActionTime]] = defaultdict(list)
     for r in step_rows:
@@ -236,7 +232,6 @@ def _on_one_clock(rows: Iterable[ActionTime]) -> list[ActionTime]:
             f"{'missing' if any(r.step_start_s is None for r in rows) else 'recorded'}. "
             "Calibrate on a single-host run of this version of ldt-train.")
     return rows
-
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ import numpy as np
 
 from ldt.config import ConfigError
 from ldt.plan.cost import ChunkLoad, CostModel, ring_allreduce_time
+from ldt.plan.evaluate import StageSpec, recompute_levels
 from ldt.plan.inventory import valid_tp_sizes
+from ldt.plan.split import layers_that_fit
 
 Group = tuple[tuple[int, int], ...]
 """Stages of one kind: ((tp, how many stages), ...), larger TP first."""
@@ -95,9 +97,6 @@ def kind_options(cost: CostModel, kind: str, devices: int, max_stages: int,
 def _layer_capacity(cost: CostModel, kind: str, tp: int, fixed: list[ChunkLoad]) -> int:
     """Decoder layers one stage can hold next to ``fixed`` with a single micro-batch in flight:
     an optimistic bound (the split's real caps count the schedule's in-flight micro-batches)."""
-    from ldt.plan.evaluate import StageSpec, recompute_levels
-    from ldt.plan.split import layers_that_fit
-
     # with recomputation allowed, a layer costs what it costs fully recomputed (as in the split)
     rc = recompute_levels(cost)[-1] if cost.recompute else None
     chunks = list(fixed) or [ChunkLoad(0)]

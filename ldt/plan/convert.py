@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig
-from ldt.config.load import load_group
 from ldt.config.layout import split_layers
+from ldt.config.load import load_group
 from ldt.models.recompute import stage_recompute
 from ldt.plan.cost import Recompute
 from ldt.plan.evaluate import Evaluation, Plan, StageSpec

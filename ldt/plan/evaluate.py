@@ -18,6 +18,8 @@ from typing import Callable, Optional
 from ldt.config.layout import LayerSplit, split_of_counts
 from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
 from ldt.schedule import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
+from ldt.schedule.routing import Lanes
+from ldt.schedule.vdp import vdp_schedule
 
 _split = lru_cache(maxsize=4096)(split_of_counts)
 """The planner asks for the same few splits of many plans."""
@@ -319,15 +321,11 @@ def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
 def lane_schedule(stage_dp: tuple[int, ...], num_microbatches: int, ushape: bool,
                   prefetch: int = 0):
     """Per-stage DP's lowered lane lists (ldt.schedule.vdp), checked once (cached)."""
-    from ldt.schedule.vdp import vdp_schedule
-
     return prepare(vdp_schedule(stage_dp, num_microbatches, ushape, prefetch=prefetch))
 
 def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
     """Per-stage DP: the lane schedule the runtime runs (ldt.schedule.vdp), every lane priced
     as its stage; a stage's busy time and in-flight peak are its busiest lane's."""
-    from ldt.schedule.routing import Lanes
-
     # replicas repeat in groups of gcd(stage dp): price one group, e.g. dp (32, 64) as (1, 2)
     shared = math.gcd(*plan.stage_dp)
     stage_dp = tuple(d // shared for d in plan.stage_dp)

@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 
 from ldt.config import ClusterConfig, ConfigError, RecomputeConfig, StageConfig
 from ldt.config.load import config_dict
+from ldt.config.userfiles import load_yaml
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
 from ldt.plan.inventory import Inventory
 from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
-from ldt.config.userfiles import load_yaml
 
 FRONT_ROWS = 8
 """Plans of the time/cost front that ldt-plan prints (the fastest, the pick, the cheapest and

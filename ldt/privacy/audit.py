@@ -24,8 +24,19 @@ from typing import Optional
 
 import torch
 
+from ldt.boundary.noise import BoundaryNoise
+from ldt.config import ConfigError
+from ldt.config import to_model
+from ldt.config.userfiles import require
+from ldt.data.bytes import min_corpus_bytes
+from ldt.job.hydra import compose
+from ldt.job.train import prepare
+from ldt.models.tensor_files import check_compatible
 from ldt.privacy import attacks as A
 from ldt.privacy import runs as R
+from ldt.schedule.size import check_fits
+from ldt.storage.atomic import new_folder
+from ldt.storage.checkpoint_files import preflight
 
 KNOWN, TRACKED, UNKNOWN, NONE = ("edge weights known", "weights known at start, tracked",
                                  "edge weights unknown", "no weights needed")
@@ -59,10 +70,6 @@ def audit(opts: AuditOptions, log=print) -> dict:
     """Check every option, then make the runs and attack them in a folder built beside
     ``opts.out`` and renamed into place when the report is complete: a refused or failed
     audit leaves ``out`` as it was."""
-    from ldt.job.hydra import compose
-    from ldt.storage.atomic import new_folder
-    from ldt.job.train import prepare
-
     cfg, _, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
     steps = opts.steps or cfg["train"]["steps"]
     check_options(opts, cfg, topo, steps)
@@ -88,10 +95,6 @@ def _inside(path: str, folder: str) -> bool:
 def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
     """Every option against the config, before a run starts: a setting that would make a
     measurement meaningless, or that this machine cannot hold, is refused in one line."""
-    from ldt.config import ConfigError
-    from ldt.data.bytes import min_corpus_bytes
-    from ldt.schedule.size import check_fits
-
     if not topo.u_shape:
         raise ConfigError("ldt-audit measures what the cloud of a U-shape learns; the cluster "
                           "has cluster.u_shape=false: use a U-shape cluster (e.g. cpu_demo)")
@@ -116,7 +119,6 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
                           "--steps")
     if opts.cloud_text is not None:
         text = opts.cloud_text
-        from ldt.config.userfiles import require
 
         require(text, f"--cloud-text {text}", "file", "give a text file of the cloud's own (or "
                 "leave it out for the built-in one)")
@@ -126,11 +128,7 @@ def check_options(opts: AuditOptions, cfg: dict, topo, steps: int) -> None:
                               f"shadow runs need at least {least} (sequences of "
                               f"{model['seq_length']}, 1/20 held out): give a larger file")
     if opts.checkpoint is not None:
-        from ldt.storage.checkpoint_files import preflight
-
         preflight(opts.checkpoint, "--checkpoint", hashes=True)
-        from ldt.config import to_model
-        from ldt.models.tensor_files import check_compatible
 
         check_compatible(opts.checkpoint, to_model(model))  # the runs start from it
     # every captured token vector is float32 of the hidden size, loaded in full per channel
@@ -223,8 +221,6 @@ def _as_sent(vectors_truth, run: R.Run):
     the defence's setting (not its noise draws) and applies it to its own shadow data."""
     vectors, truth = vectors_truth
     if run.noise > 0:
-        from ldt.boundary.noise import BoundaryNoise
-
         noise = BoundaryNoise(run.noise, seed=2024)  # the cloud's own draws
         per_message = run.cfg["train"]["micro_batch_size"] * vectors.seq_length
         noised = [noise(message, 0, 1, "F") for message in vectors.x.split(per_message)]

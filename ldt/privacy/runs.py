@@ -27,8 +27,14 @@ from typing import Optional
 
 import torch
 
+from ldt.data.bytes import TextData
+from ldt.data.bytes import default_corpus_files
+from ldt.data.bytes import load_bytes
+from ldt.launch import local
 from ldt.privacy.attacks import Vectors
 from ldt.privacy.capture import capture_observers, channel_name, load_channel
+from ldt.storage.checkpoint_files import latest
+from ldt.training.loop import train_worker
 
 
 @dataclass
@@ -75,7 +81,6 @@ def plan_runs(cfg: dict, out: str, *, steps: int, noise_levels, cloud_text: str,
 def _first_step(checkpoint: Optional[str]) -> int:
     if checkpoint is None:
         return 0
-    from ldt.storage.checkpoint_files import latest
 
     found = latest(checkpoint)
     if found is None:
@@ -86,19 +91,16 @@ def _first_step(checkpoint: Optional[str]) -> int:
 
 def audit_worker(rank: int, world: int, runs: list[Run]) -> list[Optional[dict]]:
     """One rank of the audit's world: every run in turn, each captured at its boundaries."""
-    from ldt.training.loop import train_worker
-
     return [train_worker(rank, world, r.cfg, r.run_dir, observe=capture_observers) for r in runs]
 
 
 def run_all(runs: list[Run], world_size: int, timeout_s: float) -> dict[str, dict]:
     """Run them (one local world); the summary of each run by name."""
-    from ldt.launch.local import run_local_world
 
     for r in runs:
         if os.path.exists(os.path.join(r.run_dir, "capture")):
             raise FileExistsError(f"{r.run_dir} holds an earlier capture; give a new --out")
-    results = run_local_world(world_size, audit_worker, (runs,), timeout_s=timeout_s,
+    results = local.run_local_world(world_size, audit_worker, (runs,), timeout_s=timeout_s,
                               comm_timeout_s=runs[0].cfg["train"]["comm_timeout_s"])
     summaries = next(res for res in results if res[0] is not None)
     return {r.name: s for r, s in zip(runs, summaries)}
@@ -116,8 +118,6 @@ def default_cloud_files() -> list[str]:
 
 
 def write_cloud_text(path: str, max_bytes: int) -> str:
-    from ldt.data.bytes import default_corpus_files
-
     edge = set(default_corpus_files())
     parts, total = [], 0
     for name in default_cloud_files():
@@ -134,8 +134,6 @@ def write_cloud_text(path: str, max_bytes: int) -> str:
 
 
 def text_tokens(path: str, max_bytes: int) -> torch.Tensor:
-    from ldt.data.bytes import load_bytes
-
     return torch.frombuffer(bytearray(load_bytes(path, max_bytes)), dtype=torch.uint8).long()
 
 
@@ -162,8 +160,6 @@ def boundary_vectors(run: Run, channel: str, *, gradient: bool) -> tuple[Vectors
 
     Gradients are multiplied by the tokens per step (micro-batch x sequence x micro-batches,
     all visible to the cloud in the messages), so runs of other batch shapes compare."""
-    from ldt.data.bytes import TextData
-
     c = run.cfg
     t, seq = c["train"], c["model"]["seq_length"]
     m = t["num_microbatches"]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ldt.config import ConfigError
+
 BYTES_PER_ACTION = 320
 """Peak bytes per action while a schedule is generated, lowered and checked (or simulated)."""
 BYTES_PER_TIMING = 200
@@ -59,8 +61,6 @@ def check_schedule_size(flag: str, num_microbatches: int, num_stages: int, *,
     and, with ``steps``, measured times (every action of every step, kept on the reporting
     process for the timeline) do not fit in :data:`SHARE_OF_MEMORY` of the host's available
     memory. The message names the flag, what it would take and the largest value that fits."""
-    from ldt.config import ConfigError
-
     per_mb = actions_per_step(num_stages, 1, replicas)
     actions = per_mb * num_microbatches
     build = actions * BYTES_PER_ACTION * processes
@@ -89,8 +89,6 @@ def check_fits(flag: str, value: int, need: float, what: str, *, unit_bytes: flo
     """Refuse ``flag=value`` when ``need`` bytes (``what`` takes them) do not fit in
     :data:`SHARE_OF_MEMORY` of the host's available memory; ``unit_bytes``: bytes per unit of
     ``value`` (for the largest value that fits)."""
-    from ldt.config import ConfigError
-
     have = available_bytes() if available is None else available
     budget = SHARE_OF_MEMORY * have
     if need <= budget:

@@ -36,6 +36,7 @@ from typing import Iterator, Optional, Sequence
 from ldt.config.errors import ConfigError
 from ldt.storage.commit import (OLD_MARK, TMP_MARK, commit_set, fsync_dir, fsync_file,  # noqa: F401
                                 out_of_space, put_in_place, remove, sibling, sweep)
+from ldt.storage.runlock import LOCK_NAME
 
 
 class OutputError(ConfigError):
@@ -122,8 +123,6 @@ def check_run_folder(run_dir: str, resume: Optional[str], *, flag: str = "hydra.
 def run_files(run_dir: str) -> list[str]:
     """What a run folder holds, but the lock a run that is starting there took
     (:mod:`ldt.storage.runlock`): its names, sorted (``[run_dir]`` for a file)."""
-    from ldt.storage.runlock import LOCK_NAME
-
     if not holds_anything(run_dir):
         return []
     if not os.path.isdir(run_dir) or os.path.islink(run_dir):

@@ -29,7 +29,10 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from ldt.config import ConfigError
+from ldt.config.userfiles import not_a
 from ldt.storage.atomic import fsync_tree, move_into_place, replace_file
+from ldt.storage.atomic import run_files
+from ldt.storage.commit import out_of_space
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
@@ -267,8 +270,6 @@ def resume_auto(train: dict, run_dir: str, elastic: bool = False,
     elastic job's own world, so the folder is its own and a fresh start is its continuation.
     Returns a line saying so when that checkpoint is the run's last step (nothing left to
     train), else None."""
-    from ldt.storage.atomic import run_files
-
     if train.get("resume") == AUTO:
         train["resume"] = None
     elif not elastic:
@@ -318,8 +319,6 @@ def preflight(path: str, field: str = "train.resume", steps: Optional[int] = Non
                               "earlier run (with checkpoints/), one of its checkpoints/step_N "
                               "folders or an ldt-convert output folder")
     if not os.path.isdir(path):
-        from ldt.config.userfiles import not_a
-
         raise CheckpointError(not_a(path, f"{field}={path!r}", "folder", "give the run folder "
                                     "of an earlier run, one of its checkpoints/step_N folders "
                                     "or an ldt-convert output folder"))
@@ -392,6 +391,4 @@ def _nbytes(obj: Any) -> int:
 
 
 def _out_of_space(exc: BaseException, folder: str, needed: int) -> bool:
-    from ldt.storage.commit import out_of_space
-
     return out_of_space(exc, folder, needed)

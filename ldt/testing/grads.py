@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ldt.schedule.routing import grad_factor
+
 
 def allreduce_sequence_parallel_grads(models, tp_group) -> None:
     """Sum the gradients of the parameters marked ``sequence_parallel`` over ``tp_group``
@@ -38,8 +40,6 @@ def allreduce_sequence_parallel_grads(models, tp_group) -> None:
 def average_dp_grads(params, state) -> None:
     """Average ``.grad`` over the stage's data-parallel replicas, then scale by per-stage DP's
     gradient factor (1 with uniform DP): what DDP + ``StageOptimizer.step`` do to main grads."""
-    from ldt.schedule.routing import grad_factor
-
     topo = state.topology
     dp = topo.dp_of(state.stage)
     factor = grad_factor(dp, topo.dp_of(topo.loss_stage())) / dp

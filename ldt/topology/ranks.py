@@ -24,8 +24,9 @@ from functools import cached_property
 from typing import Optional
 
 from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
-from ldt.topology.device import BoundaryPlan, plan_boundary
 from ldt.config.layout import LayerSplit
+from ldt.config.layout import split_layers
+from ldt.topology.device import BoundaryPlan, plan_boundary
 
 FANOUT_MODES = ("auto", "never", "always")  # cluster.boundary_fanout
 
@@ -169,7 +170,6 @@ class Topology:
                    stage_dp=stage_dp, boundary_fanout=str(cluster.boundary_fanout))
         if model is None:
             return topo
-        from ldt.config.layout import split_layers
 
         split = split_layers(model.num_layers, len(stages), u_shape=topo.u_shape,
                              layout=cluster.layout, min_chunk_layers=1,

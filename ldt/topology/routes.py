@@ -31,8 +31,8 @@ from functools import cached_property
 from typing import Optional, Sequence
 
 from ldt.config import ConfigError
-from ldt.topology.device import backend_for
 from ldt.schedule.routing import boundary_pairs
+from ldt.topology.device import backend_for
 from ldt.topology.ranks import Topology
 
 FORWARD, BACKWARD = "F", "B"  # activations travel along a boundary's arrow, gradients against

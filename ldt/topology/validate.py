@@ -13,18 +13,19 @@ from typing import Optional
 
 from ldt.config import (ClusterConfig, ConfigError, DataConfig, ModelConfig, TrainConfig,
                         to_cluster, to_data, to_model, to_train)
+from ldt.config.layout import split_of_counts
+from ldt.config.userfiles import not_a
 from ldt.data.bytes import corpus_size, min_corpus_bytes, split_windows
 from ldt.data.files import check_data
-from ldt.topology.device import check_devices_present
-from ldt.config.layout import split_of_counts
 from ldt.models.arch import full_shapes
 from ldt.models.recompute import check_stages
 from ldt.models.spec import transformer_impl
+from ldt.models.tensor_files import check_compatible
 from ldt.schedule.size import (available_bytes, check_fits, check_schedule_size, gib,
                                runs_on_ldt_runtime)
 from ldt.storage.checkpoint_files import preflight, skipped
+from ldt.topology.device import check_devices_present
 from ldt.topology.ranks import Topology
-from ldt.config.userfiles import not_a
 
 
 def validate(cluster: ClusterConfig, model: ModelConfig, world_size: Optional[int] = None, *,
@@ -143,9 +144,6 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     # exists, complete, every file of the size its manifest says, a resume has steps left
     # (sha256 too: check_files on a launcher, or each rank on load)
     found = preflight(path, field, train.steps if train.resume else None, hashes=False)
-    # torch loads only here (the checkpoint module needs it), i.e. only with a checkpoint
-    from ldt.models.tensor_files import check_compatible
-
     check_compatible(found, model)
 
 

@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from ldt.models.arch import MODEL_JSON, write_model_json
 from ldt.models.build import param_names, shift_expert
 from ldt.models.sharding import is_gated, shard_into, split_dim, tp_of, unshard
+from ldt.models.tensor_files import write_tensors
 from ldt.storage import checkpoint_files as files
 from ldt.storage.checkpoint_files import (COMPLETE, CheckpointError, latest,  # noqa: F401
                                            step_dir)
-from ldt.models.tensor_files import write_tensors
 from ldt.training.optim import (load_param_state, param_state, reload_main_params,
                                 state_keys)
 

@@ -28,12 +28,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ldt.launch import progress
 from ldt.boundary.work import BoundaryError
 from ldt.config import ConfigError
 from ldt.config.errors import EXIT_CONFIG
-from ldt.launch.local import is_peer_symptom
 from ldt.config.layout import LayoutError
+from ldt.launch import progress
+from ldt.launch.local import is_peer_symptom
 from ldt.training.guard import EXIT_FAILED
 from ldt.training.observe import NonFiniteError
 

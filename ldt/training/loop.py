@@ -27,18 +27,19 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from ldt import patches
-from ldt.launch import progress
 from ldt.boundary.communicator import VtpCommunicator
-from ldt.config import LdtConfig, TrainConfig
-from ldt.data import build_training_data
-from ldt.topology.device import rank_device, use_device
-from ldt.config import typed_config
-from ldt.groups.parallel_state import VtpState, destroy_vtp, initialize_vtp
 from ldt.boundary.noise import send_transforms
+from ldt.config import LdtConfig, TrainConfig
+from ldt.config import typed_config
+from ldt.data import build_training_data
+from ldt.groups.parallel_state import VtpState, destroy_vtp, initialize_vtp
+from ldt.launch import progress
 from ldt.launch.quiet import set_log_level
 from ldt.pipeline.forward_backward import MegatronHooks, run_step
 from ldt.schedule.size import runs_on_ldt_runtime
+from ldt.topology.device import rank_device, use_device
 from ldt.topology.ranks import Topology
+from ldt.topology.validate import validate
 from ldt.training import checkpoint, moe
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
@@ -48,7 +49,6 @@ from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
                                   gather_timings, memory_keys, model_flops_per_step, mtp_keys,
                                   peak_flops, write_outputs)
 from ldt.training.stage import build_stage_models, make_forward_step
-from ldt.topology.validate import validate
 
 
 def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,

@@ -31,13 +31,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ldt.config import ConfigError, ModelConfig, to_model
+from ldt.config.userfiles import load_json_object, not_a
 from ldt.models.arch import full_shapes, read_model_json, write_model_json
 from ldt.models.hf.families import Family, family_of_hf, family_of_model
+from ldt.models.tensor_files import mark_complete, read_tensors, tensor_index, write_tensors
 from ldt.storage import checkpoint_files as files
 from ldt.storage.atomic import check_output, new_folder
 from ldt.storage.runlock import check_not_training
-from ldt.models.tensor_files import mark_complete, read_tensors, tensor_index, write_tensors
-from ldt.config.userfiles import load_json_object, not_a
 
 IMPORT_STEP = -1  # "before step 0": resume and load both start at step 0
 HF_CONFIG = "hf_config.json"
