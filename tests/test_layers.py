@@ -1,11 +1,11 @@
-"""The house: ldt's modules import down the data flow of a step, never up, never in a circle.
+"""The house: ldt's packages import down the data flow of a step, never up, never in a circle.
 
-Every module of the installed package (``ldt``, ``ldt.patches`` from ``patches/``, ``ldt.tools``
-from ``tools/``) has a layer in :data:`LAYERS` (the longest matching prefix wins); an import,
-at module level or inside a function, may only point to the same layer or a lower one. An
-``if __name__ == "__main__":`` block is a command's entry, not a dependency, and is not counted
-(``ldt-rankmap`` runs ``ldt.tools.rankmap`` that way). A module added without a layer
-fails here: give it one.
+Every package of the installed ``ldt`` (``ldt.patches`` from ``patches/``, ``ldt.tools`` from
+``tools/``) sits on one layer of :data:`LAYERS`; an import, at module level or inside a
+function, may only point to the same layer or a lower one, two packages never import each
+other, and a file's header says what it depends on (ldt imports inside functions only at the
+named entry points). An ``if __name__ == "__main__":`` block is a command's entry, not a
+dependency, and is not counted. A package added without a layer fails here: give it one.
 """
 
 from __future__ import annotations
@@ -18,39 +18,22 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = (("ldt", "ldt"), ("patches", "ldt.patches"), ("tools", "ldt.tools"))
 
-# low -> high; the steps of the data flow, with what several of them use at the bottom
+# low -> high: the steps of a training step's data flow, each package on exactly one layer
 LAYERS = [
-    # 0 foundation: config schema, layout grammar, device types, process launching, logging
-    ["ldt", "ldt.config", "ldt.config.layout", "ldt.topology.device", "ldt.launch.quiet", "ldt.launch.progress",
-     "ldt.launch.forkserver", "ldt.launch.local", "ldt.job.hydra", "ldt.job.hydra_guard",
-     # reading a user's YAML / JSON, the one way ldt writes a file or a folder (and puts it
-     # in place), and a run folder's lock
-     "ldt.config.errors", "ldt.config.userfiles", "ldt.storage.atomic", "ldt.storage.commit",
-     "ldt.storage.runlock"],
-    # 1 topology: who is in which stage
-    ["ldt.topology.ranks"],
-    # 2 pure data and readers (no process groups): schedules as data, routing, the rank plan
-    #   (every group and boundary route), the cost model
-    #   and planner, model shapes, data files, checkpoint folders
-    ["ldt.schedule", "ldt.topology.routes", "ldt.plan", "ldt.models.arch", "ldt.models.spec", "ldt.models.vocab",
-     "ldt.models.recompute",
-     "ldt.models.sharding", "ldt.data.bytes", "ldt.data.tokenizer", "ldt.data.files",
-     "ldt.storage"],
-    # 3 validation: every check before the first collective; an elastic world's plan
-    ["ldt.topology.validate", "ldt.elastic"],
-    # 4 groups: process groups, megatron-core's view of them, the patches that install it
-    ["ldt.groups.parallel_state", "ldt.groups.cross_stage", "ldt.patches"],
-    # 5 stage models and their data
-    ["ldt.models", "ldt.data"],
-    # 6 boundary transport
-    ["ldt.boundary", "ldt.p2p"],
-    # 7 the schedule's runtime (walks an action list over the boundary)
-    ["ldt.pipeline.runtime", "ldt.pipeline.forward_backward", "ldt.patches.schedules"],
-    # 8 one rank's job: optimizer, loop, checkpoints, observation; what runs on top of it
-    ["ldt.training", "ldt.models.hf", "ldt.boundary.noise", "ldt.privacy.capture",
-     "ldt.testing", "ldt.memory"],
-    # 9 entry points
-    ["ldt.job.train", "ldt.job.prepare", "ldt.job.elastic", "ldt.job.megatron", "ldt.privacy", "ldt.tools"],
+    ["ldt", "ldt.config"],           # 0 the typed config, its loading, the layout grammar
+    ["ldt.storage", "ldt.launch"],   # 1 files on disk; processes and what they print
+    ["ldt.patches"],                 # 2 adapters into megatron-core (megatron-core and config only)
+    ["ldt.schedule", "ldt.models"],  # 3 schedules as data; the model's shapes and stage chunks
+    ["ldt.data"],                    # 4 the data stages' input
+    ["ldt.topology"],                # 5 who is where, every group and route, checks before comm
+    ["ldt.plan", "ldt.groups"],      # 6 the planner (pure); the process groups of a rank plan
+    ["ldt.boundary", "ldt.p2p"],     # 7 a tensor crossing a stage boundary
+    ["ldt.pipeline"],                # 8 the runtime that walks a schedule's actions
+    ["ldt.training"],                # 9 one rank's training job
+    ["ldt.memory", "ldt.elastic"],   # 10 the memory estimate; an elastic world's plan
+    ["ldt.job"],                     # 11 Hydra, the jobs of ldt-train, a Megatron script
+    ["ldt.privacy"],                 # 12 the privacy audit (runs jobs)
+    ["ldt.tools", "ldt.testing"],    # 13 the command lines; test infrastructure
 ]
 
 
@@ -176,3 +159,69 @@ def test_every_package_is_installed():
         listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
     packages = {m for m, p in _modules().items() if p.endswith("__init__.py")}
     assert packages - listed == set(), "add these to [tool.setuptools] packages"
+
+
+# Named entry points: a command's module may import what loads torch, megatron-core or Hydra
+# inside its functions, so that `--help` and a refusal answer before those load.
+ENTRY_POINTS = ("ldt.tools", "ldt.job")
+MAX_IN_FUNCTION_SHARE = 0.15
+
+
+def _ldt_imports_by_place(path: str) -> tuple[list, list]:
+    """(module-level, in-function) ldt imports of one file, as line numbers."""
+    header, inside = [], []
+
+    def visit(node, in_function):
+        if _is_main_block(node):
+            return
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                names = ([child.module or ""] if isinstance(child, ast.ImportFrom)
+                         else [a.name for a in child.names])
+                if any(n == "ldt" or n.startswith("ldt.") for n in names):
+                    (inside if in_function else header).append(child.lineno)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(open(path).read()), False)
+    return header, inside
+
+
+def test_every_package_sits_on_one_layer():
+    """A layer lists whole packages (``ldt.X``), each once: a package is one step of the data
+    flow, not split between steps."""
+    listed = [p for layer in LAYERS for p in layer]
+    assert len(listed) == len(set(listed))
+    assert all(p == "ldt" or p.count(".") == 1 for p in listed), listed
+    tops = {".".join(m.split(".")[:2]) for m in _modules()}
+    assert tops <= set(listed), f"packages without a layer: {sorted(tops - set(listed))}"
+
+
+def test_no_loop_between_packages(graph):
+    """Packages on one layer may import each other, but not both ways round."""
+    pkg = lambda m: ".".join(m.split(".")[:2])  # noqa: E731
+    edges = {(pkg(a), pkg(b)) for a, bs in graph.items() for b in bs if pkg(a) != pkg(b)}
+    both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    assert not both, both
+
+
+def test_imports_sit_in_the_header():
+    """A file's header says what it depends on: ldt's own modules are imported at module
+    level, except by the named entry points (which keep torch, megatron-core and Hydra out of
+    `--help`); and those exceptions stay a small share of all of ldt's imports."""
+    header = inside = 0
+    stray = []
+    for module, path in _modules().items():
+        top, nested = _ldt_imports_by_place(path)
+        header, inside = header + len(top), inside + len(nested)
+        if nested and not module.startswith(ENTRY_POINTS):
+            stray += [f"{os.path.relpath(path, ROOT)}:{line}" for line in nested]
+    assert not stray, "move these imports to the module's header:\n" + "\n".join(stray)
+    share = inside / (header + inside)
+    assert share <= MAX_IN_FUNCTION_SHARE, f"{share:.1%} of ldt's imports sit inside functions"
+
+
+def test_the_header_check_sees_an_import_in_a_function(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("from ldt.config import ConfigError\n\ndef f():\n    import ldt.plan\n"
+                    "    from os import path\n")
+    assert _ldt_imports_by_place(str(path)) == ([1], [4])
