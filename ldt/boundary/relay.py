@@ -16,7 +16,7 @@ Pieces are contiguous element ranges of the whole tensor in its row-major order,
 carries the same bytes in the same order as one message would; both leaders (and every rank
 of a stage) compute the same pieces from the element count alone. A small message stays one
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
-transfer makes exactly the calls it made before pieces existed.
+transfer makes the same calls as a whole message.
 
 Fan-out (``cluster.boundary_fanout``, :meth:`ldt.topology.routes.Route.transport`): the sending leader sends its copy
 (the same bytes: the send transforms ran once) straight to every TP rank of the receiving

@@ -268,7 +268,7 @@ class CostModel:
         mlp = d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit else 0)) / tp
         if self.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
             qkv += self._qk_norm_bytes() / d
-        if self.moe is not None:  # a MoE layer's router and dispatched tokens (#25's count)
+        if self.moe is not None:  # a MoE layer's router and dispatched tokens
             mlp = moe_activation_per_token(self, mlp, tp)
         return {"norms": (d * 4 * h + 2 * self._norm_bytes()) / sp,
                 "qkv": d * qkv / tp + rope_tables, "core_attn": core,
@@ -348,8 +348,7 @@ class CostModel:
         transient: two ``[s, b, h]`` tensors, two more that sends may still hold (ldt's
         runtime lets a send go once it completed, ldt.memory.inflight), with the head the
         logits' gradient (``s*b*V/t``), and what recomputation rebuilds
-        (:meth:`recompute_transient`). (Until #24's correction it also held 4 bytes per
-        parameter, fitted to an estimator that counted DDP's fp32 grad buffer twice.)"""
+        (:meth:`recompute_transient`)."""
         key = (tp, tuple(chunks), recv_buffers)
         if key in self._memories:
             return self._memories[key]
