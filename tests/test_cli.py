@@ -88,13 +88,13 @@ def test_multirun_of_bad_configs_runs_every_job_and_exits_2(tmp_path):
 
 
 def test_topology_is_a_hydra_app_that_writes_nothing(tmp_path):
-    proc = run(tmp_path, "cluster=mixed_gpu_npu", "model=llama_7b", module="ldt.topology.ranks")
+    proc = run(tmp_path, "cluster=mixed_gpu_npu", "model=llama_7b", module="ldt.tools.rankmap")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "3 stages, TP [4, 8, 8], dp 1, world 20" in proc.stdout
     assert "0->1:host_staged" in proc.stdout
-    proc = run(tmp_path, "--help", module="ldt.topology.ranks")
+    proc = run(tmp_path, "--help", module="ldt.tools.rankmap")
     assert proc.returncode == 0 and "ldt-rankmap" in proc.stdout
-    proc = run(tmp_path, "model.hidden_size=66", module="ldt.topology.ranks")
+    proc = run(tmp_path, "model.hidden_size=66", module="ldt.tools.rankmap")
     assert proc.returncode == 2 and "model.hidden_size=66" in proc.stderr
     assert not list(tmp_path.iterdir())
 

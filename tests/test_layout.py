@@ -74,7 +74,7 @@ def test_even_split_examples():
 
 
 def test_module_imports_neither_torch_nor_megatron():
-    path = pathlib.Path(__file__).resolve().parents[1] / "ldt" / "layout.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "ldt" / "config" / "layout.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('ldt_layout_probe', {str(path)!r})\n"

@@ -106,7 +106,7 @@ def test_a_moe_model_is_estimated():
     from omegaconf import OmegaConf
 
     from ldt.job.hydra import compose
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=qwen3_moe_tiny"]),
                                  resolve=True)
@@ -134,10 +134,11 @@ def test_ldt_memory_counts_the_edge_and_the_schedules_micro_batches(tmp_path, ca
     parameters counted by hand, and the U-shape edge holding its start chunk for all 4
     micro-batches and its end chunk for one; a stated limit above the estimate fits."""
     import ldt.memory
+    import ldt.memory.stages
     from ldt.tools.memory import main
 
     got = []
-    real = ldt.memory.estimate_here  # in this process: no helper to start
+    real = ldt.memory.stages.estimate_here  # in this process: no helper to start
     monkeypatch.setattr(ldt.memory, "estimate", lambda cfg: got.append(real(cfg)) or got[-1])
     assert main(["cluster=cpu_demo", "cluster.stages.0.memory_gib=0.5",
                  f"hydra.run.dir={tmp_path}"]) == 0

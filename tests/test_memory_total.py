@@ -3,7 +3,7 @@
 ``ldt-train`` and the elastic job refuse on the estimate's peak, so the peak itself is pinned,
 not only its parts: a small config whose middle stage's every term is counted here from the
 model's shapes and the schedule, term by term, and refusals whose limit sits one byte below
-and exactly at that peak. The estimate runs in this process (``ldt.memory.estimate_here``: a
+and exactly at that peak. The estimate runs in this process (``ldt.memory.stages.estimate_here``: a
 fake world entered and left).
 
 The config: a plain pipeline of three TP-1 cpu stages on ldt's runtime (``Et|t|tL``), a GPT of
@@ -71,7 +71,7 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     refuses that stage, naming it, its peak and the largest part. (The estimate runs in the
     test itself: mutation testing attributes a fixture's calls to no test.)"""
     from ldt.config import to_train
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
     from ldt.memory.report import refusal
     from ldt.topology.validate import validate
 
@@ -97,7 +97,7 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
 
 
 def test_a_limit_at_the_peak_fits():
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
 
     assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
 

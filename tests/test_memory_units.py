@@ -78,7 +78,7 @@ def test_needs_estimate_asks_train_estimate_memory_then_any_stated_memory():
 def test_what_a_process_makes_once_is_in_every_chunks_transient():
     """The first chunk's measure made it (once 10, 0, 5 of transients 100, 50, 70): each
     chunk's transient is its own without its once-made part, plus all of it (15)."""
-    from ldt.memory import _transients
+    from ldt.memory.stages import _transients
     from ldt.memory.measure import ChunkMemory
 
     chunks = [ChunkMemory(0, 100, 10), ChunkMemory(0, 50, 0), ChunkMemory(0, 70, 5)]
@@ -264,7 +264,7 @@ def test_the_flash_stand_in_keeps_qkv_its_output_and_the_log_sum_exp():
 def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
     import torch.distributed as dist
 
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -274,3 +274,19 @@ def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
             estimate_here({})
     finally:
         dist.destroy_process_group()
+
+
+def test_the_launcher_names_the_estimates_helper_and_loads_no_megatron():
+    """ldt-train's launcher and ldt-memory import the estimate without megatron-core (its INFO
+    records would reach every torchrun rank's Hydra handler, and a refusal would wait for it):
+    the helper process imports the measuring side by name."""
+    import subprocess
+    import sys
+
+    from ldt.launch.local import entry
+    from ldt.memory import stages
+
+    assert entry("ldt.memory.stages:estimate_worker") is stages.estimate_worker
+    code = ("import sys, ldt.memory, ldt.memory.report, ldt.job.prepare, ldt.tools.memory\n"
+            "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, 'loaded'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

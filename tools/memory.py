@@ -13,10 +13,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from ldt import memory
 from ldt.config import to_train
-from ldt.config.errors import EXIT_CONFIG
-from ldt.config.errors import one_line
+from ldt.config.errors import EXIT_CONFIG, one_line
 from ldt.job.hydra import run_app
+from ldt.memory.report import refusal, table
 from ldt.tools.rankmap import show_rank_map
 
 
@@ -40,16 +41,13 @@ def _estimate(cfg) -> int:
 
     from omegaconf import OmegaConf
 
-    from ldt.memory import estimate  # torch and megatron-core: not for --help
-    from ldt.memory.report import refusal, table
-
     plain = OmegaConf.to_container(cfg, resolve=True)
     topo = show_rank_map(cfg)
     if topo is None:
         return EXIT_CONFIG
     t0 = time.perf_counter()
     try:
-        stages = estimate(plain)
+        stages = memory.estimate(plain)
     except ValueError as exc:  # what the estimate cannot cover
         print(f"ldt: cannot estimate: {one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG

@@ -16,10 +16,11 @@ from typing import Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ldt.config import ConfigError, LdtConfig, to_cluster
-from ldt.config import typed_config
+from ldt.config import ConfigError, LdtConfig, to_cluster, typed_config
 from ldt.data.files import format_blend, parse_blend
 from ldt.launch.quiet import set_log_level
+from ldt.memory import needs_estimate
+from ldt.memory import report as memory_report
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
 from ldt.storage.runlock import check_not_training, run_of
@@ -208,9 +209,6 @@ def memory_estimate(plain: dict, topo) -> tuple[str, Optional[str]]:
     """``(text, refusal)``: the estimate to print under the rank map ("" when not asked for, or
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
     first stage over its ``memory_gib`` (None when every stage fits)."""
-    # here: the estimate loads torch and megatron-core, which a refused config never needs
-    from ldt.memory import needs_estimate, report as memory_report
-
     if not needs_estimate(plain):
         return "", None
     try:

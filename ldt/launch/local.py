@@ -24,6 +24,7 @@ normally. A second signal, or ``stop_grace_s`` without an end, stops the world a
 from __future__ import annotations
 
 import atexit
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -33,7 +34,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from ldt.launch import progress as _progress
 
@@ -74,7 +75,16 @@ def _context() -> mp.context.BaseContext:
     return _CTX
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+def entry(fn: Union[Callable, str]) -> Callable:
+    """``fn`` itself, or the function a ``"module:function"`` name points to: a rank's work
+    named so is imported in the rank only, and the launcher stays without what it loads."""
+    if not isinstance(fn, str):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _child(rank: int, world_size: int, port: int, fn: Union[Callable, str], args: tuple,
            env: dict, conn: Any, timeout_s: float, init_dist: bool, lifeline: Any,
            slots: Any) -> None:
     _detach_from_forkserver()
@@ -105,7 +115,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=timeout_s))
         record.begin("running")
-        out = fn(rank, world_size, *args)
+        out = entry(fn)(rank, world_size, *args)
         record.finish()
         # Plain bytes: torch's queue reducers would share tensors through file descriptors
         # that die with this process before the parent reads them.
@@ -134,13 +144,14 @@ def _watch_lifeline(lifeline, record: _progress.Progress) -> None:
     os._exit(EXIT_ORPHANED)
 
 
-def run_local_world(world_size: int, fn: Callable, args: Sequence = (), *,
+def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = (), *,
                     timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
                     env: Optional[dict] = None, grace_s: float = 3.0,
                     init_dist: bool = True, stop_grace_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results.
 
-    ``fn`` must be importable (module-level). Raises :class:`WorldError` on the first failure,
+    ``fn`` must be importable (module-level), or named ``"module:function"`` (imported in the
+    ranks only, :func:`entry`). Raises :class:`WorldError` on the first failure,
     after ``timeout_s``, or when a stop signal did not end the world within ``stop_grace_s``;
     whatever happens, no child is left running.
     """

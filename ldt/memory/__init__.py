@@ -27,15 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import ldt
-from ldt.config import typed_config
 from ldt.launch import local
-from ldt.memory.fake import fake_rank
-from ldt.memory.inflight import stage_inflight
-from ldt.memory.measure import cpu_topology, measure_stage
-from ldt.models.recompute import describe, stage_recompute
-from ldt.topology.validate import validate
-from ldt.training import moe
 
 GIB = 2**30
 
@@ -128,20 +120,10 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
     ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
     (:class:`ldt.memory.fake.BalancedRouting`)."""
-    return local.run_local_world(1, _estimate_worker, (cfg, attention), timeout_s=timeout_s,
+    # named: the fake-tensor stack (torch, megatron-core) loads in the helper process only
+    return local.run_local_world(1, "ldt.memory.stages:estimate_worker", (cfg, attention),
+                                 timeout_s=timeout_s,
                            init_dist=False)[0]
-
-
-def estimate_here(cfg: dict, attention: str = "auto") -> list[StageEstimate]:
-    """:func:`estimate` in this process, which must have no process group: while it measures a
-    stage it is a rank of a fake world (:func:`ldt.memory.fake.fake_rank`), and leaves it
-    after (megatron-core's globals reset, ldt's patches reverted)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("estimate_here needs a process without a process group (it becomes "
-                           "a rank of a fake world); call ldt.memory.estimate instead")
-    return _estimate_worker(0, 1, cfg, attention)
 
 
 def needs_estimate(cfg: dict) -> bool:
@@ -150,49 +132,3 @@ def needs_estimate(cfg: dict) -> bool:
     if asked is not None:
         return bool(asked)
     return any(st.get("memory_gib") is not None for st in cfg["cluster"]["stages"])
-
-
-def _transients(chunks) -> list[int]:
-    """Each chunk's transient, with what the process makes once (in the first chunk's measure)
-    counted for every chunk: an edge's end chunk runs its micro-batches with megatron's global
-    attention buffer and the causal mask already there."""
-    once = sum(ch.once for ch in chunks)
-    return [ch.transient - ch.once + once for ch in chunks]
-
-
-def _estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[StageEstimate]:
-    c = typed_config(cfg)
-    topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
-    schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)
-    out = []
-    on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)
-    m = c.model
-    experts = (m.moe_router_topk, m.num_moe_experts) if m.num_moe_experts else None
-    for st in topo.stages:
-        leader = topo.leader(st.index)
-        with fake_rank(topo.world_size, leader, experts):
-            moe.reset(m)  # megatron's aux-loss tracker, sized for the model's global layers
-            state = ldt.initialize_vtp(on_cpu)
-            try:
-                got = measure_stage(c, on_cpu, state, st.device, attention)
-            finally:
-                ldt.destroy_vtp()
-        cluster_stage = c.cluster.stages[st.index]
-        activations = [ch.activations for ch in got.chunks]
-        # one moment of the schedule: what is held while one computation runs (held
-        # micro-batches, posted receives, sent tensors), its chunk's transient on top
-        transients = _transients(got.chunks)
-        shards = st.tp if c.model.sequence_parallel and st.tp > 1 else 1
-        at = schedule[st.index].peak(activations, transients,
-                                     recv_bytes(got.boundary_tensor, shards),
-                                     got.boundary_tensor)
-        limit = cluster_stage.memory_gib
-        out.append(StageEstimate(
-            st.index, st.name, st.device, st.tp, topo.dp_of(st.index),
-            [r for d in range(topo.dp_of(st.index)) for r in topo.stage_ranks(st.index, d)],
-            describe(stage_recompute(c.model, cluster_stage)), got.attention, got.weights,
-            got.grads, got.main_params, got.optimizer, activations, at.chunks,
-            transients[at.chunk], at.recv_buffers, got.boundary_tensor,
-            got.step_transient, None if limit is None else limit * GIB,
-            c.train.distributed_optimizer, at.sent, shards))
-    return out
