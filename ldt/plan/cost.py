@@ -60,6 +60,7 @@ from typing import Optional
 from ldt.config import ModelConfig, RecomputeConfig
 from ldt.config.load import config_dict
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
+from ldt.topology.device import plan_boundary
 from ldt.topology.routes import FANOUT, carry
 
 GB = 1e9
@@ -449,7 +450,7 @@ class CostModel:
         how = carry(nbytes, dst_tp, mode="auto", same_node=False)
         copies = dst_tp if how.kind == FANOUT else 1
         t = copies * nbytes / (link.bandwidth_gbps * GB) + link.latency_us * 1e-6
-        if src.device != dst.device:  # host-staged: copy to host, gloo, copy to device
+        if plan_boundary(0, src.device, 1, dst.device).host_staged:  # the run's own rule
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
         if dst_tp > 1 and copies == 1:  # the relay of the last piece inside the TP group
             t += nbytes / how.pieces / (dst.intra_bw_gbps * GB)
