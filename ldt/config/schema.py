@@ -323,29 +323,28 @@ def _ref(schema: type) -> str:
     return f"{config_load.fields_file(schema)} or `ldt-train --cfg job`"
 
 
-def to_cluster(obj: Any) -> ClusterConfig:
-    """A ClusterConfig from a dataclass, a DictConfig or a plain dict (for tests and the API)."""
-    if isinstance(obj, ClusterConfig):
+def _to(schema: type, group: str, obj: Any) -> Any:
+    """``obj`` as ``schema``: itself when it is one, else typed from a dict or a DictConfig
+    (tests and the API pass dicts) by the one loader, naming a wrong field."""
+    if isinstance(obj, schema):
         return obj
-    return typed(ClusterConfig, obj, "cluster", ref=_ref(ClusterConfig))
+    return typed(schema, obj, group, ref=_ref(schema))
+
+
+def to_cluster(obj: Any) -> ClusterConfig:
+    return _to(ClusterConfig, "cluster", obj)
 
 
 def to_model(obj: Any) -> ModelConfig:
-    if isinstance(obj, ModelConfig):
-        return obj
-    return typed(ModelConfig, obj, "model", ref=_ref(ModelConfig))
+    return _to(ModelConfig, "model", obj)
 
 
 def to_train(obj: Any) -> TrainConfig:
-    if isinstance(obj, TrainConfig):
-        return obj
-    return typed(TrainConfig, obj, "train", ref=_ref(TrainConfig))
+    return _to(TrainConfig, "train", obj)
 
 
 def to_data(obj: Any) -> DataConfig:
-    if isinstance(obj, DataConfig):
-        return obj
-    return typed(DataConfig, obj if obj is not None else {}, "data", ref=_ref(DataConfig))
+    return _to(DataConfig, "data", {} if obj is None else obj)
 
 
 def typed_config(cfg) -> LdtConfig:
