@@ -9,7 +9,6 @@ hand; ``{tmp}`` in an override is a per-test folder holding the files below.
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -132,17 +131,16 @@ def test_bad_config_is_refused(name, files, tmp_path):
     full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
     full_env.update(env)
     args = [o.replace("{tmp}", str(files)) for o in overrides]
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *args], env=full_env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=90)
-    took = time.monotonic() - start
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-2000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     if name.startswith(("unknown_key", "misspelt")):  # ldt's one line, not Hydra's eight
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert took < 5.0, f"refused after {took:.1f} s: validation must come before any world"
+    # validation comes before any world: no rank started (each records its pid in run_dir/pids)
+    assert not [p for p in tmp_path.rglob("pids")], "a rank started before the refusal"
     assert not list(tmp_path.iterdir()), "a refused config must leave no run folder behind"
 
 
