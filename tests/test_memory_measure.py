@@ -39,7 +39,7 @@ def estimated(over: tuple, attention: str = "auto", cluster: bool = True):
     from omegaconf import OmegaConf
 
     from ldt.job.hydra import compose
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
 
     base = [o for o in OVERRIDES if cluster or not o.startswith("cluster")]
     cfg = OmegaConf.to_container(compose(base + list(over)), resolve=True)

@@ -73,7 +73,7 @@ def test_the_transient_does_not_count_the_gradient_buffer_again():
     from omegaconf import OmegaConf
 
     from ldt.job.hydra import compose
-    from ldt.memory import estimate_here
+    from ldt.memory.stages import estimate_here
 
     cfg = OmegaConf.to_container(compose(["cluster=cpu_vtp", "model.seq_length=8",
                                           "train.micro_batch_size=1"]), resolve=True)
