@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ldt-train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=30 tests $(ARGS)  # the slowest 30: the suite must stay under 20 min
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all $(ARGS)
