@@ -21,10 +21,12 @@ class Recorder:
     def __init__(self):
         self.calls = []
         self.tensors = []  # what isend / irecv were handed, in call order
+        self.groups = []  # the group each isend / irecv was posted on, in call order
 
     def isend(self, tensor, dst, group=None, tag=0):
         self.calls.append(("isend", dst, tag))
         self.tensors.append(tensor)
+        self.groups.append(group)
         return SimpleNamespace(wait=lambda: self.calls.append(("isend.wait", dst)),
                                is_completed=lambda: True)
 
@@ -35,6 +37,7 @@ class Recorder:
 
         self.calls.append(("irecv", src, tag))
         self.tensors.append(tensor)
+        self.groups.append(group)
         return SimpleNamespace(wait=wait, is_completed=lambda: True)
 
     def broadcast(self, tensor, src, group=None):
@@ -251,3 +254,118 @@ def test_the_runtime_lets_a_completed_send_go_before_its_next_action():
     sends.wait_all()  # the step's end: the rest
     gc.collect()
     assert waited == ["a", "b"] and alive[1]() is None and sends.works == []
+
+
+# ---- the transports as the routes say: pieces, fan-out, the sequence-parallel gather ----------
+# A 4 MiB fp32 message crosses in round(sqrt(4 MiB / 128 KiB)) = round(5.66) = 6 pieces.
+BIG, PIECES = 2**20, 6
+FORWARD_TAG, RELAY_TAG, GATHER_TAG = 1, 5, 6  # ldt.topology.routes' wire tags, written out
+
+
+def _ranks_of(state, group) -> set:
+    """The ranks of a group object the communicator posted on (looked up by identity)."""
+    name = next(n for n, g in state.named_groups.items() if g is group)
+    return set(state.plan.group(name).ranks)
+
+
+def _pieces_of(tensors) -> list:
+    """Consecutive views of one buffer: their element counts (and that they tile it)."""
+    sizes = [t.numel() for t in tensors]
+    starts = [t.data_ptr() for t in tensors]
+    assert starts == [starts[0] + 4 * sum(sizes[:i]) for i in range(len(sizes))]
+    return sizes
+
+
+@pytest.mark.parametrize("numel,count", [(BIG, PIECES), (2**17, 2)])  # 512 KiB: sqrt(4) = 2
+def test_a_large_message_crosses_in_pieces_on_its_boundary_group(rec, numel, count):
+    """Stage 0 (TP 1) -> stage 1 (TP 2, ranks 1-2), relay (`never`): the sender's pieces go
+    to stage 1's leader on the boundary's group with the data tag; the leader receives them
+    into one tensor and relays each piece to its TP peer; the peer receives them from it."""
+    sender = _state(0)
+    payload = torch.arange(float(numel))
+    work = p2p.VtpCommunicator(CONFIG, sender).send(payload, 1, p2p.FORWARD)
+    assert rec.calls == [("isend", 1, FORWARD_TAG)] * count
+    assert torch.equal(torch.cat(rec.tensors), payload)
+    step = -(-numel // count)
+    assert _pieces_of(rec.tensors) == [step] * (count - 1) + [numel - (count - 1) * step]
+    assert all(_ranks_of(sender, g) == {0, 1} for g in rec.groups)
+    work.wait()
+    assert [c[0] for c in rec.calls[count:]] == ["isend.wait"] * count
+
+    rec.calls.clear(), rec.tensors.clear(), rec.groups.clear()
+    leader = _state(1)
+    tensor, work = p2p.VtpCommunicator(CONFIG, leader).recv((numel,), 0, p2p.FORWARD)
+    assert rec.calls == [("irecv", 0, FORWARD_TAG)] * count
+    assert sum(_pieces_of(rec.tensors)) == numel and rec.tensors[0].data_ptr() == tensor.data_ptr()
+    assert all(_ranks_of(leader, g) == {0, 1} for g in rec.groups)
+    work.wait()
+    relayed = [c for c in rec.calls if c[0] == "isend"]
+    assert relayed == [("isend", 2, RELAY_TAG)] * count  # each piece on to TP rank 1
+    assert torch.all(tensor == 7.0) and tensor.requires_grad
+
+    rec.calls.clear(), rec.tensors.clear()
+    tensor, work = p2p.VtpCommunicator(CONFIG, _state(2)).recv((numel,), 0, p2p.FORWARD)
+    assert rec.calls == []  # nothing crosses to it before its leader has the pieces
+    work.wait()
+    posted = [c for c in rec.calls if c[0] == "irecv"]
+    assert posted == [("irecv", 1, RELAY_TAG)] * count  # from its leader, piece by piece
+    assert torch.all(tensor == 7.0)
+
+
+def test_fanout_posts_on_the_fanout_group_with_the_data_tag(rec):
+    sender = _state(0, fanout="always")
+    p2p.VtpCommunicator(CONFIG, sender).send(torch.ones(BIG), 1, p2p.FORWARD)
+    assert rec.calls == [("isend", 1, FORWARD_TAG), ("isend", 2, FORWARD_TAG)]
+    assert all(_ranks_of(sender, g) == {0, 1, 2} for g in rec.groups)
+    rec.calls.clear(), rec.groups.clear()
+    receiver = _state(2, fanout="always")
+    tensor, _ = p2p.VtpCommunicator(CONFIG, receiver).recv((BIG,), 0, p2p.FORWARD)
+    assert rec.calls == [("irecv", 0, FORWARD_TAG)]
+    assert _ranks_of(receiver, rec.groups[0]) == {0, 1, 2}
+    assert tensor.dtype == torch.float32 and tensor.requires_grad
+
+
+def test_a_message_whose_shape_crosses_first_never_fans_out(rec):
+    """With variable sequence lengths the receiver learns the shape from the sender's first
+    message, so the sender cannot fan out: `always` is overruled by one copy and the relay."""
+    config = SimpleNamespace(**{**vars(CONFIG), "variable_seq_lengths": True})
+    p2p.VtpCommunicator(config, _state(0, fanout="always")).send(torch.ones(8), 1, p2p.FORWARD)
+    assert [c[:2] for c in rec.calls] == [("isend", 1), ("isend", 1)]  # the shape, the data
+
+
+def test_a_failed_fanout_receive_names_the_boundary(rec, monkeypatch):
+    def irecv(*args, **kwargs):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(p2p.dist, "irecv", irecv)
+    comm = p2p.VtpCommunicator(CONFIG, _state(2, fanout="always"))
+    with pytest.raises(p2p.BoundaryError, match=r"^boundary 0->1: rank 2 \(stage 1 's1'\) "
+                       r"receive of an activation from stage 0 's0' \(rank 0\) failed "
+                       r"[0-9.]+ s after it was posted \(RuntimeError: connection reset\)"):
+        comm.recv((4,), 0, p2p.FORWARD)
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_sequence_parallel_leader_sends_each_piece_as_soon_as_it_is_gathered(rec, staged):
+    """Stage 1 (TP 2, sequence-parallel) -> stage 2 (TP 1): the leader (rank 1) holds the
+    first half of the sequence, receives the second from rank 2 piece by piece, and sends
+    every piece of the whole to rank 3 once its parts are there. Host-staged, each piece
+    sent is a copy (the gathered buffer is reused)."""
+    sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
+    state = _state(1, host_staging=staged)
+    comm = p2p.VtpCommunicator(sp, state)
+    mine = torch.arange(float(BIG)).view(BIG // 2, 1, 2)  # (s / tp, b, h)
+    work = comm.send(mine, 2, p2p.FORWARD)
+    gathered = [c for c in rec.calls if c[0] == "irecv"]
+    sent = [(c, t) for c, t in zip(rec.calls, rec.tensors) if c[0] == "isend"]
+    assert gathered and all(c[1:] == (2, GATHER_TAG) for c in gathered)  # from TP rank 1
+    assert [c for c, _ in sent] == [("isend", 3, FORWARD_TAG)] * PIECES
+    whole = torch.cat([t for _, t in sent])
+    assert torch.equal(whole[:BIG], mine.flatten())  # the leader's own half, then the peer's
+    assert torch.all(whole[BIG:] == 7.0)
+    assert len({t.data_ptr() for _, t in sent}) == PIECES
+    buffer = rec.tensors[0]  # the first irecv's target: a view of the gathered whole
+    inside = [buffer.data_ptr() - 4 * BIG <= t.data_ptr() < buffer.data_ptr() + 4 * BIG
+              for _, t in sent]
+    assert not any(inside) if staged else all(inside)
+    work.wait()
