@@ -11,8 +11,9 @@ import itertools
 import pytest
 
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.topology.routes import (BACKWARD, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES, PIECES, WHOLE,
-                        carry, rank_plan)
+from ldt.topology.routes import (BACKWARD, CROSS_STAGE, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES,
+                                 PIECES, WHOLE, GroupSpec, carry, check_stages,
+                                 default_embedding_stages, rank_plan)
 from ldt.topology.ranks import Topology
 
 KIB, MIB = 1024, 1024 * 1024
@@ -115,6 +116,109 @@ def test_experts_fold_onto_the_tp_ranks():
     assert by_role(plan, "expt_tp") == [(1, 2), (3, 4)]
     assert plan.roles_of(0)["ep"] == plan.roles_of(0)["cp"] == "cp:0"  # ep 1: the rank alone
     assert plan.roles_of(0)["expt_tp"] == "cp:0"  # and expert TP = TP = 1
+
+
+# ---- every group by name, role, ranks, backend: written out by hand -------------------------
+
+def _spec(name, role, ranks, backend, local=False):
+    return GroupSpec(name, role, tuple(ranks), backend, local)
+
+
+def test_a_mixed_device_u_shape_names_every_group_and_its_backend():
+    """TP 1 (cpu), 2 (cuda), 1 (cpu), U-shape: [0] [1 2] [3]. The cuda stage's own groups
+    are NCCL (its DP groups get a gloo twin, as megatron's distributed optimizer wants);
+    boundaries that touch a CPU stage and the fan-out groups are gloo; megatron's groups
+    that span stages are ldt's cross-stage groups; a rank's context-parallel group of one
+    is made locally, without a collective."""
+    plan = rank_plan(topo((1, 2, 1), u_shape=True, devices=["cpu", "cuda", "cpu"]))
+    assert list(plan.groups) == [
+        _spec("cp:0", "cp", [0], "gloo", True), _spec("cp:1", "cp", [1], "nccl", True),
+        _spec("cp:2", "cp", [2], "nccl", True), _spec("cp:3", "cp", [3], "gloo", True),
+        _spec("tp:s0:r0", "tp", [0], "gloo"), _spec("tp:s1:r0", "tp", [1, 2], "nccl"),
+        _spec("tp:s2:r0", "tp", [3], "gloo"),
+        _spec("dp:s0:t0", "dp", [0], "gloo"),
+        _spec("dp:s1:t0", "dp", [1], "nccl"), _spec("dp_gloo:s1:t0", "dp_gloo", [1], "gloo"),
+        _spec("dp:s1:t1", "dp", [2], "nccl"), _spec("dp_gloo:s1:t1", "dp_gloo", [2], "gloo"),
+        _spec("dp:s2:t0", "dp", [3], "gloo"),
+        _spec("leaders:r0", "leaders", [0, 1, 3], "gloo"),
+        _spec("boundary:0->1:r0-0", "boundary", [0, 1], "gloo"),
+        _spec("boundary:1->2:r0-0", "boundary", [1, 3], "gloo"),
+        _spec("boundary:2->0:r0-0", "boundary", [0, 3], "gloo"),
+        _spec("fanout:0->1:r0", "fanout", [0, 1, 2], "gloo"),
+        _spec("fanout:1->2:r0", "fanout", [1, 2, 3], "gloo"),
+        _spec("ldt_pp_0", "pp", [0, 1, 2, 3], CROSS_STAGE),
+        _spec("ldt_embd_0", "embd", [0], CROSS_STAGE),  # the U-shape's edge holds both ends
+        _spec("ldt_pos_embd_0", "pos_embd", [0], CROSS_STAGE),
+        _spec("ldt_mp_0", "mp", [0, 1, 2, 3], CROSS_STAGE)]
+    assert (plan.embedding_stages, plan.position_embedding_stages) == ((0,), (0,))
+
+
+def test_per_stage_dp_names_every_group_of_both_replicas():
+    """Stage 0 TP 1 at DP 2 (ranks 0 and 3), stage 1 TP 2 at DP 1 (ranks 1 2): one leader
+    group of every stage's leaders and one of replica 0's; a boundary group per replica pair
+    and direction; replica 1's chain of megatron groups holds only its own rank; the
+    distributed optimizer's and the gradient statistics' groups span the world."""
+    plan = rank_plan(topo((1, 2), dps=(2, 1)))
+    assert list(plan.groups) == [
+        _spec("cp:0", "cp", [0], "gloo", True), _spec("cp:1", "cp", [1], "gloo", True),
+        _spec("cp:2", "cp", [2], "gloo", True), _spec("cp:3", "cp", [3], "gloo", True),
+        _spec("tp:s0:r0", "tp", [0], "gloo"), _spec("tp:s1:r0", "tp", [1, 2], "gloo"),
+        _spec("tp:s0:r1", "tp", [3], "gloo"),
+        _spec("dp:s0:t0", "dp", [0, 3], "gloo"), _spec("tp_dp:s0", "tp_dp", [0, 3], "gloo"),
+        _spec("dp:s1:t0", "dp", [1], "gloo"), _spec("dp:s1:t1", "dp", [2], "gloo"),
+        _spec("leaders:all", "leaders", [0, 1, 3], "gloo"),
+        _spec("replica0_leaders", "replica0_leaders", [0, 1], "gloo"),
+        _spec("boundary:0->1:r0-0", "boundary", [0, 1], "gloo"),
+        _spec("boundary:0->1:r1-0", "boundary", [1, 3], "gloo"),
+        _spec("boundary:1->0:r0-0", "boundary", [0, 1], "gloo"),
+        _spec("boundary:1->0:r0-1", "boundary", [1, 3], "gloo"),
+        _spec("ldt_pp_0", "pp", [0, 1, 2], CROSS_STAGE),
+        _spec("ldt_embd_0", "embd", [0, 1, 2], CROSS_STAGE),  # first and last stage
+        _spec("ldt_pos_embd_0", "pos_embd", [0], CROSS_STAGE),
+        _spec("ldt_mp_0", "mp", [0, 1, 2], CROSS_STAGE),
+        _spec("ldt_pp_1", "pp", [3], CROSS_STAGE), _spec("ldt_embd_1", "embd", [3], CROSS_STAGE),
+        _spec("ldt_pos_embd_1", "pos_embd", [3], CROSS_STAGE),
+        _spec("ldt_mp_1", "mp", [3], CROSS_STAGE),
+        _spec("ldt_dist_opt", "dist_opt", [0, 1, 2, 3], CROSS_STAGE),
+        _spec("ldt_vdp_grad_stats", "grad_stats", [0, 1, 2, 3], CROSS_STAGE)]
+
+
+def test_two_replicas_have_an_embedding_leader_group_each():
+    """Uniform DP 2 over a plain pipeline TP 1, 1, 1 (ranks 0-2, 3-5): per replica, the
+    leaders, and the leaders of the embedding's stages (first and last) beside them; the
+    position embedding lives on one stage, so it has no leader group of its own."""
+    plan = rank_plan(topo((1, 1, 1), dp=2))
+    leaders = [(g.name, g.ranks, g.backend) for g in plan.groups if "leaders" in g.role]
+    assert leaders == [("leaders:r0", (0, 1, 2), "gloo"), ("emb_leaders:r0", (0, 2), "gloo"),
+                       ("leaders:r1", (3, 4, 5), "gloo"), ("emb_leaders:r1", (3, 5), "gloo")]
+
+
+@pytest.mark.parametrize("tps,u_shape,expected", [
+    ((1,), False, [0]), ((1, 1), False, [0, 1]), ((1, 1, 1), False, [0, 2]),
+    ((1, 1, 1), True, [0])])
+def test_the_embedding_lives_on_the_first_and_last_stage_or_on_the_edge(tps, u_shape, expected):
+    assert default_embedding_stages(topo(tps, u_shape=u_shape)) == expected
+
+
+def test_embedding_stages_given_are_checked_and_kept():
+    t = topo((1, 1, 1))
+    plan = rank_plan(t, embedding_stages=[2, 0, 2], position_embedding_stages=[1])
+    assert (plan.embedding_stages, plan.position_embedding_stages) == ((0, 2), (1,))
+    with pytest.raises(ConfigError, match=r"^embedding stages \[0, 3\] must be stage indices "
+                       r"of the 3-stage cluster$"):
+        rank_plan(t, embedding_stages=[0, 3])
+    with pytest.raises(ConfigError, match=r"^position embedding stages \[\] must be stage "):
+        rank_plan(t, position_embedding_stages=[])
+    with pytest.raises(ConfigError, match=r"^embedding stages \[-1\]"):
+        check_stages(t, [-1], [0], "embedding")
+
+
+def test_the_piece_unit_is_the_callers():
+    """A smaller unit cuts the same message into more pieces: round(sqrt(2 MiB / 32 KiB)) = 8
+    where 128 KiB gives 4, through carry and a route alike."""
+    assert carry(2 * MIB, 2, mode="never", same_node=True, unit_bytes=32 * KIB).pieces == 8
+    route = rank_plan(topo((1, 2))).route(0, 1, FORWARD)
+    assert route.transport(2 * MIB, unit_bytes=32 * KIB, mode="never").pieces == 8
 
 
 # ---- the transport policy -------------------------------------------------------------------
