@@ -27,6 +27,7 @@ from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
                      new_run_folder, reference_config, resolve, save_config, summary_line)
+from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
 from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
@@ -36,6 +37,7 @@ from ldt.training.outputs import parity_max_abs_diff
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_with_torchrun_agent()  # a worker of torchrun's agent never outlives it
     code = run_app(_job, argv)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
