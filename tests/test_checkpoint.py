@@ -2,7 +2,8 @@
 
 One uninterrupted 24-step run (saving every 6 steps, keeping the last 2) is the yardstick:
 a run stopped by SIGTERM, resumed, killed with SIGKILL, and resumed again into the same run
-folder must end with the same losses and one metrics.csv row per step; so must a resume from
+folder (from its snapshot in host memory, newer than its checkpoint) must end with the same
+losses and one metrics.csv row per step; so must a resume from
 the checkpoint before a save that found the disk full, and a resume into another layout
 (checkpoints hold full tensors under global names). A damaged, truncated, mismatched or
 finished checkpoint is refused on the launcher (exit 2, one line naming the file or the
@@ -37,7 +38,7 @@ def run(run_dir, *overrides, timeout=240):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["losses"] = [loss for _, loss in metrics(run_dir)]  # one row per step of this run
-    summary["stderr"] = proc.stderr
+    summary["stderr"], summary["stdout"] = proc.stderr, proc.stdout
     return summary
 
 
@@ -102,7 +103,9 @@ def test_retention_keeps_the_last_checkpoints_with_checksums(full):
 def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     """SIGTERM: the ranks stop together after a step, save it, the launcher says where, in
     one line, and nothing of the run is left. SIGKILL of the launcher alone: nothing is left
-    either. Each resume into the same folder keeps the earlier metrics rows."""
+    either, and the next start continues from the newest step's snapshot
+    (``train.snapshot_dir``), not from the checkpoint six steps before. Each resume into the
+    same folder keeps the earlier metrics rows."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -120,21 +123,27 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # not a multiple of 100
     assert [s for s, _ in metrics(run_dir)] == list(range(stop + 1))
 
-    proc = subprocess.Popen(ldt_train(run_dir, f"train.resume={run_dir}", "train.save_every=2"),
+    shm = tmp_path / "shm"  # host memory in real use (/dev/shm)
+    shm.mkdir()
+    snapshots = f"train.snapshot_dir={shm}"
+    proc = subprocess.Popen(ldt_train(run_dir, f"train.resume={run_dir}", "train.save_every=100",
+                                      snapshots),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        wait_for(lambda: int(os.path.basename(files.latest(str(run_dir))).split("_")[1]) >= stop + 4,
-                 proc, "two more checkpoints")
+        wait_for(lambda: len(metrics(run_dir)) >= stop + 7, proc, "six more steps")
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only: its ranks must not run on
         proc.wait(30)
     finally:
         assert_nothing_left(proc.pid)
     rows = metrics(run_dir)
-    assert [s for s, _ in rows] == list(range(len(rows))) and len(rows) >= stop + 5
+    assert [s for s, _ in rows] == list(range(len(rows))) and len(rows) >= stop + 7
     assert len(rows) < STEPS, "the ranks ran on after their launcher was killed"
-    resumed = run(run_dir, f"train.resume={run_dir}")
-    assert stop + 4 < resumed["first_step"] < STEPS
+    assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # no newer one
+    resumed = run(run_dir, f"train.resume={run_dir}", snapshots)
+    assert stop + 4 < resumed["first_step"] < STEPS  # at most two steps lost, not six
+    assert f"resuming from the snapshot of step {resumed['first_step'] - 1}" in resumed["stdout"]
+    assert os.listdir(shm) == []  # a finished run leaves no snapshot in host memory
     rows = metrics(run_dir)  # every step once: earlier rows kept, later ones trained again
     assert [s for s, _ in rows] == list(range(STEPS))
     assert [loss for _, loss in rows] == pytest.approx(full["losses"], abs=1e-6)
