@@ -47,6 +47,14 @@ def metrics(run_dir) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
 
 
+def _rows(run_dir) -> int:
+    """metrics.csv's rows, 0 while it is being rewritten (a resume keeps the earlier ones)."""
+    try:
+        return len(metrics(run_dir))
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
 def session_processes(sid: int) -> list[int]:
     """Live processes of a session (the launcher started with start_new_session=True, its
     forkserver, resource tracker and ranks)."""
@@ -103,9 +111,10 @@ def test_retention_keeps_the_last_checkpoints_with_checksums(full):
 def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     """SIGTERM: the ranks stop together after a step, save it, the launcher says where, in
     one line, and nothing of the run is left. SIGKILL of the launcher alone: nothing is left
-    either, and the next start continues from the newest step's snapshot
-    (``train.snapshot_dir``), not from the checkpoint six steps before. Each resume into the
-    same folder keeps the earlier metrics rows."""
+    either, and the next start (under torchrun) continues from the newest step's snapshot
+    (``train.snapshot_dir``), not from the checkpoint six steps before; so does torchrun's
+    restart after one of its workers is killed. Each resume into the same folder keeps the
+    earlier metrics rows."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -140,9 +149,27 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     assert [s for s, _ in rows] == list(range(len(rows))) and len(rows) >= stop + 7
     assert len(rows) < STEPS, "the ranks ran on after their launcher was killed"
     assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # no newer one
-    resumed = run(run_dir, f"train.resume={run_dir}", snapshots)
-    assert stop + 4 < resumed["first_step"] < STEPS  # at most two steps lost, not six
-    assert f"resuming from the snapshot of step {resumed['first_step'] - 1}" in resumed["stdout"]
+    # on under torchrun (the same layout), from the snapshot; a worker killed: torchrun
+    # re-forms the world, which goes on from the newest snapshot again
+    killed_at = len(rows)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "--max-restarts", "1", "-m", "ldt.job.train", f"run_dir={run_dir}",
+         f"train.steps={STEPS}", f"train.resume={run_dir}", snapshots],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        wait_for(lambda: _rows(run_dir) >= killed_at + 3, proc, "three steps under torchrun")
+        os.kill(int((run_dir / "pids" / "rank_1").read_text()), signal.SIGKILL)  # a writer
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # its workers end with the agent (ldt.launch.lifetime)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    starts = [int(s) for s in re.findall(r"resuming from the snapshot of step (\d+)", out)]
+    assert len(starts) == 2, out[-3000:]  # the first world, and torchrun's second
+    assert stop + 4 <= starts[0] < killed_at and starts[0] < starts[1]  # not six steps back
     assert os.listdir(shm) == []  # a finished run leaves no snapshot in host memory
     rows = metrics(run_dir)  # every step once: earlier rows kept, later ones trained again
     assert [s for s, _ in rows] == list(range(STEPS))

@@ -84,3 +84,25 @@ def test_a_bad_snapshot_dir_is_refused(tmp_path):
         snap.check_snapshot_dir("shm")
     with pytest.raises(ConfigError, match=r"train.snapshot_dir='.*/missing' is not a folder"):
         snap.check_snapshot_dir(str(tmp_path / "missing"))
+
+
+def test_auto_continues_a_folder_whose_run_left_snapshots(tmp_path):
+    """train.resume=auto refuses a folder holding a run without a checkpoint, unless that
+    run's snapshots are in this host's memory (the workers then start from them)."""
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    run.mkdir()
+    shm.mkdir()
+    (run / "metrics.csv").write_text("step,loss\n0,5.5\n")
+
+    def auto():
+        train = {"resume": "auto", "steps": 10}
+        files.resume_auto(train, str(run), restarted=snap.held(str(shm), str(run)))
+        return train["resume"]
+
+    with pytest.raises(files.CheckpointError, match="it saved no checkpoint"):
+        auto()
+    root = snap.snapshot_root(str(shm), str(run), "layout A")
+    with pytest.raises(files.CheckpointError, match="it saved no checkpoint"):
+        auto()  # the run's id, no snapshot yet
+    snap.write(root, 3, "stage_0", _state(3))
+    assert auto() is None  # a start that the snapshot continues

@@ -33,6 +33,7 @@ from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
 from ldt.storage.commit import _NO_SPACE, out_of_space
 from ldt.storage.runlock import RunLock
+from ldt.storage.snapshot_files import held
 from ldt.training.outputs import parity_max_abs_diff
 
 
@@ -182,7 +183,9 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     plain = resolve(cfg, run_dir)
     if plain["train"].get("resume") == AUTO:
         if rank in (None, 0):
-            plain["run_complete"] = resume_auto(plain["train"], plain["run_dir"])
+            plain["run_complete"] = resume_auto(  # snapshots here: this run's own folder
+                plain["train"], plain["run_dir"],
+                restarted=held(plain["train"].get("snapshot_dir"), plain["run_dir"]))
         else:  # torchrun's other ranks learn it from rank 0 (join_torchrun)
             plain["train"]["resume"] = None
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None

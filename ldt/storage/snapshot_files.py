@@ -58,6 +58,19 @@ def snapshot_root(snapshot_dir: str, run_dir: str, layout: str) -> str:
     return os.path.join(snapshot_dir, PREFIX + run_key(run_dir), digest)
 
 
+def held(snapshot_dir: Optional[str], run_dir: str) -> bool:
+    """Does this host hold snapshots of the run in ``run_dir`` (any layout)? Then the folder
+    is that run's own and a start there continues it, even without a checkpoint
+    (``train.resume=auto``, :func:`ldt.storage.checkpoint_files.resume_auto`)."""
+    path = os.path.join(run_dir, ID_FILE)
+    if not snapshot_dir or not os.path.exists(path):
+        return False
+    with open(path) as f:
+        run = os.path.join(snapshot_dir, PREFIX + f.read().strip()[:16])
+    return os.path.isdir(run) and any(steps(os.path.join(run, layout))
+                                      for layout in os.listdir(run))
+
+
 def check_snapshot_dir(path: Optional[str]) -> None:
     """``train.snapshot_dir`` must be an existing folder this process can write (in host
     memory: snapshots are written every step); refused in one line otherwise."""
