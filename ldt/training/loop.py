@@ -177,7 +177,7 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
     in host memory (``root``: :mod:`ldt.training.snapshot`); returns the first step."""
     t = run.cfg.train
     if root and snapshot.continues(t.resume, run.run_dir):
-        step = snapshot.load_newest(root, t.resume, models, chunks, opt, run.state,
+        step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt, run.state,
                                     run.guard.group)
         if step is not None:
             skip_to(opt, step)

@@ -88,13 +88,14 @@ class Snapshots:
                   file=sys.stderr, flush=True)
 
 
-def newest(root: str, state, resume: Optional[str], group=None) -> Optional[str]:
+def newest(root: str, state, resume: Optional[str], steps: int, group=None) -> Optional[str]:
     """The step folder of the newest snapshot that every rank can read (its stage's part
     there, its checksums verified), when it is newer than ``resume``'s checkpoint (None: a
-    fresh start); else None. Collective over ``group`` (all ranks): a few all-reduces of
-    one number, no pickled objects (these cross to every stage)."""
+    fresh start) and leaves a step of the run's ``steps`` to train; else None. Collective
+    over ``group`` (all ranks): a few all-reduces of one number, no pickled objects (these
+    cross to every stage)."""
     after = -1 if resume is None else int(read_info(latest(resume))["step"])
-    mine = [s for s in snapshot_files.steps(root) if s > after
+    mine = [s for s in snapshot_files.steps(root) if after < s < steps - 1
             and snapshot_files.readable(root, s, [snapshot_files.part_name(state.stage)])]
     bound = float("inf")
     while True:  # the largest step every rank holds: lower the bound until all agree
@@ -109,12 +110,12 @@ def newest(root: str, state, resume: Optional[str], group=None) -> Optional[str]
         bound = agreed
 
 
-def load_newest(root: str, resume: Optional[str], models, chunks, optimizer, state,
-                group=None) -> Optional[int]:
+def load_newest(root: str, resume: Optional[str], steps: int, models, chunks, optimizer,
+                state, group=None) -> Optional[int]:
     """Load :func:`newest` into this rank's chunks and optimizer (collective); the next step,
     or None when there is no snapshot to start from. Rank 0 says which it loaded."""
     progress.current().begin("looking for snapshots", waiting=True)
-    found = newest(root, state, resume, group)
+    found = newest(root, state, resume, steps, group)
     if found is None:
         return None
     progress.current().begin("loading the snapshot")
