@@ -106,3 +106,27 @@ def test_auto_continues_a_folder_whose_run_left_snapshots(tmp_path):
         auto()  # the run's id, no snapshot yet
     snap.write(root, 3, "stage_0", _state(3))
     assert auto() is None  # a start that the snapshot continues
+
+
+def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
+    """ldt.training.snapshot.newest in a world of one rank: a damaged newest generation
+    falls back to the one before; the run's last step (nothing left to train) is passed over;
+    nothing newer than the checkpoint resumed from: None."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ldt.training.snapshot import newest
+
+    for step in (3, 4):
+        snap.write(root, step, "stage_0", _state(step))
+    stage0 = SimpleNamespace(stage=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 4)
+        assert newest(root, stage0, None, steps=5) == files.step_dir(root, 3)  # 4 is the last
+        assert newest(root, SimpleNamespace(stage=1), None, steps=10) is None  # no such part
+        os.remove(os.path.join(files.step_dir(root, 4), "stage_0", files.MANIFEST))
+        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 3)
+    finally:
+        dist.destroy_process_group()
