@@ -2,7 +2,8 @@
 
 One uninterrupted 24-step run (saving every 6 steps, keeping the last 2) is the yardstick:
 a run stopped by SIGTERM, resumed, killed with SIGKILL, and resumed again into the same run
-folder must end with the same losses and one metrics.csv row per step; so must a resume from
+folder (from its snapshot in host memory, newer than its checkpoint) must end with the same
+losses and one metrics.csv row per step; so must a resume from
 the checkpoint before a save that found the disk full, and a resume into another layout
 (checkpoints hold full tensors under global names). A damaged, truncated, mismatched or
 finished checkpoint is refused on the launcher (exit 2, one line naming the file or the
@@ -37,13 +38,21 @@ def run(run_dir, *overrides, timeout=240):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["losses"] = [loss for _, loss in metrics(run_dir)]  # one row per step of this run
-    summary["stderr"] = proc.stderr
+    summary["stderr"], summary["stdout"] = proc.stderr, proc.stdout
     return summary
 
 
 def metrics(run_dir) -> list[tuple[int, float]]:
     with open(os.path.join(run_dir, "metrics.csv")) as f:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+
+
+def _rows(run_dir) -> int:
+    """metrics.csv's rows, 0 while it is being rewritten (a resume keeps the earlier ones)."""
+    try:
+        return len(metrics(run_dir))
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def session_processes(sid: int) -> list[int]:
@@ -102,7 +111,10 @@ def test_retention_keeps_the_last_checkpoints_with_checksums(full):
 def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     """SIGTERM: the ranks stop together after a step, save it, the launcher says where, in
     one line, and nothing of the run is left. SIGKILL of the launcher alone: nothing is left
-    either. Each resume into the same folder keeps the earlier metrics rows."""
+    either, and the next start (under torchrun) continues from the newest step's snapshot
+    (``train.snapshot_dir``), not from the checkpoint six steps before; so does torchrun's
+    restart after one of its workers is killed. Each resume into the same folder keeps the
+    earlier metrics rows."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -120,21 +132,45 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # not a multiple of 100
     assert [s for s, _ in metrics(run_dir)] == list(range(stop + 1))
 
-    proc = subprocess.Popen(ldt_train(run_dir, f"train.resume={run_dir}", "train.save_every=2"),
+    shm = tmp_path / "shm"  # host memory in real use (/dev/shm)
+    shm.mkdir()
+    snapshots = f"train.snapshot_dir={shm}"
+    proc = subprocess.Popen(ldt_train(run_dir, f"train.resume={run_dir}", "train.save_every=100",
+                                      snapshots),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        wait_for(lambda: int(os.path.basename(files.latest(str(run_dir))).split("_")[1]) >= stop + 4,
-                 proc, "two more checkpoints")
+        wait_for(lambda: len(metrics(run_dir)) >= stop + 7, proc, "six more steps")
         os.kill(proc.pid, signal.SIGKILL)  # the launcher only: its ranks must not run on
         proc.wait(30)
     finally:
         assert_nothing_left(proc.pid)
     rows = metrics(run_dir)
-    assert [s for s, _ in rows] == list(range(len(rows))) and len(rows) >= stop + 5
+    assert [s for s, _ in rows] == list(range(len(rows))) and len(rows) >= stop + 7
     assert len(rows) < STEPS, "the ranks ran on after their launcher was killed"
-    resumed = run(run_dir, f"train.resume={run_dir}")
-    assert stop + 4 < resumed["first_step"] < STEPS
+    assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # no newer one
+    # on under torchrun (the same layout), from the snapshot; a worker killed: torchrun
+    # re-forms the world, which goes on from the newest snapshot again
+    killed_at = len(rows)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "--max-restarts", "1", "-m", "ldt.job.train", f"run_dir={run_dir}",
+         f"train.steps={STEPS}", f"train.resume={run_dir}", snapshots],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        wait_for(lambda: _rows(run_dir) >= killed_at + 3, proc, "three steps under torchrun")
+        os.kill(int((run_dir / "pids" / "rank_1").read_text()), signal.SIGKILL)  # a writer
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # its workers end with the agent (ldt.launch.lifetime)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    starts = [int(s) for s in re.findall(r"resuming from the snapshot of step (\d+)", out)]
+    assert len(starts) == 2, out[-3000:]  # the first world, and torchrun's second
+    assert stop + 4 <= starts[0] < killed_at and starts[0] < starts[1]  # not six steps back
+    assert os.listdir(shm) == []  # a finished run leaves no snapshot in host memory
     rows = metrics(run_dir)  # every step once: earlier rows kept, later ones trained again
     assert [s for s, _ in rows] == list(range(STEPS))
     assert [loss for _, loss in rows] == pytest.approx(full["losses"], abs=1e-6)

@@ -30,6 +30,9 @@ CASES = {
     "device_missing": (["cluster=mixed_gpu_npu", "model=llama_7b"], {},
                        ["cluster.stages[0].device='cuda'", "this machine has only ['cpu']"]),
     "dp_zero": (["cluster.dp=0"], {}, ["cluster.dp=0 must be >= 1"]),
+    "snapshot_dir_missing": (["train.snapshot_dir={tmp}/absent"], {},
+                             ["train.snapshot_dir=", "absent' is not a folder this process can "
+                              "write", "e.g. /dev/shm"]),
     "typo_key": (["+cluster.stages.0.devise=cpu"], {}, ["devise"]),
     "interleaved_one_chunk": (["cluster=cpu_vtp", "train.schedule=interleaved"], {},
                               ["train.schedule=interleaved needs several chunks per stage",

@@ -191,6 +191,12 @@ class TrainConfig:
     or SIGHUP also writes one at the step it stops after."""
     keep_last: int = 0
     """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
+    snapshot_dir: Optional[str] = None
+    """A folder in host memory (e.g. ``/dev/shm``, the same path on every host): after every
+    step each stage's state (what a checkpoint holds) is written there in the background, two
+    generations with checksums, and a restart of the run in the same layout (torchrun, or
+    ``train.resume`` of the run folder) continues from the newest snapshot every rank has
+    when it is newer than the checkpoint. None: off. See docs/elastic.md."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
     load: Optional[str] = None

@@ -19,6 +19,7 @@ from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, joi
 import ldt.launch.quiet
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
+from ldt.storage.snapshot_files import held
 
 
 def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
@@ -74,7 +75,8 @@ def _continued_run(plain: dict, lock, env) -> dict:
     continues; every rank learns it (or why not) as the world forms."""
     try:
         lock.acquire()
-        restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        restarted = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 \
+            or held(plain["train"].get("snapshot_dir"), plain["run_dir"])  # this run's own
         complete = resume_auto(plain["train"], plain["run_dir"], elastic=True,
                                restarted=restarted)
         return {"run_dir": plain["run_dir"], "resume": plain["train"]["resume"],

@@ -24,6 +24,7 @@ from ldt.config.errors import EXIT_CONFIG
 import ldt.launch.quiet
 from ldt.launch.quiet import LOG_LEVELS
 from ldt.launch.quiet import set_log_level
+from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.topology.ranks import Topology
 
 
@@ -133,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ldt.job.megatron: invalid config: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if "RANK" in os.environ:  # torchrun: this process is one rank of its world
+        stop_with_torchrun_agent()  # and never outlives torchrun's agent
         return _torchrun_rank(cluster, ns)
     from ldt.launch.local import WorldError, run_local_world
 

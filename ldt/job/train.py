@@ -27,15 +27,18 @@ from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
                      new_run_folder, reference_config, resolve, save_config, summary_line)
+from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
 from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
 from ldt.storage.commit import _NO_SPACE, out_of_space
 from ldt.storage.runlock import RunLock
+from ldt.storage.snapshot_files import held
 from ldt.training.outputs import parity_max_abs_diff
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    stop_with_torchrun_agent()  # a worker of torchrun's agent never outlives it
     code = run_app(_job, argv)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
@@ -180,7 +183,9 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     plain = resolve(cfg, run_dir)
     if plain["train"].get("resume") == AUTO:
         if rank in (None, 0):
-            plain["run_complete"] = resume_auto(plain["train"], plain["run_dir"])
+            plain["run_complete"] = resume_auto(  # snapshots here: this run's own folder
+                plain["train"], plain["run_dir"],
+                restarted=held(plain["train"].get("snapshot_dir"), plain["run_dir"]))
         else:  # torchrun's other ranks learn it from rank 0 (join_torchrun)
             plain["train"]["resume"] = None
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None

@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 from ldt.launch import progress as _progress
+from ldt.launch.lifetime import die_with_parent
 
 PRELOAD = ["ldt.launch.forkserver", "ldt.launch.quiet", "torch", "torch.distributed",
            "megatron.core.parallel_state", "megatron.core.models.gpt",
@@ -88,7 +89,7 @@ def _child(rank: int, world_size: int, port: int, fn: Union[Callable, str], args
            env: dict, conn: Any, timeout_s: float, init_dist: bool, lifeline: Any,
            slots: Any) -> None:
     _detach_from_forkserver()
-    _die_with_parent()
+    die_with_parent()  # the forkserver's death: the backstop for a child that cannot watch
     atexit.unregister(os._exit)  # the forkserver's way out (ldt.launch.forkserver): not a rank's,
     # whose atexit handlers a script runner (ldt.job.megatron) calls before the rank reports
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt.launch.forkserver)
@@ -323,17 +324,6 @@ def _detach_from_forkserver() -> None:
         except OSError:
             pass
         server._forkserver_alive_fd = None
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent (the forkserver, which ends with the
-    launcher) dies: the backstop for a child that cannot run its lifeline watcher."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _dumps(obj: Any) -> bytes:

@@ -227,6 +227,11 @@ def verify(folder: str, *, which: Optional[list[str]] = None, hashes: bool = Tru
     return info
 
 
+def verify_part(part: str, hashes: bool = True, field: str = "train.resume") -> None:
+    """One part folder against its manifest (an unsealed step's too: a snapshot's)."""
+    _verify_part(part, hashes, field)
+
+
 def _verify_part(part: str, hashes: bool, field: str) -> None:
     path = os.path.join(part, MANIFEST)
     try:

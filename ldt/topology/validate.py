@@ -24,6 +24,7 @@ from ldt.models.tensor_files import check_compatible
 from ldt.schedule.size import (available_bytes, check_fits, check_schedule_size, gib,
                                runs_on_ldt_runtime)
 from ldt.storage.checkpoint_files import preflight, skipped
+from ldt.storage.snapshot_files import check_snapshot_dir
 from ldt.topology.device import check_devices_present
 from ldt.topology.ranks import Topology
 
@@ -83,6 +84,7 @@ def check_files(data: DataConfig, model: ModelConfig, train: TrainConfig, topo: 
     stage = topo.rank_info(rank).stage if rank is not None and rank < topo.world_size else None
     # indexed data and tokenizers: the settings everywhere, the files on data ranks only
     check_data(data, model, train, topo, rank)
+    check_snapshot_dir(train.snapshot_dir)  # on every rank: each host writes its own
     if data.blend is None and (stage is None or stage in topo.data_stages()):
         warnings += _check_data(data, model, train)  # bytes-as-tokens text
     if (train.resume or train.load) and rank in (None, 0):  # a skipped save is said once

@@ -73,6 +73,33 @@ def _gather_full(name: str, local: torch.Tensor, state, gated: bool = False,
     return out
 
 
+def gather(models, chunks, optimizer, state) -> tuple[dict, dict]:
+    """This stage's training state as full tensors under global names, on the stage leader
+    (collective over the stage's TP and DP groups; ``({}, {})`` on the other ranks):
+    ``(model, optimizer)``, the optimizer's as ``{name: {main_param, moments..., step}}``.
+    Every tensor is a copy: training may go on while it is written (:mod:`.snapshot`)."""
+    model_sd, optim_sd = {}, {}
+    gated = is_gated(models[0])
+    experts = models[0].config.num_moe_experts or 0
+    states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
+    for name, p in _named_params(models, chunks):
+        full = _gather_full(name, p, state, gated, experts)
+        if optimizer is not None and id(p) not in states:
+            states[id(p)] = param_state(optimizer, p, state.dp_group)
+        st = states.get(id(p))
+        tensors = {k: _gather_full(name, v, state, gated, experts)
+                   for k, v in (st or {}).items() if k != "step"}
+        model_sd.update(full)  # empty except on the leader
+        for each in full if st is not None else ():
+            optim_sd[each] = {**{k: v[each] for k, v in tensors.items()}, "step": st["step"]}
+    return model_sd, optim_sd
+
+
+def writes(state) -> bool:
+    """Does this rank write its stage's part (the leader of the stage's first replica)?"""
+    return state.is_leader and state.info.dp_rank == 0
+
+
 @dataclass
 class Saved:
     """The outcome of :func:`save`, the same on every rank: the step folder, or why not."""
@@ -91,22 +118,9 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
     save carries on. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
     target = step_dir(root, step)
-    model_sd, optim_sd = {}, {}
-    gated = is_gated(models[0])
-    experts = models[0].config.num_moe_experts or 0
-    states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
-    for name, p in _named_params(models, chunks):
-        full = _gather_full(name, p, state, gated, experts)
-        if optimizer is not None and id(p) not in states:
-            states[id(p)] = param_state(optimizer, p, state.dp_group)
-        st = states.get(id(p))
-        tensors = {k: _gather_full(name, v, state, gated, experts)
-                   for k, v in (st or {}).items() if k != "step"}
-        model_sd.update(full)  # empty except on the leader
-        for each in full if st is not None else ():
-            optim_sd[each] = {**{k: v[each] for k, v in tensors.items()}, "step": st["step"]}
+    model_sd, optim_sd = gather(models, chunks, optimizer, state)
     error = None
-    if state.is_leader and state.info.dp_rank == 0:
+    if writes(state):
         try:
             write_tensors(target, state.stage, model_sd, step, optim_sd)
         except files.DiskFullError as exc:
@@ -162,6 +176,14 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
         raise CheckpointError(
             f"{field}={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
+    return load_step(found, models, chunks, optimizer, state, verified=verified,
+                     weights_only=weights_only, field=field)
+
+
+def load_step(found: str, models, chunks, optimizer, state, *, verified: bool = False,
+              weights_only: bool = False, field: str = "train.resume") -> int:
+    """:func:`load` from the step folder ``found`` itself (a sealed checkpoint's, or a
+    snapshot's whose parts the caller verified: :mod:`.snapshot`); returns the next step."""
     gated = is_gated(models[0])
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
     ep = state.topology.stages[state.stage].ep

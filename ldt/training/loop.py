@@ -40,7 +40,7 @@ from ldt.schedule.size import runs_on_ldt_runtime
 from ldt.topology.device import rank_device, use_device
 from ldt.topology.ranks import Topology
 from ldt.topology.validate import validate
-from ldt.training import checkpoint, moe
+from ldt.training import checkpoint, moe, snapshot
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
@@ -151,6 +151,7 @@ class _Stage:
     first_step: int
     ldt_runtime: bool
     run_pass: Callable  # (make_iterator, forward_only=False) -> (losses, timings)
+    snapshots: Optional[snapshot.Snapshots] = None  # train.snapshot_dir
 
 
 def _build_stage(run: _Run) -> _Stage:
@@ -161,17 +162,26 @@ def _build_stage(run: _Run) -> _Stage:
     shared = len({id(p) for g in models for p in g.parameters()}) < \
         sum(1 for g in models for _ in g.parameters())  # U-shape edge: tied embedding + head
     opt = build_stage_optimizer(cfg, topo, state, models, shared_chunks=shared)
-    first_step = _load_checkpoint(run, models, chunks, opt)
+    root = snapshot.root_of(cfg, run.run_dir, topo)
+    first_step = _load_checkpoint(run, models, chunks, opt, root)
     data = build_training_data(cfg, topo, state)  # every rank: indexed data builds collectively
     ldt_runtime = uses_ldt_runtime(cfg.train, topo)
     run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
-    return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass)
+    snaps = snapshot.Snapshots(root, state) if root else None
+    return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass, snaps)
 
 
-def _load_checkpoint(run: _Run, models, chunks, opt) -> int:
+def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None) -> int:
     """``train.resume`` (weights, optimizer, step) or ``train.load`` (weights only, e.g. an
-    imported Hugging Face model: step 0, a fresh optimizer); returns the first step."""
+    imported Hugging Face model: step 0, a fresh optimizer), or a newer snapshot of the run
+    in host memory (``root``: :mod:`ldt.training.snapshot`); returns the first step."""
     t = run.cfg.train
+    if root and snapshot.continues(t.resume, run.run_dir):
+        step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt, run.state,
+                                    run.guard.group)
+        if step is not None:
+            skip_to(opt, step)
+            return step
     if not (t.resume or t.load):
         return 0
     progress.current().begin("loading the checkpoint")
@@ -228,9 +238,15 @@ def _train(run: _Run) -> Optional[dict]:
         timings.append(timed)
         if out is not None:
             out.step(row, decision)
+        if stage.snapshots is not None and not decision.nonfinite:
+            progress.current().begin("snapshot (gathering the stage's state)", waiting=True)
+            stage.snapshots.take(step, stage.opt.models, stage.chunks, stage.opt)
         stop = _stop_or_save(run, stage, step, row, decision)
         if stop is not None:
             break
+    if stage.snapshots is not None:
+        progress.current().begin("finishing the last snapshot")
+        stage.snapshots.close(finished=stop is None)
     progress.current().begin("writing outputs")
     if out is not None:
         out.close()

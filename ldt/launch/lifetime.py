@@ -1,0 +1,44 @@
+"""A worker lives no longer than the process that started it.
+
+Two launchers start ldt's workers: ldt's own (:mod:`ldt.launch.local`, whose children also
+watch a lifeline) and torchrun's elastic agent. The agent starts every worker in a session
+of its own (``Popen(start_new_session=True)``, torch's ``SubprocessHandler``), so a signal to
+the agent's process group (a host's supervisor stopping it, ``kill -9 -PGID``) does not reach
+the worker: it would go on, holding its memory and device, training with the other hosts'
+ranks until a transfer with a rank of its host failed. The agent starts its workers from its
+main thread and stays their parent, so the kernel's parent-death signal
+(``PR_SET_PDEATHSIG``, Linux) ends a worker the moment its agent is gone, however it died.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+#: set by torchrun's agent in every worker's environment (torch.distributed.elastic)
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
+
+
+def die_with_parent() -> bool:
+    """Linux: SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``); a parent that
+    dies while it is being armed ends it at once (one that died before, in the second a
+    worker takes to start Python, is not seen: the process has a new parent by then).
+    Returns False where the platform has no such signal (the caller's other means apply)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        if ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL) != 0:
+            return False  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # it died while the signal was being armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def stop_with_torchrun_agent() -> bool:
+    """In a worker started by torchrun's agent: end with the agent (:func:`die_with_parent`).
+    Elsewhere (bare, another launcher that sets ``RANK``) nothing changes. Returns whether
+    the tie was made."""
+    return TORCHRUN_WORKER in os.environ and die_with_parent()

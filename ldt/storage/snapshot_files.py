@@ -1,0 +1,161 @@
+"""Snapshots in host memory: every step's state, in files that outlive the worker processes.
+
+A snapshot is a checkpoint's step folder without the seal: ``<root>/checkpoints/step_<N>/``
+holding parts ``stage_<S>`` written by :func:`ldt.storage.checkpoint_files.write_part` (a
+``torch.distributed.checkpoint`` folder and its ``MANIFEST.json`` with the sha256 of every
+file, written into ``<part>.tmp`` and renamed into place), so a part is whole or absent and its
+checksums say whether it is still what was written. No rank waits for the others to write: a
+step's snapshot is complete when every part it needs is there and verifies, which the readers
+decide together at a start (:mod:`ldt.training.snapshot`). Each writer keeps the newest
+:data:`GENERATIONS` of its own part: a write cut short leaves the previous one whole.
+
+``root`` (:func:`snapshot_root`) is a folder of ``train.snapshot_dir`` (host memory, e.g.
+``/dev/shm``) named after the run (an id kept in its run folder, so a run folder removed and
+made again does not find the old run's snapshots) and the layout (a re-planned world does not load
+another layout's parts as its own). No torch and no collectives here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from typing import Iterable, Optional
+
+from ldt.config import ConfigError
+from ldt.storage import checkpoint_files as files
+
+GENERATIONS = 2
+PREFIX = "ldt-snapshots-"
+ID_FILE = "snapshot_id"  # in the run folder
+
+
+def run_key(run_dir: str) -> str:
+    """The run's name for its snapshots: a random id kept in the run folder
+    (:data:`ID_FILE`), made by whichever rank comes first (``os.link`` either puts a whole
+    file in place or finds one there), so a run folder removed and made again is another
+    run, whatever inode or path it has."""
+    path = os.path.join(run_dir, ID_FILE)
+    if not os.path.exists(path):
+        tmp = f"{path}.{uuid.uuid4().hex}"
+        with open(tmp, "w") as f:
+            f.write(uuid.uuid4().hex + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()[:16]
+
+
+def snapshot_root(snapshot_dir: str, run_dir: str, layout: str) -> str:
+    """The snapshot folder of a run (``run_dir``) in one layout (any text that names it, e.g.
+    the rank map)."""
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
+    return os.path.join(snapshot_dir, PREFIX + run_key(run_dir), digest)
+
+
+def held(snapshot_dir: Optional[str], run_dir: str) -> bool:
+    """Does this host hold snapshots of the run in ``run_dir`` (any layout)? Then the folder
+    is that run's own and a start there continues it, even without a checkpoint
+    (``train.resume=auto``, :func:`ldt.storage.checkpoint_files.resume_auto`)."""
+    path = os.path.join(run_dir, ID_FILE)
+    if not snapshot_dir or not os.path.exists(path):
+        return False
+    with open(path) as f:
+        run = os.path.join(snapshot_dir, PREFIX + f.read().strip()[:16])
+    return os.path.isdir(run) and any(steps(os.path.join(run, layout))
+                                      for layout in os.listdir(run))
+
+
+def check_snapshot_dir(path: Optional[str]) -> None:
+    """``train.snapshot_dir`` must be an existing folder this process can write (in host
+    memory: snapshots are written every step); refused in one line otherwise."""
+    if path is None:
+        return
+    if not os.path.isabs(path):
+        raise ConfigError(f"train.snapshot_dir={path!r} must be an absolute path (the same on "
+                          "every host), e.g. /dev/shm")
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.snapshot_dir={path!r} is not a folder this process can write; "
+                          "give a folder in host memory, e.g. /dev/shm, or null to turn "
+                          "snapshots off")
+
+
+def part_name(stage: int) -> str:
+    return f"{files.PART_PREFIX}{stage}"
+
+
+def write(root: str, step: int, part: str, state_dict: dict) -> str:
+    """Write ``part`` of step ``step``'s snapshot, then drop this part's generations older
+    than the newest :data:`GENERATIONS` (each writer touches only its own part)."""
+    done = files.write_part(files.step_dir(root, step), part, state_dict)
+    prune(root, part)
+    return done
+
+
+def steps(root: str) -> list[int]:
+    """The steps with a snapshot folder under ``root``, newest first."""
+    folder = os.path.join(root, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    return sorted((int(d.split("_")[1]) for d in os.listdir(folder)
+                   if d.startswith("step_") and d.split("_")[1].isdigit()), reverse=True)
+
+
+def prune(root: str, part: str, keep: int = GENERATIONS) -> None:
+    """Remove ``part`` from every step but the newest ``keep`` that hold it, and step folders
+    left empty."""
+    held = [s for s in steps(root)
+            if os.path.isdir(os.path.join(files.step_dir(root, s), part))]
+    for s in held[keep:]:
+        folder = files.step_dir(root, s)
+        shutil.rmtree(os.path.join(folder, part), ignore_errors=True)
+        try:
+            os.rmdir(folder)  # the last part of that step
+        except OSError:
+            pass
+
+
+def readable(root: str, step: int, needed: Iterable[str]) -> bool:
+    """Are the ``needed`` parts of step ``step`` there and do their checksums verify?"""
+    folder = files.step_dir(root, step)
+    try:
+        for part in needed:
+            files.verify_part(os.path.join(folder, part))
+    except files.CheckpointError:
+        return False
+    return True
+
+
+def remove_other_layouts(root: str) -> None:
+    """Drop the run's snapshots of other layouts on this host: a world plans once, and a
+    later one with another layout starts from its own snapshots or the disk."""
+    parent = os.path.dirname(root)
+    if os.path.isdir(parent):
+        for name in os.listdir(parent):
+            if name != os.path.basename(root):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def remove(root: str, part: Optional[str] = None) -> None:
+    """A finished run's snapshots: ``part``'s (every step), or all; folders left empty go."""
+    if part is None:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        for s in steps(root):
+            shutil.rmtree(os.path.join(files.step_dir(root, s), part), ignore_errors=True)
+            _rmdir(files.step_dir(root, s))
+        _rmdir(os.path.join(root, "checkpoints"))
+        _rmdir(root)
+    _rmdir(os.path.dirname(root))
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass

@@ -1,0 +1,132 @@
+"""Snapshots in host memory, as files (no processes): two generations per part, a write cut
+short or a damaged file leaves the previous generation readable, a run folder made again or
+another layout never finds the old snapshots, and a bad ``train.snapshot_dir`` is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from ldt.config import ConfigError
+from ldt.storage import checkpoint_files as files
+from ldt.storage import snapshot_files as snap
+
+
+def _state(step: int) -> dict:
+    return {"model": {"w": torch.full((4, 3), float(step))}, "optim": {}, "step": step}
+
+
+@pytest.fixture
+def root(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "shm").mkdir()
+    return snap.snapshot_root(str(tmp_path / "shm"), str(run), "layout A")
+
+
+def test_each_part_keeps_two_generations(root):
+    for step in range(4):
+        snap.write(root, step, "stage_0", _state(step))
+        if step < 3:
+            snap.write(root, step, "stage_1", _state(step))
+    assert snap.steps(root) == [3, 2, 1]  # step 0 is gone with its last part
+    assert sorted(os.listdir(files.step_dir(root, 3))) == ["stage_0"]
+    assert sorted(os.listdir(files.step_dir(root, 2))) == ["stage_0", "stage_1"]
+    assert sorted(os.listdir(files.step_dir(root, 1))) == ["stage_1"]
+    assert snap.readable(root, 2, ["stage_0", "stage_1"])
+    assert not snap.readable(root, 3, ["stage_0", "stage_1"])  # stage_1 of step 3 never came
+    snap.remove(root, "stage_0")
+    snap.remove(root, "stage_1")
+    assert not os.path.exists(os.path.dirname(root))  # nothing left in host memory
+
+
+def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
+    for step in (5, 6):
+        snap.write(root, step, "stage_0", _state(step))
+    # a writer killed while writing step 7: its temporary folder, no part
+    os.makedirs(os.path.join(files.step_dir(root, 7), "stage_0.tmp"))
+    assert not snap.readable(root, 7, ["stage_0"])
+    assert snap.readable(root, 6, ["stage_0"])
+    part = os.path.join(files.step_dir(root, 6), "stage_0")
+    data = next(f for f in os.listdir(part) if f.endswith(".distcp"))
+    with open(os.path.join(part, data), "r+b") as f:  # one byte flipped, same size
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    assert not snap.readable(root, 6, ["stage_0"])
+    assert snap.readable(root, 5, ["stage_0"])
+
+
+def test_another_run_folder_or_layout_finds_none(tmp_path, root):
+    run = tmp_path / "run"
+    shm = str(tmp_path / "shm")
+    assert snap.snapshot_root(shm, str(run), "layout A") == root
+    assert snap.snapshot_root(shm, str(run), "layout B") != root
+    shutil.rmtree(run)
+    run.mkdir()  # the same path (maybe the same inode): another run
+    assert snap.snapshot_root(shm, str(run), "layout A") != root
+    snap.write(root, 1, "stage_0", _state(1))
+    other = snap.snapshot_root(shm, str(run), "layout A")
+    sibling = snap.snapshot_root(shm, str(run), "layout B")
+    os.makedirs(other)
+    os.makedirs(sibling)
+    snap.remove_other_layouts(other)  # the same run's other layouts only
+    assert os.path.isdir(other) and not os.path.exists(sibling) and snap.steps(root) == [1]
+
+
+def test_a_bad_snapshot_dir_is_refused(tmp_path):
+    snap.check_snapshot_dir(None)
+    snap.check_snapshot_dir(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"train.snapshot_dir='shm' must be an absolute"):
+        snap.check_snapshot_dir("shm")
+    with pytest.raises(ConfigError, match=r"train.snapshot_dir='.*/missing' is not a folder"):
+        snap.check_snapshot_dir(str(tmp_path / "missing"))
+
+
+def test_auto_continues_a_folder_whose_run_left_snapshots(tmp_path):
+    """train.resume=auto refuses a folder holding a run without a checkpoint, unless that
+    run's snapshots are in this host's memory (the workers then start from them)."""
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    run.mkdir()
+    shm.mkdir()
+    (run / "metrics.csv").write_text("step,loss\n0,5.5\n")
+
+    def auto():
+        train = {"resume": "auto", "steps": 10}
+        files.resume_auto(train, str(run), restarted=snap.held(str(shm), str(run)))
+        return train["resume"]
+
+    with pytest.raises(files.CheckpointError, match="it saved no checkpoint"):
+        auto()
+    root = snap.snapshot_root(str(shm), str(run), "layout A")
+    with pytest.raises(files.CheckpointError, match="it saved no checkpoint"):
+        auto()  # the run's id, no snapshot yet
+    snap.write(root, 3, "stage_0", _state(3))
+    assert auto() is None  # a start that the snapshot continues
+
+
+def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
+    """ldt.training.snapshot.newest in a world of one rank: a damaged newest generation
+    falls back to the one before; the run's last step (nothing left to train) is passed over;
+    nothing newer than the checkpoint resumed from: None."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ldt.training.snapshot import newest
+
+    for step in (3, 4):
+        snap.write(root, step, "stage_0", _state(step))
+    stage0 = SimpleNamespace(stage=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 4)
+        assert newest(root, stage0, None, steps=5) == files.step_dir(root, 3)  # 4 is the last
+        assert newest(root, SimpleNamespace(stage=1), None, steps=10) is None  # no such part
+        os.remove(os.path.join(files.step_dir(root, 4), "stage_0", files.MANIFEST))
+        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 3)
+    finally:
+        dist.destroy_process_group()
