@@ -177,6 +177,15 @@ class CostModel:
             mlp = moe_mlp_flops(self, mlp)
         return 2 * b * s * h * self.qkv + 2 * b * s * self.hd * h + mlp + 4 * b * s * s * self.hd
 
+    def layer_linear_flops(self) -> float:
+        """The part of :meth:`layer_flops` in megatron's column- and row-parallel linear layers
+        (QKV, projection, the MLP's or the active experts' fc1 and fc2): what their weight
+        gradient costs again in the backward, the W of a zero-bubble schedule (the attention
+        core has no weights; a MoE router's is not split, ``patches/wgrad_split.py``)."""
+        b, s, h = self.b, self.s, self.h
+        out = self.layer_flops() - 4 * b * s * s * self.hd
+        return out - (self.moe.share * 2 * b * s * h * self.moe.experts if self.moe else 0.0)
+
     def head_flops(self) -> float:
         return 2 * self.b * self.s * self.h * self.V
 
@@ -431,6 +440,15 @@ class CostModel:
             hf, hb = self.head_time(kind, tp)
             f, b = f + hf, b + hb
         return f, b
+
+    def wgrad_time(self, kind: str, tp: int, chunk: ChunkLoad) -> float:
+        """The part of :meth:`chunk_time`'s backward that is the weight gradient of the
+        chunk's linear layers (the head's too): a zero-bubble schedule's W, one micro-batch;
+        its B is the rest (input gradients, TP collectives, recomputation)."""
+        flops = chunk.layers * self.layer_linear_flops()
+        if chunk.head:
+            flops += self.head_flops()
+        return flops / self._speed(self.inventory.kind(kind), tp)
 
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
