@@ -450,6 +450,23 @@ class CostModel:
             flops += self.head_flops()
         return flops / self._speed(self.inventory.kind(kind), tp)
 
+    def wstore_bytes(self, tp: int, chunk: ChunkLoad) -> float:
+        """One micro-batch's W store entry on a rank (a zero-bubble schedule holds it from
+        the chunk's B to its W): what each split linear layer's weight gradient needs, its
+        input (whole: with sequence parallelism the gathered copy) and its output gradient.
+        Per layer QKV ``h`` and ``qkv/t``, the projection ``hd/t`` and ``h``, fc1 ``h`` and
+        ``fc1/t``, fc2 ``f/t`` and ``h`` (a MoE layer's ``topk`` expert MLPs in place of the
+        MLP's); the head ``h`` and ``V/t``; per token, in the activations' dtype."""
+        h, t = self.h, tp
+        mlp = h + self.fc1 / t + self.f / t + h
+        if self.moe is not None:
+            e = self.moe
+            mlp = e.share * e.topk * (h + (e.fc1 + e.ffn) / t + h) + (1 - e.share) * mlp
+        per_token = chunk.layers * (h + self.qkv / t + self.hd / t + h + mlp)
+        if chunk.head:
+            per_token += h + self.V / t
+        return self.s * self.b * self.d * per_token
+
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
 
