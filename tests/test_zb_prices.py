@@ -8,6 +8,7 @@ test_p2p_parity.py)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -17,8 +18,11 @@ from ldt.plan.convert import cluster_to_plan, load_cluster
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import op_table
 from ldt.plan.inventory import DeviceKind, Inventory, Link, load_inventory, load_model
-from ldt.plan.zerobubble import (nominal_inventory, planned_kinds, prices, run_prices,
-                                 split_op_table)
+from ldt.plan import Workload, make_cost, simulate_plan, train_yaml
+from ldt.plan.evaluate import Plan, StageSpec
+from ldt.plan.objective import Objective, choose
+from ldt.plan.zerobubble import (choose_schedule, nominal_inventory, planned_kinds, prices,
+                                 run_prices, split_op_table)
 from ldt.schedule import Op, lower, simulate
 from ldt.schedule.zerobubble import zb_h1, zb_u_shape
 
@@ -97,3 +101,55 @@ def test_the_run_is_priced_with_its_inventory():
     cfg.cluster.stages[2].name = "cloud_cpu.1_0"  # an elastic plan's second node group
     assert planned_kinds(cfg.cluster, load_inventory("cpu_elastic")) == [
         "edge_cpu", "cloud_cpu", "cloud_cpu"]
+
+
+# ---- the planner's choice between today's schedule and the zero-bubble one -----------------
+EDGE_CLOUD_PLAN = dict(  # what ldt-plan picks for llama_7b on edge_cloud, global batch 64
+    stages=(StageSpec("edge_gpu", 1), StageSpec("ascend910b", 4), StageSpec("ascend910b", 4)),
+    layers=(1, 15, 15, 1), u_shape=True, dp=2, num_microbatches=32)
+
+
+def test_the_planner_s_pick_is_the_objective_s_pick(monkeypatch):
+    """ldt-plan times its pick on the zero-bubble schedule too and keeps what the objective
+    picks between the two (here zb, faster); its train file then says ``schedule: zb`` and
+    the inventory the run prices its order with."""
+    from ldt.plan import planner
+
+    seen = {}
+
+    def spy(ev, cost, inventory, objective):
+        seen["today"] = ev
+        out = choose_schedule(ev, cost, inventory, objective)
+        seen["zb"] = out[1]
+        return out
+
+    monkeypatch.setattr(planner, "choose_schedule", spy)
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    objective = Objective()
+    result = planner.plan(inventory, model, Workload(1, 64), objective=objective)
+    today, zb = seen["today"], seen["zb"]
+    assert zb.schedule == "zb" and today.schedule == "auto"
+    assert zb.iteration_time < today.iteration_time and zb.fits  # so the objective: zb
+    assert result.best is choose([today, zb], inventory, objective)[0] is zb
+    assert zb in result.front
+    text = train_yaml(result.best, "llama_7b", 1, "planned", "edge_cloud")
+    assert "schedule: zb" in text and "cost_inventory: edge_cloud" in text
+    assert "schedule" not in train_yaml(today, "llama_7b", 1, "planned", "edge_cloud")
+
+
+def test_a_w_store_that_does_not_fit_keeps_today_s_schedule():
+    """The same plan with the edge card's memory between today's need (17.0 GiB) and the
+    zero-bubble schedule's (20.1 GiB: its W store on top): the faster zb does not fit, so
+    today's schedule stays; with the card's real 24 GiB zb is picked."""
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    plan = Plan(**EDGE_CLOUD_PLAN)
+    for memory_gib, want in ((20.5, "auto"), (24, "zb")):
+        kinds = [replace(k, memory_gib=memory_gib) if k.name == "edge_gpu" else k
+                 for k in inventory.kinds]
+        inv = replace(inventory, kinds=kinds)
+        cost = make_cost(inv, model, Workload(1, 64))
+        today = simulate_plan(plan, cost)
+        pick, zb = choose_schedule(today, cost, inv, Objective())
+        assert zb.iteration_time < today.iteration_time and today.fits
+        assert zb.stages[0].memory.wstore > 0
+        assert pick.schedule == want, (memory_gib, [s.memory.total / 2**30 for s in zb.stages])

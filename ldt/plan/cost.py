@@ -128,11 +128,14 @@ class Memory:
     """Received tensors waiting in boundary buffers."""
     transient: float = 0.0
     """The peak above all that while one micro-batch's backward runs."""
+    wstore: float = 0.0
+    """A zero-bubble schedule's W store at its peak (:meth:`CostModel.wstore_bytes` x the
+    entries held); 0 under the unsplit schedules."""
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.buffers
-                + self.transient)
+                + self.transient + self.wstore)
 
 
 def ring_allreduce_time(nbytes: float, n: int, bw_gbps: float) -> float:

@@ -22,9 +22,11 @@ from typing import Optional, Sequence
 from ldt.config import ConfigError, LdtConfig
 from ldt.plan.convert import cluster_to_plan
 from ldt.plan.cost import CostModel
-from ldt.plan.evaluate import Plan, comm_table, op_table
+from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
+                               op_table)
 from ldt.plan.inventory import Inventory, Link, load_inventory
-from ldt.schedule import Op, Schedule
+from ldt.plan.objective import Objective, choose
+from ldt.schedule import Op, Schedule, lower, simulate
 from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
 
 NOMINAL = "cpu_local"
@@ -56,6 +58,44 @@ def zb_compute(plan: Plan, priced: Priced) -> Schedule:
     """The plan's zero-bubble compute lists (ZB-H1, or the zero-bubble U-shape) for ``priced``."""
     generate = zb_u_shape if plan.u_shape else zb_h1
     return generate(plan.num_stages, plan.num_microbatches, *priced.tables())
+
+
+def simulate_zb(plan: Plan, cost: CostModel) -> Evaluation:
+    """``plan`` timed on its zero-bubble schedule, generated from its prices as a run
+    generates it (ZB-H1, or the zero-bubble U-shape; no prefetch: ``train.schedule=zb`` runs
+    without): the simulator's iteration, and per stage the memory of what that order holds,
+    the micro-batches in flight and the W store at its peak (``SimResult.peak_wstore``
+    entries of the stage's largest, :meth:`~ldt.plan.cost.CostModel.wstore_bytes`)."""
+    plan = fit_recompute(replace(plan, prefetch=0), cost)
+    priced = prices(plan, cost)
+    sim = simulate(lower(zb_compute(plan, priced), "ushape" if plan.u_shape else "1f1b"),
+                   *priced.tables())
+    inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
+                else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
+    wstore = {i: sim.peak_wstore.get(i, 0) * max(cost.wstore_bytes(st.tp, c)
+                                                 for c in plan.stage_chunks(i))
+              for i, st in enumerate(plan.stages)}
+    return evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight,
+                      sim, wstore, "zb")
+
+
+def runs_zb(plan: Plan) -> bool:
+    """Whether ``train.schedule=zb`` can run ``plan`` and might gain: one dp for every stage
+    (the runtime refuses per-stage DP with it) and two stages at least (one has no bubble)."""
+    return not plan.stage_dp and plan.num_stages >= 2
+
+
+def choose_schedule(ev: Evaluation, cost: CostModel, inventory: Inventory,
+                    objective: Objective) -> tuple[Evaluation, Evaluation | None]:
+    """``ev`` (a plan timed on today's schedule) or the same plan on its zero-bubble one,
+    whichever ``objective`` picks (both hold the same devices, so the faster that fits; ties
+    to today's); and the zero-bubble evaluation (None where it cannot run, :func:`runs_zb`)."""
+    if not runs_zb(ev.plan):
+        return ev, None
+    zb = simulate_zb(ev.plan, cost)
+    if not ev.fits:
+        return (zb if zb.fits else ev), zb
+    return choose([ev, zb], inventory, objective)[0], zb
 
 
 def nominal_inventory(devices: Sequence[str]) -> Inventory:
