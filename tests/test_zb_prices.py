@@ -18,7 +18,7 @@ from ldt.plan.convert import cluster_to_plan, load_cluster
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import op_table
 from ldt.plan.inventory import DeviceKind, Inventory, Link, load_inventory, load_model
-from ldt.plan import Workload, make_cost, simulate_plan, train_yaml
+from ldt.plan import Workload, make_cost, planned_cluster, simulate_plan, train_yaml
 from ldt.plan.evaluate import Plan, StageSpec
 from ldt.plan.objective import Objective, choose
 from ldt.plan.zerobubble import (choose_schedule, nominal_inventory, planned_kinds, prices,
@@ -134,6 +134,13 @@ def test_the_planner_s_pick_is_the_objective_s_pick(monkeypatch):
     assert zb in result.front
     text = train_yaml(result.best, "llama_7b", 1, "planned", "edge_cloud")
     assert "schedule: zb" in text and "cost_inventory: edge_cloud" in text
+    # the run of the planned files generates its order from the prices the planner timed
+    run = typed_config({"cluster": config_dict(planned_cluster(zb.plan, inventory)),
+                        "model": config_dict(model),
+                        "train": {"num_microbatches": zb.plan.num_microbatches,
+                                  "micro_batch_size": 1, "schedule": "zb",
+                                  "cost_inventory": "edge_cloud"}})
+    assert run_prices(run) == prices(zb.plan, make_cost(inventory, model, Workload(1, 64)))
     assert "schedule" not in train_yaml(today, "llama_7b", 1, "planned", "edge_cloud")
 
 
