@@ -114,19 +114,24 @@ def planned_train_path(cluster_path: str) -> Optional[str]:
     return path if os.path.isabs(cluster_path) else os.path.relpath(path)
 
 
-def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, int]]:
-    """The micro-batch settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
-    ``micro_batch_size``, ``prefetch`` when planned): (that file, settings), or (None, {})."""
+def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, Any]]:
+    """The settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
+    ``micro_batch_size``, ``prefetch`` and ``schedule`` when planned): (that file, settings),
+    or (None, {})."""
     path = planned_train_path(cluster_path)
     if path is None or not os.path.isfile(path):
         return None, {}
     planned = load_yaml(path, "ldt-plan's train file")
     try:
-        return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size",
-                                                    "prefetch") if k in planned}
+        out: dict[str, Any] = {k: int(planned[k]) for k in ("num_microbatches",
+                                                            "micro_batch_size", "prefetch")
+                               if k in planned}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}; give whole numbers, or write it again with ldt-plan"
                           ) from None
+    if "schedule" in planned:
+        out["schedule"] = str(planned["schedule"])
+    return path, out
 
 
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
