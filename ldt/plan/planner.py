@@ -29,7 +29,8 @@ cost list leads:
 8. the pick is timed on its zero-bubble schedule too (ZB-H1 or the zero-bubble U-shape,
    generated from the plan's prices, its W store in memory: :mod:`ldt.plan.zerobubble`), and
    the objective picks between the two (``Evaluation.schedule``; ``ldt-plan`` writes
-   ``schedule: zb`` into the plan's train file when that one wins).
+   ``schedule: zb`` into the plan's train file when that one wins); up to
+   :data:`ldt.plan.zerobubble.PLANNER_LIMIT` stage-micro-batches.
 
 Simulated iteration time (pipeline + data-parallel all-reduce) and cost per step (its devices'
 hourly price times that time) are the numbers that are compared and reported.
@@ -51,7 +52,7 @@ from ldt.plan.objective import (Objective, choose, hourly_price, ms, pareto_fron
                                 step_cost)
 from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
-from ldt.plan.zerobubble import choose_schedule
+from ldt.plan.zerobubble import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
 
 T = TypeVar("T")
 _END = object()
@@ -191,6 +192,11 @@ def _schedule(best: Evaluation, reason: str, pool: list[Evaluation], cost: CostM
     today = best
     best, zb = choose_schedule(today, cost, inventory, objective)
     if zb is None:
+        if runs_zb(today.plan) and too_long(today.plan):
+            p = today.plan
+            notes.append(f"not timed on the zero-bubble schedule: {p.num_stages} stages x "
+                         f"{p.num_microbatches} micro-batches is past {PLANNER_LIMIT} (ldt-sim "
+                         "--schedule zb prices it)")
         return best, reason
     pool.append(zb)
     verdict = (f"the zero-bubble schedule (train.schedule=zb): {ms(zb.iteration_time)} ms "

@@ -85,12 +85,24 @@ def runs_zb(plan: Plan) -> bool:
     return not plan.stage_dp and plan.num_stages >= 2
 
 
+PLANNER_LIMIT = 128
+"""The planner times a pick on its zero-bubble schedule up to this many stage-micro-batches
+(``P x m``): generating a longer order takes seconds here (P 3, m 64: 1.0 s; P 6, m 64: 2.2 s
+on the 2-core machine, load ~3), longer than the whole search. ``ldt-sim --schedule zb``
+prices any length; a run generates its own order once."""
+
+
+def too_long(plan: Plan) -> bool:
+    return plan.num_stages * plan.num_microbatches > PLANNER_LIMIT
+
+
 def choose_schedule(ev: Evaluation, cost: CostModel, inventory: Inventory,
                     objective: Objective) -> tuple[Evaluation, Evaluation | None]:
     """``ev`` (a plan timed on today's schedule) or the same plan on its zero-bubble one,
     whichever ``objective`` picks (both hold the same devices, so the faster that fits; ties
-    to today's); and the zero-bubble evaluation (None where it cannot run, :func:`runs_zb`)."""
-    if not runs_zb(ev.plan):
+    to today's); and the zero-bubble evaluation (None where it cannot run, :func:`runs_zb`,
+    or is longer than :data:`PLANNER_LIMIT`)."""
+    if not runs_zb(ev.plan) or too_long(ev.plan):
         return ev, None
     zb = simulate_zb(ev.plan, cost)
     if not ev.fits:
