@@ -127,9 +127,13 @@ def run_inventory(cfg: LdtConfig) -> Inventory:
     """The inventory that prices a run: ``train.cost_inventory``, else ``cluster.inventory``
     (elastic), else :func:`nominal_inventory` of its device types."""
     name = cfg.train.cost_inventory or cfg.cluster.inventory
-    if name:
+    if not name:
+        return nominal_inventory([s.device for s in cfg.cluster.stages])
+    try:
         return load_inventory(name)
-    return nominal_inventory([s.device for s in cfg.cluster.stages])
+    except ConfigError as exc:
+        key = "train.cost_inventory" if cfg.train.cost_inventory else "cluster.inventory"
+        raise ConfigError(f"{key}={name!r}: {exc}") from None
 
 
 def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
