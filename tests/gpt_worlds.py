@@ -111,6 +111,26 @@ def recompute_kwargs(recompute, stage: int) -> dict:
     return transformer_kwargs(RecomputeConfig(**recompute) if recompute else None)
 
 
+def zb_prices(topo, m: int, recompute=None):
+    """The prices ``train.schedule=zb`` generates a world's order from: :func:`MODEL`'s plan
+    on ``topo``'s stages (even layers, ``recompute`` as :func:`recompute_kwargs` takes it),
+    as ``ldt.plan.zerobubble.run_prices`` prices a run."""
+    from ldt.config import typed_config
+    from ldt.plan.zerobubble import run_prices
+
+    def rc(stage):
+        one = recompute.get(stage) if recompute and all(isinstance(k, int) for k in recompute) \
+            else recompute
+        return {"recompute": one} if one else {}
+
+    cfg = {"cluster": {"stages": [{"name": st.name, "device": st.device, "tp": st.tp,
+                                   **rc(st.index)} for st in topo.stages],
+                       "u_shape": topo.u_shape},
+           "model": dataclasses.asdict(MODEL),
+           "train": {"num_microbatches": m, "micro_batch_size": MBS, "schedule": "zb"}}
+    return run_prices(typed_config(cfg))
+
+
 class RecomputeCount:
     """Counts megatron's recompute checkpoints entered in forward (full and selective core
     attention: CheckpointFunction; selective mlp / layernorm: CheckpointWithoutOutput): the
@@ -183,7 +203,7 @@ class TransportCount:
 
 
 def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False, recompute=None,
-                  zero_bubble=False):
+                  zero_bubble=False, priced=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ldt.models.build import build_chunk, global_param_name
@@ -209,13 +229,13 @@ def _run_schedule(state, topo, full_state, m, overlap=False, forward_only=False,
             forward_step_func=forward_step, data_iterator=data,
             model=models if len(models) > 1 else models[0], num_microbatches=m,
             seq_length=MODEL.seq_length, micro_batch_size=MBS, forward_only=forward_only,
-            **({"zero_bubble": True} if zero_bubble else {}))
+            **({"zero_bubble": True, "priced": priced} if zero_bubble else {}))
         return _collect(chunks, models, losses)
     # a plain pipeline's zero-bubble schedule (ZB-H1) runs on ldt's runtime, as ldt-train does
     if zero_bubble:
         from ldt.pipeline.forward_backward import forward_backward_ldt
 
-        fb = functools.partial(forward_backward_ldt, zero_bubble=True)
+        fb = functools.partial(forward_backward_ldt, zero_bubble=True, priced=priced)
     else:
         fb = get_forward_backward_func()
     losses = fb(
@@ -270,6 +290,23 @@ def variant_topology(topo, v: dict):
                                boundary_fanout=settings["boundary_fanout"])
 
 
+def assert_ran_priced_order(topo, variants, out):
+    """The zero-bubble variant ran the order generated from its prices (``priced``), which is
+    not the equal-cost one (else its parity would not cover an order generated from costs)."""
+    from ldt.schedule import lower
+    from ldt.schedule.zerobubble import zb_h1, zb_u_shape
+
+    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
+    p, kind = topo.num_stages, "ushape" if topo.u_shape else "1f1b"
+    generate = zb_u_shape if topo.u_shape else zb_h1
+    m = variants[i].get("m") or next(len(r[i]["losses"]) for r in out if r[i]["losses"])
+    priced = lower(generate(p, m, *variants[i]["priced"].tables()), kind)
+    assert priced != lower(generate(p, m), kind)
+    for rank_results in out:
+        r = rank_results[i]
+        assert r["ran"] == [str(a) for a in priced[r["stage"]]], r["stage"]
+
+
 def assert_w_ran_after_each_backward(variants, out, m):
     """The zero-bubble variant's weight gradients really were deferred: one W store run per
     micro-batch and chunk on every rank, in each chunk's backward order (its gradients are
@@ -307,28 +344,33 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         settings, _ = TRANSPORTS[v.get("transport", "fanout")]
         VtpCommunicator.piece_unit_bytes = settings.get("piece_bytes", default_unit)
         w_runs = []  # zero-bubble: the W store's runs, (micro-batch, chunk)
+        ran = []  # zero-bubble: the action list ldt's runtime walked
         if v.get("zero_bubble"):
+            from ldt.pipeline import forward_backward as fb
             from ldt.schedule.wgrad import WgradStore
 
             patches.apply(["wgrad_split"])
-            default_run = WgradStore.run
+            default_run, default_actions = WgradStore.run, fb.run_actions
             WgradStore.run = lambda store, key: (w_runs.append(key), default_run(store, key))
+            fb.run_actions = lambda actions, **kw: (ran.extend(map(str, actions)),
+                                                    default_actions(actions, **kw))[1]
         try:
             with RecomputeCount() as recomputed, TransportCount() as routes:
                 losses, grads = _run_schedule(state, t, full_state, v.get("m", m),
                                               overlap=v.get("overlap", False),
                                               forward_only=v.get("forward_only", False),
                                               recompute=v.get("recompute"),
-                                              zero_bubble=v.get("zero_bubble", False))
+                                              zero_bubble=v.get("zero_bubble", False),
+                                              priced=v.get("priced"))
         finally:
             VtpCommunicator.piece_unit_bytes = default_unit
             if v.get("zero_bubble"):
-                WgradStore.run = default_run
+                WgradStore.run, fb.run_actions = default_run, default_actions
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
                         "touched_data": Tripwire.touched, "recomputed": recomputed.calls,
                         "routes": routes.calls,
-                        "w_runs": w_runs})
+                        "w_runs": w_runs, "ran": ran})
         patches.revert()
         ldt.destroy_vtp()
     return results

@@ -475,6 +475,8 @@ ROWS = [
     (T, ["data.blend=no such/corpus"], 2, r"data.blend: .*/no such/corpus.bin and .*/no "
                                           r"such/corpus.idx do not exist"),
     (T, "data.path=/dev/null", 2, r"data.path='/dev/null' is not a regular file"),
+    (T, "train.schedule=zb train.cost_inventory=nope", 2,  # the zero-bubble order's prices
+     r"train.cost_inventory='nope': inventory 'nope' is neither a file nor a shipped config"),
     (T, "train.resume=/dev/null", 2, r"train.resume='/dev/null' is not a regular file"),
     (T, "data.tokenizer=/dev/null data.blend=corpus", 2, r"data.tokenizer='/dev/null' is not a "
                                                          r"regular file"),

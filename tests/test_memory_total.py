@@ -122,3 +122,46 @@ def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_pat
                                f"cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g}; "), lines[0]
     assert "Traceback" not in proc.stderr and not run.exists()
     assert "step" not in proc.stdout  # nothing trained
+
+
+# train.schedule=zb (each backward split into B and a later W, docs/zero_bubble.md): one
+# micro-batch's W store entry, from its B to its W, is what the linear layers' weight
+# gradients need: each layer's input and output gradient. The middle stage's layer: QKV
+# [s, b, h] in, [s, b, 3h] out; the projection [s, b, h] and [s, b, h]; fc1 [s, b, h] and
+# [s, b, f]; fc2 [s, b, f] and [s, b, h]. The last stage adds the head's input [s, b, h] and
+# the logits' gradient [s, b, V] (fp32 here).
+WSTORE_LAYER = (1 + 3 + 1 + 1 + 1 + 1) * T + 2 * S * B * F * FP32
+WSTORE_HEAD = T + S * B * V * FP32
+
+
+def test_a_zero_bubble_run_counts_its_w_store():
+    """Under train.schedule=zb each stage's W store entry is the hand count above (8192 and
+    16896 bytes, measured on megatron's layers through the wgrad_split patch); the peak adds
+    the entries the run's own order (generated from its prices) holds at that moment, never
+    more than the simulator's ``peak_wstore``; the planner's cost model prices the same
+    entry."""
+    from omegaconf import OmegaConf
+
+    from ldt.config import typed_config
+    from ldt.job.hydra import compose
+    from ldt.memory.stages import estimate_here
+    from ldt.plan.cost import ChunkLoad, CostModel
+    from ldt.plan.zerobubble import nominal_inventory, run_prices
+    from ldt.schedule import lower, simulate
+    from ldt.schedule.zerobubble import zb_h1
+
+    cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb"]), resolve=True)
+    got = estimate_here(cfg)
+    assert [s.wstore for s in got] == [[WSTORE_LAYER], [WSTORE_LAYER],
+                                       [WSTORE_LAYER + WSTORE_HEAD]]
+    assert (WSTORE_LAYER, WSTORE_HEAD) == (8192, 8704)
+    costs, comm = run_prices(typed_config(cfg)).tables()
+    sim = simulate(lower(zb_h1(3, M, costs, comm), "1f1b"), costs, comm)
+    for s in got:
+        assert 1 <= s.wstore_held[0] <= sim.peak_wstore[s.index], (s.index, s.wstore_held)
+        assert s.components()["W store"] == s.wstore_bytes == s.wstore[0] * s.wstore_held[0]
+        assert s.peak == (s.resident + s.activation_bytes + s.buffer_bytes + s.wstore_bytes
+                          + s.transient)
+    cost = CostModel(typed_config(cfg).model, nominal_inventory(["cpu"]), B)
+    assert cost.wstore_bytes(1, ChunkLoad(1)) == WSTORE_LAYER
+    assert cost.wstore_bytes(1, ChunkLoad(1, head=True)) == WSTORE_LAYER + WSTORE_HEAD

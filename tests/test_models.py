@@ -312,14 +312,16 @@ def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
     """qwen3_moe_tiny on the U-shape cpu_demo (its TP 2 cloud stage holds two MoE layers),
     the experts split over the stage's TP ranks (ep 1) and spread over them (ep 2: four whole
     experts of eight on each rank): verify parity, the same losses and load-balancing losses
-    (1e-6 relative), and the same checkpoint, every expert under its global number."""
+    (1e-6 relative), and the same checkpoint, every expert under its global number. The ep 2
+    run is on the zero-bubble schedule (train.schedule=zb: the experts' linear layers run their
+    weight gradients in W), so the same checks hold a MoE model under zb."""
     from ldt.models.tensor_files import read_tensors, tensor_index
 
     runs = {}
     for ep in (1, 2):
         runs[ep] = ldt_train(tmp_path / f"ep{ep}", *MOE, "cluster=cpu_demo",
                              f"cluster.stages.1.ep={ep}", "train.steps=3", "train.verify=true",
-                             "train.save_every=3")
+                             "train.save_every=3", f"train.schedule={'zb' if ep == 2 else 'auto'}")
         assert runs[ep]["parity_max_abs_diff"] < PARITY, (ep, runs[ep])
     with open(tmp_path / "ep2" / "metrics.csv") as f:
         aux = [float(r["moe_aux_loss"]) for r in csv.DictReader(f)]

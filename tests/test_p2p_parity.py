@@ -17,7 +17,7 @@ runtime), with recomputation per stage, against the same reference.
 import pytest
 import torch
 
-from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
+from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run, zb_prices
 from ldt.launch.local import run_local_world
 from ldt.models.sharding import unshard
 from ldt.topology.ranks import Stage, Topology
@@ -72,6 +72,9 @@ def ref():
 def case(request, ref):
     tps, variants = CASES[request.param]
     topo = Topology(tuple(Stage(i, f"s{i}", "cpu", t) for i, t in enumerate(tps)))
+    # train.schedule=zb: the order generated from this world's prices (as ldt-train does)
+    variants = [dict(v, priced=zb_prices(topo, M, v.get("recompute"))) if v.get("zero_bubble")
+                else v for v in variants]
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], M, variants),
                           timeout_s=240)
     return topo, variants, out
@@ -124,12 +127,16 @@ def test_each_variant_ran_the_transport_it_names(case):
 
 
 def test_zero_bubble_ran_every_w_after_its_backward(case):
-    """The zb_h1 variant (tp212) passed the parity above; its W's really ran deferred."""
+    """The zb_h1 variant (tp212) passed the parity above; its W's really ran deferred, in the
+    order generated from the world's prices."""
     from gpt_worlds import assert_w_ran_after_each_backward
+
+    from gpt_worlds import assert_ran_priced_order
 
     topo, variants, out = case
     if any(v.get("zero_bubble") for v in variants):
         assert_w_ran_after_each_backward(variants, out, M)
+        assert_ran_priced_order(topo, variants, out)  # generated from this world's prices
 
 
 def expected_recomputes(recompute, stage: int, chunk_layers: list[int], m: int) -> int:

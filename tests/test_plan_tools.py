@@ -82,6 +82,29 @@ def test_sim_of_a_plan_takes_the_planned_micro_batches(tmp_path, capsys):
     assert "--num-microbatches required" in capsys.readouterr().err
 
 
+def test_sim_of_a_zero_bubble_plan_takes_the_planned_schedule(tmp_path, capsys):
+    """A plan ldt-plan picked on its zero-bubble schedule (llama_7b on edge_cloud): ldt-sim
+    reads ``schedule: zb`` from its train file and prices the same iteration; ``--schedule
+    auto`` prices today's schedule, slower."""
+    out = tmp_path / "plans" / "cluster" / "zb.yaml"
+    planning = ["--inventory", "edge_cloud", "--model", "llama_7b"]
+    assert plan_tool.main([*planning, "--out", str(out), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["schedule"] == "zb"
+    args = ["--cluster", str(out), "--model", "llama_7b", "--inventory", "edge_cloud", "--json"]
+    assert sim_tool.main(args) == 0
+    captured = capsys.readouterr()
+    assert "schedule=zb" in captured.err
+    simulated = json.loads(captured.out)
+    assert simulated["schedule"] == "zb"
+    assert simulated["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
+    assert sim_tool.main([*args, "--schedule", "auto"]) == 0
+    today = json.loads(capsys.readouterr().out)
+    assert today["schedule"] == "auto" and today["iteration_time_s"] > planned["iteration_time_s"]
+    assert sim_tool.main([*args, "--prefetch", "1"]) == 2  # zb runs without prefetch
+    assert "--schedule zb runs without prefetch" in capsys.readouterr().err
+
+
 def test_plan_json(capsys):
     rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--json"])
     assert rc == 0

@@ -303,7 +303,8 @@ def _fake_run(dp: int, num_mtp: int = 0, u_shape: bool = True):
     train = NS(num_microbatches=2, micro_batch_size=1, prefetch=0, schedule="auto",
                runtime="auto")
     cfg = NS(train=train, model=NS(seq_length=8, mtp_num_layers=num_mtp))
-    return NS(rank=0, cfg=cfg, topo=topo, state=state, observers=[], on_loss_stage=True)
+    return NS(rank=0, cfg=cfg, topo=topo, state=state, observers=[], on_loss_stage=True,
+              priced=None)
 
 
 def test_a_run_builds_one_communicator_and_picks_its_runtime_once(monkeypatch):

@@ -12,7 +12,7 @@ its receives took that route.
 
 import pytest
 
-from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run
+from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run, zb_prices
 from ldt.launch.local import run_local_world
 from ldt.topology.ranks import Stage, Topology
 from test_p2p_parity import FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, _assemble, expected_recomputes
@@ -40,7 +40,9 @@ def case(request, ref):
     # the edge (both chunks) recomputes everything, the cloud only its attention, then none
     variants.append({"name": "recompute", "m": MS[1], "recompute": {
         **{s: {"granularity": "selective"} for s in range(1, len(tps))}, 0: FULL_UNIFORM}})
-    variants.append({"name": "zb", "m": MS[1], "zero_bubble": True})  # train.schedule=zb
+    # train.schedule=zb, its order generated from this world's prices (as ldt-train does)
+    variants.append({"name": "zb", "m": MS[1], "zero_bubble": True,
+                     "priced": zb_prices(topo, MS[1])})
     variants.append({"name": "eval", "m": MS[1], "forward_only": True})  # last: see test_eval
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], MS[0], variants),
                           timeout_s=240)
@@ -121,11 +123,15 @@ def test_each_variant_ran_the_transport_it_names(case):
 
 def test_zero_bubble_ran_every_w_after_its_backward(case):
     """The zb variant's gradients are checked above; here: its weight gradients really were
-    deferred, one W store run per micro-batch and chunk, in each chunk's backward order."""
+    deferred, one W store run per micro-batch and chunk, in each chunk's backward order; the
+    order that ran is the one generated from the world's prices."""
     from gpt_worlds import assert_w_ran_after_each_backward
+
+    from gpt_worlds import assert_ran_priced_order
 
     topo, variants, out = case
     i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
+    assert_ran_priced_order(topo, variants, out)  # generated from this world's prices
     for rank_results in out:  # the edge runs both chunks' W's
         if rank_results[i]["stage"] == 0:
             assert {name for _, name in rank_results[i]["w_runs"]} == {"start", "end"}

@@ -108,7 +108,8 @@ def _run(args) -> int:
                                                         args.mbs, result.reason), model)
         if TRAIN_FLAG in tmp:
             with open(tmp[TRAIN_FLAG], "w") as f:
-                f.write(_train_text(args.out, result.best, model.name, args.mbs))
+                f.write(_train_text(args.out, result.best, model.name, args.mbs,
+                                    args.inventory))
         export_timeline(result.best, tmp.get("--trace"), tmp.get("--png"))
     written = [_shown(args.out, p) for p, f in outputs if f in ("--out", TRAIN_FLAG)]
     if args.json:
@@ -130,7 +131,7 @@ def _run(args) -> int:
         for note in result.notes:
             print(note)
         if written:
-            print(_how_to_train(written, model.name, result.best.plan, args.mbs))
+            print(_how_to_train(written, model.name, result.best, args.mbs))
     return 0
 
 
@@ -191,13 +192,16 @@ def _shown(cluster_path: str, path: str) -> str:
     return path if os.path.isabs(cluster_path) else os.path.relpath(path)
 
 
-def _train_text(cluster_path: str, best, model_name: str, mbs: int) -> str:
+def _train_text(cluster_path: str, best, model_name: str, mbs: int, inventory: str) -> str:
     stem = os.path.splitext(os.path.basename(cluster_path))[0]
-    return train_yaml(best, model_name, mbs, stem)
+    # the inventory the run prices its zero-bubble order with: as given (a conf/inventory
+    # name), or a file's absolute path
+    given = os.path.abspath(inventory) if os.path.isfile(inventory) else inventory
+    return train_yaml(best, model_name, mbs, stem, given)
 
 
-def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
-    cluster = written[0]
+def _how_to_train(written: list[str], model_name: str, best, mbs: int) -> str:
+    plan, cluster = best.plan, written[0]
     stem = os.path.splitext(os.path.basename(cluster))[0]
     if len(written) == 2:
         root = os.path.dirname(os.path.dirname(cluster)) or "."
@@ -206,6 +210,7 @@ def _how_to_train(written: list[str], model_name: str, plan, mbs: int) -> str:
         return "train it: " + shlex.join(["ldt-train", "--config-dir", root, f"cluster={stem}",
                                           f"train={stem}", f"model={model_name}"])
     prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
+    prefetch += "train.schedule=zb " if best.schedule == "zb" else ""
     return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
             f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "
             "folder to get a train/ file with these too)")

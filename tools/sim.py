@@ -3,7 +3,8 @@
     ldt-sim --cluster mixed_gpu_npu --model llama_7b --inventory a100_910b -m 8 --png t.png
     python -m ldt.tools.sim --cluster my.yaml --model llama_7b --inventory edge_cloud -m 16 --json
 
-Runs the real schedule (1F1B or U-shape, lowered with communication) through
+Runs the real schedule (1F1B or U-shape, lowered with communication; with ``--schedule zb``
+the zero-bubble one generated from the plan's prices, ``ldt.plan.zerobubble``) through
 ``ldt.schedule.simulate``; prints the per-stage table (or ``--json``) and writes the timeline.
 Stages map to inventory kinds by device type, or explicitly with ``--kinds``.
 
@@ -26,6 +27,7 @@ from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
                       load_model, simulate_plan, summary, table)
 from ldt.plan import calibrate
 from ldt.plan import read_planned_train
+from ldt.plan.zerobubble import runs_zb, simulate_zb
 from ldt.schedule.size import check_schedule_size
 from ldt.schedule.timeline import to_chrome_trace, to_png
 from ldt.storage.atomic import check_output
@@ -55,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=count(0), default=None,
                    help="U-shape prefetch depth (train.prefetch; default: the planned one, "
                         "as -m; else 0)")
+    p.add_argument("--schedule", choices=["auto", "zb"], default=None,
+                   help="train.schedule to price: auto (1F1B / the U-shape) or zb (zero-bubble, "
+                        "generated from the plan's prices; default: the planned one, as -m; "
+                        "else auto)")
     p.add_argument("--trace", help="write a Chrome trace (open in Perfetto)")
     p.add_argument("--png", help="write a PNG timeline")
     p.add_argument("--overwrite", action="store_true",
@@ -111,7 +117,15 @@ def _simulate(args) -> int:
         plan = replace(cluster_to_plan(cluster, model, inventory, args.num_microbatches,
                                        kinds), prefetch=args.prefetch)
         cost = CostModel(model, inventory, args.mbs, args.dtype, not args.no_flash)
-        ev = simulate_plan(plan, cost)
+        if args.schedule == "zb":
+            if plan.prefetch or not runs_zb(plan):
+                raise ConfigError(f"--schedule zb runs without prefetch, one dp for every "
+                                  f"stage and two stages at least; got --prefetch "
+                                  f"{plan.prefetch}, dp per stage {list(plan.stage_dp) or None}"
+                                  f", {plan.num_stages} stage(s): drop --schedule zb or those")
+            ev = simulate_zb(plan, cost)
+        else:
+            ev = simulate_plan(plan, cost)
     except ValueError as exc:  # the cost model's refusals (ConfigError is one)
         raise ConfigError(str(exc)) from None
     with new_files([p for p, _ in outputs], flags=[f for _, f in outputs],
@@ -131,7 +145,8 @@ def _take_planned(args) -> None:
     path, planned = read_planned_train(args.cluster) if args.cluster else (None, {})
     taken = []
     for arg, key, default in (("num_microbatches", "num_microbatches", None),
-                              ("mbs", "micro_batch_size", 1), ("prefetch", "prefetch", 0)):
+                              ("mbs", "micro_batch_size", 1), ("prefetch", "prefetch", 0),
+                              ("schedule", "schedule", "auto")):
         if getattr(args, arg) is None and key in planned:
             setattr(args, arg, planned[key])
             taken.append(f"{key}={planned[key]}")

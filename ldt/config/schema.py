@@ -146,6 +146,13 @@ class TrainConfig:
     """``auto`` (U-shape schedule when u_shape; else 1F1B, or interleaved when the layout has
     k*P segments), ``1f1b``, ``interleaved`` (needs such a layout) or ``zb`` (zero-bubble:
     each backward split into B and a later W, docs/zero_bubble.md; on ldt's runtime)."""
+    cost_inventory: Optional[str] = None
+    """``train.schedule=zb``: the inventory (``conf/inventory`` name or path) whose device kinds
+    price each stage's F, B and W and each boundary's transfer, the costs the zero-bubble order
+    is generated from (each stage takes the only kind of its device type; a U-shape's stage 0
+    the inventory's edge kind). None: an elastic run's ``cluster.inventory``, else
+    ``cpu_local``'s figures for every device type (the stages then differ by their layers,
+    chunks, TP and recomputation, not by their device's speed). ``ldt-plan`` writes its own."""
     runtime: str = "auto"
     """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
     default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it

@@ -21,6 +21,7 @@ from ldt.data.files import format_blend, parse_blend
 from ldt.launch.quiet import set_log_level
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
+from ldt.plan.zerobubble import run_prices
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
 from ldt.storage.runlock import check_not_training, run_of
@@ -101,6 +102,8 @@ def check(plain: dict, rank: Optional[int], world: Optional[int]):
         _not_a_live_run(plain)
     cfg = typed_config(plain)
     topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
+    if cfg.train.schedule == "zb" and not cfg.cluster.inventory:  # (elastic: once planned)
+        run_prices(cfg)  # its inventory and kinds, refused here rather than in every rank
     warnings = check_files(cfg.data, cfg.model, cfg.train, topo, rank)
     return cfg, topo, warnings
 

@@ -14,6 +14,7 @@ rank::
     peak = max(weights + grads + main params + optimizer states          (resident)
                + sum over chunks of activations per micro-batch x in flight
                + (receive buffers + sent tensors still held) x one boundary tensor
+               + sum over chunks of a W store entry x entries held   (train.schedule=zb)
                + the largest transient of one micro-batch's forward and backward,
                resident + the optimizer step's transient)
 
@@ -66,6 +67,11 @@ class StageEstimate:
     """Sequence-parallel slices of the stage (1 without): a posted receive holds the leader's
     whole tensor and the slice it scatters into."""
     extra: dict = field(default_factory=dict)
+    wstore: list[int] = field(default_factory=list)
+    """``train.schedule=zb``, per chunk: bytes one micro-batch's W store entry holds from its B
+    to its W (the split linear layers' inputs and output gradients); empty otherwise."""
+    wstore_held: tuple[int, ...] = ()
+    """Per chunk: W store entries held at the schedule's peak."""
 
     @property
     def resident(self) -> int:
@@ -74,6 +80,10 @@ class StageEstimate:
     @property
     def activation_bytes(self) -> int:
         return sum(a * n for a, n in zip(self.activations, self.inflight))
+
+    @property
+    def wstore_bytes(self) -> int:
+        return sum(w * n for w, n in zip(self.wstore, self.wstore_held))
 
     @property
     def buffer_bytes(self) -> int:
@@ -87,13 +97,14 @@ class StageEstimate:
     def peak_transient(self) -> int:
         """The transient at the rank's peak: one micro-batch's forward and backward on top of
         everything in flight, or the optimizer step's on top of the resident part."""
-        pipeline = self.activation_bytes + self.buffer_bytes + self.transient
+        pipeline = (self.activation_bytes + self.buffer_bytes + self.wstore_bytes
+                    + self.transient)
         return self.transient if pipeline >= self.step_transient else self.step_transient
 
     @property
     def peak(self) -> int:
         during_pipeline = (self.resident + self.activation_bytes + self.buffer_bytes
-                           + self.transient)
+                           + self.wstore_bytes + self.transient)
         return max(during_pipeline, self.resident + self.step_transient)
 
     @property
@@ -101,10 +112,13 @@ class StageEstimate:
         return self.limit is None or self.peak <= self.limit
 
     def components(self) -> dict[str, int]:
-        return {"weights": self.weights, "gradients": self.grads,
-                "fp32 main params": self.main_params, "optimizer states": self.optimizer,
-                "activations": self.activation_bytes, "receive buffers": self.buffer_bytes,
-                "transient": self.peak_transient}
+        out = {"weights": self.weights, "gradients": self.grads,
+               "fp32 main params": self.main_params, "optimizer states": self.optimizer,
+               "activations": self.activation_bytes, "receive buffers": self.buffer_bytes,
+               "transient": self.peak_transient}
+        if self.wstore:
+            out["W store"] = self.wstore_bytes
+        return out
 
 
 def recv_bytes(boundary_tensor: int, shards: int) -> int:

@@ -17,11 +17,15 @@ computations. Megatron's own 1F1B (a plain pipeline's default runtime) keeps
 ``min(P - stage, m)`` in flight, as ldt's 1F1B lists do, exchanges without posting ahead, and
 keeps one stale tensor (see :func:`_walk`); its interleaved schedule keeps megatron's warm-up count,
 ``(P - stage - 1) * 2 + (vpp - 1) * P`` forwards plus one, in chunk order, groups of P.
+A zero-bubble schedule (``train.schedule=zb``, its lists generated from the run's prices)
+also holds W store entries: a micro-batch's from its backward (B, BE; BS) to its W (W, WE;
+WS), whose computation is a moment of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ldt.pipeline.forward_backward import lane_schedules, stage_schedules
 from ldt.schedule import Op
@@ -50,6 +54,11 @@ class Moment:
     sent back, or a sequence-parallel leader's gathered whole), which may still be crossing."""
     chunk: int = 0
     """The chunk computing (its transient is on top)."""
+    wstore: tuple[int, ...] = ()
+    """Zero-bubble schedules: per chunk, micro-batches whose backward ran and whose W has
+    not (the one a W computes included); empty: none split."""
+    w: bool = False
+    """The computation is a W (its transient is the W's)."""
 
 
 @dataclass(frozen=True)
@@ -57,13 +66,17 @@ class StageInflight:
     moments: tuple[Moment, ...]
     """Every computation of the stage's busiest lane(s); the peak is at one of them."""
 
-    def peak(self, activations, transients, buffer: int, sent: int) -> Moment:
+    def peak(self, activations, transients, buffer: int, sent: int, wstore=(),
+             wgrad_transients=()) -> Moment:
         """The moment holding the most bytes, with ``activations[c]`` bytes per micro-batch
-        of chunk ``c``, ``buffer`` bytes per posted receive, ``sent`` per sent tensor and the
-        transient of the computing chunk, ``transients[c]``, on top."""
+        of chunk ``c``, ``buffer`` bytes per posted receive, ``sent`` per sent tensor,
+        ``wstore[c]`` per W store entry of chunk ``c`` and the transient of the computing
+        chunk, ``transients[c]`` (a W's: ``wgrad_transients[c]``), on top."""
         return max(self.moments, key=lambda mo: (
             sum(a * n for a, n in zip(activations, mo.chunks))
-            + mo.recv_buffers * buffer + mo.sent * sent + transients[mo.chunk]))
+            + mo.recv_buffers * buffer + mo.sent * sent
+            + (wgrad_transients if mo.w else transients)[mo.chunk]
+            + sum(w * n for w, n in zip(wstore, mo.wstore))))
 
     @property
     def chunks(self) -> tuple[int, ...]:
@@ -71,14 +84,17 @@ class StageInflight:
         return tuple(max(n) for n in zip(*(mo.chunks for mo in self.moments)))
 
 
-def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, StageInflight]:
-    """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch);
-    ``sequence_parallel``: the model's (a stage with TP > 1 then gathers what it sends)."""
+def stage_inflight(topo, train, sequence_parallel: bool = False,
+                   priced=None) -> dict[int, StageInflight]:
+    """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch,
+    schedule); ``sequence_parallel``: the model's (a stage with TP > 1 then gathers what it
+    sends); ``priced``: with ``train.schedule=zb``, the prices its order is generated from
+    (``ldt.plan.zerobubble.run_prices``)."""
     m = train.num_microbatches
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
     if vpp > 1:
         return {s: _interleaved(topo.num_stages, s, vpp, m) for s in range(topo.num_stages)}
-    schedule, stage_of = _lists(topo, train)
+    schedule, stage_of = _lists(topo, train, priced)
     ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
     out: dict[int, list[Moment]] = {}
     for lane, actions in schedule.items():
@@ -93,15 +109,16 @@ def stage_inflight(topo, train, sequence_parallel: bool = False) -> dict[int, St
     return {stage: StageInflight(tuple(moments)) for stage, moments in out.items()}
 
 
-def _lists(topo, train):
+def _lists(topo, train, priced=None):
     prefetch = train.prefetch if topo.u_shape else 0
     if topo.is_vdp:
         lanes = Lanes(tuple(topo.dp_sizes))
         return (lane_schedules(tuple(topo.dp_sizes), train.num_microbatches, topo.u_shape,
                                prefetch=prefetch), lambda lane: lanes.of(lane)[0])
     kind = "ushape" if topo.u_shape else "1f1b"
-    return stage_schedules(kind, topo.num_stages, train.num_microbatches,
-                           prefetch=prefetch), lambda stage: stage
+    zb = train.schedule == "zb"
+    return stage_schedules(kind, topo.num_stages, train.num_microbatches, prefetch=prefetch,
+                           zero_bubble=zb, priced=priced if zb else None), lambda stage: stage
 
 
 def _peers(topo, stage: int) -> set[int]:
@@ -133,6 +150,8 @@ def _walk(actions, two_chunks: bool, ldt_runtime: bool = True,
     backward sends are gathered wholes too, as every input gradient is counted)."""
     walk = _Walk(two_chunks, ldt_runtime, outlive,
                  {a.op for a in actions if a.op in (Op.SEND_F, Op.SEND_B)})
+    if any(a.op in (Op.W, Op.WE, Op.WS) for a in actions):
+        walk.wstore = [0, 0] if two_chunks else [0]
     for a in actions:
         walk.step(a.op, gathers)
     return walk.moments
@@ -144,6 +163,7 @@ class _Walk:
     def __init__(self, two_chunks: bool, ldt_runtime: bool, outlive: int, sends: set) -> None:
         self.two_chunks, self.ldt_runtime, self.sends = two_chunks, ldt_runtime, sends
         self.held = self.end = self.buffers = self.sent = self.backwards = 0
+        self.wstore: Optional[list[int]] = None  # per chunk, once the lane has a W op
         self.recent = [0] * outlive  # sent before each of the last computations
         self.moments: list[Moment] = []
 
@@ -158,9 +178,15 @@ class _Walk:
             self._moment(Op.SEND_B)
             self.held -= 1
             self.backwards += 1
+            self._store(0, 1)
         elif op is Op.BS:
             self._moment(Op.SEND_B, 1)
             self.end -= 1
+            self._store(1, 1)
+        elif op in (Op.W, Op.WE, Op.WS):  # W frees its entry as it runs
+            chunk = 1 if op is Op.WS else 0
+            self._moment(None, chunk, w=True)
+            self._store(chunk, -1)
         elif op is Op.SEND_F and gathers:
             self.sent += 1  # a sequence-parallel leader sends the whole it gathered: a new tensor
         elif op is Op.SEND_B:
@@ -170,7 +196,11 @@ class _Walk:
         elif op in (Op.WAIT_F, Op.WAIT_B):
             self.buffers -= 1
 
-    def _moment(self, stale_op: Op, chunk: int = 0) -> None:
+    def _store(self, chunk: int, change: int) -> None:
+        if self.wstore is not None:
+            self.wstore[chunk] += change
+
+    def _moment(self, stale_op: Optional[Op], chunk: int = 0, w: bool = False) -> None:
         if self.ldt_runtime:
             self.recent.append(self.sent)
             del self.recent[0]
@@ -179,7 +209,8 @@ class _Walk:
         else:
             extra = (0, int(self.backwards > 0 and stale_op in self.sends))
         self.moments.append(Moment((self.held, self.end) if self.two_chunks else (self.held,),
-                                   *extra, chunk))
+                                   *extra, chunk,
+                                   tuple(self.wstore) if self.wstore is not None else (), w))
 
 
 def _interleaved(p: int, stage: int, vpp: int, m: int) -> StageInflight:

@@ -29,6 +29,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from dataclasses import dataclass
@@ -38,7 +39,9 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ldt import patches
 from ldt.models.build import DTYPES
+from ldt.patches.wgrad_split import deferring, run_wgrad
 from ldt.training.optim import build_stage_optimizer
 from ldt.training.stage import build_stage_models, make_forward_step
 
@@ -53,6 +56,13 @@ class ChunkMemory:
     """Of the transient, what the process makes once and keeps (megatron's global buffer for
     local attention's scores, the causal mask): made by whichever chunk runs first, it is
     there during every chunk's micro-batches."""
+    wstore: int = 0
+    """``train.schedule=zb``: bytes one micro-batch leaves in the W store after its B (the
+    split linear layers' inputs and output gradients) until its W; 0 otherwise."""
+    wgrad_transient: int = 0
+    """``train.schedule=zb``: the peak of one W above what was there before it (its entry
+    included there): the chunk's weight gradients, made at once before DDP's hooks take
+    them."""
 
 
 @dataclass
@@ -119,6 +129,10 @@ class LivePeak(MemTracker):
         self._peak_mem = {"all": self.current()}
         return self._peak_mem["all"]
 
+    def set_peak(self, value: int) -> None:
+        """Put back a peak taken before (what ran since is counted elsewhere)."""
+        self._peak_mem = {"all": max(value, self.current())}
+
     def peak(self) -> int:
         return max(self._peak_mem.get("all", 0), self.current())
 
@@ -163,10 +177,15 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
     tracker.track_external(*models, *_storages_of(seen))
     chunks = topo.split.stage_chunks(state.stage)
     last: list = []  # see _measure_chunk
-    with tracker:
-        measured = [_measure_chunk(tracker, batch, chunk, run, gloo_copy, last)
-                    for chunk, run in zip(chunks, opt.chunks)]
-        optimizer, step_transient = _measure_step(tracker, inner, device)
+    split = c.train.schedule == "zb"  # B and W apart, as the run splits them
+    applied = patches.apply(["wgrad_split"]) if split else []
+    try:
+        with tracker:
+            measured = [_measure_chunk(tracker, batch, chunk, run, gloo_copy, last, split)
+                        for chunk, run in zip(chunks, opt.chunks)]
+            optimizer, step_transient = _measure_step(tracker, inner, device)
+    finally:
+        patches.revert(applied)
     return StageMeasure(weights, grads, main_params, optimizer, measured, step_transient,
                         batch.boundary_bytes, attn)
 
@@ -234,7 +253,7 @@ class _MicroBatch:
 
 
 def _measure_chunk(tracker: LivePeak, batch: _MicroBatch, chunk, run, gloo_copy: int,
-                   last: list) -> ChunkMemory:
+                   last: list, split: bool = False) -> ChunkMemory:
     """Two micro-batches through one chunk, the second run while the first is alive: the
     first also makes what a process makes once (megatron's global buffer for local
     attention's scores: b*a/tp*s*s*4 bytes, 64 KiB on a TP 2 gpt_tiny rank), so the second
@@ -244,20 +263,37 @@ def _measure_chunk(tracker: LivePeak, batch: _MicroBatch, chunk, run, gloo_copy:
     ``last`` holds the first micro-batch's output and batch from here until the next chunk's
     backward and through the optimizer step: the measure has always counted them so, and the
     recorded figures (bench/results/memory.json) were measured that way (without it a
-    two-chunk edge's transient changes: 5800 -> 5832 bytes on test_memory_measure's MOE)."""
+    two-chunk edge's transient changes: 5800 -> 5832 bytes on test_memory_measure's MOE).
+
+    ``split`` (``train.schedule=zb``, the ``wgrad_split`` patch applied): each backward is a
+    B with the weight gradients deferred, then its W; what the W frees is the W store's
+    entry of one micro-batch (:attr:`ChunkMemory.wstore`), and W's own peak (every weight
+    gradient of the chunk at once, before DDP's hooks take them) is its own transient,
+    :attr:`ChunkMemory.wgrad_transient`, not the forward's and B's."""
     base = tracker.reset_peak()
     first = batch.forward(chunk, run)
     mid = tracker.current()
     second = batch.forward(chunk, run)
     held = tracker.current() - mid
+    wstore = wgrad = 0
     for _, out, data in (second, first):  # as a pipeline does: the last forward first
         last[:] = (out, data)
-        out.backward(torch.ones_like(out))
+        works: list = []
+        with deferring(works.append) if split else contextlib.nullcontext():
+            out.backward(torch.ones_like(out))
+        if works:  # W, right after its B
+            so_far, before = tracker.peak(), tracker.reset_peak()
+            run_wgrad(works)
+            wgrad = max(wgrad, tracker.peak() - before)
+            del works[:]
+            gc.collect()
+            wstore = max(wstore, before - tracker.current())
+            tracker.set_peak(so_far)
     peak = tracker.peak() - base
     del first, second
     gc.collect()
     return ChunkMemory(held, max(peak - 2 * held, 0) + gloo_copy,
-                       max(tracker.current() - base, 0))
+                       max(tracker.current() - base, 0), wstore, wgrad)
 
 
 def _measure_step(tracker: LivePeak, inner: list, device: str) -> tuple[int, int]:

@@ -29,15 +29,18 @@ def _ranks(ranks: list[int]) -> str:
 def table(stages: list[StageEstimate]) -> str:
     """Per stage (every rank of a stage holds the same): each component and the peak."""
     div, unit = _unit(stages)
+    split = any(s.wstore for s in stages)  # train.schedule=zb: the W store's column
     head = ("stage", "ranks", "tp", "recompute", "weights", "grads", "main", "optim",
-            "act/mb x in flight", "buffers", "transient", "peak", "limit")
+            "act/mb x in flight", "buffers", *(("W store/mb x held",) if split else ()),
+            "transient", "peak", "limit")
     rows = [head]
     for s in stages:
         acts = " + ".join(f"{a / div:.2f}x{n}" for a, n in zip(s.activations, s.inflight))
+        wstore = " + ".join(f"{w / div:.2f}x{n}" for w, n in zip(s.wstore, s.wstore_held))
         rows.append((
             f"{s.index}:{s.name}", _ranks(s.ranks), str(s.tp), s.recompute,
             *(f"{v / div:.2f}" for v in (s.weights, s.grads, s.main_params, s.optimizer)),
-            acts, f"{s.buffer_bytes / div:.2f}",
+            acts, f"{s.buffer_bytes / div:.2f}", *((wstore,) if split else ()),
             f"{s.peak_transient / div:.2f}",
             f"{s.peak / div:.2f}" + ("" if s.fits else " !"),
             "-" if s.limit is None else f"{s.limit / div:.2f}"))

@@ -13,6 +13,7 @@ from ldt.memory.fake import fake_rank
 from ldt.memory.inflight import stage_inflight
 from ldt.memory.measure import cpu_topology, measure_stage
 from ldt.models.recompute import describe, stage_recompute
+from ldt.plan.zerobubble import run_prices
 from ldt.topology.validate import validate
 from ldt.training import moe
 
@@ -40,7 +41,9 @@ def estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[St
     of :func:`ldt.memory.estimate`, or :func:`estimate_here`'s)."""
     c = typed_config(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
-    schedule = stage_inflight(topo, c.train, c.model.sequence_parallel)
+    # a zero-bubble run's order comes from its plan's prices: the lists it will walk
+    priced = run_prices(c) if c.train.schedule == "zb" else None
+    schedule = stage_inflight(topo, c.train, c.model.sequence_parallel, priced)
     out = []
     on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)
     m = c.model
@@ -60,16 +63,19 @@ def estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[St
         # micro-batches, posted receives, sent tensors), its chunk's transient on top
         transients = _transients(got.chunks)
         shards = st.tp if c.model.sequence_parallel and st.tp > 1 else 1
+        wstore = [ch.wstore for ch in got.chunks] if priced is not None else []
+        wgrad = [ch.wgrad_transient for ch in got.chunks]
         at = schedule[st.index].peak(activations, transients,
                                      recv_bytes(got.boundary_tensor, shards),
-                                     got.boundary_tensor)
+                                     got.boundary_tensor, wstore, wgrad)
         limit = cluster_stage.memory_gib
         out.append(StageEstimate(
             st.index, st.name, st.device, st.tp, topo.dp_of(st.index),
             [r for d in range(topo.dp_of(st.index)) for r in topo.stage_ranks(st.index, d)],
             describe(stage_recompute(c.model, cluster_stage)), got.attention, got.weights,
             got.grads, got.main_params, got.optimizer, activations, at.chunks,
-            transients[at.chunk], at.recv_buffers, got.boundary_tensor,
+            (wgrad if at.w else transients)[at.chunk], at.recv_buffers, got.boundary_tensor,
             got.step_transient, None if limit is None else limit * GIB,
-            c.train.distributed_optimizer, at.sent, shards))
+            c.train.distributed_optimizer, at.sent, shards,
+            wstore=wstore, wstore_held=at.wstore if wstore else ()))
     return out

@@ -21,18 +21,22 @@ from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 from ldt.pipeline.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
 from ldt.schedule.vdp import vdp_schedule
-from ldt.schedule.zerobubble import zb_h1, zb_u_shape
+from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
 
 
 @functools.lru_cache(maxsize=64)
 def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
-                    forward_only: bool = False, prefetch: int = 0, zero_bubble: bool = False):
+                    forward_only: bool = False, prefetch: int = 0, zero_bubble: bool = False,
+                    priced: Optional[Priced] = None):
     """The lowered, deadlock-checked action lists of every stage (``forward_only``: the
     training schedule's forwards only, for evaluation; ``prefetch``: the U-shape's depth;
-    ``zero_bubble``: the backwards split into B and W, :mod:`ldt.schedule.zerobubble`, with
-    equal costs until measured ones are passed in)."""
+    ``zero_bubble``: the backwards split into B and W, :mod:`ldt.schedule.zerobubble`,
+    generated from ``priced``, the run's per-stage costs (``ldt.plan.zerobubble.run_prices``;
+    None: all equal))."""
     if zero_bubble:
-        compute = (zb_u_shape if kind == "ushape" else zb_h1)(num_stages, num_microbatches)
+        tables = priced.tables() if priced is not None else (None, None)
+        compute = (zb_u_shape if kind == "ushape" else zb_h1)(num_stages, num_microbatches,
+                                                                *tables)
     elif kind == "ushape":
         compute = u_shape(num_stages, num_microbatches, prefetch=prefetch)
     else:
@@ -55,10 +59,12 @@ def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
              seq_length: int, micro_batch_size: int, comm, state, config,
              record_timings: bool = False, forward_only: bool = False,
-             prefetch: int = 0, zero_bubble: bool = False) -> StepResult:
+             prefetch: int = 0, zero_bubble: bool = False,
+             priced: Optional[Priced] = None) -> StepResult:
     """One training step (or, ``forward_only``, one evaluation step: losses, no gradients) of
     this rank's stage (the U-shape when the topology says so, with ``prefetch``; its
-    zero-bubble schedule with ``zero_bubble``, the ``wgrad_split`` patch applied)."""
+    zero-bubble schedule with ``zero_bubble``, the ``wgrad_split`` patch applied, generated
+    from ``priced``)."""
     topo = state.topology
     kind = "ushape" if topo.u_shape else "1f1b"
     models = model if isinstance(model, list) else [model]
@@ -72,7 +78,7 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
         num_microbatches = len(schedule.microbatches[lane])
     else:
         schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only,
-                                   prefetch, zero_bubble)
+                                   prefetch, zero_bubble, priced)
         actions = schedule[state.stage]
     return run_actions(
         actions, roles=roles, comm=comm, forward_step_func=forward_step_func,
@@ -90,10 +96,12 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
                          collect_non_loss_data: bool = False, first_val_step=None,
                          adjust_tensor_shapes_fn=None, p2p_communicator=None,
                          pg_collection=None, force_all_reduce=False, observers=(),
-                         zero_bubble: bool = False) -> list[Any]:
+                         zero_bubble: bool = False, priced: Optional[Priced] = None
+                         ) -> list[Any]:
     """Megatron-compatible forward-backward over ldt's schedule; returns the loss stage's
     ``forward_data_store`` (empty elsewhere), like megatron's schedules. ``zero_bubble``:
-    ldt's own argument, the zero-bubble schedule (the ``wgrad_split`` patch applied)."""
+    ldt's own argument, the zero-bubble schedule (the ``wgrad_split`` patch applied),
+    generated from ``priced`` (None: equal costs)."""
     if collect_non_loss_data:
         raise NotImplementedError(
             "collect_non_loss_data is not supported by ldt's schedule runtime; collect what "
@@ -108,7 +116,8 @@ def forward_backward_ldt(*, forward_step_func, data_iterator, model, num_microba
     return run_step(forward_step_func=forward_step_func, data_iterator=data_iterator,
                     model=model, num_microbatches=num_microbatches, seq_length=seq_length,
                     micro_batch_size=micro_batch_size, comm=comm, state=state,
-                    config=config, forward_only=forward_only, zero_bubble=zero_bubble).losses
+                    config=config, forward_only=forward_only, zero_bubble=zero_bubble,
+                    priced=priced).losses
 
 
 @dataclass(frozen=True)

@@ -128,11 +128,14 @@ class Memory:
     """Received tensors waiting in boundary buffers."""
     transient: float = 0.0
     """The peak above all that while one micro-batch's backward runs."""
+    wstore: float = 0.0
+    """A zero-bubble schedule's W store at its peak (:meth:`CostModel.wstore_bytes` x the
+    entries held); 0 under the unsplit schedules."""
 
     @property
     def total(self) -> float:
         return (self.weights + self.grads + self.optimizer + self.activations + self.buffers
-                + self.transient)
+                + self.transient + self.wstore)
 
 
 def ring_allreduce_time(nbytes: float, n: int, bw_gbps: float) -> float:
@@ -176,6 +179,15 @@ class CostModel:
         if self.moe is not None:
             mlp = moe_mlp_flops(self, mlp)
         return 2 * b * s * h * self.qkv + 2 * b * s * self.hd * h + mlp + 4 * b * s * s * self.hd
+
+    def layer_linear_flops(self) -> float:
+        """The part of :meth:`layer_flops` in megatron's column- and row-parallel linear layers
+        (QKV, projection, the MLP's or the active experts' fc1 and fc2): what their weight
+        gradient costs again in the backward, the W of a zero-bubble schedule (the attention
+        core has no weights; a MoE router's is not split, ``patches/wgrad_split.py``)."""
+        b, s, h = self.b, self.s, self.h
+        out = self.layer_flops() - 4 * b * s * s * self.hd
+        return out - (self.moe.share * 2 * b * s * h * self.moe.experts if self.moe else 0.0)
 
     def head_flops(self) -> float:
         return 2 * self.b * self.s * self.h * self.V
@@ -431,6 +443,32 @@ class CostModel:
             hf, hb = self.head_time(kind, tp)
             f, b = f + hf, b + hb
         return f, b
+
+    def wgrad_time(self, kind: str, tp: int, chunk: ChunkLoad) -> float:
+        """The part of :meth:`chunk_time`'s backward that is the weight gradient of the
+        chunk's linear layers (the head's too): a zero-bubble schedule's W, one micro-batch;
+        its B is the rest (input gradients, TP collectives, recomputation)."""
+        flops = chunk.layers * self.layer_linear_flops()
+        if chunk.head:
+            flops += self.head_flops()
+        return flops / self._speed(self.inventory.kind(kind), tp)
+
+    def wstore_bytes(self, tp: int, chunk: ChunkLoad) -> float:
+        """One micro-batch's W store entry on a rank (a zero-bubble schedule holds it from
+        the chunk's B to its W): what each split linear layer's weight gradient needs, its
+        input (whole: with sequence parallelism the gathered copy) and its output gradient.
+        Per layer QKV ``h`` and ``qkv/t``, the projection ``hd/t`` and ``h``, fc1 ``h`` and
+        ``fc1/t``, fc2 ``f/t`` and ``h`` (a MoE layer's ``topk`` expert MLPs in place of the
+        MLP's); the head ``h`` and ``V/t``; per token, in the activations' dtype."""
+        h, t = self.h, tp
+        mlp = h + self.fc1 / t + self.f / t + h
+        if self.moe is not None:
+            e = self.moe
+            mlp = e.share * e.topk * (h + (e.fc1 + e.ffn) / t + h) + (1 - e.share) * mlp
+        per_token = chunk.layers * (h + self.qkv / t + self.hd / t + h + mlp)
+        if chunk.head:
+            per_token += h + self.V / t
+        return self.s * self.b * self.d * per_token
 
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d

@@ -151,6 +151,9 @@ class Evaluation:
     bubble_fraction: float
     stages: list[StageReport]
     sim: Optional[SimResult] = field(default=None, repr=False)
+    schedule: str = "auto"
+    """The schedule it was timed on, as ``train.schedule``: ``auto`` (1F1B / the U-shape) or
+    ``zb`` (zero-bubble, :mod:`ldt.plan.zerobubble`)."""
 
     @property
     def fits(self) -> bool:
@@ -315,7 +318,7 @@ def simulate_plan(plan: Plan, cost: CostModel) -> Evaluation:
                          plan.u_shape, plan.prefetch if plan.u_shape else 0)
     inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
                 else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
-    return _evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
+    return evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight, sim)
 
 @lru_cache(maxsize=64)
 def lane_schedule(stage_dp: tuple[int, ...], num_microbatches: int, ushape: bool,
@@ -347,7 +350,7 @@ def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
     devices = sum(stage_dp)
     work = sum(sim.busy.values())
     bubble = 1 - work / (devices * sim.iteration_time) if sim.iteration_time else 0
-    return _evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
+    return evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
 
 
 def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
@@ -358,22 +361,28 @@ def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:
     busy = {i: m * sum(f + b for f, b in ch) for i, ch in enumerate(chunk_times(plan, cost))}
     bubble = 1 - sum(busy.values()) / (plan.num_stages * t)
     inflight = {i: tuple(c.inflight for c in plan.stage_chunks(i)) for i in range(plan.num_stages)}
-    return _evaluation(plan, cost, t, bubble, busy, inflight, None)
+    return evaluation(plan, cost, t, bubble, busy, inflight, None)
 
-def _evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: dict[int, float],
-                inflight: dict[int, tuple[int, ...]], sim: Optional[SimResult]) -> Evaluation:
+def evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: dict[int, float],
+                inflight: dict[int, tuple[int, ...]], sim: Optional[SimResult],
+                wstore: Optional[dict[int, float]] = None, schedule: str = "auto") -> Evaluation:
+    """An :class:`Evaluation` of ``plan`` from its simulated (or estimated) figures; ``wstore``:
+    per stage, a zero-bubble schedule's W store bytes at its peak (:mod:`ldt.plan.zerobubble`)."""
     split = plan.split
     names, reports = plan.stage_names(), []
     for i, st in enumerate(plan.stages):
         chunks = plan.stage_chunks(i, inflight[i])
         fb = [cost.chunk_time(st.kind, st.tp, c) for c in chunks]
+        memory = cost.stage_memory(st.tp, chunks, plan.recv_buffers(i))
+        if wstore:
+            memory = replace(memory, wstore=wstore[i])
         reports.append(StageReport(
             i, names[i], st.kind, cost.inventory.kind(st.kind).device, st.tp, split.describe(i),
             sum(f for f, _ in fb), sum(b for _, b in fb), busy[i],
-            cost.stage_memory(st.tp, chunks, plan.recv_buffers(i)), cost.memory_limit(st.kind),
-            inflight[i]))
+            memory, cost.memory_limit(st.kind), inflight[i]))
     ar = dp_allreduce(plan, cost)
-    return Evaluation(plan, pipe + ar, pipe, ar, bubble, reports, sim)
+    return Evaluation(plan, pipe + ar, pipe, ar, bubble, reports, sim, schedule)
+
 
 def with_layers(plan: Plan, layers: tuple[int, ...]) -> Plan:
     return replace(plan, layers=tuple(layers))

@@ -4,7 +4,10 @@ It shares none of the planner's search rules. What it shares, and only that, is 
 of a fully specified plan: the cost model (:mod:`ldt.plan.cost`) and the simulation of the
 action lists the runtime runs (:func:`ldt.plan.evaluate.simulate_plan`, under a cost model
 with ``recompute=False``, so the plan's recomputation is priced exactly as stated), and the
-objective's definition of the pick (:func:`ldt.plan.objective.choose`). It enumerates:
+objective's definition of the pick (:func:`ldt.plan.objective.choose`) and, as the planner's
+last step, the pick's schedule: today's or its zero-bubble one, whichever the objective picks
+(:func:`ldt.plan.zerobubble.choose_schedule`; zero-bubble is priced for the pick only, on both
+sides). It enumerates:
 
 - every largest data-parallel size ``D`` that divides the step's micro-batches, and every
   per-stage dp vector whose sizes divide ``D`` with one equal to it (the lane schedules'
@@ -45,6 +48,7 @@ from ldt.plan.cost import CostModel, Recompute
 from ldt.plan.evaluate import MAX_PREFETCH, Evaluation, Plan, StageSpec, dp_allreduce, simulate_plan
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
+from ldt.plan.zerobubble import choose_schedule
 
 
 @dataclass
@@ -208,4 +212,5 @@ def exhaustive(inventory: Inventory, model: ModelConfig, workload: Workload,
     if not kept:
         return ExhaustiveResult(None, plans, sims)
     pick, _ = choose(kept, inventory, objective)
+    pick, _ = choose_schedule(pick, cost, inventory, objective)  # today's, or zero-bubble
     return ExhaustiveResult(pick, plans, sims, min(kept, key=lambda e: e.iteration_time))

@@ -25,7 +25,12 @@ cost list leads:
    search compares plans at that depth), then for each start of step 4 and for the pick;
 6. a U-shape's fastest plan may give its cloud stages more replicas than the edge (VDP; not
    tried when the edge's busy time already bounds the step);
-7. every simulated plan joins the time/cost front, and the objective picks from them.
+7. every simulated plan joins the time/cost front, and the objective picks from them;
+8. the pick is timed on its zero-bubble schedule too (ZB-H1 or the zero-bubble U-shape,
+   generated from the plan's prices, its W store in memory: :mod:`ldt.plan.zerobubble`), and
+   the objective picks between the two (``Evaluation.schedule``; ``ldt-plan`` writes
+   ``schedule: zb`` into the plan's train file when that one wins); up to
+   :data:`ldt.plan.zerobubble.PLANNER_LIMIT` stage-micro-batches.
 
 Simulated iteration time (pipeline + data-parallel all-reduce) and cost per step (its devices'
 hourly price times that time) are the numbers that are compared and reported.
@@ -43,10 +48,11 @@ from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, StageSpec, choose_prefetch, closed_form,
                                with_layers)
 from ldt.plan.inventory import Inventory, Workload
-from ldt.plan.objective import (Objective, choose, hourly_price, pareto_front, spread,
+from ldt.plan.objective import (Objective, choose, hourly_price, ms, pareto_front, spread,
                                 step_cost)
 from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
+from ldt.plan.zerobubble import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
 
 T = TypeVar("T")
 _END = object()
@@ -151,6 +157,7 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
         pool.append(vdp)
         notes += [note] if note else []
     best, reason = _pick(pool, inventory, objective, cost, sim)
+    best, reason = _schedule(best, reason, pool, cost, inventory, objective, notes)
     return PlanResult(best, ranked, scored, used, sim.runs, time.perf_counter() - t0,
                       notes=notes, front=pareto_front(pool, inventory), reason=reason,
                       objective=objective)
@@ -174,6 +181,31 @@ def _pick(pool: list[Evaluation], inventory: Inventory, objective: Objective, co
         same = replace(best.plan, prefetch=0)
         pool[:] = [e for e in pool if replace(e.plan, prefetch=0) != same] + [final]
     return choose(pool, inventory, objective)
+
+
+def _schedule(best: Evaluation, reason: str, pool: list[Evaluation], cost: CostModel,
+              inventory: Inventory, objective: Objective, notes: list[str]
+              ) -> tuple[Evaluation, str]:
+    """Step 8: the pick on today's schedule or its zero-bubble one (``train.schedule=zb``,
+    :func:`ldt.plan.zerobubble.choose_schedule`), as the objective picks between them; the
+    zero-bubble evaluation joins ``pool`` (the front)."""
+    today = best
+    best, zb = choose_schedule(today, cost, inventory, objective)
+    if zb is None:
+        if runs_zb(today.plan) and too_long(today.plan):
+            p = today.plan
+            notes.append(f"not timed on the zero-bubble schedule: {p.num_stages} stages x "
+                         f"{p.num_microbatches} micro-batches is past {PLANNER_LIMIT} (ldt-sim "
+                         "--schedule zb prices it)")
+        return best, reason
+    pool.append(zb)
+    verdict = (f"the zero-bubble schedule (train.schedule=zb): {ms(zb.iteration_time)} ms "
+               f"against {ms(today.iteration_time)} ms on today's"
+               + ("" if zb.fits else ", but its W store does not fit"))
+    if best is zb:
+        return best, reason + f"; on {verdict}"
+    notes.append(f"kept today's schedule over {verdict}")
+    return best, reason
 
 
 def _round_robin(lists: list[Iterable[T]]) -> Iterator[T]:

@@ -61,6 +61,7 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
         f"# Train with train.num_microbatches={p.num_microbatches} "
         + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
+        + ("train.schedule=zb " if ev.schedule == "zb" else "")
         + f"train.micro_batch_size={micro_batch_size} (global batch "
         f"{p.dp * p.num_microbatches * micro_batch_size}).",
         f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
@@ -79,19 +80,28 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     return "\n".join(head) + "\n" + body
 
 
-def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str) -> str:
+def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str,
+               inventory: Optional[str] = None) -> str:
     """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
-    ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned."""
+    ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned. With
+    the zero-bubble schedule picked (``ev.schedule``): ``schedule: zb`` and, given, the
+    ``inventory`` it was priced with as ``cost_inventory`` (the run generates its order from
+    the same prices)."""
     p = ev.plan
     settings = {"defaults": ["default"], "num_microbatches": p.num_microbatches,
                 "micro_batch_size": micro_batch_size}
     if p.prefetch:  # the U-shape's prefetch depth it was priced with
         settings["prefetch"] = p.prefetch
+    if ev.schedule == "zb":
+        settings["schedule"] = "zb"
+        if inventory:
+            settings["cost_inventory"] = inventory
     body = OmegaConf.to_yaml(OmegaConf.create(settings))
     return (f"# Planned by ldt-plan for model {model_name} with cluster={cluster_name}: global "
             f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
             f"{p.num_microbatches} micro-batches x {micro_batch_size}"
-            + (f", prefetch {p.prefetch}" if p.prefetch else "") + ".\n" + body)
+            + (f", prefetch {p.prefetch}" if p.prefetch else "")
+            + (", the zero-bubble schedule" if ev.schedule == "zb" else "") + ".\n" + body)
 
 
 def planned_train_path(cluster_path: str) -> Optional[str]:
@@ -104,19 +114,24 @@ def planned_train_path(cluster_path: str) -> Optional[str]:
     return path if os.path.isabs(cluster_path) else os.path.relpath(path)
 
 
-def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, int]]:
-    """The micro-batch settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
-    ``micro_batch_size``, ``prefetch`` when planned): (that file, settings), or (None, {})."""
+def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, Any]]:
+    """The settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
+    ``micro_batch_size``, ``prefetch`` and ``schedule`` when planned): (that file, settings),
+    or (None, {})."""
     path = planned_train_path(cluster_path)
     if path is None or not os.path.isfile(path):
         return None, {}
     planned = load_yaml(path, "ldt-plan's train file")
     try:
-        return path, {k: int(planned[k]) for k in ("num_microbatches", "micro_batch_size",
-                                                    "prefetch") if k in planned}
+        out: dict[str, Any] = {k: int(planned[k]) for k in ("num_microbatches",
+                                                            "micro_batch_size", "prefetch")
+                               if k in planned}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: {exc}; give whole numbers, or write it again with ldt-plan"
                           ) from None
+    if "schedule" in planned:
+        out["schedule"] = str(planned["schedule"])
+    return path, out
 
 
 def stage_rows(ev: Evaluation) -> list[dict[str, Any]]:
@@ -139,6 +154,7 @@ def summary(ev: Evaluation, inventory: Inventory) -> dict[str, Any]:
         "cluster": cluster_dict(p, inventory),
         "num_microbatches": p.num_microbatches,
         "prefetch": p.prefetch,
+        "schedule": ev.schedule,
         "iteration_time_s": ev.iteration_time,
         "pipeline_time_s": ev.pipeline_time,
         "dp_allreduce_time_s": ev.dp_allreduce_time,
@@ -229,6 +245,7 @@ def table(ev: Evaluation) -> str:
         f"{'U-shape' if p.u_shape else 'pipeline'}: {p.num_stages} stages, "
         + (f"dp per stage {list(p.stage_dp)} (VDP), " if p.stage_dp else f"dp={p.dp}, ") +
         f"m={p.num_microbatches}, " + (f"prefetch {p.prefetch}, " if p.prefetch else "")
+        + ("zero-bubble schedule (train.schedule=zb), " if ev.schedule == "zb" else "")
         + f"layout {p.layout()!r}; iteration {ev.iteration_time * 1e3:.2f} ms "
         f"(pipeline {ev.pipeline_time * 1e3:.2f} + dp all-reduce {ev.dp_allreduce_time * 1e3:.2f}), "
         f"bubble {ev.bubble_fraction:.1%}" + ("" if ev.fits else "; DOES NOT FIT in memory (!)"))

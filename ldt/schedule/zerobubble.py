@@ -43,6 +43,7 @@ play and keeps the best. No torch here.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import product
 from typing import Optional, Union
 
@@ -58,6 +59,23 @@ Comm = Mapping[tuple[int, int], float]
 Cap = Union[int, Sequence[int], None]
 
 FILLS = ("idle", "fit")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A ``costs`` and a ``comm`` table, frozen: hashable, so a generated schedule can be
+    cached by the prices it was generated from (``ldt.plan.zerobubble`` prices a run's plan)."""
+
+    costs: tuple[tuple[tuple[int, str], float], ...]
+    comm: tuple[tuple[tuple[int, int], float], ...]
+
+    @classmethod
+    def of(cls, costs: Costs, comm: Comm) -> "Priced":
+        return cls(tuple(sorted(costs.items())), tuple(sorted(comm.items())))
+
+    def tables(self) -> tuple[dict, dict]:
+        """``(costs, comm)`` as :func:`zb_h1` and :func:`zb_u_shape` take them."""
+        return dict(self.costs), dict(self.comm)
 
 
 def zb_h1(num_stages: int, num_microbatches: int, costs: Optional[Costs] = None,

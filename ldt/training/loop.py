@@ -36,7 +36,9 @@ from ldt.groups.parallel_state import VtpState, destroy_vtp, initialize_vtp
 from ldt.launch import progress
 from ldt.launch.quiet import set_log_level
 from ldt.pipeline.forward_backward import MegatronHooks, run_step
+from ldt.plan.zerobubble import run_prices
 from ldt.schedule.size import runs_on_ldt_runtime
+from ldt.schedule.zerobubble import Priced
 from ldt.topology.device import rank_device, use_device
 from ldt.topology.ranks import Topology
 from ldt.topology.validate import validate
@@ -67,6 +69,8 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     if topo is None:
         topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
     _record_pid(run_dir, rank)
+    # the zero-bubble order comes from this plan's prices: priced before any collective
+    priced = run_prices(cfg) if cfg.train.schedule == "zb" else None
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
@@ -78,7 +82,7 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
         patches.apply(names, ctx=MegatronHooks(tuple(observers)))
         try:
             return _train(_Run(rank, cfg, topo, state, observers, run_dir, guard,
-                               resume_verified))
+                               resume_verified, priced))
         finally:
             for obs in observers:  # the audit's message tap unwraps torch.distributed
                 getattr(obs, "close", lambda: None)()
@@ -122,6 +126,8 @@ class _Run:
     run_dir: str
     guard: StepGuard
     resume_verified: bool = False
+    priced: Optional[Priced] = None
+    """``train.schedule=zb``: the plan's prices its order is generated from."""
 
     @property
     def on_loss_stage(self) -> bool:
@@ -213,7 +219,7 @@ def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable
                            micro_batch_size=t.micro_batch_size, comm=comm, state=state,
                            config=models[0].config, record_timings=not forward_only,
                            forward_only=forward_only, prefetch=t.prefetch,
-                           zero_bubble=t.schedule == "zb")
+                           zero_bubble=t.schedule == "zb", priced=run.priced)
             return res.losses, res.timings
         return megatron_schedule(
             forward_step_func=forward_step, data_iterator=iters if len(models) > 1 else iters[0],

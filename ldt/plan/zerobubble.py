@@ -1,0 +1,168 @@
+"""The zero-bubble schedule of a plan, generated from the planner's prices.
+
+A zero-bubble schedule (:mod:`ldt.schedule.zerobubble`) is generated from each stage's F, B and
+W times and each boundary's transfer time. Here they come from the cost model
+(:mod:`ldt.plan.cost`), the prices the planner and ``ldt-sim`` time a plan with: F and the
+whole backward per chunk as :func:`ldt.plan.evaluate.op_table` gives them, W the weight
+gradient of the chunk's linear layers (:meth:`~ldt.plan.cost.CostModel.wgrad_time`), B the rest
+of the backward (input gradients, TP collectives, recomputation); transfers as
+:func:`ldt.plan.evaluate.comm_table`. No second cost model: the same tables, split.
+
+:func:`run_prices` prices a run's own plan (its cluster, model, micro-batches): what
+``train.schedule=zb`` generates its order from (``ldt.training.loop``). The device kinds come
+from ``train.cost_inventory``, else an elastic run's ``cluster.inventory``, else
+:func:`nominal_inventory`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional, Sequence
+
+from ldt.config import ConfigError, LdtConfig
+from ldt.plan.convert import cluster_to_plan
+from ldt.plan.cost import CostModel
+from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
+                               op_table)
+from ldt.plan.inventory import Inventory, Link, load_inventory
+from ldt.plan.objective import Objective, choose
+from ldt.schedule import Op, Schedule, lower, simulate
+from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
+
+NOMINAL = "cpu_local"
+"""The inventory whose one kind prices every device type of a run that names no inventory."""
+
+
+def split_op_table(plan: Plan, cost: CostModel) -> dict[int, dict[Op, float]]:
+    """:func:`~ldt.plan.evaluate.op_table` with every backward split into B and W (the edge:
+    BE + WE for its start chunk, BS + WS for its end chunk)."""
+    table = op_table(plan, cost)
+    for i, st in enumerate(plan.stages):
+        w = [cost.wgrad_time(st.kind, st.tp, c) for c in plan.stage_chunks(i)]
+        pairs = ([(Op.BE, Op.WE, w[0]), (Op.BS, Op.WS, w[1])] if plan.u_shape and i == 0
+                 else [(Op.B, Op.W, w[0])])
+        for b, wgt, t in pairs:
+            table[i][b] -= t
+            table[i][wgt] = t
+    return table
+
+
+def prices(plan: Plan, cost: CostModel) -> Priced:
+    """The tables a plan's zero-bubble schedule is generated from (and timed with)."""
+    ops = split_op_table(plan, cost)
+    return Priced.of({(s, op.value): t for s, times in ops.items() for op, t in times.items()},
+                     comm_table(plan, cost))
+
+
+def zb_compute(plan: Plan, priced: Priced) -> Schedule:
+    """The plan's zero-bubble compute lists (ZB-H1, or the zero-bubble U-shape) for ``priced``."""
+    generate = zb_u_shape if plan.u_shape else zb_h1
+    return generate(plan.num_stages, plan.num_microbatches, *priced.tables())
+
+
+def simulate_zb(plan: Plan, cost: CostModel) -> Evaluation:
+    """``plan`` timed on its zero-bubble schedule, generated from its prices as a run
+    generates it (ZB-H1, or the zero-bubble U-shape; no prefetch: ``train.schedule=zb`` runs
+    without): the simulator's iteration, and per stage the memory of what that order holds,
+    the micro-batches in flight and the W store at its peak (``SimResult.peak_wstore``
+    entries of the stage's largest, :meth:`~ldt.plan.cost.CostModel.wstore_bytes`)."""
+    plan = fit_recompute(replace(plan, prefetch=0), cost)
+    priced = prices(plan, cost)
+    sim = simulate(lower(zb_compute(plan, priced), "ushape" if plan.u_shape else "1f1b"),
+                   *priced.tables())
+    inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
+                else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
+    wstore = {i: sim.peak_wstore.get(i, 0) * max(cost.wstore_bytes(st.tp, c)
+                                                 for c in plan.stage_chunks(i))
+              for i, st in enumerate(plan.stages)}
+    return evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight,
+                      sim, wstore, "zb")
+
+
+def runs_zb(plan: Plan) -> bool:
+    """Whether ``train.schedule=zb`` can run ``plan`` and might gain: one dp for every stage
+    (the runtime refuses per-stage DP with it) and two stages at least (one has no bubble)."""
+    return not plan.stage_dp and plan.num_stages >= 2
+
+
+PLANNER_LIMIT = 128
+"""The planner times a pick on its zero-bubble schedule up to this many stage-micro-batches
+(``P x m``): generating a longer order takes seconds here (P 3, m 64: 1.0 s; P 6, m 64: 2.2 s
+on the 2-core machine, load ~3), longer than the whole search. ``ldt-sim --schedule zb``
+prices any length; a run generates its own order once."""
+
+
+def too_long(plan: Plan) -> bool:
+    return plan.num_stages * plan.num_microbatches > PLANNER_LIMIT
+
+
+def choose_schedule(ev: Evaluation, cost: CostModel, inventory: Inventory,
+                    objective: Objective) -> tuple[Evaluation, Evaluation | None]:
+    """``ev`` (a plan timed on today's schedule) or the same plan on its zero-bubble one,
+    whichever ``objective`` picks (both hold the same devices, so the faster that fits; ties
+    to today's); and the zero-bubble evaluation (None where it cannot run, :func:`runs_zb`,
+    or is longer than :data:`PLANNER_LIMIT`)."""
+    if not runs_zb(ev.plan) or too_long(ev.plan):
+        return ev, None
+    zb = simulate_zb(ev.plan, cost)
+    if not ev.fits:
+        return (zb if zb.fits else ev), zb
+    return choose([ev, zb], inventory, objective)[0], zb
+
+
+def nominal_inventory(devices: Sequence[str]) -> Inventory:
+    """One kind per device type, each with the figures of :data:`NOMINAL`'s kind and link: a
+    run's stages then differ by what the plan gives them (layers, embedding, head, TP,
+    recomputation, host-staged boundaries), not by their device's speed."""
+    base = load_inventory(NOMINAL)
+    kind, link = base.kinds[0], base.links[0]
+    names = list(dict.fromkeys(devices))
+    return Inventory(name=f"{NOMINAL} (every device type)",
+                     kinds=[replace(kind, name=d, device=d) for d in names],
+                     links=[Link(a, b, link.bandwidth_gbps, link.latency_us)
+                            for i, a in enumerate(names) for b in names[i:]])
+
+
+def run_inventory(cfg: LdtConfig) -> Inventory:
+    """The inventory that prices a run: ``train.cost_inventory``, else ``cluster.inventory``
+    (elastic), else :func:`nominal_inventory` of its device types."""
+    name = cfg.train.cost_inventory or cfg.cluster.inventory
+    if not name:
+        return nominal_inventory([s.device for s in cfg.cluster.stages])
+    try:
+        return load_inventory(name)
+    except ConfigError as exc:
+        key = "train.cost_inventory" if cfg.train.cost_inventory else "cluster.inventory"
+        raise ConfigError(f"{key}={name!r}: {exc}") from None
+
+
+def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
+    """Each stage's kind as the planner named the stage (``KIND_n``, an elastic plan's
+    ``KIND.j_n``; a U-shape's stage 0 the inventory's edge kind), or None where a stage's name
+    names no kind of ``inventory`` (a hand-written cluster: kinds by device type then)."""
+    names, out = {k.name for k in inventory.kinds}, []
+    for i, st in enumerate(cluster.stages):
+        if cluster.u_shape and i == 0 and inventory.edge is not None:
+            out.append(inventory.edge)
+            continue
+        kind = st.name.rpartition("_")[0].split(".")[0]
+        if kind not in names:
+            return None
+        out.append(kind)
+    return out
+
+
+def run_prices(cfg: LdtConfig) -> Priced:
+    """The prices of this run's plan (its cluster, model, micro-batches and micro-batch size)
+    that ``train.schedule=zb`` generates its order from. Every rank computes the same."""
+    inventory = run_inventory(cfg)
+    try:
+        plan = cluster_to_plan(cfg.cluster, cfg.model, inventory, cfg.train.num_microbatches,
+                               planned_kinds(cfg.cluster, inventory))
+        return prices(plan, CostModel(cfg.model, inventory, cfg.train.micro_batch_size))
+    except ConfigError as exc:
+        raise ConfigError(
+            f"train.schedule=zb prices each stage with inventory {inventory.name!r} "
+            f"(train.cost_inventory): {exc.args[0].split('; pass --kinds')[0]}; name each "
+            "stage KIND_n after its kind (as ldt-plan does), or give an inventory with one "
+            "kind per device type") from None

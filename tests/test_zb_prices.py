@@ -1,0 +1,162 @@
+"""train.schedule=zb generates its order from the run's own plan, priced by the cost model
+(ldt/plan/zerobubble.py): each backward split into B and W by the linear layers' weight
+gradient, figures derived here by hand from the shapes; the priced order differs from the
+equal-cost one on a heterogeneous U-shape and the simulator times it faster with those prices.
+Pure: no processes (the parity worlds that run the priced orders are test_ushape.py and
+test_p2p_parity.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from ldt.config import ConfigError, typed_config
+from ldt.config.load import config_dict
+from ldt.plan.convert import cluster_to_plan, load_cluster
+from ldt.plan.cost import CostModel
+from ldt.plan.evaluate import op_table
+from ldt.plan.inventory import DeviceKind, Inventory, Link, load_inventory, load_model
+from ldt.plan import Workload, make_cost, planned_cluster, simulate_plan, train_yaml
+from ldt.plan.evaluate import Plan, StageSpec
+from ldt.plan.objective import Objective, choose
+from ldt.plan.zerobubble import (choose_schedule, nominal_inventory, planned_kinds, prices,
+                                 run_prices, split_op_table)
+from ldt.schedule import Op, lower, simulate
+from ldt.schedule.zerobubble import zb_h1, zb_u_shape
+
+# a made-up kind whose numbers make each term visible: 1 TFLOP/s, MFU 0.5, TP efficiency 0.5
+KIND = DeviceKind(name="k", device="cpu", count=8, tflops=1.0, memory_gib=100,
+                  intra_bw_gbps=1.0, mfu=0.5, tp_efficiency=0.5)
+INVENTORY = Inventory(name="visible", kinds=[KIND], links=[Link("k", "k", 1.0, 0.0)])
+
+
+def _run_cfg(cluster: str, m: int, **train):
+    return typed_config({"cluster": config_dict(load_cluster(cluster)),
+                         "model": config_dict(load_model("gpt_tiny")),
+                         "train": {"num_microbatches": m, "schedule": "zb", **train}})
+
+
+def test_w_is_the_linear_layers_weight_gradient_by_hand():
+    """gpt_tiny (h 64, 4 heads, f 4h, V 256, s 64), b 2: per layer the linear layers' forward
+    is 24 b s h^2 FLOPs (QKV 6, projection 2, fc1 8, fc2 8), the head's 2 b s h V; W repeats
+    them, at tp * 1e12 * 0.5 * 0.5^log2(tp) FLOP/s. B is the rest of the whole backward."""
+    cfg = _run_cfg("cpu_demo", 4)  # Et|tt|tt|tL on TP 1 / 2 / 1
+    plan = cluster_to_plan(cfg.cluster, cfg.model, INVENTORY, 4)
+    cost = CostModel(cfg.model, INVENTORY, 2)
+    b, s, h, v = 2, 64, 64, 256
+    layer, head = 24 * b * s * h * h, 2 * b * s * h * v
+
+    def speed(tp):
+        return tp * 1e12 * 0.5 * 0.5 ** math.log2(tp)
+
+    split, whole = split_op_table(plan, cost), op_table(plan, cost)
+    want = {(0, Op.WE): 1 * layer / speed(1), (0, Op.WS): (1 * layer + head) / speed(1),
+            (1, Op.W): 2 * layer / speed(2), (2, Op.W): 2 * layer / speed(1)}
+    for (stage, op), t in want.items():
+        assert split[stage][op] == pytest.approx(t, rel=1e-12), (stage, op)
+    for stage, b_op, w_op in ((0, Op.BE, Op.WE), (0, Op.BS, Op.WS), (1, Op.B, Op.W),
+                              (2, Op.B, Op.W)):
+        assert split[stage][b_op] + split[stage][w_op] == pytest.approx(whole[stage][b_op])
+        assert split[stage][b_op] > 0
+    for stage, ops in whole.items():  # forwards unchanged
+        for op in (Op.F, Op.FS, Op.FE):
+            if op in ops:
+                assert split[stage][op] == ops[op]
+
+
+@pytest.mark.parametrize("cluster,m", [("cpu_demo", 5), ("cpu_demo", 3), ("cpu_vtp", 6)])
+def test_the_run_s_order_comes_from_its_prices(cluster, m):
+    """The run's prices (run_prices: its cluster, model, m, as ldt-train computes them)
+    give an order other than the equal-cost one, and the simulator, timing both with those
+    prices, finds the priced order faster: the costs were not ignored."""
+    cfg = _run_cfg(cluster, m)
+    costs, comm = run_prices(cfg).tables()
+    p, u = len(cfg.cluster.stages), cfg.cluster.u_shape
+    generate, kind = (zb_u_shape, "ushape") if u else (zb_h1, "1f1b")
+    priced, equal = generate(p, m, costs, comm), generate(p, m)
+    assert priced != equal
+    t_priced = simulate(lower(priced, kind), costs, comm).iteration_time
+    t_equal = simulate(lower(equal, kind), costs, comm).iteration_time
+    assert t_priced < t_equal, (t_priced, t_equal)
+
+
+def test_the_run_is_priced_with_its_inventory():
+    """Without train.cost_inventory every device type gets cpu_local's figures (so stages
+    differ by their plan only); with one, its kinds price the stages."""
+    plain = run_prices(_run_cfg("cpu_demo", 4))
+    nominal = nominal_inventory(["cpu"])
+    cfg = _run_cfg("cpu_demo", 4)
+    want = prices(cluster_to_plan(cfg.cluster, cfg.model, nominal, 4),
+                  CostModel(cfg.model, nominal, cfg.train.micro_batch_size))
+    assert plain == want
+    cfg = _run_cfg("cpu_demo", 4, cost_inventory="cpu_elastic")  # two cpu kinds
+    with pytest.raises(ConfigError, match=r"cost_inventory.*matches kinds.*name each stage"):
+        run_prices(cfg)
+    for st, name in zip(cfg.cluster.stages, ("edge", "cloud_cpu_0", "cloud_cpu_1")):
+        st.name = name  # as ldt-plan names them: the edge, then KIND_n
+    named = run_prices(cfg)
+    assert named != plain
+    cfg.cluster.stages[2].name = "cloud_cpu.1_0"  # an elastic plan's second node group
+    assert planned_kinds(cfg.cluster, load_inventory("cpu_elastic")) == [
+        "edge_cpu", "cloud_cpu", "cloud_cpu"]
+
+
+# ---- the planner's choice between today's schedule and the zero-bubble one -----------------
+EDGE_CLOUD_PLAN = dict(  # what ldt-plan picks for llama_7b on edge_cloud, global batch 64
+    stages=(StageSpec("edge_gpu", 1), StageSpec("ascend910b", 4), StageSpec("ascend910b", 4)),
+    layers=(1, 15, 15, 1), u_shape=True, dp=2, num_microbatches=32)
+
+
+def test_the_planner_s_pick_is_the_objective_s_pick(monkeypatch):
+    """ldt-plan times its pick on the zero-bubble schedule too and keeps what the objective
+    picks between the two (here zb, faster); its train file then says ``schedule: zb`` and
+    the inventory the run prices its order with."""
+    from ldt.plan import planner
+
+    seen = {}
+
+    def spy(ev, cost, inventory, objective):
+        seen["today"] = ev
+        out = choose_schedule(ev, cost, inventory, objective)
+        seen["zb"] = out[1]
+        return out
+
+    monkeypatch.setattr(planner, "choose_schedule", spy)
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    objective = Objective()
+    result = planner.plan(inventory, model, Workload(1, 64), objective=objective)
+    today, zb = seen["today"], seen["zb"]
+    assert zb.schedule == "zb" and today.schedule == "auto"
+    assert zb.iteration_time < today.iteration_time and zb.fits  # so the objective: zb
+    assert result.best is choose([today, zb], inventory, objective)[0] is zb
+    assert zb in result.front
+    text = train_yaml(result.best, "llama_7b", 1, "planned", "edge_cloud")
+    assert "schedule: zb" in text and "cost_inventory: edge_cloud" in text
+    # the run of the planned files generates its order from the prices the planner timed
+    run = typed_config({"cluster": config_dict(planned_cluster(zb.plan, inventory)),
+                        "model": config_dict(model),
+                        "train": {"num_microbatches": zb.plan.num_microbatches,
+                                  "micro_batch_size": 1, "schedule": "zb",
+                                  "cost_inventory": "edge_cloud"}})
+    assert run_prices(run) == prices(zb.plan, make_cost(inventory, model, Workload(1, 64)))
+    assert "schedule" not in train_yaml(today, "llama_7b", 1, "planned", "edge_cloud")
+
+
+def test_a_w_store_that_does_not_fit_keeps_today_s_schedule():
+    """The same plan with the edge card's memory between today's need (17.0 GiB) and the
+    zero-bubble schedule's (20.1 GiB: its W store on top): the faster zb does not fit, so
+    today's schedule stays; with the card's real 24 GiB zb is picked."""
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    plan = Plan(**EDGE_CLOUD_PLAN)
+    for memory_gib, want in ((20.5, "auto"), (24, "zb")):
+        kinds = [replace(k, memory_gib=memory_gib) if k.name == "edge_gpu" else k
+                 for k in inventory.kinds]
+        inv = replace(inventory, kinds=kinds)
+        cost = make_cost(inv, model, Workload(1, 64))
+        today = simulate_plan(plan, cost)
+        pick, zb = choose_schedule(today, cost, inv, Objective())
+        assert zb.iteration_time < today.iteration_time and today.fits
+        assert zb.stages[0].memory.wstore > 0
+        assert pick.schedule == want, (memory_gib, [s.memory.total / 2**30 for s in zb.stages])
