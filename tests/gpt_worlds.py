@@ -128,7 +128,8 @@ def zb_prices(topo, m: int, recompute=None):
                        "u_shape": topo.u_shape},
            "model": dataclasses.asdict(MODEL),
            "train": {"num_microbatches": m, "micro_batch_size": MBS, "schedule": "zb"}}
-    return run_prices(typed_config(cfg))
+    c = typed_config(cfg)
+    return run_prices(c.cluster, c.model, c.train)
 
 
 class RecomputeCount:

@@ -10,9 +10,8 @@ typed parts (``cfg.train``, ``cfg.cluster.stages[i]``). A number read from it
 What holds: the whole config stays in the rank's training code and the data stage's entry; its
 parts never travel up a layer (a call handing them to a module of a higher layer than the
 caller's: the data flow turning back); they are handed back to ``ldt.config``'s converters
-only where a plain dict may arrive (anything else would be a second typing); and they visit at
-most 22 files (#44's review counted 44 with its own follower, which also followed values
-derived from the config; this follower counts 19 at that review's commit a48af8a, 20 now).
+only where a plain dict may arrive (anything else would be a second typing); and the files
+they visit do not grow unnoticed (:data:`MAX_FILES`).
 """
 
 from __future__ import annotations
@@ -24,7 +23,12 @@ from collections.abc import Iterator
 from tests.test_layers import _modules, layer_of
 
 ENTRY = ("ldt.training.loop", "train_worker", "cfg")
-MAX_FILES = 22  # half the 44 of #44's review
+# A ratchet: today's count. A file the config newly reaches is a decision made here, in the
+# commit that raises it. History, by this follower: 19 at #44's review (a48af8a; the review's
+# own follower, which also followed values derived from the config, counted 44), 20 after
+# #44, 24 since a zero-bubble run prices its own plan (ldt.plan's convert, cost, evaluate,
+# zerobubble) and snapshots its state (ldt.training.snapshot).
+MAX_FILES = 24
 WHOLE = ("ldt.training", "ldt.data", "ldt.config")  # where the whole LdtConfig may go
 
 
@@ -222,7 +226,7 @@ def _calls(parts: bool = True):
     return list(ConfigPath(_modules(), parts=parts).walk(ENTRY))
 
 
-def test_the_config_visits_at_most_half_the_files():
+def test_the_files_the_config_visits_do_not_grow_unnoticed():
     modules = sorted({ENTRY[0]} | {c[2] for c in _calls()})
     assert len(modules) <= MAX_FILES, f"{len(modules)} files:\n" + "\n".join(modules)
 

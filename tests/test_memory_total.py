@@ -155,7 +155,8 @@ def test_a_zero_bubble_run_counts_its_w_store():
     assert [s.wstore for s in got] == [[WSTORE_LAYER], [WSTORE_LAYER],
                                        [WSTORE_LAYER + WSTORE_HEAD]]
     assert (WSTORE_LAYER, WSTORE_HEAD) == (8192, 8704)
-    costs, comm = run_prices(typed_config(cfg)).tables()
+    c = typed_config(cfg)
+    costs, comm = run_prices(c.cluster, c.model, c.train).tables()
     sim = simulate(lower(zb_h1(3, M, costs, comm), "1f1b"), costs, comm)
     for s in got:
         assert 1 <= s.wstore_held[0] <= sim.peak_wstore[s.index], (s.index, s.wstore_held)

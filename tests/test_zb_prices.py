@@ -72,7 +72,7 @@ def test_the_run_s_order_comes_from_its_prices(cluster, m):
     give an order other than the equal-cost one, and the simulator, timing both with those
     prices, finds the priced order faster: the costs were not ignored."""
     cfg = _run_cfg(cluster, m)
-    costs, comm = run_prices(cfg).tables()
+    costs, comm = run_prices(cfg.cluster, cfg.model, cfg.train).tables()
     p, u = len(cfg.cluster.stages), cfg.cluster.u_shape
     generate, kind = (zb_u_shape, "ushape") if u else (zb_h1, "1f1b")
     priced, equal = generate(p, m, costs, comm), generate(p, m)
@@ -85,18 +85,18 @@ def test_the_run_s_order_comes_from_its_prices(cluster, m):
 def test_the_run_is_priced_with_its_inventory():
     """Without train.cost_inventory every device type gets cpu_local's figures (so stages
     differ by their plan only); with one, its kinds price the stages."""
-    plain = run_prices(_run_cfg("cpu_demo", 4))
-    nominal = nominal_inventory(["cpu"])
     cfg = _run_cfg("cpu_demo", 4)
+    plain = run_prices(cfg.cluster, cfg.model, cfg.train)
+    nominal = nominal_inventory(["cpu"])
     want = prices(cluster_to_plan(cfg.cluster, cfg.model, nominal, 4),
                   CostModel(cfg.model, nominal, cfg.train.micro_batch_size))
     assert plain == want
     cfg = _run_cfg("cpu_demo", 4, cost_inventory="cpu_elastic")  # two cpu kinds
     with pytest.raises(ConfigError, match=r"cost_inventory.*matches kinds.*name each stage"):
-        run_prices(cfg)
+        run_prices(cfg.cluster, cfg.model, cfg.train)
     for st, name in zip(cfg.cluster.stages, ("edge", "cloud_cpu_0", "cloud_cpu_1")):
         st.name = name  # as ldt-plan names them: the edge, then KIND_n
-    named = run_prices(cfg)
+    named = run_prices(cfg.cluster, cfg.model, cfg.train)
     assert named != plain
     cfg.cluster.stages[2].name = "cloud_cpu.1_0"  # an elastic plan's second node group
     assert planned_kinds(cfg.cluster, load_inventory("cpu_elastic")) == [
@@ -140,7 +140,8 @@ def test_the_planner_s_pick_is_the_objective_s_pick(monkeypatch):
                         "train": {"num_microbatches": zb.plan.num_microbatches,
                                   "micro_batch_size": 1, "schedule": "zb",
                                   "cost_inventory": "edge_cloud"}})
-    assert run_prices(run) == prices(zb.plan, make_cost(inventory, model, Workload(1, 64)))
+    assert run_prices(run.cluster, run.model, run.train) == prices(
+        zb.plan, make_cost(inventory, model, Workload(1, 64)))
     assert "schedule" not in train_yaml(today, "llama_7b", 1, "planned", "edge_cloud")
 
 

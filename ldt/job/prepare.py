@@ -103,7 +103,7 @@ def check(plain: dict, rank: Optional[int], world: Optional[int]):
     cfg = typed_config(plain)
     topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
     if cfg.train.schedule == "zb" and not cfg.cluster.inventory:  # (elastic: once planned)
-        run_prices(cfg)  # its inventory and kinds, refused here rather than in every rank
+        run_prices(cfg.cluster, cfg.model, cfg.train)  # its inventory and kinds, refused here rather than in every rank
     warnings = check_files(cfg.data, cfg.model, cfg.train, topo, rank)
     return cfg, topo, warnings
 

@@ -42,7 +42,7 @@ def estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[St
     c = typed_config(cfg)
     topo = validate(c.cluster, c.model, train=c.train, check_devices=False)
     # a zero-bubble run's order comes from its plan's prices: the lists it will walk
-    priced = run_prices(c) if c.train.schedule == "zb" else None
+    priced = run_prices(c.cluster, c.model, c.train) if c.train.schedule == "zb" else None
     schedule = stage_inflight(topo, c.train, c.model.sequence_parallel, priced)
     out = []
     on_cpu = cpu_topology(topo)  # built here whatever the devices (sizes do not depend on it)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from ldt.config import ConfigError, LdtConfig
+from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
 from ldt.plan.convert import cluster_to_plan
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
@@ -123,16 +123,16 @@ def nominal_inventory(devices: Sequence[str]) -> Inventory:
                             for i, a in enumerate(names) for b in names[i:]])
 
 
-def run_inventory(cfg: LdtConfig) -> Inventory:
+def run_inventory(cluster: ClusterConfig, train: TrainConfig) -> Inventory:
     """The inventory that prices a run: ``train.cost_inventory``, else ``cluster.inventory``
     (elastic), else :func:`nominal_inventory` of its device types."""
-    name = cfg.train.cost_inventory or cfg.cluster.inventory
+    name = train.cost_inventory or cluster.inventory
     if not name:
-        return nominal_inventory([s.device for s in cfg.cluster.stages])
+        return nominal_inventory([s.device for s in cluster.stages])
     try:
         return load_inventory(name)
     except ConfigError as exc:
-        key = "train.cost_inventory" if cfg.train.cost_inventory else "cluster.inventory"
+        key = "train.cost_inventory" if train.cost_inventory else "cluster.inventory"
         raise ConfigError(f"{key}={name!r}: {exc}") from None
 
 
@@ -152,14 +152,14 @@ def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
     return out
 
 
-def run_prices(cfg: LdtConfig) -> Priced:
+def run_prices(cluster: ClusterConfig, model: ModelConfig, train: TrainConfig) -> Priced:
     """The prices of this run's plan (its cluster, model, micro-batches and micro-batch size)
     that ``train.schedule=zb`` generates its order from. Every rank computes the same."""
-    inventory = run_inventory(cfg)
+    inventory = run_inventory(cluster, train)
     try:
-        plan = cluster_to_plan(cfg.cluster, cfg.model, inventory, cfg.train.num_microbatches,
-                               planned_kinds(cfg.cluster, inventory))
-        return prices(plan, CostModel(cfg.model, inventory, cfg.train.micro_batch_size))
+        plan = cluster_to_plan(cluster, model, inventory, train.num_microbatches,
+                               planned_kinds(cluster, inventory))
+        return prices(plan, CostModel(model, inventory, train.micro_batch_size))
     except ConfigError as exc:
         raise ConfigError(
             f"train.schedule=zb prices each stage with inventory {inventory.name!r} "

@@ -70,7 +70,8 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
         topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
     _record_pid(run_dir, rank)
     # the zero-bubble order comes from this plan's prices: priced before any collective
-    priced = run_prices(cfg) if cfg.train.schedule == "zb" else None
+    priced = (run_prices(cfg.cluster, cfg.model, cfg.train) if cfg.train.schedule == "zb"
+              else None)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
