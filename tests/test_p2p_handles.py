@@ -369,3 +369,52 @@ def test_a_sequence_parallel_leader_sends_each_piece_as_soon_as_it_is_gathered(r
               for _, t in sent]
     assert not any(inside) if staged else all(inside)
     work.wait()
+
+
+def test_relayed_pieces_travel_on_the_stage_s_tp_group(rec):
+    leader = _state(1)
+    _, work = p2p.VtpCommunicator(CONFIG, leader).recv((BIG,), 0, p2p.FORWARD)
+    rec.groups.clear()
+    work.wait()
+    relays = rec.groups  # posted while waited: the relay's isends, one a piece
+    assert [c[0] for c in rec.calls].count("isend") == len(relays) == PIECES
+    assert all(g is leader.tp_group for g in relays)
+
+
+def test_a_fanout_receive_that_fails_while_waited_names_the_boundary(rec, monkeypatch):
+    def irecv(tensor, src, group=None, tag=0):
+        def wait():
+            raise RuntimeError("peer gone")
+        return SimpleNamespace(wait=wait, is_completed=lambda: False)
+
+    monkeypatch.setattr(p2p.dist, "irecv", irecv)
+    _, work = p2p.VtpCommunicator(CONFIG, _state(2, fanout="always")).recv((4,), 0, p2p.FORWARD)
+    with pytest.raises(p2p.BoundaryError, match=r"^boundary 0->1: rank 2 \(stage 1 's1'\) "
+                       r"receive of an activation from stage 0 's0' \(rank 0\) failed"):
+        work.wait()
+
+
+def test_a_sequence_parallel_peer_sends_its_parts_to_its_leader(rec):
+    """Rank 2 (TP rank 1 of the sequence-parallel stage 1) holds the second half of the
+    sequence: it sends the parts of each piece it owns to its leader (rank 1) on the TP
+    group with the gather tag, and nothing across the boundary."""
+    sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
+    state = _state(2)
+    mine = torch.arange(float(BIG)).view(BIG // 2, 1, 2)
+    assert p2p.VtpCommunicator(sp, state).send(mine, 2, p2p.FORWARD) is None
+    sent = [c for c in rec.calls if c[0] == "isend"]
+    assert sent and all(c == ("isend", 1, GATHER_TAG) for c in sent)
+    assert all(g is state.tp_group for g in rec.groups)
+    assert torch.equal(torch.cat(rec.tensors), mine.flatten())  # its half, in order
+
+
+def test_observers_see_the_whole_of_a_gathered_message(rec):
+    sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
+    comm = p2p.VtpCommunicator(sp, _state(1))
+    seen = []
+    comm.observers = [SimpleNamespace(on_send=lambda *a: seen.append(a))]
+    mine = torch.arange(float(BIG)).view(BIG // 2, 1, 2)
+    comm.send(mine, 2, p2p.FORWARD)
+    (src, dst, direction, payload), = seen
+    assert (src, dst, direction, payload.shape) == (1, 2, p2p.FORWARD, (BIG, 1, 2))
+    assert torch.equal(payload.flatten()[:BIG], mine.flatten())

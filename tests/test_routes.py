@@ -295,3 +295,28 @@ def test_every_plan_keeps_the_invariants(kw):
                 assert (role in roles) == (stage in held), (rank, name)
             elif role is not None:
                 assert rank in plan.group(roles[role]).ranks, (rank, name, role)
+
+
+def test_expert_groups_by_name_and_backend():
+    """TP 4 with ep 2 on a cuda stage 1: [0] [1 2 3 4]; its expert groups are NCCL."""
+    plan = rank_plan(topo((1, 4), eps=(1, 2), devices=["cpu", "cuda"]))
+    assert [g for g in plan.groups if g.role in ("ep", "expt_tp")] == [
+        _spec("ep:s1:r0:0", "ep", [1, 3], "nccl"), _spec("ep:s1:r0:1", "ep", [2, 4], "nccl"),
+        _spec("expt_tp:s1:r0:0", "expt_tp", [1, 2], "nccl"),
+        _spec("expt_tp:s1:r0:1", "expt_tp", [3, 4], "nccl")]
+
+
+def test_a_position_embedding_on_two_stages_has_a_leader_group():
+    plan = rank_plan(topo((1, 1, 1)), position_embedding_stages=[0, 2])
+    assert [g for g in plan.groups if g.role == "pos_leaders"] == [
+        _spec("pos_leaders:r0", "pos_leaders", [0, 2], "gloo")]
+
+
+def test_a_boundary_is_on_one_node_per_replica():
+    """DP 2 over TP 1, 2 (replica 0: [0] [1 2], replica 1: [3] [4 5]) with replica 0 on
+    node a and replica 1 split over b and c: each replica's routes look at its own ranks."""
+    plan = rank_plan(topo((1, 2), dp=2), nodes=["a", "a", "a", "b", "b", "c"])
+    assert plan.route(0, 1, FORWARD, 0, 0).same_node
+    assert not plan.route(0, 1, FORWARD, 1, 1).same_node
+    plan = rank_plan(topo((1, 2), dp=2), nodes=["a", "a", "a", "b", "b", "b"])
+    assert plan.route(0, 1, FORWARD, 1, 1).same_node  # all of replica 1 on b
