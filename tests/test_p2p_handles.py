@@ -418,3 +418,14 @@ def test_observers_see_the_whole_of_a_gathered_message(rec):
     (src, dst, direction, payload), = seen
     assert (src, dst, direction, payload.shape) == (1, 2, p2p.FORWARD, (BIG, 1, 2))
     assert torch.equal(payload.flatten()[:BIG], mine.flatten())
+
+
+def test_a_fanned_out_message_lands_in_the_pipeline_s_dtype(rec):
+    """bf16 activations into a sequence-parallel stage: the whole tensor received and the
+    slice kept are both bf16 (the pipeline's dtype, not torch's default)."""
+    cfg = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True,
+                             "pipeline_dtype": torch.bfloat16})
+    tensor, _ = p2p.VtpCommunicator(cfg, _state(2, fanout="always")).recv((2, 1, 2), 0,
+                                                                          p2p.FORWARD)
+    assert rec.tensors[0].shape == (4, 1, 2) and rec.tensors[0].dtype == torch.bfloat16
+    assert tensor.dtype == torch.bfloat16 and tensor.requires_grad
