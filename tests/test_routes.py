@@ -320,3 +320,15 @@ def test_a_boundary_is_on_one_node_per_replica():
     assert not plan.route(0, 1, FORWARD, 1, 1).same_node
     plan = rank_plan(topo((1, 2), dp=2), nodes=["a", "a", "a", "b", "b", "b"])
     assert plan.route(0, 1, FORWARD, 1, 1).same_node  # all of replica 1 on b
+
+
+def test_expert_tp_of_one_and_the_second_replica_s_experts():
+    """ep = TP = 2 on stage 1 (expert TP 1): the experts' groups, no expert-TP group of its
+    own (megatron's expert-TP group is the rank alone); a stage without experts at TP 2 uses
+    its TP group; replica 1 of TP 1, 4 at ep 2 ([5] [6 7 8 9]) has groups of its own ranks."""
+    plan = rank_plan(topo((1, 2), eps=(1, 2)))
+    assert by_role(plan, "ep") == [(1, 2)] and by_role(plan, "expt_tp") == []
+    assert plan.roles_of(1)["expt_tp"] == "cp:1"
+    assert rank_plan(topo((1, 2))).roles_of(1)["expt_tp"] == "tp:s1:r0"
+    plan = rank_plan(topo((1, 4), dp=2, eps=(1, 2)))
+    assert [g.ranks for g in plan.groups if g.name.startswith("ep:s1:r1")] == [(6, 8), (7, 9)]
