@@ -47,9 +47,7 @@ from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinit
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
 from ldt.training.optim import build_stage_optimizer, skip_to
-from ldt.training.outputs import (REPORT_KEYS, Console, MetricsLog, TensorBoard,
-                                  gather_timings, memory_keys, model_flops_per_step, mtp_keys,
-                                  peak_flops, write_outputs)
+from ldt.training.outputs import StepOutputs, gather_timings, mtp_keys, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
 
@@ -233,7 +231,8 @@ def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable
 def _train(run: _Run) -> Optional[dict]:
     """Build the stage, step until the run ends or the ranks agree to stop, write outputs."""
     stage = _build_stage(run)
-    out = _Outputs(run.cfg, run.topo, run.run_dir, stage.first_step) if run.reporter else None
+    out = (StepOutputs(run.cfg, run.topo, run.run_dir, stage.first_step,
+                       moe_aux=moe.tracks_aux_loss(run.cfg.model)) if run.reporter else None)
     rows, timings, stop = [], [], None  # timings: per step, (start, this stage's actions)
     device = run.topo.stages[run.state.stage].device
     for step in range(stage.first_step, run.cfg.train.steps):
@@ -348,39 +347,6 @@ def _summary(run: _Run, first_step: int, rows: list, stop: Optional[Stop]) -> di
             "tokens_per_s": run.tokens_per_step / step_time, "step_time_s": step_time,
             **({"eval_loss": evals[-1], "eval_losses": evals} if evals else {}),
             **({"moe_aux_loss": aux[-1], "moe_aux_losses": aux} if aux else {}), **tail}
-
-
-class _Outputs:
-    """The reporting rank's outputs of every step: metrics.csv, TensorBoard, the console."""
-
-    def __init__(self, cfg: LdtConfig, topo: Topology, run_dir: str, first_step: int):
-        t = cfg.train
-        self.memory_keys = memory_keys(topo.num_stages)
-        aux = ["moe_aux_loss"] if moe.tracks_aux_loss(cfg.model) else []
-        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(cfg.model.mtp_num_layers),
-                                            *aux, *self.memory_keys], first_step)
-        self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
-        self.console = Console(first_step, t.steps, t.log_interval)
-        self.flops = model_flops_per_step(cfg.model, t.micro_batch_size,
-                                          topo.dp * t.num_microbatches)
-        self.peak = peak_flops(topo, t.peak_tflops)
-        self.devices = topo.world_size
-
-    def step(self, row: dict, decision: Decision) -> None:
-        dt = row["step_time_s"]
-        row["tflops_per_device"] = self.flops / dt / self.devices / 1e12
-        row["mfu"] = self.flops / dt / self.peak if self.peak else None
-        row.update(zip(self.memory_keys, decision.peak_memory_gib))
-        self.metrics.append(row)
-        if self.board is not None:
-            self.board.add(row)
-        self.console.update(row)
-
-    def close(self) -> None:
-        self.metrics.close()
-        if self.board is not None:
-            self.board.close()
-        self.console.close()
 
 
 def _stage_name(topo, stage: int) -> str:

@@ -13,11 +13,16 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ldt.plan.cost import CostModel
 from ldt.schedule.timeline import median_step, result_from_measurements, to_chrome_trace, to_png
 from ldt.storage.atomic import replacing
+
+if TYPE_CHECKING:  # annotations only: the outputs need none of them at run time
+    from ldt.config import LdtConfig
+    from ldt.topology.ranks import Topology
+    from ldt.training.guard import Decision
 
 REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "eval_loss",
                "tflops_per_device", "mfu")
@@ -264,3 +269,37 @@ def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
         with replacing(os.path.join(run_dir, "timeline.png")) as tmp:
             to_png(result, tmp, f"measured step {rows[i]['step']} (the median of {len(rows)} "
                    f"steps), {topo.num_stages} stages, TP {topo.tp_sizes}", stage_names=names)
+
+
+class StepOutputs:
+    """The reporting rank's outputs of every step: metrics.csv, TensorBoard, the console."""
+
+    def __init__(self, cfg: LdtConfig, topo: Topology, run_dir: str, first_step: int,
+                 moe_aux: bool = False):
+        t = cfg.train
+        self.memory_keys = memory_keys(topo.num_stages)
+        aux = ["moe_aux_loss"] if moe_aux else []  # megatron's MoE auxiliary loss is tracked
+        self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(cfg.model.mtp_num_layers),
+                                            *aux, *self.memory_keys], first_step)
+        self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
+        self.console = Console(first_step, t.steps, t.log_interval)
+        self.flops = model_flops_per_step(cfg.model, t.micro_batch_size,
+                                          topo.dp * t.num_microbatches)
+        self.peak = peak_flops(topo, t.peak_tflops)
+        self.devices = topo.world_size
+
+    def step(self, row: dict, decision: Decision) -> None:
+        dt = row["step_time_s"]
+        row["tflops_per_device"] = self.flops / dt / self.devices / 1e12
+        row["mfu"] = self.flops / dt / self.peak if self.peak else None
+        row.update(zip(self.memory_keys, decision.peak_memory_gib))
+        self.metrics.append(row)
+        if self.board is not None:
+            self.board.add(row)
+        self.console.update(row)
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+        self.console.close()
