@@ -405,3 +405,29 @@ def test_the_heads_logits_and_a_recomputed_layer_both_count():
                         (Recompute("selective", modules=("layernorm",)), 32 * 512.0)):
         mem = cost.stage_memory(1, [ChunkLoad(2, head=True, recompute=rc)])
         assert mem.transient == 4 * GPT_BOUNDARY + logits + rebuilt
+
+
+def test_what_a_zero_bubble_w_needs_by_hand():
+    """#42's W: its store per micro-batch (each split linear layer's input and output
+    gradient, per token) and its FLOPs (the linear layers' share of a layer's forward, which
+    their weight gradient costs again), for a Llama-like TP-2 stage and a half-MoE GPT."""
+    from dataclasses import replace
+
+    llama = CostModel(replace(FAMILIES["llama"], vocab_size=512, params_dtype="bfloat16"),
+                      _inventory(), 2)
+    h, s, b, d, t = 64, 32, 2, 2, 2
+    qkv, hd, f = (8 + 2 * 2) * 8, 8 * 8, 96  # 8 heads of 8, 2 query groups; SwiGLU: fc1 2f
+    layer = (h + qkv / t) + (hd / t + h) + (h + 2 * f / t) + (f / t + h)
+    assert llama.wstore_bytes(t, ChunkLoad(2)) == s * b * d * 2 * layer
+    assert llama.wstore_bytes(t, ChunkLoad(1, head=True)) == s * b * d * (layer + h + 512 / t)
+    assert llama.layer_linear_flops() == 2 * b * s * (h * qkv + hd * h + h * 2 * f + f * h)
+
+    moe = CostModel(replace(FAMILIES["gpt"], add_bias_linear=False, num_moe_experts=4,
+                            moe_ffn_hidden_size=32, moe_layer_freq=[1, 0]), _inventory(), 1)
+    h, s, b, d, t, topk, share = 64, 32, 1, 4, 2, 2, 0.5  # fp32; one layer of two is MoE
+    qkv, hd, f, fe = 3 * 64, 64, 4 * 64, 32
+    dense_mlp, expert = (h + f / t) + (f / t + h), (h + fe / t) + (fe / t + h)
+    mlp = share * topk * expert + (1 - share) * dense_mlp
+    assert moe.wstore_bytes(t, ChunkLoad(1)) == s * b * d * ((h + qkv / t) + (hd / t + h) + mlp)
+    linear = share * topk * 2 * b * s * (h * fe + fe * h) + (1 - share) * 2 * b * s * 2 * h * f
+    assert moe.layer_linear_flops() == 2 * b * s * (h * qkv + hd * h) + linear  # no router
