@@ -192,8 +192,8 @@ def test_a_gpu_stage_receives_a_fanned_out_message_through_a_host_buffer(rec):
     sender's copy itself, into a host buffer (gloo), which its wait() copies to the device;
     no broadcast. (The CPU twin, test_fanout_sends_to_every_tp_rank_and_skips_the_relay,
     cannot tell a host buffer from the device tensor.)"""
-    gpu = torch.device("cuda", 0)
-    comm = p2p.VtpCommunicator(CONFIG, _state(2, fanout="always",
+    gpu = torch.device("cuda", 0)  # rank 1: the stage's first cuda rank (one GPU is enough)
+    comm = p2p.VtpCommunicator(CONFIG, _state(1, fanout="always",
                                               devices=("cpu", "cuda", "cpu")))
     tensor, work = comm.recv((64,), 0, p2p.FORWARD)
     target = rec.tensors[0]

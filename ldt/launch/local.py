@@ -67,8 +67,31 @@ class _Msg:
     payload: Any
 
 
-def _context() -> mp.context.BaseContext:
+def start_method() -> str:
+    """How this machine starts a local world's ranks: ``forkserver`` (each rank forked from one
+    process that has imported torch and megatron-core: fast), or ``spawn`` (a fresh interpreter
+    per rank) on a machine with an accelerator. CUDA refuses to start in a process forked from
+    one that asked the driver anything ("Cannot re-initialize CUDA in forked subprocess"), and
+    the preload asks it: on an H200 with torch 2.11, importing megatron.core.parallel_state
+    reaches torch._inductor.runtime.benchmarking, whose import calls torch.cuda.is_available()
+    (every CUDA rank of the first GPU run failed so). torch's own advice for CUDA is spawn. The launcher's own CUDA state never matters: no rank
+    is forked from it. ``LDT_START_METHOD=forkserver|spawn`` overrides."""
+    chosen = os.environ.get("LDT_START_METHOD", "")
+    if chosen:
+        if chosen not in ("forkserver", "spawn"):
+            raise ValueError(f"LDT_START_METHOD={chosen!r}: use 'forkserver' or 'spawn'")
+        return chosen
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    found = accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
+    return "spawn" if found else "forkserver"
+
+
+def _context(method: str) -> mp.context.BaseContext:
     global _CTX
+    if method == "spawn":
+        return mp.get_context("spawn")
     if _CTX is None:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
@@ -148,17 +171,19 @@ def _watch_lifeline(lifeline, record: _progress.Progress) -> None:
 def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = (), *,
                     timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
                     env: Optional[dict] = None, grace_s: float = 3.0,
-                    init_dist: bool = True, stop_grace_s: float = 120.0) -> list[Any]:
+                    init_dist: bool = True, stop_grace_s: float = 120.0,
+                    start: Optional[str] = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return results.
 
     ``fn`` must be importable (module-level), or named ``"module:function"`` (imported in the
     ranks only, :func:`entry`). Raises :class:`WorldError` on the first failure,
     after ``timeout_s``, or when a stop signal did not end the world within ``stop_grace_s``;
-    whatever happens, no child is left running.
+    whatever happens, no child is left running. ``start``: ``forkserver`` or ``spawn``
+    (default: :func:`start_method`).
     """
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = _context(start or start_method())
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     lifeline_r, lifeline_w = ctx.Pipe(duplex=False)

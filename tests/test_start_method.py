@@ -1,0 +1,62 @@
+"""How a local world starts its ranks (ldt.launch.local.start_method).
+
+On a machine with an accelerator every rank is spawned, a fresh interpreter: CUDA refuses to
+start in a rank forked from ldt's forkserver once the forkserver's imports have asked the
+driver anything (every CUDA rank of the first GPU run failed so). The CPU machine forks from
+the forkserver as before. Here a spawned world runs for real over gloo, on the CPU.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from ldt.launch import local
+from ldt.launch.local import WorldError, run_local_world, start_method
+
+
+def _sum_and_origin(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"sum": t.item(), "parent": os.getppid(),
+            "preloaded": "megatron.core.parallel_state" in sys.modules}
+
+
+def _fails_on_rank_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 broke on purpose")
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_a_spawned_world_runs_over_gloo_and_its_failures_name_the_rank():
+    out = run_local_world(2, _sum_and_origin, timeout_s=60, start="spawn")
+    assert [r["sum"] for r in out] == [3.0, 3.0]
+    # a spawned rank is the launcher's own child and has imported nothing it did not need;
+    # a forked one is the forkserver's child, with megatron-core already imported
+    assert all(r["parent"] == os.getpid() and not r["preloaded"] for r in out)
+    forked = run_local_world(2, _sum_and_origin, timeout_s=60, start="forkserver")
+    assert all(r["parent"] != os.getpid() and r["preloaded"] for r in forked)
+    with pytest.raises(WorldError, match="rank 1 broke on purpose") as err:
+        run_local_world(2, _fails_on_rank_1, timeout_s=60, comm_timeout_s=10, start="spawn")
+    assert err.value.rank == 1
+
+
+def test_a_machine_with_an_accelerator_spawns_its_ranks(monkeypatch):
+    monkeypatch.delenv("LDT_START_METHOD", raising=False)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert start_method() == "spawn"
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert start_method() == "forkserver"
+    monkeypatch.setenv("LDT_START_METHOD", "spawn")
+    assert start_method() == "spawn"
+    monkeypatch.setenv("LDT_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="LDT_START_METHOD='fork': use 'forkserver' or 'spawn'"):
+        start_method()
+    assert local._context("spawn").get_start_method() == "spawn"
+    assert local._context("forkserver").get_start_method() == "forkserver"
