@@ -27,7 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.run_all $(ARGS)
 
-# One NVIDIA GPU: every check of docs/device_check.md in under 8 minutes, results in OUT
+# One NVIDIA GPU: every check of docs/device_check.md in under 9 minutes, results in OUT
 # (a machine without a GPU: one line, exit 0). device-wheels: what that machine lacks.
 OUT ?= outputs/device-check
 device-check:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make device-check OUT=DIR`, or `bash tools/device_check.sh DIR`: what only a GPU can show,
-# in under 8 minutes on one NVIDIA GPU (docs/device_check.md). Without one it says so in one
+# in under 9 minutes on one NVIDIA GPU (docs/device_check.md). Without one it says so in one
 # line and exits 0.
 #
 # On the GPU machine (python3 with torch, no megatron-core / hydra-core, no network) it makes
@@ -8,7 +8,7 @@
 # the carried wheel folder (.device-wheels, `make device-wheels`) only what does not import
 # there, then ldt itself (editable, no dependencies, no build isolation), and runs
 # `python -m bench.device_check DIR`: one JSON line per check in DIR/checks.jsonl, DIR/summary.md,
-# DIR/logs/. A python3 that is already a venv gets the wheels itself. Environment:
+# DIR/logs.tar.gz (logs/ and runs/). A python3 that is already a venv gets the wheels itself. Environment:
 #   PYTHON                       the interpreter to start from (default python3)
 #   LDT_DEVICE_CHECK_REHEARSE=1  no GPU needed: the CUDA stage runs on the CPU, tiny sizes
 #   LDT_DEVICE_CHECK_ONLY="a b"  only these checks (a rerun of the failed ones)
@@ -98,5 +98,15 @@ fi
 say "set up in $(awk "BEGIN {printf \"%.0f\", $(date +%s.%N) - $STARTED}") s: $(grep -c '^install' "$LOG") wheels installed, $VPY"
 
 # shellcheck disable=SC2086
-exec "$VPY" -m bench.device_check "$OUT" --started "$STARTED" \
+"$VPY" -m bench.device_check "$OUT" --started "$STARTED" \
     ${LDT_DEVICE_CHECK_ONLY:+--only $LDT_DEVICE_CHECK_ONLY}
+rc=$?
+# The device tool brings back at most 8 files of OUT: the logs and the runs' folders travel as
+# one archive beside checks.jsonl and summary.md (the first GPU run lost every log so).
+PACK=$(cd "$OUT" && ls -d logs runs 2>/dev/null)
+# shellcheck disable=SC2086
+if [ -n "$PACK" ] && tar czf "$OUT/logs.tar.gz" -C "$OUT" $PACK; then
+    (cd "$OUT" && rm -rf $PACK)
+    say "logs and runs: $OUT/logs.tar.gz"
+fi
+exit $rc
