@@ -19,6 +19,7 @@ import csv
 import os
 
 import pytest
+import torch
 
 from ldt.launch.local import run_local_world
 from ldt.config import typed_config
@@ -222,3 +223,36 @@ def test_refused_before_any_process(model, train, words):
     cfg = _cfg([1, 2], dp=2, model=model, **train)
     with pytest.raises(ConfigError, match=words):
         validate(cfg["cluster"], cfg["model"], train=cfg["train"])
+
+
+def _train_then_stop_keeping_snapshots(rank, world, cfg, run_dir):
+    """``train_worker`` whose ranks end like killed ones as far as snapshots go: the last
+    step's snapshot stays in host memory (a finished run would remove it)."""
+    from ldt.training import snapshot
+
+    snapshot.Snapshots.close = lambda self, finished: self._thread and self._thread.join()
+    return train_worker(rank, world, cfg, run_dir)
+
+
+@pytest.mark.timeout(600)
+def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tmp_path):
+    """Snapshots hold each rank's own state as it is (train.snapshot_dir): a bf16 run with fp32
+    main params, the distributed optimizer over DP 2 and a tied U-shape edge, whose ranks stop
+    after step 1 leaving their snapshots, continues from them with the uninterrupted run's
+    losses, gradient norms and weights, bit for bit (the same ranks, the same state)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    cfg = _cfg([1, 1], dp=2, u_shape=True, steps=4, save_every=4, distributed_optimizer=True,
+               model={"params_dtype": "bfloat16", "tie_embeddings": True},
+               lr=1e-3, min_lr=1e-3, warmup_steps=0)  # the same lr in a run of 2 steps
+    whole = _train(cfg, tmp_path / "whole")
+    cut = typed_config({**cfg, "train": {**cfg["train"], "steps": 2,
+                                         "snapshot_dir": str(shm)}})
+    run_local_world(4, _train_then_stop_keeping_snapshots, (cut, str(tmp_path / "run")),
+                    timeout_s=300, comm_timeout_s=60)
+    assert os.listdir(shm), "the stopped run left no snapshot"
+    rows = _train({**cfg, "train": {**cfg["train"], "snapshot_dir": str(shm)}}, tmp_path / "run")
+    assert len(rows) == 4  # steps 0-1 of the first run, 2-3 from its snapshot of step 1
+    assert rows[2:] == whole[2:], (rows, whole)
+    weights, want = _weights(tmp_path / "run"), _weights(tmp_path / "whole")
+    assert all(torch.equal(weights[n], want[n]) for n in want)

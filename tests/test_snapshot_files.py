@@ -15,8 +15,10 @@ from ldt.storage import checkpoint_files as files
 from ldt.storage import snapshot_files as snap
 
 
-def _state(step: int) -> dict:
-    return {"model": {"w": torch.full((4, 3), float(step))}, "optim": {}, "step": step}
+def _state(step: int):
+    """A part's writer: one rank's state after ``step`` (as ldt.training.snapshot saves it)."""
+    tensors = {"model.w": torch.full((4, 3), float(step)), "step": torch.tensor(step)}
+    return lambda folder: torch.save(tensors, os.path.join(folder, "state.pt"))
 
 
 @pytest.fixture
@@ -29,35 +31,35 @@ def root(tmp_path):
 
 def test_each_part_keeps_two_generations(root):
     for step in range(4):
-        snap.write(root, step, "stage_0", _state(step))
+        snap.write(root, step, "rank_0", _state(step))
         if step < 3:
-            snap.write(root, step, "stage_1", _state(step))
+            snap.write(root, step, "rank_1", _state(step))
     assert snap.steps(root) == [3, 2, 1]  # step 0 is gone with its last part
-    assert sorted(os.listdir(files.step_dir(root, 3))) == ["stage_0"]
-    assert sorted(os.listdir(files.step_dir(root, 2))) == ["stage_0", "stage_1"]
-    assert sorted(os.listdir(files.step_dir(root, 1))) == ["stage_1"]
-    assert snap.readable(root, 2, ["stage_0", "stage_1"])
-    assert not snap.readable(root, 3, ["stage_0", "stage_1"])  # stage_1 of step 3 never came
-    snap.remove(root, "stage_0")
-    snap.remove(root, "stage_1")
+    assert sorted(os.listdir(files.step_dir(root, 3))) == ["rank_0"]
+    assert sorted(os.listdir(files.step_dir(root, 2))) == ["rank_0", "rank_1"]
+    assert sorted(os.listdir(files.step_dir(root, 1))) == ["rank_1"]
+    assert snap.readable(root, 2, ["rank_0", "rank_1"])
+    assert not snap.readable(root, 3, ["rank_0", "rank_1"])  # rank_1 of step 3 never came
+    snap.remove(root, "rank_0")
+    snap.remove(root, "rank_1")
     assert not os.path.exists(os.path.dirname(root))  # nothing left in host memory
 
 
 def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
     for step in (5, 6):
-        snap.write(root, step, "stage_0", _state(step))
+        snap.write(root, step, "rank_0", _state(step))
     # a writer killed while writing step 7: its temporary folder, no part
-    os.makedirs(os.path.join(files.step_dir(root, 7), "stage_0.tmp"))
-    assert not snap.readable(root, 7, ["stage_0"])
-    assert snap.readable(root, 6, ["stage_0"])
-    part = os.path.join(files.step_dir(root, 6), "stage_0")
-    data = next(f for f in os.listdir(part) if f.endswith(".distcp"))
+    os.makedirs(os.path.join(files.step_dir(root, 7), "rank_0.tmp"))
+    assert not snap.readable(root, 7, ["rank_0"])
+    assert snap.readable(root, 6, ["rank_0"])
+    part = os.path.join(files.step_dir(root, 6), "rank_0")
+    data = "state.pt"
     with open(os.path.join(part, data), "r+b") as f:  # one byte flipped, same size
         first = f.read(1)
         f.seek(0)
         f.write(bytes([first[0] ^ 0xFF]))
-    assert not snap.readable(root, 6, ["stage_0"])
-    assert snap.readable(root, 5, ["stage_0"])
+    assert not snap.readable(root, 6, ["rank_0"])
+    assert snap.readable(root, 5, ["rank_0"])
 
 
 def test_another_run_folder_or_layout_finds_none(tmp_path, root):
@@ -68,7 +70,7 @@ def test_another_run_folder_or_layout_finds_none(tmp_path, root):
     shutil.rmtree(run)
     run.mkdir()  # the same path (maybe the same inode): another run
     assert snap.snapshot_root(shm, str(run), "layout A") != root
-    snap.write(root, 1, "stage_0", _state(1))
+    snap.write(root, 1, "rank_0", _state(1))
     other = snap.snapshot_root(shm, str(run), "layout A")
     sibling = snap.snapshot_root(shm, str(run), "layout B")
     os.makedirs(other)
@@ -104,29 +106,28 @@ def test_auto_continues_a_folder_whose_run_left_snapshots(tmp_path):
     root = snap.snapshot_root(str(shm), str(run), "layout A")
     with pytest.raises(files.CheckpointError, match="it saved no checkpoint"):
         auto()  # the run's id, no snapshot yet
-    snap.write(root, 3, "stage_0", _state(3))
+    snap.write(root, 3, "rank_0", _state(3))
     assert auto() is None  # a start that the snapshot continues
 
 
 def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
     """ldt.training.snapshot.newest in a world of one rank: a damaged newest generation
     falls back to the one before; the run's last step (nothing left to train) is passed over;
-    nothing newer than the checkpoint resumed from: None."""
-    from types import SimpleNamespace
-
+    only another rank's part: None."""
     import torch.distributed as dist
 
     from ldt.training.snapshot import newest
 
     for step in (3, 4):
-        snap.write(root, step, "stage_0", _state(step))
-    stage0 = SimpleNamespace(stage=0)
+        snap.write(root, step, "rank_1", _state(step))  # another rank's part: not this rank's
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 4)
-        assert newest(root, stage0, None, steps=5) == files.step_dir(root, 3)  # 4 is the last
-        assert newest(root, SimpleNamespace(stage=1), None, steps=10) is None  # no such part
-        os.remove(os.path.join(files.step_dir(root, 4), "stage_0", files.MANIFEST))
-        assert newest(root, stage0, None, steps=10) == files.step_dir(root, 3)
+        assert newest(root, None, steps=10) is None
+        for step in (3, 4):
+            snap.write(root, step, "rank_0", _state(step))
+        assert newest(root, None, steps=10) == files.step_dir(root, 4)
+        assert newest(root, None, steps=5) == files.step_dir(root, 3)  # 4 is the last
+        os.remove(os.path.join(files.step_dir(root, 4), "rank_0", files.MANIFEST))
+        assert newest(root, None, steps=10) == files.step_dir(root, 3)
     finally:
         dist.destroy_process_group()

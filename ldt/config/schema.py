@@ -200,7 +200,8 @@ class TrainConfig:
     """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
     snapshot_dir: Optional[str] = None
     """A folder in host memory (e.g. ``/dev/shm``, the same path on every host): after every
-    step each stage's state (what a checkpoint holds) is written there in the background, two
+    step each rank's own state (its shard of what a checkpoint holds) is copied and written
+    there in the background, two
     generations with checksums, and a restart of the run in the same layout (torchrun, or
     ``train.resume`` of the run folder) continues from the newest snapshot every rank has
     when it is newer than the checkpoint. None: off. See docs/elastic.md."""

@@ -26,7 +26,7 @@ import os
 import shutil
 import warnings
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from ldt.config import ConfigError
 from ldt.config.userfiles import not_a
@@ -65,21 +65,32 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
     atomically and with a manifest. Raises :class:`DiskFullError` when the disk is full."""
     import torch.distributed.checkpoint as dcp
 
+    def save(tmp: str) -> None:
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+
+    return write_part_with(folder, part, save, _nbytes(state_dict))
+
+
+def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes: int) -> str:
+    """``folder/part`` as ``save(tmp)`` fills a fresh folder ``tmp`` (``nbytes``: about what it
+    writes), atomically: ``tmp`` gets a manifest with the sha256 of every file, is synced and
+    renamed into place. Raises :class:`DiskFullError` when the disk is full."""
     final = os.path.join(folder, part)
     tmp = final + ".tmp"
     try:
         os.makedirs(folder, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.save(state_dict, checkpoint_id=tmp, no_dist=True)
+        os.makedirs(tmp)
+        save(tmp)
         _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
                                                   "files": _manifest(tmp, skip=(MANIFEST,))})
         fsync_tree(tmp)
         move_into_place(tmp, final)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(exc, folder, _nbytes(state_dict)):
+        if _out_of_space(exc, folder, nbytes):
             raise DiskFullError(folder) from None
         raise
     return final

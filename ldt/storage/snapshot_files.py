@@ -1,10 +1,11 @@
 """Snapshots in host memory: every step's state, in files that outlive the worker processes.
 
 A snapshot is a checkpoint's step folder without the seal: ``<root>/checkpoints/step_<N>/``
-holding parts ``stage_<S>`` written by :func:`ldt.storage.checkpoint_files.write_part` (a
-``torch.distributed.checkpoint`` folder and its ``MANIFEST.json`` with the sha256 of every
-file, written into ``<part>.tmp`` and renamed into place), so a part is whole or absent and its
-checksums say whether it is still what was written. No rank waits for the others to write: a
+holding one part per rank, ``rank_<R>`` (its own state, as the same rank of the same layout
+loads it back), written by :func:`ldt.storage.checkpoint_files.write_part_with` (the files and
+a ``MANIFEST.json`` with the sha256 of every one, written into ``<part>.tmp`` and renamed into
+place), so a part is whole or absent and its checksums say whether it is still what was
+written. No rank waits for the others to write: a
 step's snapshot is complete when every part it needs is there and verifies, which the readers
 decide together at a start (:mod:`ldt.training.snapshot`). Each writer keeps the newest
 :data:`GENERATIONS` of its own part: a write cut short leaves the previous one whole.
@@ -21,7 +22,7 @@ import hashlib
 import os
 import shutil
 import uuid
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ldt.config import ConfigError
 from ldt.storage import checkpoint_files as files
@@ -85,14 +86,16 @@ def check_snapshot_dir(path: Optional[str]) -> None:
                           "snapshots off")
 
 
-def part_name(stage: int) -> str:
-    return f"{files.PART_PREFIX}{stage}"
+def part_name(rank: int) -> str:
+    """The part a rank writes and reads."""
+    return f"rank_{rank}"
 
 
-def write(root: str, step: int, part: str, state_dict: dict) -> str:
-    """Write ``part`` of step ``step``'s snapshot, then drop this part's generations older
-    than the newest :data:`GENERATIONS` (each writer touches only its own part)."""
-    done = files.write_part(files.step_dir(root, step), part, state_dict)
+def write(root: str, step: int, part: str, save: Callable[[str], None], nbytes: int = 0) -> str:
+    """Write ``part`` of step ``step``'s snapshot (``save(folder)`` writes its files into an
+    empty folder), then drop this part's generations older than the newest
+    :data:`GENERATIONS` (each writer touches only its own part)."""
+    done = files.write_part_with(files.step_dir(root, step), part, save, nbytes)
     prune(root, part)
     return done
 

@@ -41,7 +41,7 @@ from ldt.training.optim import (load_param_state, param_state, reload_main_param
                                 state_keys)
 
 
-def _named_params(models, chunks):
+def named_params(models, chunks):
     for chunk, gpt in zip(chunks, models):
         names = param_names(chunk, gpt)
         for name, p in gpt.named_parameters():
@@ -82,7 +82,7 @@ def gather(models, chunks, optimizer, state) -> tuple[dict, dict]:
     gated = is_gated(models[0])
     experts = models[0].config.num_moe_experts or 0
     states: dict = {}  # a tied head on the embedding's stage is the same parameter: once
-    for name, p in _named_params(models, chunks):
+    for name, p in named_params(models, chunks):
         full = _gather_full(name, p, state, gated, experts)
         if optimizer is not None and id(p) not in states:
             states[id(p)] = param_state(optimizer, p, state.dp_group)
@@ -187,7 +187,7 @@ def load_step(found: str, models, chunks, optimizer, state, *, verified: bool = 
     gated = is_gated(models[0])
     tp, tp_rank = len(state.stage_ranks), state.info.tp_rank
     ep = state.topology.stages[state.stage].ep
-    wanted = dict(_named_params(models, chunks))
+    wanted = dict(named_params(models, chunks))
     kinds = state_keys(optimizer) if optimizer is not None and not weights_only else ()
     states = {}
     step = None

@@ -8,7 +8,10 @@ world carries
   handlers only note it, so a signal never interrupts a collective half-way;
 * a non-finite loss (known on the loss stage) or gradient norm;
 * each stage's peak memory in the step (every rank puts its own in its stage's slot), which
-  the loss stage's leader writes to metrics.csv.
+  the loss stage's leader writes to metrics.csv;
+* whether any rank's snapshot writer is still busy with an earlier step, so that every rank
+  skips this step's snapshot together (:mod:`ldt.training.snapshot`: a step's snapshot is
+  whole only with every rank's part).
 
 What a stop means for the run (a checkpoint, a message, an exit status) is :class:`Stop`.
 """
@@ -37,6 +40,7 @@ class Decision:
     nonfinite_loss: bool = False
     nonfinite_grad_norm: bool = False
     peak_memory_gib: list = field(default_factory=list)  # per stage
+    snapshot_busy: bool = False
 
     @property
     def nonfinite(self) -> bool:
@@ -88,17 +92,20 @@ class StepGuard:
             return None
         return dist.new_group(backend="gloo")
 
-    def agree(self, *, loss: Optional[float], grad_norm: float, peak_gib: float) -> Decision:
+    def agree(self, *, loss: Optional[float], grad_norm: float, peak_gib: float,
+              snapshot_busy: bool = False) -> Decision:
         """Collective over the whole world, once per step."""
         stages = self.state.topology.num_stages
-        vec = torch.zeros(3 + stages, dtype=torch.float64)
+        vec = torch.zeros(4 + stages, dtype=torch.float64)
         vec[0] = self.signals.signum
         vec[1] = float(loss is not None and not math.isfinite(loss))
         vec[2] = float(not math.isfinite(grad_norm))
-        vec[3 + self.state.stage] = peak_gib
+        vec[3] = float(snapshot_busy)
+        vec[4 + self.state.stage] = peak_gib
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
         return Decision(signum=int(vec[0]), nonfinite_loss=bool(vec[1]),
-                        nonfinite_grad_norm=bool(vec[2]), peak_memory_gib=vec[3:].tolist())
+                        nonfinite_grad_norm=bool(vec[2]), peak_memory_gib=vec[4:].tolist(),
+                        snapshot_busy=bool(vec[3]))
 
 
 def signal_stop(signum: int, step: int, saved: Optional[str], save_every: int,

@@ -182,7 +182,7 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
     in host memory (``root``: :mod:`ldt.training.snapshot`); returns the first step."""
     t = run.cfg.train
     if root and snapshot.continues(t.resume, run.run_dir):
-        step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt, run.state,
+        step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt,
                                     run.guard.group)
         if step is not None:
             skip_to(opt, step)
@@ -239,14 +239,16 @@ def _train(run: _Run) -> Optional[dict]:
         row, timed = _step(run, stage, step)
         progress.current().begin("step boundary", waiting=True)
         decision = run.guard.agree(loss=row["loss"], grad_norm=row["grad_norm"],
-                                   peak_gib=peak_memory_gib(device))
+                                   peak_gib=peak_memory_gib(device),
+                                   snapshot_busy=bool(stage.snapshots and stage.snapshots.busy()))
         rows.append(row)
         timings.append(timed)
         if out is not None:
             out.step(row, decision)
         if stage.snapshots is not None and not decision.nonfinite:
-            progress.current().begin("snapshot (gathering the stage's state)", waiting=True)
-            stage.snapshots.take(step, stage.opt.models, stage.chunks, stage.opt)
+            progress.current().begin("snapshot (copying this rank's state)")
+            stage.snapshots.take(step, stage.opt.models, stage.chunks, stage.opt,
+                                 busy=decision.snapshot_busy)
         stop = _stop_or_save(run, stage, step, row, decision)
         if stop is not None:
             break

@@ -287,6 +287,38 @@ def load_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
             st["step"] = torch.as_tensor(float(tensors["step"]))
 
 
+def local_param_state(stage_opt: StageOptimizer, param) -> dict:
+    """``param``'s optimizer tensors as this rank keeps them, not copied and with no
+    collective: ``main_param`` when the optimizer keeps a separate one, its moments and
+    ``step``; with the distributed optimizer only this rank's flat span ({} when it keeps none
+    of it). For a snapshot that the same rank of the same layout loads back
+    (:func:`set_local_param_state`)."""
+    main, st, _ = _locate(_inner(stage_opt.optimizer, param), param)
+    if main is None:
+        return {}
+    out = {k: st[k] for k in state_keys(stage_opt) if k in st}
+    if main is not param:
+        out["main_param"] = main
+    if "step" in st:
+        out["step"] = torch.as_tensor(st["step"])
+    return out
+
+
+def set_local_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
+    """Put back what :func:`local_param_state` gave on this rank of the same layout."""
+    main, st, _ = _locate(_inner(stage_opt.optimizer, param), param)
+    if main is None:
+        return
+    with torch.no_grad():
+        if "main_param" in tensors and main is not param:
+            main.copy_(tensors["main_param"])
+        for k in state_keys(stage_opt):
+            if k in tensors:
+                st[k] = tensors[k].to(device=main.device, copy=True)
+        if "step" in tensors:
+            st["step"] = tensors["step"].clone()
+
+
 def reload_main_params(stage_opt: StageOptimizer) -> None:
     """Copy the (just loaded) model weights into the fp32 main params."""
     if has_main_params(stage_opt):

@@ -1,18 +1,22 @@
 """Every step's state in host memory, and a start from it (``train.snapshot_dir``).
 
-After each optimizer step every rank takes part in gathering its stage's state, as a
-checkpoint does (:func:`ldt.training.checkpoint.gather`: parameters, fp32 main parameters,
-optimizer moments and step, as full tensors under global names, copies), and the stage's
-writer (the leader of its first replica) hands the copies to a background thread that writes
-them as its part of the step's snapshot (:mod:`ldt.storage.snapshot_files`), while training
-goes on. A writer still busy with the previous step's snapshot skips this one and says so
-once: snapshots never make a step wait. The lr schedule and the data position follow from the
-step, as in a checkpoint.
+After each optimizer step every rank copies its own state to host memory as it is: its
+parameters (its TP shard), and the optimizer's fp32 main parameters, moments and step as this
+rank keeps them (with the distributed optimizer, its DP span). No collective and no gather, so
+a snapshot costs the step a copy; a background thread writes the copy as the rank's part of
+the step's snapshot (:mod:`ldt.storage.snapshot_files`: ``torch.save`` and checksums) while
+training goes on. A step's snapshot is whole with every rank's part, so the ranks skip a step
+together: when any rank's writer is still busy with an earlier step (agreed at the step
+boundary, :class:`ldt.training.guard.StepGuard`), no rank takes this one, and each says so once:
+snapshots never make a step wait. The lr schedule and the data position follow from the step,
+as in a checkpoint.
 
-At a start (a torchrun restart re-forming the world with the same layout, or ``ldt-train``
-continuing its run folder), every rank says which of its stage's snapshots are there and
-verify, and all take the newest step every rank has, when it is newer than the checkpoint
-the run resumes from (:func:`newest`); :func:`ldt.training.checkpoint.load_step` loads it.
+A part is the state of one rank of one layout, so it is loaded back by the same rank of the
+same layout (the snapshot folder is named after the rank map, :func:`root_of`); a world with
+another layout starts from the disk checkpoint. At a start (a torchrun restart re-forming the
+world, or ``ldt-train`` continuing its run folder), every rank says which of its own snapshots
+are there and verify, and all take the newest step every rank has, when it is newer than the
+checkpoint the run resumes from (:func:`newest`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import torch.distributed as dist
 
 from ldt.launch import progress
 from ldt.storage import snapshot_files
-from ldt.storage.checkpoint_files import latest, read_info, step_dir
-from ldt.training import checkpoint
+from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
+from ldt.training.checkpoint import named_params
+from ldt.training.optim import local_param_state, set_local_param_state
+
+STATE_FILE = "state.pt"  # in each part: {name: tensor} (torch.save)
 
 
 def root_of(cfg, run_dir: str, topo) -> Optional[str]:
@@ -39,35 +46,38 @@ def root_of(cfg, run_dir: str, topo) -> Optional[str]:
 
 
 class Snapshots:
-    """One rank's snapshots (every rank has one: the gather is collective)."""
+    """One rank's snapshots (every rank writes its own part)."""
 
     def __init__(self, root: str, state):
         self.root, self.state = root, state
-        self.writer = checkpoint.writes(state)
-        self.part = snapshot_files.part_name(state.stage)
+        self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
         self._said: set = set()
-        if self.writer:
-            snapshot_files.remove_other_layouts(root)
+        snapshot_files.remove_other_layouts(root)
 
-    def take(self, step: int, models, chunks, optimizer) -> None:
-        """Snapshot the state after step ``step`` (collective over the stage's groups)."""
-        model_sd, optim_sd = checkpoint.gather(models, chunks, optimizer, self.state)
-        if not self.writer:
+    def busy(self) -> bool:
+        """Is this rank's writer still writing an earlier step (told at the step boundary)?"""
+        return self._thread is not None and self._thread.is_alive()
+
+    def take(self, step: int, models, chunks, optimizer, busy: bool = False) -> None:
+        """Snapshot the state after step ``step``, unless ``busy``: some rank's writer was
+        still busy when the ranks agreed on the step (then no rank takes it)."""
+        if busy:
+            self._say("busy", f"a snapshot of an earlier step was still being written when "
+                      f"step {step} ended, so no rank snapshots step {step} (a snapshot never "
+                      "makes a step wait; the next one is taken when every writer is free)")
             return
-        if self._thread is not None and self._thread.is_alive():
-            self._say("busy", f"the snapshot of an earlier step was still being written when "
-                      f"step {step} ended, so step {step} has none (a snapshot never makes a "
-                      "step wait; the next one is taken when the writer is free)")
-            return
-        state_dict = {"model": model_sd, "optim": optim_sd, "step": step}
-        self._thread = threading.Thread(target=self._write, args=(step, state_dict),
+        tensors = local_state(models, chunks, optimizer)
+        tensors["step"] = torch.tensor(step)
+        self._thread = threading.Thread(target=self._write, args=(step, tensors),
                                         daemon=True, name="ldt-snapshot")
         self._thread.start()
 
-    def _write(self, step: int, state_dict: dict) -> None:
+    def _write(self, step: int, tensors: dict) -> None:
         try:
-            snapshot_files.write(self.root, step, self.part, state_dict)
+            snapshot_files.write(self.root, step, self.part,
+                                 lambda folder: torch.save(tensors, os.path.join(folder, STATE_FILE)),
+                                 sum(t.numel() * t.element_size() for t in tensors.values()))
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
@@ -78,7 +88,7 @@ class Snapshots:
         (host memory), a stopped or failed one keeps them for its restart."""
         if self._thread is not None:
             self._thread.join()
-        if finished and self.writer:
+        if finished:
             snapshot_files.remove(self.root, self.part)
 
     def _say(self, what: str, text: str) -> None:
@@ -88,15 +98,60 @@ class Snapshots:
                   file=sys.stderr, flush=True)
 
 
-def newest(root: str, state, resume: Optional[str], steps: int, group=None) -> Optional[str]:
-    """The step folder of the newest snapshot that every rank can read (its stage's part
+def _unique_params(models, chunks):
+    """(global name, parameter) of this rank's chunks, each parameter once (the U-shape edge's
+    tied head is its embedding)."""
+    seen: set = set()
+    for name, p in named_params(models, chunks):
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p
+
+
+def local_state(models, chunks, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's state, copied to host memory: ``model.<name>`` (its shard of each
+    parameter) and, with an optimizer, ``optim.<name>.<kind>`` as it keeps them
+    (:func:`ldt.training.optim.local_param_state`). No collective."""
+    out = {}
+    with torch.no_grad():
+        for name, p in _unique_params(models, chunks):
+            out[f"model.{name}"] = p.detach().to("cpu", copy=True)
+            if optimizer is not None:
+                for kind, t in local_param_state(optimizer, p).items():
+                    out[f"optim.{name}.{kind}"] = t.detach().to("cpu", copy=True)
+    return out
+
+
+def load_local(folder: str, models, chunks, optimizer) -> int:
+    """Put this rank's part ``folder`` (:func:`local_state` of the same rank of the same
+    layout) back into its chunks and optimizer; returns the next step."""
+    tensors = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=True)
+    with torch.no_grad():
+        for name, p in _unique_params(models, chunks):
+            saved = tensors.get(f"model.{name}")
+            if saved is None or saved.shape != p.shape:
+                raise CheckpointError(
+                    f"snapshot {folder} holds {'no' if saved is None else tuple(saved.shape)} "
+                    f"{name} where this rank has {tuple(p.shape)}: it is another model's; "
+                    f"remove it (or set train.snapshot_dir=null) and resume from a checkpoint")
+            p.copy_(saved)
+            if optimizer is not None:
+                prefix = f"optim.{name}."
+                set_local_param_state(optimizer, p, {k[len(prefix):]: v for k, v in
+                                                     tensors.items() if k.startswith(prefix)})
+    return int(tensors["step"]) + 1
+
+
+def newest(root: str, resume: Optional[str], steps: int, group=None) -> Optional[str]:
+    """The step folder of the newest snapshot that every rank can read (its own part
     there, its checksums verified), when it is newer than ``resume``'s checkpoint (None: a
     fresh start) and leaves a step of the run's ``steps`` to train; else None. Collective
     over ``group`` (all ranks): a few all-reduces of one number, no pickled objects (these
     cross to every stage)."""
     after = -1 if resume is None else int(read_info(latest(resume))["step"])
+    part = snapshot_files.part_name(dist.get_rank())
     mine = [s for s in snapshot_files.steps(root) if after < s < steps - 1
-            and snapshot_files.readable(root, s, [snapshot_files.part_name(state.stage)])]
+            and snapshot_files.readable(root, s, [part])]
     bound = float("inf")
     while True:  # the largest step every rank holds: lower the bound until all agree
         proposal = torch.tensor([max((s for s in mine if s <= bound), default=-1)],
@@ -111,15 +166,16 @@ def newest(root: str, state, resume: Optional[str], steps: int, group=None) -> O
 
 
 def load_newest(root: str, resume: Optional[str], steps: int, models, chunks, optimizer,
-                state, group=None) -> Optional[int]:
+                group=None) -> Optional[int]:
     """Load :func:`newest` into this rank's chunks and optimizer (collective); the next step,
     or None when there is no snapshot to start from. Rank 0 says which it loaded."""
     progress.current().begin("looking for snapshots", waiting=True)
-    found = newest(root, state, resume, steps, group)
+    found = newest(root, resume, steps, group)
     if found is None:
         return None
     progress.current().begin("loading the snapshot")
-    step = checkpoint.load_step(found, models, chunks, optimizer, state, verified=True)
+    step = load_local(os.path.join(found, snapshot_files.part_name(dist.get_rank())), models,
+                      chunks, optimizer)
     if dist.get_rank() == 0:
         print(f"ldt-train: resuming from the snapshot of step {step - 1} in host memory "
               f"({found}), newer than {resume and latest(resume) or 'any checkpoint'}",
