@@ -14,6 +14,8 @@ Its middle stage holds one decoder layer and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 H, A, F, V, S, B, M = 16, 2, 64, 256, 8, 1, 4
@@ -72,7 +74,7 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     test itself: mutation testing attributes a fixture's calls to no test.)"""
     from ldt.config import to_train
     from ldt.memory.stages import estimate_here
-    from ldt.memory.report import refusal
+    from ldt.memory.report import refusal, snapshot_line
     from ldt.topology.validate import validate
 
     below = _limited(PEAK - 1)
@@ -94,6 +96,15 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     assert line.startswith(f"stage 1 (s1, ranks 1) needs {PEAK / 2**20:.2f} MiB per rank "
                            f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
                            " the largest part is optimizer states"), line
+    # train.snapshot_dir: a rank keeps two snapshots of its state in host memory and writes a
+    # third (ldt.training.snapshot: weights and the optimizer's tensors, no gradients)
+    assert mid.snapshot_bytes == WEIGHTS + ADAM
+    train = to_train(below["train"])
+    assert snapshot_line(got, train) is None
+    snap = snapshot_line(got, dataclasses.replace(train, snapshot_dir="/dev/shm"))
+    assert snap.startswith("train.snapshot_dir=/dev/shm: host memory per rank for snapshots, 3 x "
+                           "the rank's state (2 kept, 1 being written): 0:s0 "), snap
+    assert f", 1:s1 {3 * (WEIGHTS + ADAM) / 2**20:.2f} MiB, 2:s2 " in snap, snap
 
 
 def test_a_limit_at_the_peak_fits():

@@ -17,7 +17,7 @@ from ldt import memory
 from ldt.config import to_train
 from ldt.config.errors import EXIT_CONFIG, one_line
 from ldt.job.hydra import run_app
-from ldt.memory.report import refusal, table
+from ldt.memory.report import refusal, snapshot_line, table
 from ldt.tools.rankmap import show_rank_map
 
 
@@ -51,11 +51,14 @@ def _estimate(cfg) -> int:
     except ValueError as exc:  # what the estimate cannot cover
         print(f"ldt: cannot estimate: {one_line(exc)}", file=sys.stderr)
         return EXIT_CONFIG
+    train = to_train(plain["train"])
     print(table(stages))
+    if snapshot_line(stages, train):
+        print(snapshot_line(stages, train))
     print(f"(estimated in {time.perf_counter() - t0:.1f} s)")
     over = [s for s in stages if not s.fits]
     for s in over:
-        print(f"ldt: does not fit: {refusal(s, topo, to_train(plain['train']))}", file=sys.stderr)
+        print(f"ldt: does not fit: {refusal(s, topo, train)}", file=sys.stderr)
     return EXIT_CONFIG if over else 0
 
 

@@ -78,6 +78,13 @@ class StageEstimate:
         return self.weights + self.grads + self.main_params + self.optimizer
 
     @property
+    def snapshot_bytes(self) -> int:
+        """One generation of the rank's snapshot (``train.snapshot_dir``, in host memory): its
+        state as it holds it, weights, fp32 main params, optimizer states
+        (:func:`ldt.training.snapshot.local_state`); gradients are not part of it."""
+        return self.weights + self.main_params + self.optimizer
+
+    @property
     def activation_bytes(self) -> int:
         return sum(a * n for a, n in zip(self.activations, self.inflight))
 

@@ -9,9 +9,15 @@ shard over), fewer micro-batches in flight (prefetch, stages after it, the micro
 
 from __future__ import annotations
 
+from typing import Optional
+
 from ldt import memory
 from ldt.config import to_train
 from ldt.memory import GIB, StageEstimate
+from ldt.storage.snapshot_files import GENERATIONS
+
+# snapshots a rank keeps in host memory at once: GENERATIONS whole, and the next being written
+SNAPSHOTS_HELD = GENERATIONS + 1
 
 MIB = 2**20
 
@@ -54,6 +60,18 @@ def table(stages: list[StageEstimate]) -> str:
     return "\n".join(lines)
 
 
+def snapshot_line(stages: list[StageEstimate], train) -> Optional[str]:
+    """With ``train.snapshot_dir``: the host memory each stage's ranks keep for snapshots
+    (:data:`SNAPSHOTS_HELD` of its state; device memory above is not affected); else None."""
+    if not getattr(train, "snapshot_dir", None):
+        return None
+    per_stage = ", ".join(f"{s.index}:{s.name} {_size(SNAPSHOTS_HELD * s.snapshot_bytes)}"
+                          for s in stages)
+    return (f"train.snapshot_dir={train.snapshot_dir}: host memory per rank for snapshots, "
+            f"{SNAPSHOTS_HELD} x the rank's state ({GENERATIONS} kept, 1 being written): "
+            f"{per_stage}")
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
 
@@ -90,6 +108,7 @@ def refusal(stage: StageEstimate, topo, train) -> str:
 def check(cfg: dict, topo) -> tuple[str, str | None]:
     """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
     refusal (of the first stage that does not fit) None when every stage fits."""
-    stages = memory.estimate(cfg)
+    stages, train = memory.estimate(cfg), to_train(cfg["train"])
     over = next((s for s in stages if not s.fits), None)
-    return table(stages), None if over is None else refusal(over, topo, to_train(cfg["train"]))
+    text = "\n".join(filter(None, (table(stages), snapshot_line(stages, train))))
+    return text, None if over is None else refusal(over, topo, train)
