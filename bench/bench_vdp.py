@@ -41,7 +41,7 @@ import statistics
 import tempfile
 from collections import defaultdict
 
-from bench.common import emit, machine_load, median, spread
+from bench.common import emit, machine_load, median, schedule_spans, spread, step_times
 
 M, STEPS, ROUNDS = 4, 8, 2
 BASE = ["cluster=cpu_vdp", "model=gpt_tiny", f"train.steps={STEPS}",
@@ -76,24 +76,6 @@ def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, timeout_s: fl
     from bench import common
 
     common.train_on_hosts(run_dir, overrides, ranks, cpus=CPUS, timeout_s=timeout_s)
-
-
-def _step_times(run_dir: str) -> list[float]:
-    with open(os.path.join(run_dir, "metrics.csv")) as f:
-        return [float(r["step_time_s"]) for r in csv.DictReader(f)][1:]
-
-
-def _spans(run_dir: str) -> tuple[list[float], dict]:
-    """The schedule span of every step but the first (what the simulator's iteration models:
-    no optimizer step), and how well the run's own calibrated replay explains it."""
-    from ldt.plan.calibrate import compare, read_action_times, steady, step_spans
-
-    rows = steady(read_action_times(os.path.join(run_dir, "action_times.csv")), 1)
-    try:
-        summary = compare(rows).summary()
-    except ValueError as exc:  # e.g. steps that ran other action lists
-        summary = {"error": float("nan"), "error_compute_only": float("nan"), "why": str(exc)}
-    return list(step_spans(rows).values()), summary
 
 
 def _op_costs(run_dir: str) -> dict[int, dict]:
@@ -158,10 +140,10 @@ def main() -> dict:
             for name, extra in (pair if i % 2 == 0 else pair[::-1]):
                 run_dir = os.path.join(tmp, f"{name}{i}")
                 train_on_hosts(run_dir, BASE + extra, WORLD[name])
-                times[name] += _step_times(run_dir)
+                times[name] += step_times(run_dir)
                 if not os.path.exists(os.path.join(run_dir, "action_times.csv")):
                     continue  # a VDP run records no per-action times (yet)
-                run_spans, summary = _spans(run_dir)
+                run_spans, summary = schedule_spans(run_dir)
                 spans[name] += run_spans
                 replay.setdefault(name, summary)
                 costs.setdefault(name, _op_costs(run_dir))

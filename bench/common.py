@@ -145,6 +145,27 @@ def ldt_train(run_dir: str, overrides: list[str], timeout_s: float = 240) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def step_times(run_dir: str) -> list[float]:
+    """``step_time_s`` of every step of a run folder's metrics.csv but the first (warm-up)."""
+    import csv
+
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        return [float(r["step_time_s"]) for r in csv.DictReader(f)][1:]
+
+
+def schedule_spans(run_dir: str) -> tuple[list[float], dict]:
+    """The schedule span of every step but the first (what the simulator's iteration models:
+    no optimizer step), and how well the run's own calibrated replay explains it."""
+    from ldt.plan.calibrate import compare, read_action_times, steady, step_spans
+
+    rows = steady(read_action_times(os.path.join(run_dir, "action_times.csv")), 1)
+    try:
+        summary = compare(rows).summary()
+    except ValueError as exc:  # e.g. steps that ran other action lists
+        summary = {"error": float("nan"), "error_compute_only": float("nan"), "why": str(exc)}
+    return list(step_spans(rows).values()), summary
+
+
 def _check(results, argv) -> None:
     bad = [r for r in results if r.returncode != 0]
     if bad:

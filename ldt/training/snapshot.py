@@ -74,9 +74,11 @@ class Snapshots:
         self._thread.start()
 
     def _write(self, step: int, tensors: dict) -> None:
+        def save(folder: str) -> None:
+            torch.save(tensors, os.path.join(folder, STATE_FILE))
+
         try:
-            snapshot_files.write(self.root, step, self.part,
-                                 lambda folder: torch.save(tensors, os.path.join(folder, STATE_FILE)),
+            snapshot_files.write(self.root, step, self.part, save,
                                  sum(t.numel() * t.element_size() for t in tensors.values()))
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "

@@ -1,0 +1,152 @@
+"""What every step's snapshot in host memory costs (``train.snapshot_dir``, issue #43), measured
+with ``ldt-train`` on hosts of their own CPU quota.
+
+Both paths train ``conf/cluster/cpu_demo.yaml`` (U-shape, TP 1 / 2 / 1, 4 ranks) with the same
+weights and batches; ``on`` snapshots every step into a fresh folder of ``/dev/shm``, ``off``
+does not. A snapshot is taken after the step's optimizer step and agreement, outside
+``step_time_s``, so the figure here is the wall time from one step's start to the next's
+(``action_times.csv``'s ``step_start_s`` of the edge's leader, one clock per host): everything a
+step costs, the snapshot's copy and whatever its background write takes from the host's cores.
+Every rank runs on a host of its own with a quota of ``CPUS`` cores (``ldt.testing.hosts``), so
+the background write competes with training for the same quota, as it competes with the host's
+CPU work beside an accelerator, and never borrows an idle neighbour's core. Runs in ABBA order
+(off, on, on, off), the first step of each run left out. A finished run must leave nothing in
+``/dev/shm`` (checked). Host memory: the most bytes the snapshot files held at once (sampled by
+the file system's sizes every 20 ms), against what ``ldt-memory`` says for the same config.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+import threading
+
+from bench.common import emit, machine_load, median, spread
+
+STEPS, ROUNDS = 12, 3
+BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false",
+        "train.num_microbatches=4"]
+RANKS = 4  # cpu_demo: TP 1 + 2 + 1
+CPUS = float(os.environ.get("LDT_BENCH_SNAPSHOT_CPUS", "0.3"))
+SHM = "/dev/shm"
+
+SUMMARY = [
+    ("step with a snapshot every step / without (cpu_demo, 4 ranks, a host of {cpus_per_rank} "
+     "core each, wall time step start to step start, medians)", "**{ratio:.3f}**", "<= 1.05"),
+    ("host memory of the snapshots, all 4 ranks: ldt-memory's estimate (3 x each rank's state) / "
+     "the most the files held (sampled every 20 ms)",
+     "{host_bytes_estimate} / {host_bytes_peak} bytes (**{host_bytes_ratio:.3f}**)",
+     "bounds from above"),
+]
+QUOTES = [
+    ("docs/elastic.md", "{step_s[off]:.3f} s without snapshots, {step_s[on]:.3f} s with a snapshot "
+     "every step, **{ratio:.3f}**"),
+    ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
+    ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
+     "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
+]
+
+
+def step_intervals(run_dir: str) -> list[float]:
+    """Seconds from each step's start to the next's on the edge's leader (stage 0), the
+    first step left out (warm-up)."""
+    with open(os.path.join(run_dir, "action_times.csv")) as f:
+        starts = sorted({(int(r["step"]), float(r["step_start_s"]))
+                         for r in csv.DictReader(f) if r["stage"] == "0"})
+    return [b[1] - a[1] for a, b in zip(starts[1:], starts[2:])]
+
+
+def folder_bytes(folder: str) -> int:
+    total = 0
+    for parent, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, f))
+            except OSError:  # pruned while we looked
+                pass
+    return total
+
+
+class PeakBytes(threading.Thread):
+    """The most bytes ``folder`` held at any of its samples (every 20 ms): the snapshots in
+    host memory, as the file system counts them."""
+
+    def __init__(self, folder: str):
+        super().__init__(daemon=True)
+        self.folder, self.peak, self.done = folder, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, folder_bytes(self.folder))
+
+
+def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
+    """A run's step intervals, and the most bytes its snapshots held in ``/dev/shm``."""
+    from bench import common
+
+    run_dir = os.path.join(tmp, name)
+    extra, sampler = [], None
+    if snapshots:
+        shm = tempfile.mkdtemp(prefix="ldt-bench-snapshot-", dir=SHM)
+        extra = [f"train.snapshot_dir={shm}"]
+        sampler = PeakBytes(shm)
+        sampler.start()
+    try:
+        common.train_on_hosts(run_dir, BASE + extra, RANKS, cpus=CPUS)
+    finally:
+        if snapshots:
+            sampler.done.set()
+            sampler.join()
+            leftover = sum(len(files) for _, _, files in os.walk(shm))
+            os.system(f"rm -rf {shm}")
+            assert leftover == 0, f"a finished run left {leftover} snapshot files in {shm}"
+    return step_intervals(run_dir), sampler.peak if sampler else 0
+
+
+def estimated_bytes() -> int:
+    """What ``ldt-memory`` says the run's ranks keep in host memory for snapshots, all ranks
+    together: (2 kept + 1 being written) x each rank's state."""
+    from omegaconf import OmegaConf
+
+    from ldt import memory
+    from ldt.job.hydra import compose
+    from ldt.memory.report import SNAPSHOTS_HELD
+
+    cfg = OmegaConf.to_container(compose(BASE), resolve=True)
+    return sum(SNAPSHOTS_HELD * s.snapshot_bytes * len(s.ranks) for s in memory.estimate(cfg))
+
+
+def main() -> dict:
+    from ldt.testing.hosts import unavailable
+
+    reason = unavailable()
+    if reason or not os.path.isdir(SHM):
+        print(f"skipped: {reason or SHM + ' missing'}")
+        return {"bench": "snapshot", "skipped": reason or f"{SHM} missing"}
+    load = machine_load()
+    times: dict = {"off": [], "on": []}
+    peak = 0
+    with tempfile.TemporaryDirectory(prefix="ldt-bench-snapshot-") as tmp:
+        for i in range(ROUNDS):
+            for path in (("off", "on") if i % 2 == 0 else ("on", "off")):
+                got, held = run(tmp, f"{path}{i}", path == "on")
+                times[path] += got
+                peak = max(peak, held)
+    estimate = estimated_bytes()
+    out = {"bench": "snapshot", "cpus_per_rank": CPUS, "host_bytes_peak": peak,
+           "host_bytes_estimate": estimate, "host_bytes_ratio": estimate / peak,
+           "host_bytes_peak_mib": peak / 2**20, "host_bytes_estimate_mib": estimate / 2**20,
+           "step_s": {p: median(v) for p, v in times.items()},
+           "step_s_spread": {p: spread(v) for p, v in times.items()},
+           "steps_measured": {p: len(v) for p, v in times.items()}}
+    out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
+    print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
+          f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f} (one host of "
+          f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
+          f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f})")
+    return emit(out, load_before=load)
+
+
+if __name__ == "__main__":
+    main()
