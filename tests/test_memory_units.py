@@ -75,6 +75,31 @@ def test_needs_estimate_asks_train_estimate_memory_then_any_stated_memory():
     assert not needs_estimate(cfg(None, None, None)) and not needs_estimate(cfg("unset"))
 
 
+def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(monkeypatch):
+    """``estimate`` starts one helper process (a world of 1) by the worker's name, without a
+    process group (the helper becomes a rank of a fake world itself), hands it the config and
+    the attention, and returns that one rank's answer; by default ``auto`` attention and 600
+    s."""
+    import ldt.memory
+    from ldt.launch import local
+
+    calls = []
+
+    def run_local_world(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [f"rank 0's stages {len(calls)}", "no second rank"]
+
+    monkeypatch.setattr(local, "run_local_world", run_local_world)
+    cfg = {"cluster": {}, "model": {}, "train": {}}
+    assert ldt.memory.estimate(cfg) == "rank 0's stages 1"
+    assert ldt.memory.estimate(cfg, "flash", 5.0) == "rank 0's stages 2"
+    assert calls == [
+        ((1, "ldt.memory.stages:estimate_worker", (cfg, "auto")),
+         {"timeout_s": 600.0, "init_dist": False}),
+        ((1, "ldt.memory.stages:estimate_worker", (cfg, "flash")),
+         {"timeout_s": 5.0, "init_dist": False})]
+
+
 def test_what_a_process_makes_once_is_in_every_chunks_transient():
     """The first chunk's measure made it (once 10, 0, 5 of transients 100, 50, 70): each
     chunk's transient is its own without its once-made part, plus all of it (15)."""
@@ -121,6 +146,30 @@ def test_the_table_switches_to_gib_at_one_gib_and_lists_ranks_compactly():
     assert "memory per rank, GiB" in table([at]) and " 1.00 " in table([at]).split("\n")[2]
     below = stage(weights=GIB - 15 - 64 - 256 - 128)
     assert "memory per rank, MiB" in table([below])
+
+
+def test_a_zero_bubble_table_adds_the_w_store_column():
+    """``train.schedule=zb``: a column of each chunk's W store entry x entries held, between
+    the buffers and the transient, shown as soon as one stage has a W store (here the edge,
+    two chunks: 0.25 MiB x 2 + 0.50 MiB x 1 = 1 MiB; the cloud stage's cell is empty). Peaks:
+    edge 1 + 1 (resident) + 1 + 1 (activations) + 1 (W store) = 5 MiB, cloud 3 + 2 = 5 MiB."""
+    from ldt.memory.report import table
+
+    edge = stage(weights=MIB, grads=MIB, main_params=0, optimizer=0, activations=[MIB, MIB],
+                 inflight=(1, 1), transient=0, recv_buffers=0, boundary_tensor=0,
+                 step_transient=0, wstore=[MIB // 4, MIB // 2], wstore_held=(2, 1))
+    cloud = stage(index=1, name="cloud", ranks=[1], weights=3 * MIB, grads=0, main_params=0,
+                  optimizer=0, activations=[MIB], inflight=(2,), transient=0, recv_buffers=0,
+                  boundary_tensor=0, step_transient=0)
+    assert table([cloud, edge]).split("\n")[:4] == [
+        "stage    ranks  tp  recompute  weights  grads  main  optim  act/mb x in flight  "
+        "buffers  W store/mb x held  transient  peak  limit",
+        "-------  -----  --  ---------  -------  -----  ----  -----  ------------------  "
+        "-------  -----------------  ---------  ----  -----",
+        "1:cloud  1      1   -          3.00     0.00   0.00  0.00   1.00x2              "
+        "0.00                        0.00       5.00  -",
+        "0:edge   0      1   -          1.00     1.00   0.00  0.00   1.00x1 + 1.00x1     "
+        "0.00     0.25x2 + 0.50x1    0.00       5.00  -"]
 
 
 def _topo(u_shape: bool, stages: int):
@@ -224,6 +273,15 @@ def test_live_peak_counts_live_storages_and_their_peak():
         assert tracker.peak() - base == 5000
         del a, view, c
         assert tracker.current() == base
+        # a peak taken before is put back (what ran since is counted elsewhere), never below
+        # what is alive now
+        tracker.set_peak(base + 6000)
+        assert tracker.peak() - base == 6000
+        d = torch.empty(2000, dtype=torch.float32)  # 8000 bytes alive, above the 6000 put back
+        tracker.set_peak(base + 6000)
+        assert tracker.peak() - base == 8000
+        del d
+        assert tracker.peak() - base == 8000
 
 
 def test_attention_is_flash_on_cuda_stages_unless_asked():
