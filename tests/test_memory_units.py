@@ -334,6 +334,37 @@ def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
         dist.destroy_process_group()
 
 
+def test_the_worker_validates_the_train_settings_and_routes_only_a_moe_models_experts(
+        monkeypatch):
+    """The estimate refuses what training refuses, train settings included, before it
+    measures anything; each stage is measured as its leader of the whole world (cpu_demo:
+    TP 1, 2, 1, so 4 ranks; stage 0's leader rank 0), with BalancedRouting's ``(topk, experts)`` for a MoE
+    model (qwen3_moe_tiny: top-2 of 8) and none for a dense one (gpt_tiny)."""
+    from omegaconf import OmegaConf
+
+    from ldt.config.errors import ConfigError
+    from ldt.job.hydra import compose
+    from ldt.memory import stages
+
+    def cfg(*over):
+        return OmegaConf.to_container(compose(["cluster=cpu_demo", *over]), resolve=True)
+
+    with pytest.raises(ConfigError, match=r"train.eval_every=-1 must be >= 0"):
+        stages.estimate_here(cfg("train.eval_every=-1"))
+
+    class Entered(Exception):
+        pass
+
+    def fake_rank(world_size, rank, experts=None):
+        raise Entered(world_size, rank, experts)
+
+    monkeypatch.setattr(stages, "fake_rank", fake_rank)
+    for model, experts in (("gpt_tiny", None), ("qwen3_moe_tiny", (2, 8))):
+        with pytest.raises(Entered) as entered:
+            stages.estimate_here(cfg(f"model={model}"))
+        assert entered.value.args == (4, 0, experts)
+
+
 def test_the_launcher_names_the_estimates_helper_and_loads_no_megatron():
     """ldt-train's launcher and ldt-memory import the estimate without megatron-core (its INFO
     records would reach every torchrun rank's Hydra handler, and a refusal would wait for it):
