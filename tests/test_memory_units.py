@@ -365,6 +365,27 @@ def test_the_worker_validates_the_train_settings_and_routes_only_a_moe_models_ex
         assert entered.value.args == (4, 0, experts)
 
 
+def test_a_zero_bubble_stage_whose_peak_is_a_w_takes_the_ws_transient(monkeypatch):
+    """``train.schedule=zb``: a W's transient is its own (every weight gradient of the chunk
+    at once), not the forward's and B's. With the measure stubbed (nothing held, a forward /
+    B transient of 1 byte, a W's of 1000) every stage's fullest moment is one of its Ws:
+    transient and peak 1000 bytes."""
+    from omegaconf import OmegaConf
+
+    from ldt.job.hydra import compose
+    from ldt.memory import stages
+    from ldt.memory.measure import ChunkMemory, StageMeasure
+    from test_memory_total import OVERRIDES
+
+    def measure_stage(c, topo, state, device, attention):
+        return StageMeasure(0, 0, 0, 0, [ChunkMemory(0, 1, 0, 0, 1000)], 0, 0, "local")
+
+    monkeypatch.setattr(stages, "measure_stage", measure_stage)
+    cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb"]), resolve=True)
+    got = stages.estimate_here(cfg)
+    assert [(s.transient, s.peak) for s in got] == [(1000, 1000)] * 3
+
+
 def test_the_launcher_names_the_estimates_helper_and_loads_no_megatron():
     """ldt-train's launcher and ldt-memory import the estimate without megatron-core (its INFO
     records would reach every torchrun rank's Hydra handler, and a refusal would wait for it):
