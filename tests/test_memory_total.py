@@ -90,6 +90,8 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     got = estimate_here(below)
     # no train.schedule=zb: no W runs apart, so no chunk has a W store entry or a W's transient
     assert [(ch.wstore, ch.wgrad_transient) for m in measured for ch in m.chunks] == [(0, 0)] * 3
+    # what the process makes once is part of a chunk's transient
+    assert all(0 <= ch.once <= ch.transient for m in measured for ch in m.chunks)
     mid = got[1]
     assert (mid.weights, mid.grads, mid.main_params, mid.optimizer) == (WEIGHTS, GRADS, 0, ADAM)
     assert mid.activations == [ACTIVATIONS] and mid.inflight == (IN_FLIGHT,)

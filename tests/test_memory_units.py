@@ -284,6 +284,35 @@ def test_live_peak_counts_live_storages_and_their_peak():
         assert tracker.peak() - base == 8000
 
 
+def test_the_optimizer_step_is_measured_as_torch_steps_on_the_stages_device():
+    """``_measure_step`` on real tensors: one AdamW step over a parameter of 1000 fp32 values
+    (known to the tracker, its gradient made before the step) creates the optimizer's states,
+    exp_avg and exp_avg_sq of 4000 bytes each and the step count (a one-value fp32 tensor, 4
+    bytes); torch's single-tensor loop on a cpu stage (torch's default there), its foreach
+    loop elsewhere. The torch optimizers are megatron's inner ones, one per chained
+    optimizer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ldt.memory.measure import LivePeak, _inner_optimizers, _measure_step
+
+    for device, foreach in (("cpu", False), ("cuda", True)):
+        p = torch.nn.Parameter(torch.zeros(1000))
+        opt = torch.optim.AdamW([p])
+        tracker = LivePeak()
+        tracker.track_external(p)  # as measure_stage tells it of the resident part first
+        with tracker:
+            states, step = _measure_step(tracker, [opt], device)
+        assert opt.param_groups[0]["foreach"] is foreach
+        assert states == 2 * 4000 + 4 and step >= 0
+    one = SimpleNamespace(optimizer="torch's")
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer="first"),
+                                                  SimpleNamespace(optimizer="second")])
+    assert _inner_optimizers(one) == ["torch's"]
+    assert _inner_optimizers(chained) == ["first", "second"]
+
+
 def test_attention_is_flash_on_cuda_stages_unless_asked():
     from types import SimpleNamespace
 
