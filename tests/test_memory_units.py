@@ -313,6 +313,29 @@ def test_the_optimizer_step_is_measured_as_torch_steps_on_the_stages_device():
     assert _inner_optimizers(chained) == ["first", "second"]
 
 
+def test_the_resident_parts_are_read_off_every_ddp_buffer_and_each_storage_once():
+    """A DDP's gradient buffers: its dense ones, then its expert-parallel ones (a MoE
+    model's), either absent on some DDPs. The tracker is told of each counted storage through
+    one uint8 tensor over it (all its bytes, on its device)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ldt.memory.measure import _ddp_buffers, _storages_of
+
+    assert _ddp_buffers(SimpleNamespace()) == []
+    assert _ddp_buffers(SimpleNamespace(buffers=["dense"])) == ["dense"]
+    assert _ddp_buffers(SimpleNamespace(expert_parallel_buffers=["experts"])) == ["experts"]
+    assert _ddp_buffers(SimpleNamespace(buffers=["dense"], expert_parallel_buffers=["e1", "e2"])
+                        ) == ["dense", "e1", "e2"]
+    on_cpu = torch.zeros(5, dtype=torch.float16).untyped_storage()  # 10 bytes
+    on_meta = torch.empty(3, dtype=torch.float32, device="meta").untyped_storage()  # 12 bytes
+    got = _storages_of({on_cpu: True, on_meta: True})
+    assert [(t.dtype, t.numel(), t.device.type) for t in got] == [
+        (torch.uint8, 10, "cpu"), (torch.uint8, 12, "meta")]
+    assert got[0].untyped_storage().data_ptr() == on_cpu.data_ptr()
+
+
 def test_attention_is_flash_on_cuda_stages_unless_asked():
     from types import SimpleNamespace
 
