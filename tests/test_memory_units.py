@@ -258,6 +258,13 @@ def test_live_peak_counts_live_storages_and_their_peak():
 
     from ldt.memory.measure import LivePeak
 
+    fresh = LivePeak()  # nothing tracked yet: nothing alive, no peak
+    assert (fresh.current(), fresh.peak()) == (0, 0)
+    with fresh:  # a peak before any reset_peak: the highest point so far
+        kept = torch.empty(1000, dtype=torch.float32)
+        assert fresh.peak() >= fresh.current() >= 4000
+    del kept
+
     tracker = LivePeak()
     with tracker:
         base = tracker.reset_peak()
