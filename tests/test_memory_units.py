@@ -386,11 +386,25 @@ def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match=r"estimate_here needs a process without a "
-                           r"process group .*; call ldt.memory.estimate instead"):
+        with pytest.raises(RuntimeError, match=r"^estimate_here needs a process without a "
+                           r"process group \(it becomes a rank of a fake world\); call "
+                           r"ldt.memory.estimate instead$"):
             estimate_here({})
     finally:
         dist.destroy_process_group()
+
+
+def test_the_in_process_estimate_is_the_helpers_rank_0_of_1(monkeypatch):
+    """Without a process group, ``estimate_here`` runs the worker as the helper process
+    would: rank 0 of a world of 1, with the config and the attention (``auto`` by
+    default)."""
+    from ldt.memory import stages
+
+    calls = []
+    monkeypatch.setattr(stages, "estimate_worker", lambda *a: calls.append(a) or len(calls))
+    cfg = {"cluster": {}}
+    assert (stages.estimate_here(cfg), stages.estimate_here(cfg, "flash")) == (1, 2)
+    assert calls == [(0, 1, cfg, "auto"), (0, 1, cfg, "flash")]
 
 
 def test_the_worker_validates_the_train_settings_and_routes_only_a_moe_models_experts(
