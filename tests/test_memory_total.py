@@ -112,9 +112,17 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
 
 
 def test_a_limit_at_the_peak_fits():
+    """(And the estimate leaves the caller's patches as they were: it reverts only those it
+    applied, here a patch of its fake world the caller had applied already.)"""
+    from ldt import patches
     from ldt.memory.stages import estimate_here
 
-    assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
+    done = patches.apply(["fake_tensors"])
+    try:
+        assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
+        assert patches.is_applied("fake_tensors")
+    finally:
+        patches.revert(done)
 
 
 @pytest.mark.timeout(120)
