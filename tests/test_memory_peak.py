@@ -135,6 +135,18 @@ def test_per_stage_dp_counts_a_send_through_as_many_more_computations_as_the_pee
     assert cloud == [0, 0, 0, 1, 1, 1, 1, 1]
 
 
+def test_a_per_stage_dp_u_shapes_prefetch_posts_receives_ahead_on_every_lane():
+    """cpu_vdp (the edge at dp 1, the cloud at dp 2): as on cpu_demo, prefetch d keeps
+    1 + 2d receives posted where 1 was: the edge's lane 4 -> 12, a cloud lane's 2 -> 6 at
+    d 1."""
+    receives = []
+    for d in (0, 1):
+        topo, c = _topo("cluster=cpu_vdp", f"train.prefetch={d}")
+        got = stage_inflight(topo, c.train)
+        receives.append([max(mo.recv_buffers for mo in got[s].moments) for s in (0, 1)])
+    assert receives == [[4, 2], [4 * 3, 2 * 3]]
+
+
 def test_a_plain_pipeline_with_per_stage_dp_runs_on_ldts_runtime():
     """cpu_vtp with the middle stage at dp 2 (megatron's 1F1B cannot pair its fan-in / out):
     receives are posted ahead, and stage 0's lane holds (P - s - 1) * D / dp_s + 1 = 5."""
