@@ -280,8 +280,18 @@ def test_live_peak_counts_live_storages_and_their_peak():
         assert tracker.peak() - base == 5000
         del a, view, c
         assert tracker.current() == base
-        # a peak taken before is put back (what ran since is counted elsewhere), never below
-        # what is alive now
+
+
+def test_live_peak_puts_back_a_peak_taken_before():
+    """``set_peak``: a peak taken before is put back (what ran since is counted elsewhere),
+    never below what is alive now."""
+    import torch
+
+    from ldt.memory.measure import LivePeak
+
+    tracker = LivePeak()
+    with tracker:
+        base = tracker.reset_peak()
         tracker.set_peak(base + 6000)
         assert tracker.peak() - base == 6000
         d = torch.empty(2000, dtype=torch.float32)  # 8000 bytes alive, above the 6000 put back
