@@ -180,6 +180,21 @@ def test_the_walk_of_hand_written_lists():
                    Moment((2,), 0, 2, 0, (0,)), Moment((1,), 0, 0, 0, (1,), True)]
 
 
+def test_a_stages_peers_are_the_stages_it_exchanges_activations_with():
+    """Three stages in a row (boundaries 0 -> 1 -> 2): the middle stage's peers are both
+    neighbours, an end's its one neighbour; a U-shape's two stages (0 -> 1 -> 0) are each
+    other's; a stage without boundaries is its own."""
+    from types import SimpleNamespace
+
+    from ldt.memory.inflight import _peers
+
+    row = SimpleNamespace(activation_boundaries=lambda: [(0, 1), (1, 2)])
+    assert [_peers(row, s) for s in range(3)] == [{1}, {0, 2}, {1}]
+    ring = SimpleNamespace(activation_boundaries=lambda: [(0, 1), (1, 0)])
+    assert [_peers(ring, s) for s in range(2)] == [{1}, {0}]
+    assert _peers(SimpleNamespace(activation_boundaries=lambda: []), 0) == {0}
+
+
 def test_a_plain_pipeline_with_per_stage_dp_runs_on_ldts_runtime():
     """cpu_vtp with the middle stage at dp 2 (megatron's 1F1B cannot pair its fan-in / out):
     receives are posted ahead, and stage 0's lane holds (P - s - 1) * D / dp_s + 1 = 5."""
