@@ -97,6 +97,34 @@ def test_balanced_routing_gives_each_expert_its_even_share():
             torch.tensor([3, 5]).tolist()
 
 
+def test_balanced_routing_counts_from_the_routing_map_alone():
+    """megatron-core 0.17+ asks ``tokens_per_expert.sum().item()`` before any token is
+    selected: the counts then come from the routing map's ``sum(dim=0)`` alone ([tokens,
+    experts], summed over the tokens). 16 tokens, top-2 of 8 experts: 16 * 2 // 8 = 4 each,
+    32 in all; 10 tokens: 10 * 2 // 8 = 2 each (a whole count, rounded down), 16 in all; a
+    sum over the other dimension (or of a map that is not boolean, or not 2-D) is no count
+    and leaves the share unknown, so an integer item is fake's again."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ldt.memory.fake import BalancedRouting
+
+    for tokens, share in ((16, 4), (10, 2)):
+        with FakeTensorMode(), BalancedRouting(topk=2, experts=8):
+            counts = torch.zeros(tokens, 8, dtype=torch.bool).sum(dim=0)
+            total = counts.sum().item()
+            each = counts.tolist()
+        assert (total, each) == (share * 8, [share] * 8)
+        assert type(total) is int and all(type(n) is int for n in each)
+    for other in (lambda: torch.zeros(16, 8, dtype=torch.bool).sum(dim=1),
+                  lambda: torch.zeros(16, 8, dtype=torch.int64).sum(dim=0),
+                  lambda: torch.zeros(16, 8, 2, dtype=torch.bool).sum(dim=0)):
+        with FakeTensorMode(), BalancedRouting(topk=2, experts=8):
+            counts = other()
+            with pytest.raises(Exception, match="_local_scalar_dense"):
+                counts.sum().item()
+
+
 @pytest.mark.timeout(120)
 def test_a_moe_model_is_estimated():
     """qwen3_moe_tiny on cpu_demo: its last cloud stage holds two MoE layers (8 experts of

@@ -135,6 +135,66 @@ def test_per_stage_dp_counts_a_send_through_as_many_more_computations_as_the_pee
     assert cloud == [0, 0, 0, 1, 1, 1, 1, 1]
 
 
+def test_a_per_stage_dp_u_shapes_prefetch_posts_receives_ahead_on_every_lane():
+    """cpu_vdp (the edge at dp 1, the cloud at dp 2): as on cpu_demo, prefetch d keeps
+    1 + 2d receives posted where 1 was: the edge's lane 4 -> 12, a cloud lane's 2 -> 6 at
+    d 1."""
+    receives = []
+    for d in (0, 1):
+        topo, c = _topo("cluster=cpu_vdp", f"train.prefetch={d}")
+        got = stage_inflight(topo, c.train)
+        receives.append([max(mo.recv_buffers for mo in got[s].moments) for s in (0, 1)])
+    assert receives == [[4, 2], [4 * 3, 2 * 3]]
+
+
+def _ops(*names):
+    from types import SimpleNamespace
+
+    from ldt.schedule import Op
+
+    return [SimpleNamespace(op=getattr(Op, n)) for n in names]
+
+
+def test_the_walk_of_hand_written_lists():
+    """``_walk`` on short lists, every moment counted by hand. Two chunks with split
+    backwards (ldt's runtime, sends held through 2 computations): each B of the end chunk
+    (BS) adds a W store entry to chunk 1 and each WS frees one, BE / WE the same for chunk 0;
+    two input gradients sent before WS are both still held there and at the BE after it.
+    Megatron's runtime keeps one stale tensor at a computation after the first backward,
+    when the list sends what that computation's kind sends (FE a forward output, BS a
+    gradient). A sequence-parallel leader (``gathers``) holds each forward send it gathered."""
+    from ldt.memory.inflight import _walk
+
+    got = _walk(_ops("FS", "SEND_F", "FS", "FE", "FE", "BS", "BS", "SEND_B", "SEND_B", "WS",
+                     "BE", "WS", "WE"), True)  # a forward output sent is not held as sent
+    assert got == [Moment((1, 0), 0, 0, 0, (0, 0)), Moment((2, 0), 0, 0, 0, (0, 0)),
+                   Moment((2, 1), 0, 0, 1, (0, 0)), Moment((2, 2), 0, 0, 1, (0, 0)),
+                   Moment((2, 2), 0, 0, 1, (0, 0)), Moment((2, 1), 0, 0, 1, (0, 1)),
+                   Moment((2, 0), 0, 2, 1, (0, 2), True), Moment((2, 0), 0, 2, 0, (0, 1)),
+                   Moment((1, 0), 0, 0, 1, (1, 1), True), Moment((1, 0), 0, 0, 0, (1, 0), True)]
+    got = _walk(_ops("FS", "SEND_F", "BE", "SEND_B", "FE", "BS"), True, False)
+    assert got == [Moment((1, 0), 0, 0, 0), Moment((1, 0), 0, 0, 0), Moment((0, 1), 0, 1, 1),
+                   Moment((0, 1), 0, 1, 1)]
+    got = _walk(_ops("F", "SEND_F", "SEND_F", "F", "B", "W"), False, True, True)
+    assert got == [Moment((1,), 0, 0, 0, (0,)), Moment((2,), 0, 2, 0, (0,)),
+                   Moment((2,), 0, 2, 0, (0,)), Moment((1,), 0, 0, 0, (1,), True)]
+
+
+def test_a_stages_peers_are_the_stages_it_exchanges_activations_with():
+    """Three stages in a row (boundaries 0 -> 1 -> 2): the middle stage's peers are both
+    neighbours, an end's its one neighbour; a U-shape's two stages (0 -> 1 -> 0) are each
+    other's; a stage without boundaries is its own."""
+    from types import SimpleNamespace
+
+    from ldt.memory.inflight import _peers
+
+    row = SimpleNamespace(activation_boundaries=lambda: [(0, 1), (1, 2)])
+    assert [_peers(row, s) for s in range(3)] == [{1}, {0, 2}, {1}]
+    ring = SimpleNamespace(activation_boundaries=lambda: [(0, 1), (1, 0)])
+    assert [_peers(ring, s) for s in range(2)] == [{1}, {0}]
+    assert _peers(SimpleNamespace(activation_boundaries=lambda: []), 0) == {0}
+
+
 def test_a_plain_pipeline_with_per_stage_dp_runs_on_ldts_runtime():
     """cpu_vtp with the middle stage at dp 2 (megatron's 1F1B cannot pair its fan-in / out):
     receives are posted ahead, and stage 0's lane holds (P - s - 1) * D / dp_s + 1 = 5."""

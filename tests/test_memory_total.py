@@ -67,18 +67,33 @@ def _limited(limit_bytes: int) -> dict:
         OVERRIDES + [f"cluster.stages.1.memory_gib={limit_bytes / 2**30!r}"]), resolve=True)
 
 
-def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_refused():
+def _recorded(monkeypatch, stages) -> list:
+    """What ``measure_stage`` returns for each stage of the next estimate, recorded (the
+    measure itself runs unchanged)."""
+    out, measure = [], stages.measure_stage
+    monkeypatch.setattr(stages, "measure_stage", lambda *a: out.append(measure(*a)) or out[-1])
+    return out
+
+
+def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_refused(
+        monkeypatch):
     """Every term of the middle stage as its shapes say; its peak, 79984 bytes, their sum
     (dropping any term of ``StageEstimate.peak`` changes it); a limit of PEAK - 1 bytes
     refuses that stage, naming it, its peak and the largest part. (The estimate runs in the
     test itself: mutation testing attributes a fixture's calls to no test.)"""
     from ldt.config import to_train
+    from ldt.memory import stages
     from ldt.memory.stages import estimate_here
     from ldt.memory.report import refusal, snapshot_line
     from ldt.topology.validate import validate
 
     below = _limited(PEAK - 1)
+    measured = _recorded(monkeypatch, stages)
     got = estimate_here(below)
+    # no train.schedule=zb: no W runs apart, so no chunk has a W store entry or a W's transient
+    assert [(ch.wstore, ch.wgrad_transient) for m in measured for ch in m.chunks] == [(0, 0)] * 3
+    # what the process makes once is part of a chunk's transient
+    assert all(0 <= ch.once <= ch.transient for m in measured for ch in m.chunks)
     mid = got[1]
     assert (mid.weights, mid.grads, mid.main_params, mid.optimizer) == (WEIGHTS, GRADS, 0, ADAM)
     assert mid.activations == [ACTIVATIONS] and mid.inflight == (IN_FLIGHT,)
@@ -108,9 +123,17 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
 
 
 def test_a_limit_at_the_peak_fits():
+    """(And the estimate leaves the caller's patches as they were: it reverts only those it
+    applied, here a patch of its fake world the caller had applied already.)"""
+    from ldt import patches
     from ldt.memory.stages import estimate_here
 
-    assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
+    done = patches.apply(["fake_tensors"])
+    try:
+        assert [s.fits for s in estimate_here(_limited(PEAK))] == [True, True, True]
+        assert patches.is_applied("fake_tensors")
+    finally:
+        patches.revert(done)
 
 
 @pytest.mark.timeout(120)
@@ -143,9 +166,14 @@ def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_pat
 # the logits' gradient [s, b, V] (fp32 here).
 WSTORE_LAYER = (1 + 3 + 1 + 1 + 1 + 1) * T + 2 * S * B * F * FP32
 WSTORE_HEAD = T + S * B * V * FP32
+# a W makes the split layers' weight gradients (QKV h x 3h, projection h x h, fc1 h x f, fc2
+# f x h; the head's V x h on the last stage), all at once, and the matmuls' temporaries, at
+# most copies of its W store entry's tensors: its transient lies between the two sums
+WGRAD_LAYER = FP32 * (H * 3 * H + H * H + H * F + F * H)
+WGRAD_HEAD = FP32 * V * H
 
 
-def test_a_zero_bubble_run_counts_its_w_store():
+def test_a_zero_bubble_run_counts_its_w_store(monkeypatch):
     """Under train.schedule=zb each stage's W store entry is the hand count above (8192 and
     16896 bytes, measured on megatron's layers through the wgrad_split patch); the peak adds
     the entries the run's own order (generated from its prices) holds at that moment, never
@@ -155,6 +183,7 @@ def test_a_zero_bubble_run_counts_its_w_store():
 
     from ldt.config import typed_config
     from ldt.job.hydra import compose
+    from ldt.memory import stages
     from ldt.memory.stages import estimate_here
     from ldt.plan.cost import ChunkLoad, CostModel
     from ldt.plan.zerobubble import nominal_inventory, run_prices
@@ -162,7 +191,11 @@ def test_a_zero_bubble_run_counts_its_w_store():
     from ldt.schedule.zerobubble import zb_h1
 
     cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb"]), resolve=True)
+    measured = _recorded(monkeypatch, stages)
     got = estimate_here(cfg)
+    for s, m, least in zip(got, measured, (WGRAD_LAYER, WGRAD_LAYER, WGRAD_LAYER + WGRAD_HEAD)):
+        (chunk,) = m.chunks
+        assert least <= chunk.wgrad_transient <= s.weights + chunk.wstore, (s.index, chunk)
     assert [s.wstore for s in got] == [[WSTORE_LAYER], [WSTORE_LAYER],
                                        [WSTORE_LAYER + WSTORE_HEAD]]
     assert (WSTORE_LAYER, WSTORE_HEAD) == (8192, 8704)

@@ -75,6 +75,31 @@ def test_needs_estimate_asks_train_estimate_memory_then_any_stated_memory():
     assert not needs_estimate(cfg(None, None, None)) and not needs_estimate(cfg("unset"))
 
 
+def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(monkeypatch):
+    """``estimate`` starts one helper process (a world of 1) by the worker's name, without a
+    process group (the helper becomes a rank of a fake world itself), hands it the config and
+    the attention, and returns that one rank's answer; by default ``auto`` attention and 600
+    s."""
+    import ldt.memory
+    from ldt.launch import local
+
+    calls = []
+
+    def run_local_world(*args, **kwargs):
+        calls.append((args, kwargs))
+        return [f"rank 0's stages {len(calls)}", "no second rank"]
+
+    monkeypatch.setattr(local, "run_local_world", run_local_world)
+    cfg = {"cluster": {}, "model": {}, "train": {}}
+    assert ldt.memory.estimate(cfg) == "rank 0's stages 1"
+    assert ldt.memory.estimate(cfg, "flash", 5.0) == "rank 0's stages 2"
+    assert calls == [
+        ((1, "ldt.memory.stages:estimate_worker", (cfg, "auto")),
+         {"timeout_s": 600.0, "init_dist": False}),
+        ((1, "ldt.memory.stages:estimate_worker", (cfg, "flash")),
+         {"timeout_s": 5.0, "init_dist": False})]
+
+
 def test_what_a_process_makes_once_is_in_every_chunks_transient():
     """The first chunk's measure made it (once 10, 0, 5 of transients 100, 50, 70): each
     chunk's transient is its own without its once-made part, plus all of it (15)."""
@@ -121,6 +146,30 @@ def test_the_table_switches_to_gib_at_one_gib_and_lists_ranks_compactly():
     assert "memory per rank, GiB" in table([at]) and " 1.00 " in table([at]).split("\n")[2]
     below = stage(weights=GIB - 15 - 64 - 256 - 128)
     assert "memory per rank, MiB" in table([below])
+
+
+def test_a_zero_bubble_table_adds_the_w_store_column():
+    """``train.schedule=zb``: a column of each chunk's W store entry x entries held, between
+    the buffers and the transient, shown as soon as one stage has a W store (here the edge,
+    two chunks: 0.25 MiB x 2 + 0.50 MiB x 1 = 1 MiB; the cloud stage's cell is empty). Peaks:
+    edge 1 + 1 (resident) + 1 + 1 (activations) + 1 (W store) = 5 MiB, cloud 3 + 2 = 5 MiB."""
+    from ldt.memory.report import table
+
+    edge = stage(weights=MIB, grads=MIB, main_params=0, optimizer=0, activations=[MIB, MIB],
+                 inflight=(1, 1), transient=0, recv_buffers=0, boundary_tensor=0,
+                 step_transient=0, wstore=[MIB // 4, MIB // 2], wstore_held=(2, 1))
+    cloud = stage(index=1, name="cloud", ranks=[1], weights=3 * MIB, grads=0, main_params=0,
+                  optimizer=0, activations=[MIB], inflight=(2,), transient=0, recv_buffers=0,
+                  boundary_tensor=0, step_transient=0)
+    assert table([cloud, edge]).split("\n")[:4] == [
+        "stage    ranks  tp  recompute  weights  grads  main  optim  act/mb x in flight  "
+        "buffers  W store/mb x held  transient  peak  limit",
+        "-------  -----  --  ---------  -------  -----  ----  -----  ------------------  "
+        "-------  -----------------  ---------  ----  -----",
+        "1:cloud  1      1   -          3.00     0.00   0.00  0.00   1.00x2              "
+        "0.00                        0.00       5.00  -",
+        "0:edge   0      1   -          1.00     1.00   0.00  0.00   1.00x1 + 1.00x1     "
+        "0.00     0.25x2 + 0.50x1    0.00       5.00  -"]
 
 
 def _topo(u_shape: bool, stages: int):
@@ -209,6 +258,13 @@ def test_live_peak_counts_live_storages_and_their_peak():
 
     from ldt.memory.measure import LivePeak
 
+    fresh = LivePeak()  # nothing tracked yet: nothing alive, no peak
+    assert (fresh.current(), fresh.peak()) == (0, 0)
+    with fresh:  # a peak before any reset_peak: the highest point so far
+        kept = torch.empty(1000, dtype=torch.float32)
+        assert fresh.peak() >= fresh.current() >= 4000
+    del kept
+
     tracker = LivePeak()
     with tracker:
         base = tracker.reset_peak()
@@ -224,6 +280,77 @@ def test_live_peak_counts_live_storages_and_their_peak():
         assert tracker.peak() - base == 5000
         del a, view, c
         assert tracker.current() == base
+
+
+def test_live_peak_puts_back_a_peak_taken_before():
+    """``set_peak``: a peak taken before is put back (what ran since is counted elsewhere),
+    never below what is alive now."""
+    import torch
+
+    from ldt.memory.measure import LivePeak
+
+    tracker = LivePeak()
+    with tracker:
+        base = tracker.reset_peak()
+        tracker.set_peak(base + 6000)
+        assert tracker.peak() - base == 6000
+        d = torch.empty(2000, dtype=torch.float32)  # 8000 bytes alive, above the 6000 put back
+        tracker.set_peak(base + 6000)
+        assert tracker.peak() - base == 8000
+        del d
+        assert tracker.peak() - base == 8000
+
+
+def test_the_optimizer_step_is_measured_as_torch_steps_on_the_stages_device():
+    """``_measure_step`` on real tensors: one AdamW step over a parameter of 1000 fp32 values
+    (known to the tracker, its gradient made before the step) creates the optimizer's states,
+    exp_avg and exp_avg_sq of 4000 bytes each and the step count (a one-value fp32 tensor, 4
+    bytes); torch's single-tensor loop on a cpu stage (torch's default there), its foreach
+    loop elsewhere. The torch optimizers are megatron's inner ones, one per chained
+    optimizer."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ldt.memory.measure import LivePeak, _inner_optimizers, _measure_step
+
+    for device, foreach in (("cpu", False), ("cuda", True)):
+        p = torch.nn.Parameter(torch.zeros(1000))
+        opt = torch.optim.AdamW([p])
+        tracker = LivePeak()
+        tracker.track_external(p)  # as measure_stage tells it of the resident part first
+        with tracker:
+            states, step = _measure_step(tracker, [opt], device)
+        assert opt.param_groups[0]["foreach"] is foreach
+        assert states == 2 * 4000 + 4 and step >= 0
+    one = SimpleNamespace(optimizer="torch's")
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer="first"),
+                                                  SimpleNamespace(optimizer="second")])
+    assert _inner_optimizers(one) == ["torch's"]
+    assert _inner_optimizers(chained) == ["first", "second"]
+
+
+def test_the_resident_parts_are_read_off_every_ddp_buffer_and_each_storage_once():
+    """A DDP's gradient buffers: its dense ones, then its expert-parallel ones (a MoE
+    model's), either absent on some DDPs. The tracker is told of each counted storage through
+    one uint8 tensor over it (all its bytes, on its device)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ldt.memory.measure import _ddp_buffers, _storages_of
+
+    assert _ddp_buffers(SimpleNamespace()) == []
+    assert _ddp_buffers(SimpleNamespace(buffers=["dense"])) == ["dense"]
+    assert _ddp_buffers(SimpleNamespace(expert_parallel_buffers=["experts"])) == ["experts"]
+    assert _ddp_buffers(SimpleNamespace(buffers=["dense"], expert_parallel_buffers=["e1", "e2"])
+                        ) == ["dense", "e1", "e2"]
+    on_cpu = torch.zeros(5, dtype=torch.float16).untyped_storage()  # 10 bytes
+    on_meta = torch.empty(3, dtype=torch.float32, device="meta").untyped_storage()  # 12 bytes
+    got = _storages_of({on_cpu: True, on_meta: True})
+    assert [(t.dtype, t.numel(), t.device.type) for t in got] == [
+        (torch.uint8, 10, "cpu"), (torch.uint8, 12, "meta")]
+    assert got[0].untyped_storage().data_ptr() == on_cpu.data_ptr()
 
 
 def test_attention_is_flash_on_cuda_stages_unless_asked():
@@ -269,11 +396,77 @@ def test_the_in_process_estimate_refuses_a_process_with_a_process_group():
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match=r"estimate_here needs a process without a "
-                           r"process group .*; call ldt.memory.estimate instead"):
+        with pytest.raises(RuntimeError, match=r"^estimate_here needs a process without a "
+                           r"process group \(it becomes a rank of a fake world\); call "
+                           r"ldt.memory.estimate instead$"):
             estimate_here({})
     finally:
         dist.destroy_process_group()
+
+
+def test_the_in_process_estimate_is_the_helpers_rank_0_of_1(monkeypatch):
+    """Without a process group, ``estimate_here`` runs the worker as the helper process
+    would: rank 0 of a world of 1, with the config and the attention (``auto`` by
+    default)."""
+    from ldt.memory import stages
+
+    calls = []
+    monkeypatch.setattr(stages, "estimate_worker", lambda *a: calls.append(a) or len(calls))
+    cfg = {"cluster": {}}
+    assert (stages.estimate_here(cfg), stages.estimate_here(cfg, "flash")) == (1, 2)
+    assert calls == [(0, 1, cfg, "auto"), (0, 1, cfg, "flash")]
+
+
+def test_the_worker_validates_the_train_settings_and_routes_only_a_moe_models_experts(
+        monkeypatch):
+    """The estimate refuses what training refuses, train settings included, before it
+    measures anything; each stage is measured as its leader of the whole world (cpu_demo:
+    TP 1, 2, 1, so 4 ranks; stage 0's leader rank 0), with BalancedRouting's ``(topk, experts)`` for a MoE
+    model (qwen3_moe_tiny: top-2 of 8) and none for a dense one (gpt_tiny)."""
+    from omegaconf import OmegaConf
+
+    from ldt.config.errors import ConfigError
+    from ldt.job.hydra import compose
+    from ldt.memory import stages
+
+    def cfg(*over):
+        return OmegaConf.to_container(compose(["cluster=cpu_demo", *over]), resolve=True)
+
+    with pytest.raises(ConfigError, match=r"train.eval_every=-1 must be >= 0"):
+        stages.estimate_here(cfg("train.eval_every=-1"))
+
+    class Entered(Exception):
+        pass
+
+    def fake_rank(world_size, rank, experts=None):
+        raise Entered(world_size, rank, experts)
+
+    monkeypatch.setattr(stages, "fake_rank", fake_rank)
+    for model, experts in (("gpt_tiny", None), ("qwen3_moe_tiny", (2, 8))):
+        with pytest.raises(Entered) as entered:
+            stages.estimate_here(cfg(f"model={model}"))
+        assert entered.value.args == (4, 0, experts)
+
+
+def test_a_zero_bubble_stage_whose_peak_is_a_w_takes_the_ws_transient(monkeypatch):
+    """``train.schedule=zb``: a W's transient is its own (every weight gradient of the chunk
+    at once), not the forward's and B's. With the measure stubbed (nothing held, a forward /
+    B transient of 1 byte, a W's of 1000) every stage's fullest moment is one of its Ws:
+    transient and peak 1000 bytes."""
+    from omegaconf import OmegaConf
+
+    from ldt.job.hydra import compose
+    from ldt.memory import stages
+    from ldt.memory.measure import ChunkMemory, StageMeasure
+    from test_memory_total import OVERRIDES
+
+    def measure_stage(c, topo, state, device, attention):
+        return StageMeasure(0, 0, 0, 0, [ChunkMemory(0, 1, 0, 0, 1000)], 0, 0, "local")
+
+    monkeypatch.setattr(stages, "measure_stage", measure_stage)
+    cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb"]), resolve=True)
+    got = stages.estimate_here(cfg)
+    assert [(s.transient, s.peak) for s in got] == [(1000, 1000)] * 3
 
 
 def test_the_launcher_names_the_estimates_helper_and_loads_no_megatron():
