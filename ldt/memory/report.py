@@ -63,7 +63,7 @@ def table(stages: list[StageEstimate]) -> str:
 def snapshot_line(stages: list[StageEstimate], train) -> Optional[str]:
     """With ``train.snapshot_dir``: the host memory each stage's ranks keep for snapshots
     (:data:`SNAPSHOTS_HELD` of its state; device memory above is not affected); else None."""
-    if not getattr(train, "snapshot_dir", None):
+    if not train.snapshot_dir:
         return None
     per_stage = ", ".join(f"{s.index}:{s.name} {_size(SNAPSHOTS_HELD * s.snapshot_bytes)}"
                           for s in stages)
