@@ -227,21 +227,27 @@ def test_blame_names_who_the_others_wait_for():
 
 
 def _stop_together(rank, world, launcher_pid, signum):
-    """Steps until the ranks agree to stop; rank 1 signals the launcher at its step 3."""
+    """Steps until the ranks agree to stop; rank 1 signals the launcher at its step 3, and
+    says at its step 2 that its snapshot writer is still busy (every rank must skip that
+    step's snapshot: ldt.training.snapshot)."""
     from types import SimpleNamespace
 
     from ldt.training.guard import StepGuard, StopSignals
 
     state = SimpleNamespace(topology=SimpleNamespace(num_stages=1), stage=0)
+    skipped = []  # the steps whose snapshot every rank skips
     with StopSignals() as signals:
         guard = StepGuard(state, signals)
         for step in range(10_000):
             time.sleep(0.02 * (rank + 1))  # the ranks see the forwarded signal at other times
             if rank == 1 and step == 3:
                 os.kill(launcher_pid, signum)
-            decision = guard.agree(loss=1.0, grad_norm=1.0, peak_gib=0.1 * (rank + 1))
+            decision = guard.agree(loss=1.0, grad_norm=1.0, peak_gib=0.1 * (rank + 1),
+                                   snapshot_busy=rank == 1 and step == 2)
+            if decision.snapshot_busy:
+                skipped.append(step)
             if decision.signum:
-                return step, decision.signum, decision.peak_memory_gib
+                return step, decision.signum, decision.peak_memory_gib, skipped
     return None
 
 
@@ -251,8 +257,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_after_the_same_step(sent):
     out = run_local_world(2, _stop_together, (os.getpid(), sent), timeout_s=90,
                           comm_timeout_s=30)
     assert out[0] == out[1], out
-    step, signum, peaks = out[0]
-    assert step >= 3 and signum == sent and peaks == pytest.approx([0.2])
+    step, signum, peaks, skipped = out[0]
+    assert step >= 3 and signum == sent and peaks == pytest.approx([0.2]) and skipped == [2]
 
 
 @pytest.mark.timeout(120)
