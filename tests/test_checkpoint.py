@@ -32,8 +32,8 @@ def ldt_train(run_dir, *overrides, steps=STEPS):
             *overrides]
 
 
-def run(run_dir, *overrides, timeout=240):
-    proc = subprocess.run(ldt_train(run_dir, *overrides), capture_output=True, text=True,
+def run(run_dir, *overrides, timeout=240, steps=STEPS):
+    proc = subprocess.run(ldt_train(run_dir, *overrides, steps=steps), capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -285,3 +285,16 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     assert files.latest(str(tmp_path)) is None  # no COMPLETE marker: never loaded
     with pytest.raises(files.CheckpointError, match="no complete checkpoint"):
         files.preflight(str(tmp_path), steps=10)
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_sends_the_noise_the_uninterrupted_one_sent(tmp_path):
+    """train.boundary_noise: the noise of every step's sends (and of its evaluation) is drawn
+    from a stream of that pass's own, so a run resumed from its checkpoint trains on the
+    noise the uninterrupted run trained on, and their losses are equal."""
+    noise = ("train.boundary_noise=0.5", "train.eval_every=1")
+    through = run(tmp_path / "a", *noise, "train.save_every=2", steps=4)
+    step_dir = tmp_path / "a" / "checkpoints" / "step_0000001"
+    resumed = run(tmp_path / "b", *noise, f"train.resume={step_dir}", steps=4)
+    assert resumed["first_step"] == 2
+    assert resumed["losses"] == pytest.approx(through["losses"][2:], abs=1e-6)

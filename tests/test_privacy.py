@@ -120,6 +120,19 @@ def test_boundary_noise_scale_seed_and_stages():
     assert not torch.equal(noise(x, 0, 1, "F"), noise(x, 0, 1, "F"))  # fresh draws per send
     assert BoundaryNoise(1.0, seed=1)(x.bfloat16(), 0, 1, "F").dtype == torch.bfloat16
 
+    # a step's draws do not depend on the passes before it: a resumed run sends the same noise
+    through, resumed = BoundaryNoise(0.5, seed=1), BoundaryNoise(0.5, seed=1)
+    for step in range(3):
+        through.start(step)
+        first = through(x, 0, 1, "F")
+        through.start(step, evaluation=True)
+        evaluated = through(x, 0, 1, "F")
+    resumed.start(2)
+    assert torch.equal(resumed(x, 0, 1, "F"), first)
+    assert not torch.equal(first, evaluated)  # an evaluation pass draws a stream of its own
+    resumed.start(1)
+    assert not torch.equal(resumed(x, 0, 1, "F"), first)  # and so does every step
+
     from ldt.topology.ranks import Stage, Topology
 
     topo = Topology((Stage(0, "edge", "cpu", 1), Stage(1, "cloud", "cpu", 1)), u_shape=True)

@@ -19,7 +19,15 @@ class BoundaryNoise:
 
     def __init__(self, scale: float, seed: int):
         self.scale, self.seed = float(scale), int(seed)
+        self._stream = self.seed
         self._generators: dict[torch.device, torch.Generator] = {}
+
+    def start(self, step: int, evaluation: bool = False) -> None:
+        """Begin the draws of step ``step``'s pass (its training pass, or its evaluation):
+        each pass has a stream of its own, so a run resumed at any step (from a checkpoint or
+        a snapshot) sends the noise the uninterrupted run sent, whatever passes came before."""
+        self._stream = self.seed + 1_000_003 * (2 * step + 1 + int(evaluation))
+        self._generators.clear()
 
     def __call__(self, tensor: torch.Tensor, src: int, dst: int, direction: str) -> torch.Tensor:
         x = tensor.detach().float()
@@ -28,9 +36,9 @@ class BoundaryNoise:
         return (x + noise * (self.scale * rms)).to(tensor.dtype)
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        # seeded per stage and device, so a run (and an audit of it) is reproducible
+        # seeded per stage, pass and device, so a run (and an audit of it) is reproducible
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._stream)
         return self._generators[device]
 
 

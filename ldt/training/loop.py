@@ -155,7 +155,7 @@ class _Stage:
     data: object
     first_step: int
     ldt_runtime: bool
-    run_pass: Callable  # (make_iterator, forward_only=False) -> (losses, timings)
+    run_pass: Callable  # (make_iterator, step, forward_only=False) -> (losses, timings)
     snapshots: Optional[snapshot.Snapshots] = None  # train.snapshot_dir
 
 
@@ -204,13 +204,15 @@ def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable
     cfg, state = run.cfg, run.state
     t, m, seq = cfg.train, cfg.train.num_microbatches, cfg.model.seq_length
     forward_step = make_forward_step(seq, rank_device(run.topo, run.rank))
+    transforms = send_transforms(t, run.topo, state.stage)
     if ldt_runtime:
-        comm = VtpCommunicator(models[0].config, state, run.observers,
-                               send_transforms(t, run.topo, state.stage))  # one noise stream
+        comm = VtpCommunicator(models[0].config, state, run.observers, transforms)
     else:
         megatron_schedule = get_forward_backward_func()
 
-    def run_pass(make_iterator, forward_only: bool = False):
+    def run_pass(make_iterator, step: int, forward_only: bool = False):
+        for transform in transforms:  # the noise of this step's pass, wherever the run began
+            transform.start(step, evaluation=forward_only)
         iters = [None] * len(models) if data is None else [make_iterator() for _ in models]
         if ldt_runtime:
             res = run_step(forward_step_func=forward_step, data_iterator=iters[0],
@@ -276,7 +278,7 @@ def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
     record.begin("forward-backward" + ("" if stage.ldt_runtime else " (megatron's schedule)"))
     moe.reset(cfg.model)
     _reset_mtp_losses()  # an evaluation pass (training mode, no graph) adds to them too
-    losses, timed = stage.run_pass(lambda: stage.data.step_iterator(step))
+    losses, timed = stage.run_pass(lambda: stage.data.step_iterator(step), step)
     record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
                  waiting=True)
     lr, norm, _ = stage.opt.step()
@@ -291,7 +293,7 @@ def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
     if loss is not None:
         row.update(zip(mtp_keys(cfg.model.mtp_num_layers), mtp))
     if _evaluates(cfg.train, step):
-        row["eval_loss"] = _evaluate(run, stage)
+        row["eval_loss"] = _evaluate(run, stage, step)
     return row, (t0, [(str(a), s - t0, e - t0) for a, s, e in timed])
 
 
@@ -299,12 +301,12 @@ def _evaluates(t: TrainConfig, step: int) -> bool:
     return bool(t.eval_every) and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps)
 
 
-def _evaluate(run: _Run, stage: _Stage) -> Optional[float]:
+def _evaluate(run: _Run, stage: _Stage, step: int) -> Optional[float]:
     """The held-out loss (the loss stage's; None elsewhere), as megatron's evaluate(): no
     graph, no gradients."""
     progress.current().begin("evaluation")
     with torch.no_grad():
-        losses, _ = stage.run_pass(stage.data.eval_iterator if stage.data else None, True)
+        losses, _ = stage.run_pass(stage.data.eval_iterator if stage.data else None, step, True)
     return _mean_loss(losses, run.state) if run.on_loss_stage else None
 
 
