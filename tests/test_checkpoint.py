@@ -298,3 +298,38 @@ def test_a_resumed_run_sends_the_noise_the_uninterrupted_one_sent(tmp_path):
     resumed = run(tmp_path / "b", *noise, f"train.resume={step_dir}", steps=4)
     assert resumed["first_step"] == 2
     assert resumed["losses"] == pytest.approx(through["losses"][2:], abs=1e-6)
+
+
+@pytest.mark.timeout(500)
+def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, full):
+    """Killed with no checkpoint but its snapshots (train.save_every=100), the run started
+    again in another layout (cluster=cpu_vtp: other TP sizes, another rank map) cannot load
+    its ranks' own parts: it joins the old layout's parts into a checkpoint of the run folder
+    and continues from the newest step it could join, not from step 0, with the losses of the
+    uninterrupted run."""
+    run_dir, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    snapshots = f"train.snapshot_dir={shm}"
+    proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100", snapshots),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: _rows(run_dir) >= 6, proc, "six steps")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        assert_nothing_left(proc.pid)
+    killed_at = len(metrics(run_dir))
+    assert files.latest(str(run_dir)) is None  # nothing on disk but the snapshots
+    other = run(run_dir, "cluster=cpu_vtp", "train.resume=auto", "train.save_every=100",
+                snapshots)
+    joined = re.search(r"resuming from the snapshot of step (\d+) in host memory, joined from "
+                       r"layout \w+ into (\S+)", other["stdout"])
+    assert joined, other["stdout"][-3000:]
+    step = int(joined[1])
+    assert killed_at - 3 <= step < killed_at and other["first_step"] == step + 1
+    assert files.latest(str(run_dir)) is None or int(files.read_info(
+        files.latest(str(run_dir)))["step"]) >= step  # the joined checkpoint (pruned or kept)
+    rows = metrics(run_dir)
+    assert [s for s, _ in rows] == list(range(STEPS))
+    assert [loss for _, loss in rows] == pytest.approx(full["losses"], abs=1e-5)

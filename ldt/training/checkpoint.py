@@ -117,14 +117,25 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
     ``train.resume``), whose companion files (an import's tokenizer, ``hf_config.json``) every
     save carries on. A full disk on any writer is a :class:`Saved` with an error on every
     rank, never a partial checkpoint."""
-    target = step_dir(root, step)
     model_sd, optim_sd = gather(models, chunks, optimizer, state)
+    return write_and_seal(root, step, {state.stage: (model_sd, optim_sd)} if writes(state)
+                          else {}, info=info, model=model, keep_last=keep_last, group=group,
+                          origin=origin)
+
+
+def write_and_seal(root: str, step: int, parts: dict, *, info: dict, model=None,
+                   keep_last: int = 0, group=None, origin: Optional[str] = None) -> Saved:
+    """Write this rank's ``parts`` of checkpoint ``step`` ({part number: (full model
+    tensors, their optimizer state)}, {} on a rank that writes none), then seal it on rank 0
+    when every writer succeeded (collective over the whole world, as :func:`save`)."""
+    target = step_dir(root, step)
     error = None
-    if writes(state):
+    for number, (model_sd, optim_sd) in parts.items():
         try:
-            write_tensors(target, state.stage, model_sd, step, optim_sd)
+            write_tensors(target, number, model_sd, step, optim_sd)
         except files.DiskFullError as exc:
             error = str(exc)
+            break
     errors = _all_errors(error, group)
     # Flags as float64 tensors, no pickled objects: these cross to the cloud stages too (the
     # comm audit lists them); the error text is "disk full at <folder>", known everywhere.

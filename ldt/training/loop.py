@@ -42,7 +42,7 @@ from ldt.schedule.zerobubble import Priced
 from ldt.topology.device import rank_device, use_device
 from ldt.topology.ranks import Topology
 from ldt.topology.validate import validate
-from ldt.training import checkpoint, moe, snapshot
+from ldt.training import checkpoint, moe, snapshot, snapshot_join
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
@@ -184,6 +184,13 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
     if root and snapshot.continues(t.resume, run.run_dir):
         step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt,
                                     run.guard.group)
+        if step is None:  # not every rank holds its own part: another layout's, joined
+            found = snapshot_join.join_newest(
+                t.snapshot_dir, run.run_dir, snapshot.resumes_after(t.resume), t.steps,
+                model=run.cfg.model, info={"steps": t.steps}, keep_last=t.keep_last,
+                origin=t.resume or t.load, group=run.guard.group)
+            step = found and checkpoint.load_step(found, models, chunks, opt, run.state,
+                                                  verified=True)
         if step is not None:
             skip_to(opt, step)
             return step

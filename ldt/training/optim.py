@@ -304,6 +304,12 @@ def local_param_state(stage_opt: StageOptimizer, param) -> dict:
     return out
 
 
+def local_span(stage_opt: StageOptimizer, param) -> Optional[tuple[int, int]]:
+    """Which flat elements of ``param`` (its TP shard) this rank's :func:`local_param_state`
+    holds: ``(start, end)`` with the distributed optimizer, None for the whole parameter."""
+    return _locate(_inner(stage_opt.optimizer, param), param)[2]
+
+
 def set_local_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
     """Put back what :func:`local_param_state` gave on this rank of the same layout."""
     main, st, _ = _locate(_inner(stage_opt.optimizer, param), param)

@@ -21,6 +21,7 @@ checkpoint the run resumes from (:func:`newest`).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -30,10 +31,12 @@ import torch
 import torch.distributed as dist
 
 from ldt.launch import progress
+from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
+from ldt.storage.snapshot_parts import META_FILE
 from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.training.checkpoint import named_params
-from ldt.training.optim import local_param_state, set_local_param_state
+from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
 STATE_FILE = "state.pt"  # in each part: {name: tensor} (torch.save)
 
@@ -52,6 +55,7 @@ class Snapshots:
         self.root, self.state = root, state
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
+        self._meta: Optional[dict] = None  # where this rank sits in its layout: the same every step
         self._said: set = set()
         snapshot_files.remove_other_layouts(root)
 
@@ -69,6 +73,8 @@ class Snapshots:
             return
         tensors = local_state(models, chunks, optimizer)
         tensors["step"] = torch.tensor(step)
+        if self._meta is None:
+            self._meta = part_meta(models, chunks, optimizer, self.state)
         self._thread = threading.Thread(target=self._write, args=(step, tensors),
                                         daemon=True, name="ldt-snapshot")
         self._thread.start()
@@ -76,6 +82,8 @@ class Snapshots:
     def _write(self, step: int, tensors: dict) -> None:
         def save(folder: str) -> None:
             torch.save(tensors, os.path.join(folder, STATE_FILE))
+            with open(os.path.join(folder, META_FILE), "w") as f:
+                json.dump(self._meta, f)
 
         try:
             snapshot_files.write(self.root, step, self.part, save,
@@ -124,6 +132,28 @@ def local_state(models, chunks, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def part_meta(models, chunks, optimizer, state) -> dict:
+    """What a part says of the rank that wrote it (:data:`META_FILE`), so that a world of
+    another layout can join it with the other parts of its stage into full tensors
+    (:mod:`ldt.training.snapshot_join`): where the rank sits in its layout, which flat span of
+    each parameter its optimizer state covers (the distributed optimizer), and the
+    parameters it holds under another name (the U-shape edge's tied head)."""
+    topo, info = state.topology, state.info
+    unique = dict((id(p), name) for name, p in reversed(list(named_params(models, chunks))))
+    spans = {}
+    if optimizer is not None:
+        for name, p in _unique_params(models, chunks):
+            span = local_span(optimizer, p)
+            if span is not None:
+                spans[name] = list(span)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "stages": topo.num_stages,
+            "stage": state.stage, "tp": len(state.stage_ranks), "tp_rank": info.tp_rank,
+            "dp": topo.dp_of(state.stage), "dp_rank": info.dp_rank, "ep": topo.stages[state.stage].ep,
+            "sharded": int(bool(spans)), "gated": int(is_gated(models[0])), "spans": spans,
+            "aliases": {name: unique[id(p)] for name, p in named_params(models, chunks)
+                        if unique[id(p)] != name}}
+
+
 def load_local(folder: str, models, chunks, optimizer) -> int:
     """Put this rank's part ``folder`` (:func:`local_state` of the same rank of the same
     layout) back into its chunks and optimizer; returns the next step."""
@@ -144,13 +174,18 @@ def load_local(folder: str, models, chunks, optimizer) -> int:
     return int(tensors["step"]) + 1
 
 
+def resumes_after(resume: Optional[str]) -> int:
+    """The step of the checkpoint a run resumes from (-1: a fresh start)."""
+    return -1 if resume is None else int(read_info(latest(resume))["step"])
+
+
 def newest(root: str, resume: Optional[str], steps: int, group=None) -> Optional[str]:
     """The step folder of the newest snapshot that every rank can read (its own part
     there, its checksums verified), when it is newer than ``resume``'s checkpoint (None: a
     fresh start) and leaves a step of the run's ``steps`` to train; else None. Collective
     over ``group`` (all ranks): a few all-reduces of one number, no pickled objects (these
     cross to every stage)."""
-    after = -1 if resume is None else int(read_info(latest(resume))["step"])
+    after = resumes_after(resume)
     part = snapshot_files.part_name(dist.get_rank())
     mine = [s for s in snapshot_files.steps(root) if after < s < steps - 1
             and snapshot_files.readable(root, s, [part])]

@@ -1,0 +1,158 @@
+"""Which snapshot a world starts from when its parts are not all its own: chosen as data.
+
+A rank's snapshot part (:mod:`ldt.storage.snapshot_files`) is its state as it holds it in its
+layout. When the world that starts is another (a host lost and the run re-planned for the
+hosts left, or a host replaced by a fresh one), its ranks cannot load their own parts; but the
+parts of the old layout may all still be somewhere: on the hosts that survived, and the lost
+host's as copies on its buddy's (:mod:`ldt.topology.buddies`). Each part carries
+:data:`META_FILE` (:class:`Held`'s fields: who wrote it and where that rank sat in its
+layout), so every rank of the new world lists what its host holds (:func:`held_here`), the
+lists are exchanged (as integers, :mod:`ldt.training.snapshot_join`), and every rank computes
+the same :func:`choose`: the newest step of one layout for which every stage can be joined
+back into full tensors, which rank joins each old stage (one that holds most of its parts:
+the data owner's stages are joined on the data owner's host, where all their parts are), and
+where each other part comes from. No torch and no collectives here (tests/test_snapshot_join.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import astuple, dataclass
+from typing import Optional, Sequence
+
+from ldt.storage import snapshot_files
+from ldt.storage.checkpoint_files import CheckpointError, step_dir, verify_part
+
+META_FILE = "meta.json"  # in each part, beside the state file: Held's fields but holder, layout, step
+
+
+@dataclass(frozen=True)
+class Held:
+    """A verified part of a snapshot, held on the host of rank ``holder`` (of the world that
+    starts); the rest is the rank ``rank`` of the old layout that wrote it."""
+
+    holder: int
+    layout: int      # the layout folder's name (hex) as a number
+    step: int
+    rank: int
+    world: int       # the old layout's world size and stage count
+    stages: int
+    stage: int
+    tp: int
+    tp_rank: int
+    dp: int
+    dp_rank: int
+    ep: int
+    sharded: int     # 1: its optimizer state is a span of the stage's (distributed optimizer)
+
+    def row(self) -> list[int]:
+        return list(astuple(self))
+
+
+@dataclass(frozen=True)
+class StageJoin:
+    """Old stage ``stage``'s parts, joined on rank ``joiner``: (old rank, the rank that holds
+    it and sends it to the joiner, or the joiner itself)."""
+
+    stage: int
+    joiner: int
+    parts: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Choice:
+    layout: int
+    step: int
+    joins: tuple[StageJoin, ...]
+
+
+def layout_name(layout: int) -> str:
+    return f"{layout:012x}"
+
+
+def part_folder(snapshot_dir: str, run_dir: str, layout: int, step: int, rank: int) -> str:
+    root = os.path.join(snapshot_dir, snapshot_files.PREFIX + snapshot_files.run_key(run_dir),
+                        layout_name(layout))
+    return os.path.join(step_dir(root, step), snapshot_files.part_name(rank))
+
+
+def held_here(snapshot_dir: Optional[str], run_dir: str, holder: int) -> list[Held]:
+    """Every part of the run's snapshots on this host (any layout) whose checksums verify."""
+    if not snapshot_dir:
+        return []
+    run = os.path.join(snapshot_dir, snapshot_files.PREFIX + snapshot_files.run_key(run_dir))
+    out = []
+    for layout in sorted(os.listdir(run)) if os.path.isdir(run) else ():
+        try:
+            number = int(layout, 16)
+        except ValueError:
+            continue
+        root = os.path.join(run, layout)
+        for step in snapshot_files.steps(root):
+            folder = step_dir(root, step)
+            for part in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+                meta = _meta(os.path.join(folder, part))
+                if meta is not None:
+                    out.append(Held(holder, number, step, **meta))
+    return out
+
+
+def _meta(part: str) -> Optional[dict]:
+    """A whole part's meta, or None (a part being written, damaged, or of an older ldt)."""
+    if part.endswith(".tmp") or not os.path.isfile(os.path.join(part, META_FILE)):
+        return None
+    try:
+        verify_part(part)
+        with open(os.path.join(part, META_FILE)) as f:
+            meta = json.load(f)
+        return {k: int(meta[k]) for k in ("rank", "world", "stages", "stage", "tp", "tp_rank",
+                                          "dp", "dp_rank", "ep", "sharded")}
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def choose(held: Sequence[Held], after: int, steps: int) -> Optional[Choice]:
+    """The newest (step, layout) after step ``after`` (the checkpoint the run would resume
+    from; -1: none) that leaves a step of the run's ``steps`` to train and whose every stage
+    can be joined from the parts ``held``; None when there is none. Every rank computes it
+    from the same list, so all agree without another message."""
+    candidates = sorted({(h.step, h.layout) for h in held if after < h.step < steps - 1},
+                        reverse=True)
+    for step, layout in candidates:
+        here = [h for h in held if (h.step, h.layout) == (step, layout)]
+        joins = _joins(here)
+        if joins is not None:
+            return Choice(layout, step, joins)
+    return None
+
+
+def _joins(here: list[Held]) -> Optional[tuple[StageJoin, ...]]:
+    """How each stage of one snapshot is joined, or None when some stage cannot be: a TP
+    rank with no part (its optimizer span of every DP rank, with the distributed optimizer;
+    else any replica's), or expert parallelism (its parts are joined only in its layout)."""
+    stages = here[0].stages
+    out = []
+    for stage in range(stages):
+        mine = [h for h in here if h.stage == stage]
+        if not mine or any(h.ep != 1 for h in mine):
+            return None
+        tp, dp, sharded = mine[0].tp, mine[0].dp, mine[0].sharded
+        need = []  # sets of old ranks, one of each needed
+        for tp_rank in range(tp):
+            replicas = sorted({h.rank for h in mine if h.tp_rank == tp_rank})
+            dp_ranks = {h.dp_rank for h in mine if h.tp_rank == tp_rank}
+            if not replicas or (sharded and len(dp_ranks) < dp):
+                return None
+            need += [[r] for r in replicas] if sharded else [replicas]
+        holders = sorted({h.holder for h in mine})  # joined where most of its parts are
+        joiner = max(holders, key=lambda k: (sum(any(h.holder == k and h.rank in ranks
+                                                     for h in mine) for ranks in need), -k))
+        parts = []
+        for ranks in need:
+            at_joiner = [r for r in ranks if any(h.holder == joiner and h.rank == r for h in mine)]
+            rank = at_joiner[0] if at_joiner else ranks[0]
+            source = joiner if at_joiner else min(h.holder for h in mine if h.rank == rank)
+            parts.append((rank, source))
+        out.append(StageJoin(stage, joiner, tuple(parts)))
+    return tuple(out)

@@ -1,0 +1,168 @@
+"""A snapshot of another layout, joined into a checkpoint: how a re-planned world starts from
+the step before the failure instead of the last disk checkpoint.
+
+A snapshot part is one rank's state as it holds it (:mod:`ldt.training.snapshot`), so only the
+same rank of the same layout can load it. A world of another layout (a host lost, the run
+re-planned for the hosts left) or with a host replaced by an empty one finds the old layout's
+parts where they are (own hosts, buddies' copies), picks the newest step it can join
+(:func:`ldt.storage.snapshot_parts.choose`, the same on every rank), sends each missing part
+to the rank that joins its old stage, and that rank joins the stage's parts into full tensors
+under global names (its TP shards side by side, its distributed-optimizer spans end to end) and
+writes them as that stage's part of an ordinary checkpoint of the run folder
+(:func:`ldt.training.checkpoint.write_and_seal`), which every rank of the new layout then
+loads as any checkpoint. The data owner's stages are joined on the data owner's host, where
+all their parts are: nothing of theirs crosses to a cloud host. Messages are integers and
+bytes of the parts, no pickled objects (they cross between the cloud and the data owner).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ldt.launch import progress
+from ldt.models.sharding import split_dim, unshard
+from ldt.storage import checkpoint_files as files
+from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
+from ldt.training.checkpoint import write_and_seal
+from ldt.training.snapshot import STATE_FILE
+
+FIELDS = len(Held.__dataclass_fields__)
+
+
+def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, model, info: dict,
+                keep_last: int, origin: Optional[str], group=None) -> Optional[str]:
+    """The step folder of a checkpoint in ``run_dir`` joined from the newest snapshot that
+    the world's hosts hold between them and that is newer than step ``after``, or None
+    (collective over ``group``, all ranks)."""
+    held = _exchange(held_here(snapshot_dir, run_dir, dist.get_rank()), group)
+    choice = choose(held, after, steps)
+    if choice is None:
+        return None
+    progress.current().begin(f"joining the snapshot of step {choice.step} of another layout")
+    target = files.step_dir(run_dir, choice.step)
+    if dist.get_rank() == 0 and os.path.isdir(target):
+        files.discard(target)  # an earlier attempt's unsealed folder
+    dist.barrier(group=group)
+    parts = _collect(choice, snapshot_dir, run_dir, group)
+    joined = {j.stage: join_stage(parts[j.stage]) for j in choice.joins if j.stage in parts}
+    saved = write_and_seal(run_dir, choice.step, joined, info=info, model=model,
+                           keep_last=keep_last, group=group, origin=origin)
+    if saved.error:
+        raise files.CheckpointError(f"the snapshot of step {choice.step} could not be joined "
+                                    f"into {target}: {saved.error}")
+    if dist.get_rank() == 0:
+        print(f"ldt-train: resuming from the snapshot of step {choice.step} in host memory, "
+              f"joined from layout {choice.layout:012x} into {saved.path}", flush=True)
+    return saved.path
+
+
+def _exchange(mine: list[Held], group) -> list[Held]:
+    """Every rank's list, on every rank (two collectives of integers)."""
+    count = torch.tensor([len(mine)], dtype=torch.int64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if not int(count.item()):
+        return []
+    rows = torch.full((int(count.item()), FIELDS), -1, dtype=torch.int64)
+    for i, h in enumerate(mine):
+        rows[i] = torch.tensor(h.row(), dtype=torch.int64)
+    every = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, rows, group=group)
+    return [Held(*r) for t in every for r in t.tolist() if r[0] >= 0]
+
+
+def _collect(choice: Choice, snapshot_dir: str, run_dir: str, group) -> dict:
+    """{old stage: [(meta, tensors) of each of its parts]} on the rank that joins it: its own
+    host's parts read, the others received from their holders, in one order every rank
+    walks (so no pair waits on another). Ranks are global ranks (``dist.send``'s)."""
+    me, out = dist.get_rank(), {}
+    for join in choice.joins:
+        for rank, source in join.parts:
+            folder = part_folder(snapshot_dir, run_dir, choice.layout, choice.step, rank)
+            if source == join.joiner == me:
+                out.setdefault(join.stage, []).append(_read(folder))
+            elif source == me:
+                for name in (META_FILE, STATE_FILE):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        _send_bytes(f.read(), join.joiner, group)
+            elif join.joiner == me:
+                meta, state = (_recv_bytes(source, group) for _ in range(2))
+                out.setdefault(join.stage, []).append(_parse(meta, state))
+    return out
+
+
+def _read(folder: str) -> tuple[dict, dict]:
+    with open(os.path.join(folder, META_FILE), "rb") as meta, \
+            open(os.path.join(folder, STATE_FILE), "rb") as state:
+        return _parse(meta.read(), state.read())
+
+
+def _parse(meta: bytes, state: bytes) -> tuple[dict, dict]:
+    return json.loads(meta), torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
+
+
+def _send_bytes(data: bytes, dst: int, group) -> None:
+    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
+    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
+
+
+def _recv_bytes(src: int, group) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return data.numpy().tobytes()
+
+
+# ---- joining one stage's parts (no collective) ---------------------------------------------
+def join_stage(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """One old stage's full state from its parts (one per TP rank, and with the distributed
+    optimizer one per TP rank and DP rank): ``(model, optimizer)`` as
+    :func:`ldt.training.checkpoint.gather` gives them, under global names."""
+    meta = parts[0][0]
+    tp, gated, sharded = meta["tp"], bool(meta["gated"]), bool(meta["sharded"])
+    by_tp = [[(m, s) for m, s in parts if m["tp_rank"] == t] for t in range(tp)]
+    names = [k[len("model."):] for k in by_tp[0][0][1] if k.startswith("model.")]
+    model, optim = {}, {}
+    for name in names:
+        shards = [by_tp[t][0][1][f"model.{name}"] for t in range(tp)]
+        model[name] = _join_tp(name, shards, gated)
+        local = [_optimizer_state(name, by_tp[t], shards[t].shape, sharded) for t in range(tp)]
+        if local[0]:
+            optim[name] = {k: _join_tp(name, [each[k] for each in local], gated)
+                           for k in local[0] if k != "step"} | {"step": local[0]["step"]}
+    for name, same in meta.get("aliases", {}).items():  # the tied head: the embedding's
+        model[name] = model[same]
+        if same in optim:
+            optim[name] = optim[same]
+    return model, optim
+
+
+def _join_tp(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
+    if len(shards) == 1 or split_dim(name) is None:
+        return shards[0].clone()
+    return unshard(name, shards, gated=gated)
+
+
+def _optimizer_state(name: str, parts: list[tuple[dict, dict]], shape, sharded: bool) -> dict:
+    """One TP rank's optimizer tensors of ``name`` in the parameter's (TP-local) shape, fp32:
+    with the distributed optimizer each DP rank's span put in its place."""
+    prefix, out = f"optim.{name}.", {}
+    numel = int(torch.Size(shape).numel())
+    for meta, state in parts if sharded else parts[:1]:
+        span = meta["spans"].get(name) if sharded else [0, numel]
+        for key, tensor in state.items():
+            if not key.startswith(prefix) or span is None:
+                continue
+            kind = key[len(prefix):]
+            if kind == "step":
+                out["step"] = tensor
+                continue
+            flat = out.setdefault(kind, torch.zeros(numel, dtype=torch.float32))
+            flat[span[0]:span[1]] = tensor.detach().float().reshape(-1)
+    return {k: v if k == "step" else v.view(shape) for k, v in out.items()}

@@ -1,0 +1,172 @@
+"""A snapshot of another layout joined back into full tensors (ldt.storage.snapshot_parts,
+ldt.training.snapshot_join): which step and which parts are chosen, by hand; the stage's full
+tensors from TP shards and distributed-optimizer spans cut by hand from known tensors; and a
+2-rank gloo world whose hosts hold different parts, one sent across to the rank that joins.
+The whole path through ldt-train (a killed run continuing in another layout) is
+tests/test_checkpoint.py::test_a_killed_run_continues_from_its_snapshot_in_another_layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from ldt.launch.local import run_local_world
+from ldt.storage import snapshot_files
+from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here
+from ldt.training.snapshot import STATE_FILE
+from ldt.training.snapshot_join import join_stage
+
+PROJ = "decoder.layers.0.self_attention.linear_proj.weight"  # split along dim 1
+NORM = "decoder.layers.0.input_layernorm.weight"  # not split
+FC1 = "decoder.layers.0.mlp.linear_fc1.weight"  # gated: [gate; up], each half split
+
+
+def held(holder, rank, stage, tp_rank=0, tp=1, dp_rank=0, dp=1, step=5, layout=7, sharded=0,
+         ep=1, world=4, stages=2):
+    return Held(holder, layout, step, rank, world, stages, stage, tp, tp_rank, dp, dp_rank,
+                ep, sharded)
+
+
+# ---- choose: pure data ---------------------------------------------------------------------
+def test_the_newest_step_whose_every_stage_can_be_joined():
+    old = [held(0, 0, 0), held(0, 1, 1, 0, 2), held(1, 2, 1, 1, 2)]
+    newer = [held(0, 0, 0, step=6), held(0, 1, 1, 0, 2, step=6)]  # rank 2's step 6 is lost
+    choice = choose(old + newer, after=-1, steps=100)
+    assert (choice.step, choice.layout) == (5, 7)
+    # stage 1: one part on each holder, joined on the lower one, the other part sent to it
+    assert choice.joins == (StageJoin(0, 0, ((0, 0),)), StageJoin(1, 0, ((1, 0), (2, 1))))
+    assert choose(old + newer, after=5, steps=100) is None  # not newer than the checkpoint
+    assert choose(old, after=-1, steps=6) is None  # step 5 is the last of 6: none left
+    assert choose(old[:2], after=-1, steps=100) is None  # a TP rank missing
+
+
+def test_a_replica_stands_in_unless_the_optimizer_is_sharded():
+    # stage 1: DP 2 x TP 1 on ranks 1 and 2; rank 1's part is lost
+    replicated = [held(0, 0, 0), held(1, 2, 1, dp_rank=1, dp=2)]
+    assert choose(replicated, -1, 100).joins[1] == StageJoin(1, 1, ((2, 1),))
+    sharded = [held(0, 0, 0, sharded=1), held(1, 2, 1, dp_rank=1, dp=2, sharded=1)]
+    assert choose(sharded, -1, 100) is None  # each DP rank holds a span of its own
+    both = sharded + [held(0, 1, 1, dp_rank=0, dp=2, sharded=1)]
+    assert choose(both, -1, 100).joins[1] == StageJoin(1, 0, ((1, 0), (2, 1)))
+
+
+def test_parts_held_where_the_stage_is_joined_are_not_sent():
+    # every part of stage 1 on both holders (one host's copies and the other's own)
+    parts = [held(h, r, 1, r - 1, 2, stages=2) for h in (0, 1) for r in (1, 2)]
+    parts += [held(1, 0, 0)]
+    choice = choose(parts, -1, 100)
+    assert choice.joins == (StageJoin(0, 1, ((0, 1),)), StageJoin(1, 0, ((1, 0), (2, 0))))
+
+
+def test_expert_parallel_stages_are_joined_only_in_their_layout():
+    assert choose([held(0, 0, 0), held(0, 1, 1, ep=2)], -1, 100) is None
+
+
+# ---- join_stage: shards and spans cut by hand ----------------------------------------------
+def _parts(full: dict, moments: dict, tp: int, dp: int, gated: bool = False):
+    """The parts a TP ``tp`` x DP ``dp`` stage with the distributed optimizer would hold,
+    cut by hand: TP shards by torch.chunk along each tensor's split dimension, then each
+    shard's flat elements in ``dp`` consecutive spans."""
+    def cut(name, tensor, t):
+        if name == NORM:
+            return tensor
+        if name == FC1:  # each half on its own
+            return torch.cat([h.chunk(tp, 0)[t] for h in tensor.chunk(2, 0)])
+        return tensor.chunk(tp, 1)[t]
+
+    out = []
+    for t in range(tp):
+        for d in range(dp):
+            meta = {"tp": tp, "tp_rank": t, "dp_rank": d, "gated": int(gated), "sharded": 1,
+                    "spans": {}, "aliases": {"output_layer.weight": NORM}}
+            state = {}
+            for name, tensor in full.items():
+                shard = cut(name, tensor, t)
+                state[f"model.{name}"] = shard
+                n = shard.numel()
+                start, end = n * d // dp, n * (d + 1) // dp
+                if end > start:
+                    meta["spans"][name] = [start, end]
+                    state[f"optim.{name}.exp_avg"] = cut(name, moments[name], t).reshape(-1)[start:end]
+                    state[f"optim.{name}.step"] = torch.tensor(3.0)
+            out.append((meta, state))
+    return out
+
+
+@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (2, 3), (4, 2)])
+def test_a_stage_is_joined_into_the_tensors_it_was_cut_from(tp, dp):
+    gen = torch.Generator().manual_seed(tp * 10 + dp)
+    full = {PROJ: torch.randn(8, 12, generator=gen), NORM: torch.randn(5, generator=gen),
+            FC1: torch.randn(16, 8, generator=gen)}
+    moments = {k: torch.randn(v.shape, generator=gen) for k, v in full.items()}
+    model, optim = join_stage(_parts(full, moments, tp, dp, gated=True))
+    assert set(model) == {*full, "output_layer.weight"}
+    for name in full:
+        assert torch.equal(model[name], full[name]), name
+        assert torch.equal(optim[name]["exp_avg"], moments[name]), name
+        assert float(optim[name]["step"]) == 3.0
+    assert model["output_layer.weight"] is model[NORM]  # the tied head under its own name
+
+
+# ---- a world whose hosts hold different parts ----------------------------------------------
+def _write_part(snapshot_dir, run_dir, layout_text, step, meta, tensors):
+    root = snapshot_files.snapshot_root(snapshot_dir, run_dir, layout_text)
+
+    def save(folder):
+        torch.save(tensors, os.path.join(folder, STATE_FILE))
+        with open(os.path.join(folder, META_FILE), "w") as f:
+            json.dump(meta, f)
+
+    snapshot_files.write(root, step, snapshot_files.part_name(meta["rank"]), save)
+
+
+def _join_world(rank, world_size, run_dir, dirs):
+    import torch.distributed as dist
+
+    from ldt.training.snapshot_join import join_newest
+
+    found = join_newest(dirs[rank], run_dir, after=-1, steps=100, model=None,
+                        info={"steps": 100}, keep_last=0, origin=None)
+    return found, len(held_here(dirs[rank], run_dir, dist.get_rank()))
+
+
+@pytest.mark.timeout(120)
+def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
+    """Old layout: stage 0 (TP 1, old rank 0), stage 1 (TP 2, old ranks 1 and 2). Host 0
+    holds old ranks 0 and 2 (2's as a buddy's copy), host 1 old rank 1: stage 1 is joined
+    on rank 0 with rank 1's part sent over, and the checkpoint holds the full tensors."""
+    from ldt.storage import checkpoint_files as files
+    from ldt.training.checkpoint import _read_part
+
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    dirs = [str(tmp_path / "host0"), str(tmp_path / "host1")]
+    for d in dirs:
+        os.makedirs(d)
+    gen = torch.Generator().manual_seed(0)
+    proj, norm = torch.randn(4, 6, generator=gen), torch.randn(4, generator=gen)
+    first = torch.randn(3, 3, generator=gen)
+    base = {"world": 3, "stages": 2, "dp": 1, "dp_rank": 0, "ep": 1, "sharded": 0,
+            "gated": 0, "spans": {}, "aliases": {}}
+    first_layer = "decoder.layers.1.self_attention.linear_proj.weight"
+    _write_part(dirs[0], run_dir, "old", 5, {**base, "rank": 0, "stage": 0, "tp": 1,
+                                             "tp_rank": 0}, {f"model.{first_layer}": first})
+    for rank, host in ((1, 1), (2, 0)):
+        tensors = {f"model.{PROJ}": proj.chunk(2, 1)[rank - 1], f"model.{NORM}": norm}
+        _write_part(dirs[host], run_dir, "old", 5, {**base, "rank": rank, "stage": 1, "tp": 2,
+                                                    "tp_rank": rank - 1}, tensors)
+    results = run_local_world(2, _join_world, (run_dir, dirs), timeout_s=90)
+    found = files.step_dir(run_dir, 5)
+    assert results == [(found, 2), (found, 1)]
+    files.verify(found)  # sealed, every checksum right
+    read = {}
+    for part in files.parts(found):
+        sd = _read_part(found, part, {PROJ: None, NORM: None, first_layer: None}, (), True,
+                        "train.resume")
+        read.update(sd["model"])
+    assert torch.equal(read[PROJ], proj) and torch.equal(read[NORM], norm)
+    assert torch.equal(read[first_layer], first)
