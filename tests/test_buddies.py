@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.topology.buddies import ALONE, COPY, EDGE, REPLICA, snapshot_buddies
+from ldt.topology.buddies import ALONE, COPY, EDGE, REPLICA, copy_holders, snapshot_buddies
 from ldt.topology.ranks import Topology
 
 
@@ -80,3 +80,20 @@ def test_names_must_fit_the_world():
         snapshot_buddies(topo((2, 1)), ["x", "y"])
     with pytest.raises(ConfigError, match="data owner's node 'z' holds no rank"):
         snapshot_buddies(topo((2, 1)), ["x", "x", "y"], owner="z")
+
+
+def test_every_rank_of_a_copied_stage_sends_its_own_part():
+    """Snapshot parts are per rank: each rank of a ``copy`` stage has a holder on the buddy
+    host, spread over its ranks; the data owner's ranks have none."""
+    t = topo((1, 1, 1), u_shape=True)
+    assert copy_holders(t, ["edge", "c1", "c2"], owner="edge") == {1: 2, 2: 1}
+    t = topo((1, 2, 1, 2), u_shape=True)
+    assert copy_holders(t, ["e", "a", "a", "a", "b", "b"], owner="e") == {
+        1: 4, 2: 5, 3: 4, 4: 1, 5: 2}
+
+
+def test_a_replica_is_the_copy_unless_the_optimizer_is_sharded():
+    t = topo((1, 1), u_shape=True, dp=2)  # ranks: [0] [1] | [2] [3]
+    nodes = ["e", "a", "e", "b"]
+    assert copy_holders(t, nodes, owner="e") == {}  # replica 1 holds what rank 1 holds
+    assert copy_holders(t, nodes, owner="e", sharded=True) == {1: 3, 3: 1}  # spans of its own

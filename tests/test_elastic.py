@@ -154,3 +154,61 @@ def test_without_the_data_owner_torchrun_stops_after_its_restarts(tmp_path):
     ldt_files = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ldt")
     assert f'File "{ldt_files}' not in out  # torchrun's own report has a traceback; ldt none
     assert "exitcode  : 2" in out  # torchrun's report: the worker's status, config refused
+
+
+@needs_hosts
+@pytest.mark.timeout(600)
+def test_a_lost_cloud_host_costs_at_most_a_step_with_snapshots(reference, tmp_path):
+    """train.snapshot_dir, a folder of host memory per host, and no disk checkpoint in
+    reach (save_every=1000): each cloud rank's snapshot part is copied to the other cloud
+    host, the edge's never leaves the edge. Host 2 killed: the 2-host world joins the old
+    layout's newest snapshot (host 2's part from host 1's copy) and loses at most the step
+    in flight and the one whose copy was still travelling; every loss equals the reference."""
+    import glob
+
+    run_dir = str(tmp_path / "run")
+    run = RunFolder(run_dir)
+    shm = [tmp_path / f"shm{h}" for h in range(len(NODES))]
+    for folder in shm:
+        folder.mkdir()
+    train = [*TRAIN, "train.save_every=1000", "train.snapshot_dir=${oc.env:LDT_TEST_SNAPSHOTS}"]
+    both = (0, 1)
+
+    def parts(host, rank):
+        return glob.glob(str(shm[host] / "ldt-snapshots-*" / "*" / "checkpoints" / "step_*"
+                             / f"rank_{rank}"))
+    with hosts.Hosts(len(NODES)) as net:
+        agents = ElasticAgents(net, NODES, ["-m", "ldt.job.train", "cluster=cpu_elastic",
+                                            f"run_dir={run_dir}", *train], min_nodes=2,
+                               host_env={h: {"LDT_TEST_SNAPSHOTS": str(shm[h])}
+                                         for h in range(len(NODES))})
+        agents.start_all()
+        try:
+            wait_until(lambda: run.last_step() >= 8, 240, "eight steps", agents, both)
+            copies = {h: {r: len(parts(h, r)) for r in range(3)} for h in range(3)}
+            killed_after = run.last_step()
+            killed = agents.kill(2)
+            formed = wait_until(lambda: len(run.worlds()) >= 2, 120, "the world without host 2",
+                                agents, both)
+            first = wait_until(lambda: run.last_step() > killed_after, 120,
+                               "the new world's first step", agents, both)
+            codes = agents.wait(both, 300)
+        finally:
+            agents.kill(2)
+        logs = [agents.output(h) for h in range(len(NODES))]
+    assert codes == {0: 0, 1: 0}, [log[-3000:] for log in logs]
+    # ranks 0 (edge), 1 and 2 on hosts 0, 1, 2: each cloud part also on the other cloud host
+    assert copies[1][2] and copies[2][1] and copies[1][1] and copies[2][2], copies
+    assert not copies[1][0] and not copies[2][0] and copies[0][0], copies  # the edge's: home
+    assert not copies[0][1] and not copies[0][2], copies  # nor does the edge hold the cloud's
+    joined = re.findall(r"resuming from the snapshot of step (\d+) in host memory, joined",
+                        logs[0])
+    assert joined, logs[0][-3000:]
+    print(f"\nkilled after step {killed_after}; the 2-host world continued from the snapshot "
+          f"of step {joined[-1]}; {formed - killed:.1f} s to the new world, "
+          f"{first - killed:.1f} s to its first new step")
+    assert killed_after - int(joined[-1]) <= 2, (killed_after, joined)
+    losses = run.losses()
+    assert sorted(losses) == list(range(STEPS))
+    worst = max(abs(losses[s] - reference[s]) for s in losses)
+    assert worst < PARITY, (worst, losses, reference)

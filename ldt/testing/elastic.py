@@ -38,10 +38,12 @@ class ElasticAgents:
 
     def __init__(self, net: Hosts, nodes: Sequence[tuple[str, int]], args: Sequence[str], *,
                  min_nodes: int, max_restarts: int = 3, run_id: str = "ldt",
-                 port: int = RDZV_PORT, env: Optional[dict] = None, cwd: Optional[str] = None):
+                 port: int = RDZV_PORT, env: Optional[dict] = None, cwd: Optional[str] = None,
+                 host_env: Optional[dict[int, dict]] = None):
         self.net, self.nodes, self.args, self.port = net, list(nodes), list(args), port
         self.min_nodes, self.max_restarts, self.run_id = min_nodes, max_restarts, run_id
         self.env, self.cwd = dict(env or {}), cwd
+        self.host_env = dict(host_env or {})  # per host: e.g. its own host-memory folder
         self.agents: dict[int, subprocess.Popen] = {}
 
     def log(self, host: int) -> str:
@@ -63,7 +65,8 @@ class ElasticAgents:
                if not k.startswith(("TORCHELASTIC_", "LDT_NODE_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", LDT_NODE_KIND=kind,
-                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **self.env)
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **self.env,
+                   **self.host_env.get(host, {}))
         with open(self.log(host), "a") as out:
             self.agents[host] = self.net.popen(host, self.argv(host), env=env, stdout=out,
                                                stderr=subprocess.STDOUT, cwd=self.cwd)

@@ -74,3 +74,30 @@ def snapshot_buddies(topology: Topology, nodes: Sequence[str],
         on_host = [r for r in range(topology.world_size) if nodes[r] == host]
         out.append(Buddy(stage, writer, on_host[stage % len(on_host)], COPY))
     return tuple(out)
+
+
+def copy_holders(topology: Topology, nodes: Sequence[str], owner: Optional[str] = None,
+                 sharded: bool = False) -> dict[int, int]:
+    """Which rank keeps a copy of each rank's own snapshot part (``{writer: holder}``; a rank
+    absent needs none): every rank of a ``copy`` stage sends its part to a rank of its
+    stage's buddy host (spread over that host's ranks). With ``sharded`` (the distributed
+    optimizer: each DP rank holds a span of the optimizer state of its own) a replica on
+    another host holds the weights but not this rank's span, so ``replica`` stages copy to
+    the replica's host too. ``edge`` and ``alone`` stages copy nowhere."""
+    out = {}
+    for buddy in snapshot_buddies(topology, nodes, owner):
+        if buddy.why not in (COPY, REPLICA) or (buddy.why == REPLICA and not sharded):
+            continue
+        for host, writers in ((nodes[buddy.holder], _ranks_of(topology, buddy.stage, nodes,
+                                                              lambda n: n != nodes[buddy.holder])),
+                              (nodes[buddy.writer], _ranks_of(topology, buddy.stage, nodes,
+                                                              lambda n: n == nodes[buddy.holder]))):
+            on_host = [r for r in range(topology.world_size) if nodes[r] == host]
+            for i, writer in enumerate(writers):  # the second: a sharded replica's own spans
+                out[writer] = on_host[i % len(on_host)]
+    return out
+
+
+def _ranks_of(topology: Topology, stage: int, nodes: Sequence[str], where) -> list[int]:
+    return [r for d in range(topology.dp_of(stage)) for r in topology.stage_ranks(stage, d)
+            if where(nodes[r])]

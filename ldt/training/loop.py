@@ -172,7 +172,8 @@ def _build_stage(run: _Run) -> _Stage:
     data = build_training_data(cfg, topo, state)  # every rank: indexed data builds collectively
     ldt_runtime = uses_ldt_runtime(cfg.train, topo)
     run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
-    snaps = snapshot.Snapshots(root, state) if root else None
+    snaps = (snapshot.Snapshots(root, state, snapshot.copies(
+        topo, cfg.train.distributed_optimizer, cfg.train.comm_timeout_s)) if root else None)
     return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass, snaps)
 
 

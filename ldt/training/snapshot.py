@@ -21,10 +21,15 @@ checkpoint the run resumes from (:func:`newest`).
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import socket
 import sys
 import threading
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -34,6 +39,7 @@ from ldt.launch import progress
 from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
 from ldt.storage.snapshot_parts import META_FILE
+from ldt.topology.buddies import copy_holders
 from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.training.checkpoint import named_params
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
@@ -51,8 +57,8 @@ def root_of(cfg, run_dir: str, topo) -> Optional[str]:
 class Snapshots:
     """One rank's snapshots (every rank writes its own part)."""
 
-    def __init__(self, root: str, state):
-        self.root, self.state = root, state
+    def __init__(self, root: str, state, copies: Optional["Copies"] = None):
+        self.root, self.state, self.copies = root, state, copies
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
         self._meta: Optional[dict] = None  # where this rank sits in its layout: the same every step
@@ -80,18 +86,38 @@ class Snapshots:
         self._thread.start()
 
     def _write(self, step: int, tensors: dict) -> None:
-        def save(folder: str) -> None:
-            torch.save(tensors, os.path.join(folder, STATE_FILE))
-            with open(os.path.join(folder, META_FILE), "w") as f:
-                json.dump(self._meta, f)
-
+        state = io.BytesIO()
+        torch.save(tensors, state)
+        files = {STATE_FILE: state.getvalue(), META_FILE: json.dumps(self._meta).encode()}
         try:
-            snapshot_files.write(self.root, step, self.part, save,
-                                 sum(t.numel() * t.element_size() for t in tensors.values()))
+            snapshot_files.write(self.root, step, self.part, _writer(files),
+                                 sum(len(b) for b in files.values()))
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                       "training goes on")
+        if self.copies is not None:
+            self._exchange_copies(step, files)
+
+    def _exchange_copies(self, step: int, files: dict) -> None:
+        """Send this rank's part to its holder on another host and keep the parts of the
+        ranks it holds for (:func:`ldt.topology.buddies.copy_holders`): every rank takes the
+        same steps, so each copy sent is received. Sends first, then receives, then waits:
+        copies around a ring of hosts never wait on each other."""
+        c = self.copies
+        try:
+            sends = [] if c.holder is None else [
+                work for name in (META_FILE, STATE_FILE)
+                for work in isend_bytes(files[name], c.holder, c.group)]
+            for writer in c.writers:
+                got = {name: recv_bytes(writer, c.group) for name in (META_FILE, STATE_FILE)}
+                snapshot_files.write(self.root, step, snapshot_files.part_name(writer),
+                                     _writer(got), sum(len(b) for b in got.values()))
+            for work in sends:
+                work.wait()
+        except Exception as exc:  # a peer gone: the world is failing; the next one recovers
+            self._say("copy", f"the copies of step {step}'s snapshot to or from another host "
+                      f"failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
 
     def close(self, finished: bool) -> None:
         """Wait for the last write; a run that trained all its steps removes its snapshots
@@ -99,6 +125,8 @@ class Snapshots:
         if self._thread is not None:
             self._thread.join()
         if finished:
+            for writer in () if self.copies is None else self.copies.writers:
+                snapshot_files.remove(self.root, snapshot_files.part_name(writer))
             snapshot_files.remove(self.root, self.part)
 
     def _say(self, what: str, text: str) -> None:
@@ -106,6 +134,62 @@ class Snapshots:
             self._said.add(what)
             print(f"ldt: warning: rank {dist.get_rank()} (stage {self.state.stage}): {text}",
                   file=sys.stderr, flush=True)
+
+
+def _writer(files: dict[str, bytes]):
+    """``save(folder)`` for :func:`ldt.storage.snapshot_files.write`: these files' bytes."""
+    def save(folder: str) -> None:
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+    return save
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Where this rank's snapshot part is copied (``holder``, None: nowhere) and whose parts
+    it keeps (``writers``), over ``group`` (gloo, its own: the copies travel from the writer
+    thread while training uses the others)."""
+
+    holder: Optional[int]
+    writers: tuple[int, ...]
+    group: object
+
+
+def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copies]:
+    """This rank's :class:`Copies` (collective over all ranks): each rank's host is its
+    torchrun node (``GROUP_RANK``) or, without torchrun, its host name; the data owner's host
+    is the U-shape edge's, whose parts are never copied (:mod:`ldt.topology.buddies`).
+    None when no rank has a copy to make (one host)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    here = os.environ.get("GROUP_RANK") if os.environ.get("TORCHELASTIC_RUN_ID") else None
+    key = hashlib.sha256((here or socket.gethostname()).encode()).digest()[:7]
+    mine = torch.tensor([int.from_bytes(key, "big")], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=group)
+    nodes = [f"{int(t.item()):014x}" for t in every]
+    owner = nodes[topo.leader(0)] if topo.u_shape else None
+    holders = copy_holders(topo, nodes, owner, sharded=distributed_optimizer)
+    if not holders:
+        dist.destroy_process_group(group)
+        return None
+    rank = dist.get_rank()
+    return Copies(holders.get(rank), tuple(sorted(w for w, h in holders.items() if h == rank)),
+                  group)
+
+
+def isend_bytes(data: bytes, dst: int, group) -> list:
+    """Send ``data`` to global rank ``dst``: its length, then its bytes (two works to wait)."""
+    return [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst, group=group),
+            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)]
+
+
+def recv_bytes(src: int, group) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return data.numpy().tobytes()
 
 
 def _unique_params(models, chunks):

@@ -30,7 +30,7 @@ from ldt.models.sharding import split_dim, unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
 from ldt.training.checkpoint import write_and_seal
-from ldt.training.snapshot import STATE_FILE
+from ldt.training.snapshot import STATE_FILE, isend_bytes, recv_bytes
 
 FIELDS = len(Held.__dataclass_fields__)
 
@@ -89,9 +89,10 @@ def _collect(choice: Choice, snapshot_dir: str, run_dir: str, group) -> dict:
             elif source == me:
                 for name in (META_FILE, STATE_FILE):
                     with open(os.path.join(folder, name), "rb") as f:
-                        _send_bytes(f.read(), join.joiner, group)
+                        for work in isend_bytes(f.read(), join.joiner, group):
+                            work.wait()
             elif join.joiner == me:
-                meta, state = (_recv_bytes(source, group) for _ in range(2))
+                meta, state = (recv_bytes(source, group) for _ in range(2))
                 out.setdefault(join.stage, []).append(_parse(meta, state))
     return out
 
@@ -104,19 +105,6 @@ def _read(folder: str) -> tuple[dict, dict]:
 
 def _parse(meta: bytes, state: bytes) -> tuple[dict, dict]:
     return json.loads(meta), torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
-
-
-def _send_bytes(data: bytes, dst: int, group) -> None:
-    dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=group)
-    dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
-
-
-def _recv_bytes(src: int, group) -> bytes:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return data.numpy().tobytes()
 
 
 # ---- joining one stage's parts (no collective) ---------------------------------------------
