@@ -27,6 +27,7 @@ from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
                      new_run_folder, reference_config, resolve, save_config, summary_line)
+from ldt.launch import drill
 from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
 from ldt.storage.atomic import check_run_folder
@@ -38,7 +39,8 @@ from ldt.training.outputs import parity_max_abs_diff
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    stop_with_torchrun_agent()  # a worker of torchrun's agent never outlives it
+    if stop_with_torchrun_agent():  # a worker of torchrun's agent never outlives it
+        drill.arm()  # LDT_FAULT_AT: recovery drills kill this host at a point of a step
     code = run_app(_job, argv)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work

@@ -43,11 +43,15 @@ class Progress:
             self.beat()
 
     def step(self, step: int) -> None:
+        for listener in _LISTENERS:
+            listener.step(step)
         if self._slot is not None:
             self._slot.step = step
 
     def begin(self, label: str, waiting: bool = False) -> None:
         """This rank now does ``label``; ``waiting``: it waits on other ranks."""
+        for listener in _LISTENERS:
+            listener.begin(label)
         s = self._slot
         if s is not None:
             s.label = label.encode()[:39]
@@ -64,11 +68,18 @@ class Progress:
 
 
 _CURRENT = Progress()
+_LISTENERS: list = []
 
 
 def current() -> Progress:
     """This process's record: its slot when it is a rank of a local world, else a no-op."""
     return _CURRENT
+
+
+def listen(listener) -> None:
+    """Tell ``listener`` (``step(step)``, ``begin(label)``: a fault drill,
+    :mod:`ldt.launch.drill`) what every record of this process marks, from now on."""
+    _LISTENERS.append(listener)
 
 
 def attach(slot: ProgressSlot) -> Progress:

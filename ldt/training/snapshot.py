@@ -106,6 +106,7 @@ class Snapshots:
         copies around a ring of hosts never wait on each other."""
         c = self.copies
         try:
+            progress.current().begin("copying the snapshot to another host")  # (a drill's point)
             sends = [] if c.holder is None else [
                 work for name in (META_FILE, STATE_FILE)
                 for work in isend_bytes(files[name], c.holder, c.group)]
