@@ -9,7 +9,10 @@ does not. A snapshot is taken after the step's optimizer step and agreement, out
 step costs, the snapshot's copy and whatever its background write takes from the host's cores.
 Every rank runs on a host of its own with a quota of ``CPUS`` cores (``ldt.testing.hosts``), so
 the background write competes with training for the same quota, as it competes with the host's
-CPU work beside an accelerator, and never borrows an idle neighbour's core. Runs in ABBA order
+CPU work beside an accelerator, and never borrows an idle neighbour's core. Each host is a
+node of its own (``GROUP_RANK``) with a snapshot folder of its own, so every cloud rank's part
+is also sent to a rank of another cloud host, which writes it (docs/elastic.md): the copy's
+sending and receiving is in the figure too. Runs in ABBA order
 (off, on, on, off), the first step of each run left out. A finished run must leave nothing in
 ``/dev/shm`` (checked). Host memory: the most bytes the snapshot files held at once (sampled by
 the file system's sizes every 20 ms), against what ``ldt-memory`` says for the same config.
@@ -32,10 +35,11 @@ CPUS = float(os.environ.get("LDT_BENCH_SNAPSHOT_CPUS", "0.3"))
 SHM = "/dev/shm"
 
 SUMMARY = [
-    ("step with a snapshot every step / without (cpu_demo, 4 ranks, a host of {cpus_per_rank} "
-     "core each, wall time step start to step start, medians)", "**{ratio:.3f}**", "<= 1.05"),
-    ("host memory of the snapshots, all 4 ranks: ldt-memory's estimate (3 x each rank's state) / "
-     "the most the files held (sampled every 20 ms)",
+    ("step with a snapshot every step, each cloud part also copied to another host / without "
+     "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
+     "start, medians)", "**{ratio:.3f}**", "<= 1.05"),
+    ("host memory of the snapshots, all 4 ranks (own parts, copies not counted): ldt-memory's "
+     "estimate (3 x each rank's state) / the most the files held (sampled every 20 ms)",
      "{host_bytes_estimate} / {host_bytes_peak} bytes (**{host_bytes_ratio:.3f}**)",
      "bounds from above"),
 ]
@@ -57,15 +61,20 @@ def step_intervals(run_dir: str) -> list[float]:
     return [b[1] - a[1] for a, b in zip(starts[1:], starts[2:])]
 
 
-def folder_bytes(folder: str) -> int:
-    total = 0
+def folder_bytes(folder: str) -> tuple[int, int]:
+    """Bytes of the ranks' own parts, and of the copies kept for other hosts."""
+    own = copies = 0
     for parent, _, files in os.walk(folder):
         for f in files:
             try:
-                total += os.path.getsize(os.path.join(parent, f))
+                size = os.path.getsize(os.path.join(parent, f))
             except OSError:  # pruned while we looked
-                pass
-    return total
+                continue
+            if f"{os.sep}copies{os.sep}" in parent + os.sep:
+                copies += size
+            else:
+                own += size
+    return own, copies
 
 
 class PeakBytes(threading.Thread):
@@ -74,11 +83,13 @@ class PeakBytes(threading.Thread):
 
     def __init__(self, folder: str):
         super().__init__(daemon=True)
-        self.folder, self.peak, self.done = folder, 0, threading.Event()
+        self.folder, self.peak, self.peak_copies = folder, 0, 0
+        self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(0.02):
-            self.peak = max(self.peak, folder_bytes(self.folder))
+            own, copies = folder_bytes(self.folder)
+            self.peak, self.peak_copies = max(self.peak, own), max(self.peak_copies, copies)
 
 
 def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
@@ -87,9 +98,11 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
 
     run_dir = os.path.join(tmp, name)
     extra, sampler = [], None
-    if snapshots:
+    if snapshots:  # a folder per host (the namespaces share /dev/shm; hosts do not)
         shm = tempfile.mkdtemp(prefix="ldt-bench-snapshot-", dir=SHM)
-        extra = [f"train.snapshot_dir={shm}"]
+        for host in range(RANKS):
+            os.makedirs(os.path.join(shm, f"host{host}"))
+        extra = [f"train.snapshot_dir={shm}/host${{oc.env:GROUP_RANK}}"]
         sampler = PeakBytes(shm)
         sampler.start()
     try:
@@ -101,7 +114,7 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
             leftover = sum(len(files) for _, _, files in os.walk(shm))
             os.system(f"rm -rf {shm}")
             assert leftover == 0, f"a finished run left {leftover} snapshot files in {shm}"
-    return step_intervals(run_dir), sampler.peak if sampler else 0
+    return step_intervals(run_dir), (sampler.peak, sampler.peak_copies) if sampler else (0, 0)
 
 
 def estimated_bytes() -> int:
@@ -126,17 +139,18 @@ def main() -> dict:
         return {"bench": "snapshot", "skipped": reason or f"{SHM} missing"}
     load = machine_load()
     times: dict = {"off": [], "on": []}
-    peak = 0
+    peak = peak_copies = 0
     with tempfile.TemporaryDirectory(prefix="ldt-bench-snapshot-") as tmp:
         for i in range(ROUNDS):
             for path in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                got, held = run(tmp, f"{path}{i}", path == "on")
+                got, (held, copies) = run(tmp, f"{path}{i}", path == "on")
                 times[path] += got
-                peak = max(peak, held)
+                peak, peak_copies = max(peak, held), max(peak_copies, copies)
     estimate = estimated_bytes()
     out = {"bench": "snapshot", "cpus_per_rank": CPUS, "host_bytes_peak": peak,
            "host_bytes_estimate": estimate, "host_bytes_ratio": estimate / peak,
            "host_bytes_peak_mib": peak / 2**20, "host_bytes_estimate_mib": estimate / 2**20,
+           "copies_bytes_peak_mib": peak_copies / 2**20,
            "step_s": {p: median(v) for p, v in times.items()},
            "step_s_spread": {p: spread(v) for p, v in times.items()},
            "steps_measured": {p: len(v) for p, v in times.items()}}
@@ -144,7 +158,8 @@ def main() -> dict:
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
           f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f} (one host of "
           f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
-          f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f})")
+          f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
+          f"for other hosts: {peak_copies / 2**20:.2f} MiB at most")
     return emit(out, load_before=load)
 
 

@@ -275,8 +275,8 @@ class _World:
     """What the elastic job's memory check needs of ldt.elastic.world.World: the rank, and
     settle (the first rank's error stops every rank)."""
 
-    def __init__(self, rank):
-        self.rank, self.settled = rank, []
+    def __init__(self, rank, plan=None):
+        self.rank, self.settled, self.plan = rank, [], plan
 
     def settle(self, error):
         self.settled.append(error)
@@ -307,4 +307,48 @@ def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
     with pytest.raises(ElasticError, match=r"rank 0: does not fit: stage 0 \(\w+, ranks 0\) "
                                            r"needs [\d.]+ MiB per rank \(estimate\) but "
                                            r"cluster.stages\[0\].memory_gib=0.001"):
-        check_memory(plain, topo, _World(0))
+        check_memory(plain, topo, _World(0, plan))
+
+
+@pytest.mark.timeout(120)
+def test_a_host_without_room_for_its_snapshots_and_copies_is_refused(inventory, model):
+    """train.snapshot_dir in an elastic world: each node's host memory holds its ranks' own
+    snapshots and the copies it keeps for the other cloud host's ranks (3 generations each);
+    the edge keeps none of the cloud's. A node whose MemAvailable (LDT_NODE_HOST_MEMORY_GIB)
+    is below that stops every rank with one line before any group forms."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from ldt import memory
+    from ldt.job.elastic import _hosts, check_memory
+    from ldt.job.hydra import compose
+    from ldt.memory.report import SNAPSHOTS_HELD, host_snapshots
+
+    plan = plan_world(WORLDS["three hosts"], inventory, model, CONFIGURED, TRAIN)
+    plain = OmegaConf.to_container(compose(["cluster=cpu_demo", "train.snapshot_dir=/dev/shm"]),
+                                   resolve=True)
+    plain["cluster"] = plan.cluster
+    plain["train"].update(num_microbatches=plan.num_microbatches, prefetch=plan.prefetch)
+    topo = Topology.from_config(plan.cluster, model)
+    stage_of = {r: s.index for s in memory.estimate(plain) for r in s.ranks}
+    held = {s.index: SNAPSHOTS_HELD * s.snapshot_bytes for s in memory.estimate(plain)}
+    hosts = _hosts(plan, topo)
+    per_host = host_snapshots(memory.estimate(plain), topo, hosts, sharded=False)
+    node_of = dict(enumerate(hosts.nodes))
+    edge = node_of[0]
+    assert per_host[edge] == (held[0], 0)  # the data owner keeps no cloud part
+    cloud = sorted(set(hosts.nodes) - {edge})
+    for node, other in ((cloud[0], cloud[1]), (cloud[1], cloud[0])):  # each keeps the other's
+        own = sum(held[stage_of[r]] for r, n in node_of.items() if n == node)
+        kept = sum(held[stage_of[r]] for r, n in node_of.items() if n == other)
+        assert per_host[node] == (own, kept)
+    text = check_memory(plain, topo, _World(0, plan))  # hosts' memory unknown: no refusal
+    assert "host memory per node for snapshots (own + copies kept for other hosts)" in text
+    small = dataclasses.replace(plan, nodes=tuple(
+        dataclasses.replace(n, host_memory_gib=1e-6 if str(n.index) == cloud[0] else 64.0)
+        for n in plan.nodes))
+    with pytest.raises(ElasticError, match=rf"rank 0: does not fit: node {cloud[0]} would keep "
+                                           r"[\d.]+ [KM]iB of snapshots in host memory .* but had "
+                                           r"0.00 GiB available .*train.snapshot_dir=null"):
+        check_memory(plain, topo, _World(0, small))

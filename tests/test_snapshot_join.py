@@ -113,8 +113,10 @@ def test_a_stage_is_joined_into_the_tensors_it_was_cut_from(tp, dp):
 
 
 # ---- a world whose hosts hold different parts ----------------------------------------------
-def _write_part(snapshot_dir, run_dir, layout_text, step, meta, tensors):
+def _write_part(snapshot_dir, run_dir, layout_text, step, meta, tensors, copy=False):
     root = snapshot_files.snapshot_root(snapshot_dir, run_dir, layout_text)
+    if copy:  # kept for a rank of another host
+        root = snapshot_files.copies_root(root)
 
     def save(folder):
         torch.save(tensors, os.path.join(folder, STATE_FILE))
@@ -137,7 +139,7 @@ def _join_world(rank, world_size, run_dir, dirs):
 @pytest.mark.timeout(120)
 def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
     """Old layout: stage 0 (TP 1, old rank 0), stage 1 (TP 2, old ranks 1 and 2). Host 0
-    holds old ranks 0 and 2 (2's as a buddy's copy), host 1 old rank 1: stage 1 is joined
+    holds old ranks 0 and 2 (2's as a copy, in its copies folder), host 1 old rank 1: stage 1 is joined
     on rank 0 with rank 1's part sent over, and the checkpoint holds the full tensors."""
     from ldt.storage import checkpoint_files as files
     from ldt.training.checkpoint import _read_part
@@ -158,7 +160,7 @@ def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
     for rank, host in ((1, 1), (2, 0)):
         tensors = {f"model.{PROJ}": proj.chunk(2, 1)[rank - 1], f"model.{NORM}": norm}
         _write_part(dirs[host], run_dir, "old", 5, {**base, "rank": rank, "stage": 1, "tp": 2,
-                                                    "tp_rank": rank - 1}, tensors)
+                                                    "tp_rank": rank - 1}, tensors, copy=host == 0)
     results = run_local_world(2, _join_world, (run_dir, dirs), timeout_s=90)
     found = files.step_dir(run_dir, 5)
     assert results == [(found, 2), (found, 1)]

@@ -22,6 +22,7 @@ from ldt.config import ConfigError
 
 KIND_VAR = "LDT_NODE_KIND"
 MEMORY_VAR = "LDT_NODE_MEMORY_GIB"
+HOST_MEMORY_VAR = "LDT_NODE_HOST_MEMORY_GIB"
 
 
 class ElasticError(ConfigError):
@@ -40,6 +41,9 @@ class Node:
     """Processes torchrun started there (one per device)."""
     memory_gib: Optional[float] = None
     """Memory per device; None: the kind's ``memory_gib``."""
+    host_memory_gib: Optional[float] = None
+    """The host memory available at its start (``MemAvailable``, or ``LDT_NODE_HOST_MEMORY_GIB``):
+    the room for ``train.snapshot_dir``'s snapshots; None: unknown."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -66,14 +70,34 @@ def node_from_env(env: Mapping[str, str], kinds: list[str]) -> Node:
     if kind not in kinds:
         raise ElasticError(f"{KIND_VAR}={kind!r} on node {index} ({host}) is not a kind of the "
                            f"inventory; use one of {kinds}")
-    memory = None
-    if env.get(MEMORY_VAR, "").strip():
-        text = env[MEMORY_VAR].strip()
-        try:
-            memory = float(text)
-        except ValueError:
-            memory = math.nan
-        if not (math.isfinite(memory) and memory > 0):
-            raise ElasticError(f"{MEMORY_VAR}={text!r} on node {index} ({host}) must be a "
-                               "number of GiB > 0 (memory per device), or unset for the kind's")
-    return Node(index, host, kind, devices, memory)
+    memory = _gib(env, MEMORY_VAR, index, host, "memory per device), or unset for the kind's")
+    host_memory = _gib(env, HOST_MEMORY_VAR, index, host,
+                       "host memory), or unset for the host's MemAvailable")
+    return Node(index, host, kind, devices, memory,
+                available_host_gib() if host_memory is None else host_memory)
+
+
+def _gib(env: Mapping[str, str], var: str, index: int, host: str, what: str) -> Optional[float]:
+    if not env.get(var, "").strip():
+        return None
+    text = env[var].strip()
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ElasticError(f"{var}={text!r} on node {index} ({host}) must be a number of GiB "
+                           f"> 0 ({what}")
+    return value
+
+
+def available_host_gib() -> Optional[float]:
+    """This host's ``MemAvailable`` (Linux), GiB; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return round(int(line.split()[1]) / 2**20, 3)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -14,6 +14,7 @@ from ldt.config.errors import one_line
 from ldt.config.errors import EXIT_CONFIG
 from ldt.elastic.nodes import ElasticError
 from ldt.elastic.world import form_world
+from ldt.memory.report import Hosts
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun,
                      memory_estimate, resolve, world_backend)
 import ldt.launch.quiet
@@ -114,6 +115,13 @@ def _train_in(world, config, topo, memory: str, env) -> int:
         world.finish(code)  # a finished run releases the idle processes
 
 
+def _hosts(plan, topo) -> Hosts:
+    """Where the planned world's ranks run, for the snapshots' host memory (by node index)."""
+    nodes = tuple(str(node) for node, _ in plan.placement)
+    return Hosts(nodes, nodes[topo.leader(0)] if topo.u_shape else None,
+                 {str(n.index): n.host_memory_gib for n in plan.nodes})
+
+
 def check_memory(plain: dict, topo, world) -> str:
     """The planned world's memory, as the configured job checks a cluster's: the plan states
     each stage's ``memory_gib`` (the planner's limit for its kind: memory_gib - reserved_gib),
@@ -124,6 +132,7 @@ def check_memory(plain: dict, topo, world) -> str:
     checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates (one
     helper process per start, not one per rank) and its verdict reaches every rank. Returns
     the estimate to print under the rank map (rank 0 prints it)."""
-    text, refused = memory_estimate(plain, topo) if world.rank == 0 else ("", None)
+    text, refused = (memory_estimate(plain, topo, _hosts(world.plan, topo)) if world.rank == 0
+                     else ("", None))
     world.settle(None if refused is None else f"does not fit: {refused}")
     return text

@@ -208,14 +208,15 @@ def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     return text
 
 
-def memory_estimate(plain: dict, topo) -> tuple[str, Optional[str]]:
+def memory_estimate(plain: dict, topo, hosts=None) -> tuple[str, Optional[str]]:
     """``(text, refusal)``: the estimate to print under the rank map ("" when not asked for, or
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
-    first stage over its ``memory_gib`` (None when every stage fits)."""
+    first stage over its ``memory_gib`` or host without room for its snapshots (``hosts``,
+    :class:`ldt.memory.report.Hosts`: an elastic world's) (None when everything fits)."""
     if not needs_estimate(plain):
         return "", None
     try:
-        text, refused = memory_report.check(plain, topo)
+        text, refused = memory_report.check(plain, topo, hosts)
     except Exception as exc:
         print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
               "starting without it", file=sys.stderr)

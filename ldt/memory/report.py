@@ -9,12 +9,14 @@ shard over), fewer micro-batches in flight (prefetch, stages after it, the micro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from ldt import memory
 from ldt.config import to_train
 from ldt.memory import GIB, StageEstimate
 from ldt.storage.snapshot_files import GENERATIONS
+from ldt.topology.buddies import copy_holders
 
 # snapshots a rank keeps in host memory at once: GENERATIONS whole, and the next being written
 SNAPSHOTS_HELD = GENERATIONS + 1
@@ -72,6 +74,48 @@ def snapshot_line(stages: list[StageEstimate], train) -> Optional[str]:
             f"{per_stage}")
 
 
+@dataclass(frozen=True)
+class Hosts:
+    """Which host each rank runs on (an elastic world's plan): ``nodes`` by rank, the data
+    owner's node (None: none), and each node's available host memory in GiB (None: unknown)."""
+
+    nodes: tuple[str, ...]
+    owner: Optional[str]
+    available_gib: dict
+
+
+def host_snapshots(stages: list[StageEstimate], topo, hosts: Hosts,
+                   sharded: bool) -> dict[str, tuple[int, int]]:
+    """Per node: the host memory its ranks' own snapshots take, and the copies it keeps for
+    ranks of other hosts (:func:`ldt.topology.buddies.copy_holders`), each
+    :data:`SNAPSHOTS_HELD` generations of the writer's state."""
+    held = {r: SNAPSHOTS_HELD * s.snapshot_bytes for s in stages for r in s.ranks}
+    own = {n: 0 for n in hosts.nodes}
+    copies = {n: 0 for n in hosts.nodes}
+    for rank, node in enumerate(hosts.nodes):
+        own[node] += held[rank]
+    for writer, holder in copy_holders(topo, list(hosts.nodes), hosts.owner, sharded).items():
+        copies[hosts.nodes[holder]] += held[writer]
+    return {n: (own[n], copies[n]) for n in own}
+
+
+def host_lines(per_host: dict[str, tuple[int, int]], hosts: Hosts) -> tuple[str, Optional[str]]:
+    """The snapshots' host memory per node, and the one-line refusal of the first node
+    without room for them (None when every node has, or its memory is unknown)."""
+    text = "host memory per node for snapshots (own + copies kept for other hosts): " + \
+        ", ".join(f"node {n} {_size(own)} + {_size(copies)}"
+                  for n, (own, copies) in sorted(per_host.items()))
+    for node, (own, copies) in sorted(per_host.items()):
+        have = hosts.available_gib.get(node)
+        if have is not None and own + copies > have * GIB:
+            return text, (
+                f"node {node} would keep {_size(own + copies)} of snapshots in host memory "
+                f"({_size(own)} of its own ranks, {_size(copies)} of copies for ranks of other "
+                f"hosts) but had {have:.2f} GiB available at its start; set "
+                "train.snapshot_dir=null (disk checkpoints only) or give that host more memory")
+    return text, None
+
+
 def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
 
@@ -105,10 +149,17 @@ def refusal(stage: StageEstimate, topo, train) -> str:
             f"{stage.limit / GIB:g}; the largest part is {what}; levers: " + "; ".join(levers))
 
 
-def check(cfg: dict, topo) -> tuple[str, str | None]:
+def check(cfg: dict, topo, hosts: Optional[Hosts] = None) -> tuple[str, str | None]:
     """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
-    refusal (of the first stage that does not fit) None when every stage fits."""
+    refusal (of the first stage that does not fit, else of the first host without room for
+    its snapshots: ``hosts``, an elastic world's) None when everything fits."""
     stages, train = memory.estimate(cfg), to_train(cfg["train"])
     over = next((s for s in stages if not s.fits), None)
-    text = "\n".join(filter(None, (table(stages), snapshot_line(stages, train))))
-    return text, None if over is None else refusal(over, topo, train)
+    lines = [table(stages), snapshot_line(stages, train)]
+    refused = None if over is None else refusal(over, topo, train)
+    if hosts is not None and train.snapshot_dir:
+        text, host_refused = host_lines(
+            host_snapshots(stages, topo, hosts, train.distributed_optimizer), hosts)
+        lines.append(text)
+        refused = refused or host_refused
+    return "\n".join(filter(None, lines)), refused

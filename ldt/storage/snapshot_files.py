@@ -30,6 +30,7 @@ from ldt.storage import checkpoint_files as files
 GENERATIONS = 2
 PREFIX = "ldt-snapshots-"
 ID_FILE = "snapshot_id"  # in the run folder
+COPIES = "copies"  # in a layout's folder: the parts kept for ranks of other hosts
 
 
 def run_key(run_dir: str) -> str:
@@ -57,6 +58,13 @@ def snapshot_root(snapshot_dir: str, run_dir: str, layout: str) -> str:
     the rank map)."""
     digest = hashlib.sha256(layout.encode()).hexdigest()[:12]
     return os.path.join(snapshot_dir, PREFIX + run_key(run_dir), digest)
+
+
+def copies_root(root: str) -> str:
+    """Where a host keeps the parts it holds for ranks of other hosts (their copies), apart
+    from its own ranks' parts: two hosts given one folder (a shared file system) never
+    write the same part folder."""
+    return os.path.join(root, COPIES)
 
 
 def held(snapshot_dir: Optional[str], run_dir: str) -> bool:

@@ -72,9 +72,14 @@ def layout_name(layout: int) -> str:
 
 
 def part_folder(snapshot_dir: str, run_dir: str, layout: int, step: int, rank: int) -> str:
+    """Where this host holds rank ``rank``'s part of a step: its own, else a copy."""
     root = os.path.join(snapshot_dir, snapshot_files.PREFIX + snapshot_files.run_key(run_dir),
                         layout_name(layout))
-    return os.path.join(step_dir(root, step), snapshot_files.part_name(rank))
+    own = os.path.join(step_dir(root, step), snapshot_files.part_name(rank))
+    if os.path.isdir(own):
+        return own
+    return os.path.join(step_dir(snapshot_files.copies_root(root), step),
+                        snapshot_files.part_name(rank))
 
 
 def held_here(snapshot_dir: Optional[str], run_dir: str, holder: int) -> list[Held]:
@@ -88,13 +93,14 @@ def held_here(snapshot_dir: Optional[str], run_dir: str, holder: int) -> list[He
             number = int(layout, 16)
         except ValueError:
             continue
-        root = os.path.join(run, layout)
-        for step in snapshot_files.steps(root):
-            folder = step_dir(root, step)
-            for part in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-                meta = _meta(os.path.join(folder, part))
-                if meta is not None:
-                    out.append(Held(holder, number, step, **meta))
+        own = os.path.join(run, layout)
+        for root in (own, snapshot_files.copies_root(own)):
+            for step in snapshot_files.steps(root):
+                folder = step_dir(root, step)
+                for part in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+                    meta = _meta(os.path.join(folder, part))
+                    if meta is not None:
+                        out.append(Held(holder, number, step, **meta))
     return out
 
 

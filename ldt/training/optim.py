@@ -223,10 +223,13 @@ def _locate(opt, param):
     return main, opt.optimizer.state.setdefault(main, {}), None
 
 
+ADAM_KEYS, SGD_KEYS = ("exp_avg", "exp_avg_sq"), ("momentum_buffer",)
+PARAM_STATE_KINDS = ("main_param", *ADAM_KEYS, *SGD_KEYS, "step")  # any optimizer's, per param
+
+
 def state_keys(stage_opt: StageOptimizer) -> tuple[str, ...]:
     """The per-parameter tensors of this optimizer kind (besides the main param)."""
-    return ("exp_avg", "exp_avg_sq") if _inner(stage_opt.optimizer).config.optimizer == "adam" \
-        else ("momentum_buffer",)
+    return ADAM_KEYS if _inner(stage_opt.optimizer).config.optimizer == "adam" else SGD_KEYS
 
 
 def has_main_params(stage_opt: StageOptimizer) -> bool:

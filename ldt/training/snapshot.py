@@ -112,8 +112,9 @@ class Snapshots:
                 for work in isend_bytes(files[name], c.holder, c.group)]
             for writer in c.writers:
                 got = {name: recv_bytes(writer, c.group) for name in (META_FILE, STATE_FILE)}
-                snapshot_files.write(self.root, step, snapshot_files.part_name(writer),
-                                     _writer(got), sum(len(b) for b in got.values()))
+                snapshot_files.write(snapshot_files.copies_root(self.root), step,
+                                     snapshot_files.part_name(writer), _writer(got),
+                                     sum(len(b) for b in got.values()))
             for work in sends:
                 work.wait()
         except Exception as exc:  # a peer gone: the world is failing; the next one recovers
@@ -127,7 +128,8 @@ class Snapshots:
             self._thread.join()
         if finished:
             for writer in () if self.copies is None else self.copies.writers:
-                snapshot_files.remove(self.root, snapshot_files.part_name(writer))
+                snapshot_files.remove(snapshot_files.copies_root(self.root),
+                                      snapshot_files.part_name(writer))
             snapshot_files.remove(self.root, self.part)
 
     def _say(self, what: str, text: str) -> None:
@@ -159,11 +161,12 @@ class Copies:
 
 def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copies]:
     """This rank's :class:`Copies` (collective over all ranks): each rank's host is its
-    torchrun node (``GROUP_RANK``) or, without torchrun, its host name; the data owner's host
+    torchrun node (``GROUP_RANK``) or, without torchrun, its host name (the bare launcher's
+    ranks are on one host); the data owner's host
     is the U-shape edge's, whose parts are never copied (:mod:`ldt.topology.buddies`).
     None when no rank has a copy to make (one host)."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    here = os.environ.get("GROUP_RANK") if os.environ.get("TORCHELASTIC_RUN_ID") else None
+    here = os.environ.get("GROUP_RANK")  # torchrun's node (and ldt.testing.hosts')
     key = hashlib.sha256((here or socket.gethostname()).encode()).digest()[:7]
     mine = torch.tensor([int.from_bytes(key, "big")], dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -243,6 +246,11 @@ def load_local(folder: str, models, chunks, optimizer) -> int:
     """Put this rank's part ``folder`` (:func:`local_state` of the same rank of the same
     layout) back into its chunks and optimizer; returns the next step."""
     tensors = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=True)
+    optim: dict[str, dict] = {}  # name -> {kind: tensor}, grouped once (kinds have no dot)
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            name, kind = key[len("optim."):].rsplit(".", 1)
+            optim.setdefault(name, {})[kind] = value
     with torch.no_grad():
         for name, p in _unique_params(models, chunks):
             saved = tensors.get(f"model.{name}")
@@ -253,9 +261,7 @@ def load_local(folder: str, models, chunks, optimizer) -> int:
                     f"remove it (or set train.snapshot_dir=null) and resume from a checkpoint")
             p.copy_(saved)
             if optimizer is not None:
-                prefix = f"optim.{name}."
-                set_local_param_state(optimizer, p, {k[len(prefix):]: v for k, v in
-                                                     tensors.items() if k.startswith(prefix)})
+                set_local_param_state(optimizer, p, optim.get(name, {}))
     return int(tensors["step"]) + 1
 
 

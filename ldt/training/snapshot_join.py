@@ -30,6 +30,7 @@ from ldt.models.sharding import split_dim, unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
 from ldt.training.checkpoint import write_and_seal
+from ldt.training.optim import PARAM_STATE_KINDS
 from ldt.training.snapshot import STATE_FILE, isend_bytes, recv_bytes
 
 FIELDS = len(Held.__dataclass_fields__)
@@ -140,14 +141,14 @@ def _join_tp(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor
 def _optimizer_state(name: str, parts: list[tuple[dict, dict]], shape, sharded: bool) -> dict:
     """One TP rank's optimizer tensors of ``name`` in the parameter's (TP-local) shape, fp32:
     with the distributed optimizer each DP rank's span put in its place."""
-    prefix, out = f"optim.{name}.", {}
+    out = {}
     numel = int(torch.Size(shape).numel())
     for meta, state in parts if sharded else parts[:1]:
         span = meta["spans"].get(name) if sharded else [0, numel]
-        for key, tensor in state.items():
-            if not key.startswith(prefix) or span is None:
+        for kind in () if span is None else PARAM_STATE_KINDS:
+            tensor = state.get(f"optim.{name}.{kind}")
+            if tensor is None:
                 continue
-            kind = key[len(prefix):]
             if kind == "step":
                 out["step"] = tensor
                 continue
