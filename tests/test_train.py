@@ -328,12 +328,12 @@ def test_a_run_builds_one_communicator_and_picks_its_runtime_once(monkeypatch):
     models = [NS(config="config")]
     run_pass = loop._schedule_pass(_fake_run(1), models, None, ldt_runtime=True)
     for _ in range(3):
-        assert run_pass(None) == ([1], [])
-    assert run_pass(None, True) == ([1], [])
+        assert run_pass(None, 0) == ([1], [])
+    assert run_pass(None, 0, True) == ([1], [])
     assert len(built) == 1 and len(set(map(id, ran))) == 1 and not fetched
     ran.clear()
     run_pass = loop._schedule_pass(_fake_run(1), models, None, ldt_runtime=False)
-    assert [run_pass(None) for _ in range(3)] == [([2], [])] * 3
+    assert [run_pass(None, step) for step in range(3)] == [([2], [])] * 3
     assert len(fetched) == 1 and ran == ["megatron"] * 3 and len(built) == 1
 
 

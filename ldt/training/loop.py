@@ -183,15 +183,8 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
     in host memory (``root``: :mod:`ldt.training.snapshot`); returns the first step."""
     t = run.cfg.train
     if root and snapshot.continues(t.resume, run.run_dir):
-        step = snapshot.load_newest(root, t.resume, t.steps, models, chunks, opt,
-                                    run.guard.group)
-        if step is None:  # not every rank holds its own part: another layout's, joined
-            found = snapshot_join.join_newest(
-                t.snapshot_dir, run.run_dir, snapshot.resumes_after(t.resume), t.steps,
-                model=run.cfg.model, info={"steps": t.steps}, keep_last=t.keep_last,
-                origin=t.resume or t.load, group=run.guard.group)
-            step = found and checkpoint.load_step(found, models, chunks, opt, run.state,
-                                                  verified=True)
+        step = snapshot_join.load_snapshot(root, t, run.run_dir, models, chunks, opt,
+                                           run.state, run.cfg.model, run.guard.group)
         if step is not None:
             skip_to(opt, step)
             return step

@@ -73,9 +73,10 @@ class Snapshots:
         """Snapshot the state after step ``step``, unless ``busy``: some rank's writer was
         still busy when the ranks agreed on the step (then no rank takes it)."""
         if busy:
-            self._say("busy", f"a snapshot of an earlier step was still being written when "
-                      f"step {step} ended, so no rank snapshots step {step} (a snapshot never "
-                      "makes a step wait; the next one is taken when every writer is free)")
+            self._say("busy", f"a snapshot of an earlier step was still being written (or "
+                      f"copied to another host) when step {step} ended, so no rank snapshots "
+                      f"step {step} (a snapshot never makes a step wait; the next one is taken "
+                      "when every writer is free)")
             return
         tensors = local_state(models, chunks, optimizer)
         tensors["step"] = torch.tensor(step)

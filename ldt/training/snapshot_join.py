@@ -29,11 +29,28 @@ from ldt.launch import progress
 from ldt.models.sharding import split_dim, unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
-from ldt.training.checkpoint import write_and_seal
+from ldt.training.checkpoint import load_step, write_and_seal
 from ldt.training.optim import PARAM_STATE_KINDS
-from ldt.training.snapshot import STATE_FILE, isend_bytes, recv_bytes
+from ldt.training.snapshot import (STATE_FILE, isend_bytes, load_newest, recv_bytes,
+                                   resumes_after)
 
 FIELDS = len(Held.__dataclass_fields__)
+
+
+def load_snapshot(root: str, train, run_dir: str, models, chunks, optimizer, state, model,
+                  group=None) -> Optional[int]:
+    """Start from the run's newest snapshot in host memory, newer than the checkpoint it would
+    resume from: each rank's own part when every rank holds its own in this layout
+    (:func:`ldt.training.snapshot.load_newest`), else the newest one the hosts can join
+    (:func:`join_newest`); the next step, or None (collective)."""
+    step = load_newest(root, train.resume, train.steps, models, chunks, optimizer, group)
+    if step is not None:
+        return step
+    found = join_newest(train.snapshot_dir, run_dir, resumes_after(train.resume), train.steps,
+                        model=model, info={"steps": train.steps}, keep_last=train.keep_last,
+                        origin=train.resume or train.load, group=group)
+    return None if found is None else load_step(found, models, chunks, optimizer, state,
+                                                verified=True)
 
 
 def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, model, info: dict,
