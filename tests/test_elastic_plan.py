@@ -333,7 +333,7 @@ def test_a_host_without_room_for_its_snapshots_and_copies_is_refused(inventory, 
     topo = Topology.from_config(plan.cluster, model)
     stage_of = {r: s.index for s in memory.estimate(plain) for r in s.ranks}
     held = {s.index: SNAPSHOTS_HELD * s.snapshot_bytes for s in memory.estimate(plain)}
-    hosts = _hosts(plan, topo)
+    hosts = _hosts(plan, topo, "cpu_elastic")
     per_host = host_snapshots(memory.estimate(plain), topo, hosts, sharded=False)
     node_of = dict(enumerate(hosts.nodes))
     edge = node_of[0]
@@ -345,6 +345,12 @@ def test_a_host_without_room_for_its_snapshots_and_copies_is_refused(inventory, 
         assert per_host[node] == (own, kept)
     text = check_memory(plain, topo, _World(0, plan))  # hosts' memory unknown: no refusal
     assert "host memory per node for snapshots (own + copies kept for other hosts)" in text
+    # the copies' traffic, priced on the inventory's cloud-cloud link (1 GB/s, 200 us)
+    for a, b in ((cloud[0], cloud[1]), (cloud[1], cloud[0])):
+        nbytes = sum(held[stage_of[r]] for r, n in node_of.items() if n == a) // SNAPSHOTS_HELD
+        assert f"node {a} -> {b} " in text and \
+            f" {(nbytes / 1e9 + 200e-6) * 1e3:.1f} ms" in text.split(f"node {a} -> {b} ")[1][:40]
+    assert f"against a planned step of {plan.iteration_s * 1e3:.1f} ms" in text
     small = dataclasses.replace(plan, nodes=tuple(
         dataclasses.replace(n, host_memory_gib=1e-6 if str(n.index) == cloud[0] else 64.0)
         for n in plan.nodes))

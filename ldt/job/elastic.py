@@ -15,6 +15,8 @@ from ldt.config.errors import EXIT_CONFIG
 from ldt.elastic.nodes import ElasticError
 from ldt.elastic.world import form_world
 from ldt.memory.report import Hosts
+from ldt.plan import load_inventory
+from ldt.plan.cost import message_time
 from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun,
                      memory_estimate, resolve, world_backend)
 import ldt.launch.quiet
@@ -115,11 +117,16 @@ def _train_in(world, config, topo, memory: str, env) -> int:
         world.finish(code)  # a finished run releases the idle processes
 
 
-def _hosts(plan, topo) -> Hosts:
-    """Where the planned world's ranks run, for the snapshots' host memory (by node index)."""
+def _hosts(plan, topo, inventory: str) -> Hosts:
+    """Where the planned world's ranks run (by node index), for the snapshots' host memory and
+    their copies' traffic, priced on ``inventory``'s links between the nodes' kinds."""
     nodes = tuple(str(node) for node, _ in plan.placement)
+    kinds = {str(n.index): n.kind for n in plan.nodes}
+    links = load_inventory(inventory)
     return Hosts(nodes, nodes[topo.leader(0)] if topo.u_shape else None,
-                 {str(n.index): n.host_memory_gib for n in plan.nodes})
+                 {str(n.index): n.host_memory_gib for n in plan.nodes},
+                 send_s=lambda a, b, nbytes: message_time(nbytes, links.link(kinds[a], kinds[b])),
+                 step_s=plan.iteration_s)
 
 
 def check_memory(plain: dict, topo, world) -> str:
@@ -132,7 +139,7 @@ def check_memory(plain: dict, topo, world) -> str:
     checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates (one
     helper process per start, not one per rank) and its verdict reaches every rank. Returns
     the estimate to print under the rank map (rank 0 prints it)."""
-    text, refused = (memory_estimate(plain, topo, _hosts(world.plan, topo)) if world.rank == 0
-                     else ("", None))
+    hosts = _hosts(world.plan, topo, plain["cluster"]["inventory"]) if world.rank == 0 else None
+    text, refused = memory_estimate(plain, topo, hosts) if world.rank == 0 else ("", None)
     world.settle(None if refused is None else f"does not fit: {refused}")
     return text

@@ -10,7 +10,7 @@ shard over), fewer micro-batches in flight (prefetch, stages after it, the micro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ldt import memory
 from ldt.config import to_train
@@ -82,6 +82,11 @@ class Hosts:
     nodes: tuple[str, ...]
     owner: Optional[str]
     available_gib: dict
+    send_s: Optional[Callable[[str, str, int], float]] = None
+    """Seconds to send so many bytes from one node to another (the inventory's link), for
+    pricing the copies; None: not priced."""
+    step_s: Optional[float] = None
+    """The planned step time the copies overlap."""
 
 
 def host_snapshots(stages: list[StageEstimate], topo, hosts: Hosts,
@@ -97,6 +102,32 @@ def host_snapshots(stages: list[StageEstimate], topo, hosts: Hosts,
     for writer, holder in copy_holders(topo, list(hosts.nodes), hosts.owner, sharded).items():
         copies[hosts.nodes[holder]] += held[writer]
     return {n: (own[n], copies[n]) for n in own}
+
+
+def copy_line(stages: list[StageEstimate], topo, hosts: Hosts, sharded: bool) -> Optional[str]:
+    """The copies' traffic per step between each pair of nodes, priced on the inventory's
+    links, against the planned step they overlap; None when nothing is copied or priced. A
+    copy slower than a step makes the writers busy and the ranks skip snapshots together."""
+    if hosts.send_s is None:
+        return None
+    one = {r: s.snapshot_bytes for s in stages for r in s.ranks}
+    pairs: dict[tuple[str, str], int] = {}
+    for writer, holder in copy_holders(topo, list(hosts.nodes), hosts.owner, sharded).items():
+        key = (hosts.nodes[writer], hosts.nodes[holder])
+        pairs[key] = pairs.get(key, 0) + one[writer]
+    if not pairs:
+        return None
+    priced = {key: hosts.send_s(*key, nbytes) for key, nbytes in pairs.items()}
+    text = "snapshot copies per step (the inventory's links): " + ", ".join(
+        f"node {a} -> {b} {_size(pairs[(a, b)])} {priced[(a, b)] * 1e3:.1f} ms"
+        for a, b in sorted(pairs))
+    if hosts.step_s:
+        text += f", against a planned step of {hosts.step_s * 1e3:.1f} ms"
+        slow = sorted(key for key, t in priced.items() if t > hosts.step_s)
+        if slow:
+            text += (f"; slower than a step ({', '.join(f'{a} -> {b}' for a, b in slow)}): "
+                     "snapshots will be skipped on the steps a copy is still travelling")
+    return text
 
 
 def host_lines(per_host: dict[str, tuple[int, int]], hosts: Hosts) -> tuple[str, Optional[str]]:
@@ -158,8 +189,8 @@ def check(cfg: dict, topo, hosts: Optional[Hosts] = None) -> tuple[str, str | No
     lines = [table(stages), snapshot_line(stages, train)]
     refused = None if over is None else refusal(over, topo, train)
     if hosts is not None and train.snapshot_dir:
-        text, host_refused = host_lines(
-            host_snapshots(stages, topo, hosts, train.distributed_optimizer), hosts)
-        lines.append(text)
+        sharded = train.distributed_optimizer
+        text, host_refused = host_lines(host_snapshots(stages, topo, hosts, sharded), hosts)
+        lines += [text, copy_line(stages, topo, hosts, sharded)]
         refused = refused or host_refused
     return "\n".join(filter(None, lines)), refused

@@ -138,6 +138,11 @@ class Memory:
                 + self.transient + self.wstore)
 
 
+def message_time(nbytes: float, link) -> float:
+    """One message of ``nbytes`` over an inventory link: bytes / bandwidth + latency."""
+    return nbytes / (link.bandwidth_gbps * GB) + link.latency_us * 1e-6
+
+
 def ring_allreduce_time(nbytes: float, n: int, bw_gbps: float) -> float:
     """Ring all-reduce of ``nbytes`` over ``n`` ranks: each link moves 2(n-1)/n of the data."""
     return 0.0 if n <= 1 else 2 * (n - 1) / n * nbytes / (bw_gbps * GB)
@@ -487,7 +492,7 @@ class CostModel:
         link = self.inventory.link(src_kind, dst_kind)
         how = carry(nbytes, dst_tp, mode="auto", same_node=False)
         copies = dst_tp if how.kind == FANOUT else 1
-        t = copies * nbytes / (link.bandwidth_gbps * GB) + link.latency_us * 1e-6
+        t = message_time(copies * nbytes, link)
         if plan_boundary(0, src.device, 1, dst.device).host_staged:  # the run's own rule
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
         if dst_tp > 1 and copies == 1:  # the relay of the last piece inside the TP group
