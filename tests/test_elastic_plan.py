@@ -331,10 +331,11 @@ def test_a_host_without_room_for_its_snapshots_and_copies_is_refused(inventory, 
     plain["cluster"] = plan.cluster
     plain["train"].update(num_microbatches=plan.num_microbatches, prefetch=plan.prefetch)
     topo = Topology.from_config(plan.cluster, model)
-    stage_of = {r: s.index for s in memory.estimate(plain) for r in s.ranks}
-    held = {s.index: SNAPSHOTS_HELD * s.snapshot_bytes for s in memory.estimate(plain)}
+    stages = memory.estimate(plain)
+    stage_of = {r: s.index for s in stages for r in s.ranks}
+    held = {s.index: SNAPSHOTS_HELD * s.snapshot_bytes for s in stages}
     hosts = _hosts(plan, topo, "cpu_elastic")
-    per_host = host_snapshots(memory.estimate(plain), topo, hosts, sharded=False)
+    per_host = host_snapshots(stages, topo, hosts, sharded=False)
     node_of = dict(enumerate(hosts.nodes))
     edge = node_of[0]
     assert per_host[edge] == (held[0], 0)  # the data owner keeps no cloud part

@@ -167,7 +167,7 @@ def _build_stage(run: _Run) -> _Stage:
     shared = len({id(p) for g in models for p in g.parameters()}) < \
         sum(1 for g in models for _ in g.parameters())  # U-shape edge: tied embedding + head
     opt = build_stage_optimizer(cfg, topo, state, models, shared_chunks=shared)
-    root = snapshot.root_of(cfg, run.run_dir, topo)
+    root = snapshot.root_of(cfg.train.snapshot_dir, run.run_dir, topo)
     first_step = _load_checkpoint(run, models, chunks, opt, root)
     data = build_training_data(cfg, topo, state)  # every rank: indexed data builds collectively
     ldt_runtime = uses_ldt_runtime(cfg.train, topo)

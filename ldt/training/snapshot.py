@@ -49,11 +49,12 @@ STATE_FILE = "state.pt"  # in each part: {name: tensor} (torch.save)
 COPIED = (META_FILE, STATE_FILE, MANIFEST)  # what a copy to another host carries, in order
 
 
-def root_of(cfg, run_dir: str, topo) -> Optional[str]:
-    """This run's snapshot folder in this layout, or None when snapshots are off."""
-    if not cfg.train.snapshot_dir:
+def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
+    """This run's snapshot folder in this layout (``train.snapshot_dir``), or None when
+    snapshots are off."""
+    if not snapshot_dir:
         return None
-    return snapshot_files.snapshot_root(cfg.train.snapshot_dir, run_dir, topo.rank_map())
+    return snapshot_files.snapshot_root(snapshot_dir, run_dir, topo.rank_map())
 
 
 class Snapshots:
