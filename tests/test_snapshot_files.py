@@ -131,20 +131,3 @@ def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
         assert newest(root, None, steps=10) == files.step_dir(root, 3)
     finally:
         dist.destroy_process_group()
-
-
-def test_a_part_of_bytes_carries_checksums_made_from_them(root):
-    """write_files: the manifest is made from the bytes in memory (or is the writer's, for a
-    copy received from another host), and reading checks the files against it."""
-    contents = {"state.pt": b"\x01" * 1000, "meta.json": b'{"rank": 1}'}
-    folder = snap.write_files(root, 3, "rank_1", contents)
-    files.verify_part(folder)
-    copy = snap.write_files(snap.copies_root(root), 3, "rank_1", contents,
-                            files.manifest_of(contents))
-    files.verify_part(copy)
-    wrong = files.manifest_of({**contents, "state.pt": b"\x02" * 1000})  # not these bytes
-    bad = snap.write_files(snap.copies_root(root), 4, "rank_1", contents, wrong)
-    with pytest.raises(files.CheckpointError, match="corrupted"):
-        files.verify_part(bad)
-    assert snap.readable(root, 3, ["rank_1"]) and not snap.readable(snap.copies_root(root), 4,
-                                                                    ["rank_1"])

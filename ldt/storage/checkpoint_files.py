@@ -73,11 +73,9 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
     return write_part_with(folder, part, save, _nbytes(state_dict))
 
 
-def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes: int,
-                    manifest: Optional[dict] = None) -> str:
+def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes: int) -> str:
     """``folder/part`` as ``save(tmp)`` fills a fresh folder ``tmp`` (``nbytes``: about what it
-    writes), atomically: ``tmp`` gets a manifest with the sha256 of every file (``manifest``:
-    the one the caller made of the bytes it writes, :func:`manifest_of`), is synced and
+    writes), atomically: ``tmp`` gets a manifest with the sha256 of every file, is synced and
     renamed into place. Raises :class:`DiskFullError` when the disk is full."""
     final = os.path.join(folder, part)
     tmp = final + ".tmp"
@@ -86,8 +84,8 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         save(tmp)
-        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256", "files": (
-            _manifest(tmp, skip=(MANIFEST,)) if manifest is None else manifest)})
+        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
+                                                  "files": _manifest(tmp, skip=(MANIFEST,))})
         fsync_tree(tmp)
         move_into_place(tmp, final)
     except BaseException as exc:
@@ -382,12 +380,6 @@ def _manifest(folder: str, skip: tuple) -> dict:
             for name in sorted(os.listdir(folder))
             if name not in skip and not name.endswith(".tmp")
             and os.path.isfile(os.path.join(folder, name))}
-
-
-def manifest_of(contents: dict[str, bytes]) -> dict:
-    """A part's manifest entries for files of these bytes, as :func:`_manifest` reads them."""
-    return {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-            for name, data in sorted(contents.items())}
 
 
 def _sha256(path: str) -> str:

@@ -108,23 +108,6 @@ def write(root: str, step: int, part: str, save: Callable[[str], None], nbytes: 
     return done
 
 
-def write_files(root: str, step: int, part: str, contents: dict[str, bytes],
-                manifest: Optional[dict] = None) -> str:
-    """:func:`write` of files given as bytes; ``manifest``: their entries as made where the
-    bytes were made (:func:`ldt.storage.checkpoint_files.manifest_of`; a copy received from
-    another host keeps its writer's), else made here from the bytes, not read back."""
-    def save(folder: str) -> None:
-        for name, data in contents.items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(data)
-
-    done = files.write_part_with(files.step_dir(root, step), part, save,
-                                 sum(map(len, contents.values())),
-                                 files.manifest_of(contents) if manifest is None else manifest)
-    prune(root, part)
-    return done
-
-
 def steps(root: str) -> list[int]:
     """The steps with a snapshot folder under ``root``, newest first."""
     folder = os.path.join(root, "checkpoints")

@@ -40,13 +40,11 @@ from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
 from ldt.storage.snapshot_parts import META_FILE
 from ldt.topology.buddies import copy_holders
-from ldt.storage.checkpoint_files import (MANIFEST, CheckpointError, latest, manifest_of,
-                                           read_info, step_dir)
+from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.training.checkpoint import named_params
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
 STATE_FILE = "state.pt"  # in each part: {name: tensor} (torch.save)
-COPIED = (META_FILE, STATE_FILE, MANIFEST)  # what a copy to another host carries, in order
 
 
 def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
@@ -93,15 +91,15 @@ class Snapshots:
         state = io.BytesIO()
         torch.save(tensors, state)
         files = {STATE_FILE: state.getvalue(), META_FILE: json.dumps(self._meta).encode()}
-        manifest = manifest_of(files)  # of the bytes in memory: the copy's holder keeps it
         try:
-            snapshot_files.write_files(self.root, step, self.part, files, manifest)
+            snapshot_files.write(self.root, step, self.part, _writer(files),
+                                 sum(len(b) for b in files.values()))
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                       "training goes on")
         if self.copies is not None:
-            self._exchange_copies(step, {**files, MANIFEST: json.dumps(manifest).encode()})
+            self._exchange_copies(step, files)
 
     def _exchange_copies(self, step: int, files: dict) -> None:
         """Send this rank's part to its holder on another host and keep the parts of the
@@ -112,12 +110,13 @@ class Snapshots:
         try:
             progress.current().begin("copying the snapshot to another host")  # (a drill's point)
             sends = [] if c.holder is None else [
-                work for name in COPIED for work in isend_bytes(files[name], c.holder, c.group)]
-            for writer in c.writers:  # kept with its writer's checksums, not hashed again
-                got = {name: recv_bytes(writer, c.group) for name in COPIED}
-                manifest = json.loads(got.pop(MANIFEST))
-                snapshot_files.write_files(snapshot_files.copies_root(self.root), step,
-                                           snapshot_files.part_name(writer), got, manifest)
+                work for name in (META_FILE, STATE_FILE)
+                for work in isend_bytes(files[name], c.holder, c.group)]
+            for writer in c.writers:
+                got = {name: recv_bytes(writer, c.group) for name in (META_FILE, STATE_FILE)}
+                snapshot_files.write(snapshot_files.copies_root(self.root), step,
+                                     snapshot_files.part_name(writer), _writer(got),
+                                     sum(len(b) for b in got.values()))
             for work in sends:
                 work.wait()
         except Exception as exc:  # a peer gone: the world is failing; the next one recovers
@@ -140,6 +139,15 @@ class Snapshots:
             self._said.add(what)
             print(f"ldt: warning: rank {dist.get_rank()} (stage {self.state.stage}): {text}",
                   file=sys.stderr, flush=True)
+
+
+def _writer(files: dict[str, bytes]):
+    """``save(folder)`` for :func:`ldt.storage.snapshot_files.write`: these files' bytes."""
+    def save(folder: str) -> None:
+        for name, data in files.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+    return save
 
 
 @dataclass(frozen=True)
