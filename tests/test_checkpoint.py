@@ -33,8 +33,8 @@ def ldt_train(run_dir, *overrides, steps=STEPS):
 
 
 def run(run_dir, *overrides, timeout=240, steps=STEPS):
-    proc = subprocess.run(ldt_train(run_dir, *overrides, steps=steps), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(ldt_train(run_dir, *overrides, steps=steps), capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["losses"] = [loss for _, loss in metrics(run_dir)]  # one row per step of this run

@@ -91,7 +91,8 @@ def _parts(full: dict, moments: dict, tp: int, dp: int, gated: bool = False):
                 start, end = n * d // dp, n * (d + 1) // dp
                 if end > start:
                     meta["spans"][name] = [start, end]
-                    state[f"optim.{name}.exp_avg"] = cut(name, moments[name], t).reshape(-1)[start:end]
+                    moment = cut(name, moments[name], t).reshape(-1)
+                    state[f"optim.{name}.exp_avg"] = moment[start:end]
                     state[f"optim.{name}.step"] = torch.tensor(3.0)
             out.append((meta, state))
     return out

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, step_dir, verify_part
 
-META_FILE = "meta.json"  # in each part, beside the state file: Held's fields but holder, layout, step
+META_FILE = "meta.json"  # in each part: Held's fields but holder, layout and step
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ import torch.distributed as dist
 from ldt.launch import progress
 from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
+from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.storage.snapshot_parts import META_FILE
 from ldt.topology.buddies import copy_holders
-from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.training.checkpoint import named_params
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
@@ -238,8 +238,8 @@ def part_meta(models, chunks, optimizer, state) -> dict:
                 spans[name] = list(span)
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "stages": topo.num_stages,
             "stage": state.stage, "tp": len(state.stage_ranks), "tp_rank": info.tp_rank,
-            "dp": topo.dp_of(state.stage), "dp_rank": info.dp_rank, "ep": topo.stages[state.stage].ep,
-            "sharded": int(bool(spans)), "gated": int(is_gated(models[0])), "spans": spans,
+            "dp": topo.dp_of(state.stage), "dp_rank": info.dp_rank,
+            "ep": topo.stages[state.stage].ep, "sharded": int(bool(spans)), "gated": int(is_gated(models[0])), "spans": spans,
             "aliases": {name: unique[id(p)] for name, p in named_params(models, chunks)
                         if unique[id(p)] != name}}
 

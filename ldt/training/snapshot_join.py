@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ldt.launch import progress
-from ldt.models.sharding import split_dim, unshard
+from ldt.models.sharding import unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
 from ldt.training.checkpoint import load_step, write_and_seal
@@ -137,22 +137,16 @@ def join_stage(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     model, optim = {}, {}
     for name in names:
         shards = [by_tp[t][0][1][f"model.{name}"] for t in range(tp)]
-        model[name] = _join_tp(name, shards, gated)
+        model[name] = unshard(name, shards, gated=gated)
         local = [_optimizer_state(name, by_tp[t], shards[t].shape, sharded) for t in range(tp)]
         if local[0]:
-            optim[name] = {k: _join_tp(name, [each[k] for each in local], gated)
+            optim[name] = {k: unshard(name, [each[k] for each in local], gated=gated)
                            for k in local[0] if k != "step"} | {"step": local[0]["step"]}
     for name, same in meta.get("aliases", {}).items():  # the tied head: the embedding's
         model[name] = model[same]
         if same in optim:
             optim[name] = optim[same]
     return model, optim
-
-
-def _join_tp(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
-    if len(shards) == 1 or split_dim(name) is None:
-        return shards[0].clone()
-    return unshard(name, shards, gated=gated)
 
 
 def _optimizer_state(name: str, parts: list[tuple[dict, dict]], shape, sharded: bool) -> dict:
