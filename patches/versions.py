@@ -44,6 +44,10 @@ CHANGES: dict[str, tuple[str, str]] = {
                   "tracker, sized by ensure_initialized(); moe_utils."
                   "get_moe_layer_wise_logging_tracker() returns a copy of it (0.16, 0.17: the "
                   "tracker itself, a dict)"),
+    "share_storage_ext": (
+        ">=0.17", "tensor_parallel.random.CheckpointWithoutOutput (selective recompute of "
+                  "layernorm, moe_act, mla_up_proj) compiles the C++ extension share_storage_ext "
+                  "with load_inline in its first recompute, inside a backward"),
     "gtp_remat_groups": (
         ">=0.19", "parallel_state's generalized-TP weight-rematerialization groups "
                   "(_GTP_WEIGHT_REMAT_GROUP, _DATA_PARALLEL_GROUP_WITH_GTP_REMAT, ...): with "

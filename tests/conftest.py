@@ -74,3 +74,13 @@ def tiny_model_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_model_files")
     build(root)
     return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_extension_built():
+    """megatron-core 0.17+ compile a C++ extension in their first selective recompute
+    (ldt.models.extensions): built once per session here, as ldt-train builds it before its
+    world, so no test world's first backward spends the boundary timeout compiling it."""
+    from ldt.models.extensions import build
+
+    build(say=False)

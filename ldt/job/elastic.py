@@ -17,8 +17,8 @@ from ldt.elastic.world import form_world
 from ldt.memory.report import Hosts
 from ldt.plan import load_inventory
 from ldt.plan.cost import message_time
-from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun,
-                     memory_estimate, resolve, world_backend)
+from ldt.job.prepare import (build_extensions, check, check_run_dir_given, discard_run_folder,
+                             join_torchrun, memory_estimate, resolve, world_backend)
 import ldt.launch.quiet
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
@@ -104,6 +104,8 @@ def _planned(plain: dict, world):
 
 def _train_in(world, config, topo, memory: str, env) -> int:
     """Form the planned world's process group and train in it."""
+    if not build_extensions(config):
+        return 1
     world.init_process_group(world_backend(config), config.train.comm_timeout_s)
     world.record(env)
     if world.rank == 0:

@@ -179,6 +179,20 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
     return code
 
 
+def build_extensions(cfg: LdtConfig) -> bool:
+    """megatron-core's C++ extension, built before the world forms when the run needs it
+    (:mod:`ldt.models.extensions`: inside the first backward a build outlasts the boundary
+    timeout). False after saying why it cannot be built."""
+    from ldt.models.extensions import BuildLocked, build_for
+
+    try:
+        build_for(cfg.model, cfg.cluster.stages, say=os.environ.get("LOCAL_RANK", "0") == "0")
+    except BuildLocked as exc:
+        print(f"ldt: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def world_backend(cfg: LdtConfig) -> str:
     """The default group's backend: native when every stage has one device type, else gloo."""
     devices = {s.device for s in cfg.cluster.stages}

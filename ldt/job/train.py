@@ -25,8 +25,9 @@ from ldt.config.errors import one_line
 from ldt.config.errors import EXIT_CONFIG
 from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
-from ldt.job.prepare import (check, check_run_dir_given, discard_run_folder, join_torchrun, memory_check,
-                     new_run_folder, reference_config, resolve, save_config, summary_line)
+from ldt.job.prepare import (build_extensions, check, check_run_dir_given, discard_run_folder,
+                             join_torchrun, memory_check, new_run_folder, reference_config,
+                             resolve, save_config, summary_line)
 from ldt.launch import drill
 from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
@@ -111,6 +112,8 @@ def _start(checked, choices, rank: Optional[int]) -> int:
     what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
             f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
             + (", U-shape" if topo.u_shape else ""))
+    if not build_extensions(config):
+        return 1
     if rank is not None:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
