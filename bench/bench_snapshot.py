@@ -130,6 +130,57 @@ def estimated_bytes() -> int:
     return sum(SNAPSHOTS_HELD * s.snapshot_bytes * len(s.ranks) for s in memory.estimate(cfg))
 
 
+def part_costs(state_bytes: int, repeats: int = 50) -> dict:
+    """What one rank's part costs the CPU per step, timed in this process on a state of
+    ``state_bytes`` (fp32 tensors of 256, 64 and 16 KB): the copy of the state to host memory
+    (``fresh``: new buffers every step, as before; ``refill``: the previous step's, as ldt does)
+    and the write into ``/dev/shm`` with its manifest (crc32, as ldt does; sha256, a
+    checkpoint's). Medians in ms."""
+    import time
+
+    import torch
+
+    from ldt.storage import checkpoint_files, snapshot_files
+    from ldt.training.snapshot import _host_copy, _writer
+
+    n = state_bytes // 4
+    sizes = [64 * 1024, 16 * 1024, 4 * 1024]  # big and small tensors, as a model's
+    live, left = [], n
+    while left > 0:
+        live.append(torch.randn(min(sizes[len(live) % 3], left)))
+        left -= live[-1].numel()
+
+    def timed(fn) -> float:
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+        return median(out)
+
+    staged = {f"t{i}": t.clone() for i, t in enumerate(live)}
+    copy = {"fresh": timed(lambda: [_host_copy(t, None, "") for t in live]),
+            "refill": timed(lambda: [_host_copy(t, staged, f"t{i}") for i, t in enumerate(live)])}
+    import io
+
+    data = io.BytesIO()
+    torch.save(staged, data)
+    files = {"state.pt": data.getvalue()}
+    root = tempfile.mkdtemp(prefix="ldt-bench-part-", dir=SHM)
+    write = {}
+    try:
+        for algorithm in ("crc32", "sha256"):
+            step = iter(range(10**6))
+            write[algorithm] = timed(lambda: checkpoint_files.write_part_with(
+                os.path.join(root, f"step_{next(step)}"), "rank_0", _writer(files), 0,
+                algorithm=algorithm))
+            snapshot_files.remove(root)
+            os.makedirs(root, exist_ok=True)
+    finally:
+        os.system(f"rm -rf {root}")
+    return {"state_mib": state_bytes / 2**20, "copy_ms": copy, "write_ms": write}
+
+
 def main() -> dict:
     from ldt.testing.hosts import unavailable
 
@@ -147,19 +198,23 @@ def main() -> dict:
                 times[path] += got
                 peak, peak_copies = max(peak, held), max(peak_copies, copies)
     estimate = estimated_bytes()
+    parts = part_costs(estimate // (3 * RANKS))  # the estimate: 3 generations per rank
     out = {"bench": "snapshot", "cpus_per_rank": CPUS, "host_bytes_peak": peak,
            "host_bytes_estimate": estimate, "host_bytes_ratio": estimate / peak,
            "host_bytes_peak_mib": peak / 2**20, "host_bytes_estimate_mib": estimate / 2**20,
            "copies_bytes_peak_mib": peak_copies / 2**20,
            "step_s": {p: median(v) for p, v in times.items()},
            "step_s_spread": {p: spread(v) for p, v in times.items()},
-           "steps_measured": {p: len(v) for p, v in times.items()}}
+           "steps_measured": {p: len(v) for p, v in times.items()}, "part": parts}
     out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
           f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f} (one host of "
           f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
-          f"for other hosts: {peak_copies / 2**20:.2f} MiB at most")
+          f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
+          f"{parts['state_mib']:.2f} MiB: copy {parts['copy_ms']['refill']:.2f} ms "
+          f"(fresh buffers {parts['copy_ms']['fresh']:.2f}), write with crc32 "
+          f"{parts['write_ms']['crc32']:.2f} ms (sha256 {parts['write_ms']['sha256']:.2f})")
     return emit(out, load_before=load)
 
 

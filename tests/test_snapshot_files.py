@@ -4,8 +4,10 @@ another layout never finds the old snapshots, and a bad ``train.snapshot_dir`` i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -54,6 +56,12 @@ def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
     assert snap.readable(root, 6, ["rank_0"])
     part = os.path.join(files.step_dir(root, 6), "rank_0")
     data = "state.pt"
+    # a snapshot's checksums are crc32s (a checkpoint's: sha256), as zlib computes them
+    with open(os.path.join(part, files.MANIFEST)) as f:
+        manifest = json.load(f)
+    with open(os.path.join(part, data), "rb") as f:
+        assert manifest["algorithm"] == "crc32"
+        assert manifest["files"][data]["crc32"] == f"{zlib.crc32(f.read()):08x}"
     with open(os.path.join(part, data), "r+b") as f:  # one byte flipped, same size
         first = f.read(1)
         f.seek(0)
@@ -131,3 +139,19 @@ def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
         assert newest(root, None, steps=10) == files.step_dir(root, 3)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_take_refills_the_previous_takes_host_buffers():
+    """ldt.training.snapshot.local_state(into=): the writer's buffers are filled again in place
+    (the same tensors, the new values); a tensor whose shape or dtype changed gets a new one,
+    and nothing aliases the live parameter."""
+    from ldt.training.snapshot import _host_copy
+
+    live = torch.arange(6.0).reshape(2, 3)
+    first = _host_copy(live, None, "w")
+    assert torch.equal(first, live) and first.data_ptr() != live.data_ptr()
+    live += 1
+    again = _host_copy(live, {"w": first}, "w")
+    assert again is first and torch.equal(first, live)
+    assert _host_copy(live.double(), {"w": first}, "w") is not first
+    assert _host_copy(live[:1], {"w": first}, "w") is not first

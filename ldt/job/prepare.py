@@ -21,6 +21,7 @@ from ldt.data.files import format_blend, parse_blend
 from ldt.launch.quiet import set_log_level
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
+from ldt.models.extensions import BuildLocked, build_for
 from ldt.plan.zerobubble import run_prices
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
@@ -183,8 +184,6 @@ def build_extensions(cfg: LdtConfig) -> bool:
     """megatron-core's C++ extension, built before the world forms when the run needs it
     (:mod:`ldt.models.extensions`: inside the first backward a build outlasts the boundary
     timeout). False after saying why it cannot be built."""
-    from ldt.models.extensions import BuildLocked, build_for
-
     try:
         build_for(cfg.model, cfg.cluster.stages, say=os.environ.get("LOCAL_RANK", "0") == "0")
     except BuildLocked as exc:

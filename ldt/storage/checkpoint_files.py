@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import warnings
+import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -73,10 +74,12 @@ def write_part(folder: str, part: str, state_dict: dict) -> str:
     return write_part_with(folder, part, save, _nbytes(state_dict))
 
 
-def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes: int) -> str:
+def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes: int,
+                    algorithm: str = "sha256") -> str:
     """``folder/part`` as ``save(tmp)`` fills a fresh folder ``tmp`` (``nbytes``: about what it
-    writes), atomically: ``tmp`` gets a manifest with the sha256 of every file, is synced and
-    renamed into place. Raises :class:`DiskFullError` when the disk is full."""
+    writes), atomically: ``tmp`` gets a manifest with the checksum (``algorithm``, one of
+    :data:`CHECKSUMS`) of every file, is synced and renamed into place. Raises
+    :class:`DiskFullError` when the disk is full."""
     final = os.path.join(folder, part)
     tmp = final + ".tmp"
     try:
@@ -84,8 +87,8 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         save(tmp)
-        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": "sha256",
-                                                  "files": _manifest(tmp, skip=(MANIFEST,))})
+        _write_json(os.path.join(tmp, MANIFEST),
+                    {"algorithm": algorithm, "files": _manifest(tmp, (MANIFEST,), algorithm)})
         fsync_tree(tmp)
         move_into_place(tmp, final)
     except BaseException as exc:
@@ -247,16 +250,18 @@ def _verify_part(part: str, hashes: bool, field: str) -> None:
     path = os.path.join(part, MANIFEST)
     try:
         with open(path) as f:
-            files = json.load(f)["files"]
+            manifest = json.load(f)
+        files, algorithm = manifest["files"], manifest.get("algorithm", "sha256")
+        CHECKSUMS[algorithm]
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path} is missing or damaged, so {part} cannot be checked; "
                               f"{_fix(os.path.dirname(part), field)}") from None
-    _verify_files(part, files, hashes, os.path.dirname(part), field)
+    _verify_files(part, files, hashes, os.path.dirname(part), field, algorithm)
 
 
 def _verify_files(where: str, files: dict, hashes: bool, step_folder: str,
-                  field: str) -> None:
-    """Each file of a manifest (name -> bytes, sha256) in ``where`` against it."""
+                  field: str, algorithm: str = "sha256") -> None:
+    """Each file of a manifest (name -> bytes, checksum) in ``where`` against it."""
     for name, want in files.items():
         file = os.path.join(where, name)
         size = os.path.getsize(file) if os.path.exists(file) else None
@@ -265,8 +270,8 @@ def _verify_files(where: str, files: dict, hashes: bool, step_folder: str,
         elif size != want["bytes"]:
             problem = (f"is truncated ({size} of {want['bytes']} bytes)" if size < want["bytes"]
                        else f"has {size} bytes, not {want['bytes']}")
-        elif hashes and _sha256(file) != want["sha256"]:
-            problem = "is corrupted (its sha256 differs from the one written with it)"
+        elif hashes and _checksum(file, algorithm) != want[algorithm]:
+            problem = f"is corrupted (its {algorithm} differs from the one written with it)"
         else:
             continue
         raise CheckpointError(f"checkpoint file {file} {problem}; {_fix(step_folder, field)}")
@@ -373,17 +378,37 @@ def _fix(step_folder: str, field: str) -> str:
 
 
 # ---- helpers -----------------------------------------------------------------------------------
-def _manifest(folder: str, skip: tuple) -> dict:
-    """Size and sha256 of every regular file directly in ``folder`` but ``skip`` (and .tmp)."""
+def _manifest(folder: str, skip: tuple, algorithm: str = "sha256") -> dict:
+    """Size and checksum of every regular file directly in ``folder`` but ``skip`` (and .tmp)."""
     return {name: {"bytes": os.path.getsize(os.path.join(folder, name)),
-                   "sha256": _sha256(os.path.join(folder, name))}
+                   algorithm: _checksum(os.path.join(folder, name), algorithm)}
             for name in sorted(os.listdir(folder))
             if name not in skip and not name.endswith(".tmp")
             and os.path.isfile(os.path.join(folder, name))}
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
+class _Crc32:
+    """hashlib's interface over zlib.crc32."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+# a checkpoint's files: sha256. A snapshot part in host memory, written every step and read
+# back only by its own host or a copy's: crc32, which finds a torn or damaged file at a
+# quarter of sha256's cost (6 MB: 0.8 ms against 2.9 ms here), twice a step on a host
+# that keeps a copy
+CHECKSUMS: dict[str, Callable[[], Any]] = {"sha256": hashlib.sha256, "crc32": _Crc32}
+
+
+def _checksum(path: str, algorithm: str) -> str:
+    h = CHECKSUMS[algorithm]()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)

@@ -3,7 +3,7 @@
 A snapshot is a checkpoint's step folder without the seal: ``<root>/checkpoints/step_<N>/``
 holding one part per rank, ``rank_<R>`` (its own state, as the same rank of the same layout
 loads it back), written by :func:`ldt.storage.checkpoint_files.write_part_with` (the files and
-a ``MANIFEST.json`` with the sha256 of every one, written into ``<part>.tmp`` and renamed into
+a ``MANIFEST.json`` with the crc32 of every one, written into ``<part>.tmp`` and renamed into
 place), so a part is whole or absent and its checksums say whether it is still what was
 written. No rank waits for the others to write: a
 step's snapshot is complete when every part it needs is there and verifies, which the readers
@@ -103,7 +103,8 @@ def write(root: str, step: int, part: str, save: Callable[[str], None], nbytes: 
     """Write ``part`` of step ``step``'s snapshot (``save(folder)`` writes its files into an
     empty folder), then drop this part's generations older than the newest
     :data:`GENERATIONS` (each writer touches only its own part)."""
-    done = files.write_part_with(files.step_dir(root, step), part, save, nbytes)
+    done = files.write_part_with(files.step_dir(root, step), part, save, nbytes,
+                                 algorithm="crc32")
     prune(root, part)
     return done
 

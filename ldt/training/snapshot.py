@@ -63,6 +63,7 @@ class Snapshots:
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
         self._meta: Optional[dict] = None  # where this rank sits in its layout: the same every step
+        self._staged: Optional[dict] = None  # the host buffers the writer reads, refilled each take
         self._said: set = set()
         snapshot_files.remove_other_layouts(root)
 
@@ -79,7 +80,9 @@ class Snapshots:
                       f"step {step} (a snapshot never makes a step wait; the next one is taken "
                       "when every writer is free)")
             return
-        tensors = local_state(models, chunks, optimizer)
+        if self._thread is not None:  # done (no writer was busy): its buffers are free
+            self._thread.join()
+        tensors = self._staged = local_state(models, chunks, optimizer, into=self._staged)
         tensors["step"] = torch.tensor(step)
         if self._meta is None:
             self._meta = part_meta(models, chunks, optimizer, self.state)
@@ -208,18 +211,31 @@ def _unique_params(models, chunks):
             yield name, p
 
 
-def local_state(models, chunks, optimizer) -> dict[str, torch.Tensor]:
+def local_state(models, chunks, optimizer,
+                into: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
     """This rank's state, copied to host memory: ``model.<name>`` (its shard of each
     parameter) and, with an optimizer, ``optim.<name>.<kind>`` as it keeps them
-    (:func:`ldt.training.optim.local_param_state`). No collective."""
+    (:func:`ldt.training.optim.local_param_state`). No collective. ``into``: the buffers of
+    an earlier call, filled again in place: a fresh buffer larger than malloc's mmap threshold
+    is faulted in page by page on every copy, on the step's own thread (10 tensors of 2.4 MB
+    here: 3.1 ms fresh, 0.24 ms refilled; gpt_tiny's small tensors are reused by malloc
+    either way)."""
     out = {}
     with torch.no_grad():
         for name, p in _unique_params(models, chunks):
-            out[f"model.{name}"] = p.detach().to("cpu", copy=True)
+            out[f"model.{name}"] = _host_copy(p, into, f"model.{name}")
             if optimizer is not None:
                 for kind, t in local_param_state(optimizer, p).items():
-                    out[f"optim.{name}.{kind}"] = t.detach().to("cpu", copy=True)
+                    key = f"optim.{name}.{kind}"
+                    out[key] = _host_copy(t, into, key)
     return out
+
+
+def _host_copy(t: torch.Tensor, into: Optional[dict], key: str) -> torch.Tensor:
+    old = None if into is None else into.get(key)
+    if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+        return old.copy_(t.detach())
+    return t.detach().to("cpu", copy=True)
 
 
 def part_meta(models, chunks, optimizer, state) -> dict:
