@@ -252,7 +252,8 @@ def _verify_part(part: str, hashes: bool, field: str) -> None:
         with open(path) as f:
             manifest = json.load(f)
         files, algorithm = manifest["files"], manifest.get("algorithm", "sha256")
-        CHECKSUMS[algorithm]
+        if algorithm not in CHECKSUMS:
+            raise ValueError(algorithm)
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path} is missing or damaged, so {part} cannot be checked; "
                               f"{_fix(os.path.dirname(part), field)}") from None
