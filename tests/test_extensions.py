@@ -73,7 +73,7 @@ def test_a_stale_lock_refuses_in_one_line_naming_the_file(tmp_path, monkeypatch,
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setattr(versions, "holds", lambda change, installed=None: True)
     path = _lock(str(tmp_path), age_s=extensions.STALE_AFTER_S + 5)
-    with pytest.raises(extensions.BuildLocked, match="killed midway") as err:
+    with pytest.raises(extensions.BuildError, match="killed midway") as err:
         extensions.build()
     assert path in str(err.value) and "delete that file" in str(err.value)
     assert "\n" not in str(err.value)
@@ -89,3 +89,27 @@ def test_a_stale_lock_refuses_in_one_line_naming_the_file(tmp_path, monkeypatch,
 @pytest.mark.skipif(versions.holds("share_storage_ext"), reason="megatron-core 0.17+ builds")
 def test_nothing_to_build_before_megatron_017():
     assert extensions.build() is False
+
+
+def test_a_failed_build_says_what_to_install(tmp_path, monkeypatch):
+    """No compiler: torch's build error becomes one line naming the cause and the fixes."""
+    import sys
+    import types
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(versions, "holds", lambda change, installed=None: True)
+
+    def no_compiler():
+        raise RuntimeError("Error building extension 'share_storage_ext'\nc++: not found")
+
+    import megatron.core.tensor_parallel  # noqa: F401  (the real package, before the stand-in)
+
+    fake = types.ModuleType("megatron.core.tensor_parallel.random")
+    fake._get_share_storage = no_compiler
+    monkeypatch.setitem(sys.modules, "megatron.core.tensor_parallel.random", fake)
+    with pytest.raises(extensions.BuildError) as err:
+        extensions.build(say=False)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "RuntimeError: Error building extension 'share_storage_ext'" in message
+    assert "install a C++ compiler and ninja" in message and "full recompute" in message

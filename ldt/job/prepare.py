@@ -21,7 +21,7 @@ from ldt.data.files import format_blend, parse_blend
 from ldt.launch.quiet import set_log_level
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
-from ldt.models.extensions import BuildLocked, build_for
+from ldt.models.extensions import BuildError, build_for
 from ldt.plan.zerobubble import run_prices
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
@@ -186,7 +186,7 @@ def build_extensions(cfg: LdtConfig) -> bool:
     timeout). False after saying why it cannot be built."""
     try:
         build_for(cfg.model, cfg.cluster.stages, say=os.environ.get("LOCAL_RANK", "0") == "0")
-    except BuildLocked as exc:
+    except BuildError as exc:
         print(f"ldt: {exc}", file=sys.stderr, flush=True)
         return False
     return True

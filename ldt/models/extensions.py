@@ -11,6 +11,7 @@ so later runs load it in about a second.
 
 A build killed midway (Ctrl-C, a host losing power) leaves torch's ``lock`` file behind, and
 every later build waits for it forever: :func:`stale_locks` finds one and the refusal names it.
+A build that fails (no compiler) is said in one line with the fix, before any process starts.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ MODULES = frozenset({"layernorm", "moe_act", "mla_up_proj"})
 STALE_AFTER_S = 600.0  # a build takes well under a minute; a lock this old is a killed build's
 
 
-class BuildLocked(RuntimeError):
-    """A killed build's lock file stands in the way (the message names it and the fix)."""
+class BuildError(RuntimeError):
+    """The extension cannot be built: a killed build's lock file stands in the way, or the
+    build itself failed (no C++ compiler, no ninja). The message names the cause and the fix."""
 
 
 def needs_build(model, stages: Iterable) -> bool:
@@ -79,7 +81,7 @@ def build(say: bool = True) -> bool:
         return False
     stale = stale_locks()
     if stale:
-        raise BuildLocked(
+        raise BuildError(
             f"megatron-core's {NAME} build is locked by {stale[0]}, older than "
             f"{STALE_AFTER_S:.0f} s: a build was killed midway and every later one would wait "
             "for it forever; delete that file (no build of it is running) and start again")
@@ -89,5 +91,13 @@ def build(say: bool = True) -> bool:
               flush=True)
     from megatron.core.tensor_parallel.random import _get_share_storage
 
-    _get_share_storage()
+    try:
+        _get_share_storage()
+    except Exception as exc:  # torch's build: RuntimeError, OSError, CalledProcessError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise BuildError(
+            f"megatron-core's {NAME} could not be built ({type(exc).__name__}: {first}); "
+            f"its selective recompute of {'/'.join(sorted(MODULES))} needs it: install a C++ "
+            "compiler and ninja (pip install ninja), or recompute core_attn/mlp only, or "
+            "use full recompute") from exc
     return True
