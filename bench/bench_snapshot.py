@@ -49,6 +49,11 @@ QUOTES = [
     ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
     ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
+    ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB (the average rank's state in cpu_demo) in its own "
+     "process: copied to host memory in {part[copy_ms][refill]:.3f} ms ({part[copy_ms][fresh]:.3f} "
+     "ms into fresh buffers"),
+    ("docs/elastic.md", "written in {part[write_ms][crc32]:.2f} ms with its crc32 manifest "
+     "({part[write_ms][sha256]:.2f} ms with sha256's)"),
 ]
 
 
