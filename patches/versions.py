@@ -23,7 +23,7 @@ SUPPORTED = ">=0.16.0,<0.20"
 RELEASES = ("0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2")
 # the releases every CI run tests (`make test`: 0.16.1; `.ci/mcore`: the others); the refusal
 # names these, so a user knows which releases were actually run, not only allowed
-TESTED = ("0.16.1", "0.18.2", "0.19.2")
+TESTED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 
 # name -> (the releases where it holds, what and where it is in megatron-core)
 CHANGES: dict[str, tuple[str, str]] = {
