@@ -113,3 +113,33 @@ def test_a_failed_build_says_what_to_install(tmp_path, monkeypatch):
     assert "\n" not in message
     assert "RuntimeError: Error building extension 'share_storage_ext'" in message
     assert "install a C++ compiler and ninja" in message and "full recompute" in message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not versions.holds("share_storage_ext"),
+                    reason="megatron-core 0.16 builds nothing (.ci/mcore runs this on 0.17+)")
+def test_ldt_train_builds_before_its_world_on_a_fresh_machine(tmp_path):
+    """The CI failure this guards: on a machine that never built megatron's extension, the
+    first selective layernorm recompute compiled it inside a backward, past the neighbours'
+    boundary timeout. ldt-train refuses a killed build's lock before any process starts (and
+    leaves no run folder, so the same command works once the lock is gone); without it, it
+    builds first (said once) and trains."""
+    import subprocess
+    import sys
+
+    ext = tmp_path / "ext"  # a machine that never built it
+    lock = _lock(str(ext), age_s=extensions.STALE_AFTER_S + 5)
+    cmd = [sys.executable, "-m", "ldt.job.train", "cluster=cpu_vtp", "model=llama_tiny",
+           "train.steps=2", "model.recompute_granularity=selective",
+           "model.recompute_modules=[core_attn,layernorm]", f"run_dir={tmp_path / 'run'}"]
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ext))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert f"ldt: megatron-core's share_storage_ext build is locked by {lock}," in proc.stderr
+    assert "ldt-train: step" not in proc.stdout  # no rank trained
+    assert not (tmp_path / "run").exists()  # refused: the run folder it made is gone again
+    os.remove(lock)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stderr.count("ldt: building megatron-core's share_storage_ext") == 1
+    assert os.path.exists(ext / extensions.NAME / f"{extensions.NAME}.so")

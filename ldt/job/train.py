@@ -88,6 +88,8 @@ def _job(cfg, save_hydra_files=None) -> int:
             return refused(EXIT_CONFIG)
         if checked is None:  # nothing left to train
             return 0
+        if not build_extensions(checked[0]):  # before any process starts or group forms
+            return refused(1)
         return _start(checked, hydra_cfg.runtime.choices, rank)
     except _Unwritable as exc:  # config.yaml, before the world starts
         print(f"ldt: {_cannot_write(exc.__cause__, out)}", file=sys.stderr)
@@ -112,8 +114,6 @@ def _start(checked, choices, rank: Optional[int]) -> int:
     what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
             f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
             + (", U-shape" if topo.u_shape else ""))
-    if not build_extensions(config):
-        return 1
     if rank is not None:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
