@@ -49,11 +49,10 @@ QUOTES = [
     ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
     ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
-    ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB (the average rank's state in cpu_demo) in its own "
-     "process: copied to host memory in {part[copy_ms][refill]:.3f} ms ({part[copy_ms][fresh]:.3f} "
-     "ms into fresh buffers"),
-    ("docs/elastic.md", "written in {part[write_ms][crc32]:.2f} ms with its crc32 manifest "
-     "({part[write_ms][sha256]:.2f} ms with sha256's)"),
+    ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB in {part[tensors]} tensors (the average "
+     "rank's state in cpu_demo) in its own process: copied into its flat buffer in "
+     "{part[copy_ms]:.3f} ms, written with its crc32 manifest in {part[write_ms][flat]:.2f} ms "
+     "({part[write_ms][torch_save]:.2f} ms pickled by torch.save"),
 ]
 
 
@@ -135,25 +134,27 @@ def estimated_bytes() -> int:
     return sum(SNAPSHOTS_HELD * s.snapshot_bytes * len(s.ranks) for s in memory.estimate(cfg))
 
 
-def part_costs(state_bytes: int, repeats: int = 50) -> dict:
+def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
     """What one rank's part costs the CPU per step, timed in this process on a state of
-    ``state_bytes`` (fp32 tensors of 256, 64 and 16 KB): the copy of the state to host memory
-    (``fresh``: new buffers every step, as before; ``refill``: the previous step's, as ldt does)
-    and the write into ``/dev/shm`` with its manifest (crc32, as ldt does; sha256, a
-    checkpoint's). Medians in ms."""
+    ``state_bytes`` in ``tensors`` fp32 tensors (a cpu_demo cloud rank holds 97: weights,
+    biases and norms, each with its fp32 main copy and two moments): the copy into the part's
+    flat host buffer (:mod:`ldt.training.flat_state`), and the part made and written into
+    ``/dev/shm`` with its crc32 manifest, ``flat`` as ldt does (the buffer as it is, checksums
+    from memory) and ``torch_save`` as before (the tensors pickled by ``torch.save``, the
+    manifest read back from the files). Medians in ms."""
+    import io
+    import json
     import time
 
     import torch
 
     from ldt.storage import checkpoint_files, snapshot_files
-    from ldt.training.snapshot import _host_copy, _writer
+    from ldt.training.flat_state import FlatState
 
-    n = state_bytes // 4
-    sizes = [64 * 1024, 16 * 1024, 4 * 1024]  # big and small tensors, as a model's
-    live, left = [], n
-    while left > 0:
-        live.append(torch.randn(min(sizes[len(live) % 3], left)))
-        left -= live[-1].numel()
+    weights = [4.0, 1.0, 0.25]  # a weight, a bias, a norm
+    unit = state_bytes / 4 / sum(weights[i % 3] for i in range(tensors))
+    live = {f"t{i}": torch.randn(max(1, int(unit * weights[i % 3]))) for i in range(tensors)}
+    flat = FlatState(live)
 
     def timed(fn) -> float:
         out = []
@@ -163,27 +164,25 @@ def part_costs(state_bytes: int, repeats: int = 50) -> dict:
             out.append((time.perf_counter() - start) * 1e3)
         return median(out)
 
-    staged = {f"t{i}": t.clone() for i, t in enumerate(live)}
-    copy = {"fresh": timed(lambda: [_host_copy(t, None, "") for t in live]),
-            "refill": timed(lambda: [_host_copy(t, staged, f"t{i}") for i, t in enumerate(live)])}
-    import io
+    def torch_save(folder: str) -> None:
+        data = io.BytesIO()
+        torch.save(flat.views, data)
+        with open(os.path.join(folder, "state.pt"), "wb") as f:
+            f.write(data.getvalue())
 
-    data = io.BytesIO()
-    torch.save(staged, data)
-    files = {"state.pt": data.getvalue()}
+    meta = json.dumps({"index": flat.index}).encode()
     root = tempfile.mkdtemp(prefix="ldt-bench-part-", dir=SHM)
-    write = {}
+    step = iter(range(10**6))
     try:
-        for algorithm in ("crc32", "sha256"):
-            step = iter(range(10**6))
-            write[algorithm] = timed(lambda: checkpoint_files.write_part_with(
-                os.path.join(root, f"step_{next(step)}"), "rank_0", _writer(files), 0,
-                algorithm=algorithm))
-            snapshot_files.remove(root)
-            os.makedirs(root, exist_ok=True)
+        write = {"flat": timed(lambda: snapshot_files.write(
+                     root, next(step), "rank_0", {"state.bin": flat.bytes(), "meta.json": meta})),
+                 "torch_save": timed(lambda: checkpoint_files.write_part_with(
+                     os.path.join(root, f"step_{next(step)}"), "rank_0", torch_save, 0,
+                     algorithm="crc32"))}
     finally:
         os.system(f"rm -rf {root}")
-    return {"state_mib": state_bytes / 2**20, "copy_ms": copy, "write_ms": write}
+    return {"state_mib": flat.buffer.numel() / 2**20, "tensors": tensors,
+            "copy_ms": timed(lambda: flat.fill(live)), "write_ms": write}
 
 
 def main() -> dict:
@@ -217,9 +216,9 @@ def main() -> dict:
           f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
-          f"{parts['state_mib']:.2f} MiB: copy {parts['copy_ms']['refill']:.2f} ms "
-          f"(fresh buffers {parts['copy_ms']['fresh']:.2f}), write with crc32 "
-          f"{parts['write_ms']['crc32']:.2f} ms (sha256 {parts['write_ms']['sha256']:.2f})")
+          f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copy "
+          f"{parts['copy_ms']:.3f} ms, write {parts['write_ms']['flat']:.2f} ms (torch.save's "
+          f"{parts['write_ms']['torch_save']:.2f})")
     return emit(out, load_before=load)
 
 

@@ -17,10 +17,10 @@ from ldt.storage import checkpoint_files as files
 from ldt.storage import snapshot_files as snap
 
 
-def _state(step: int):
-    """A part's writer: one rank's state after ``step`` (as ldt.training.snapshot saves it)."""
-    tensors = {"model.w": torch.full((4, 3), float(step)), "step": torch.tensor(step)}
-    return lambda folder: torch.save(tensors, os.path.join(folder, "state.pt"))
+def _state(step: int) -> dict:
+    """A part's files: one rank's state after ``step`` (its bytes, as ldt.training.snapshot
+    writes them)."""
+    return {"state.bin": torch.full((4, 3), float(step)).numpy(), "meta.json": b"{}"}
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
     assert not snap.readable(root, 7, ["rank_0"])
     assert snap.readable(root, 6, ["rank_0"])
     part = os.path.join(files.step_dir(root, 6), "rank_0")
-    data = "state.pt"
+    data = "state.bin"
     # a snapshot's checksums are crc32s (a checkpoint's: sha256), as zlib computes them
     with open(os.path.join(part, files.MANIFEST)) as f:
         manifest = json.load(f)
@@ -141,17 +141,37 @@ def test_a_start_takes_the_newest_whole_snapshot_that_leaves_a_step(root):
         dist.destroy_process_group()
 
 
-def test_a_take_refills_the_previous_takes_host_buffers():
-    """ldt.training.snapshot.local_state(into=): the writer's buffers are filled again in place
-    (the same tensors, the new values); a tensor whose shape or dtype changed gets a new one,
-    and nothing aliases the live parameter."""
-    from ldt.training.snapshot import _host_copy
+def test_a_take_refills_one_flat_buffer_and_reads_back_every_dtype(tmp_path):
+    """ldt.training.flat_state: a rank's state (fp32, bf16, an int64 step of no dimensions,
+    odd sizes) packed into one buffer at aligned offsets; filled again in place (the same
+    buffer, the new values, nothing aliasing the live tensors); other shapes or dtypes do not
+    fit; the bytes written read back equal."""
+    from ldt.training.flat_state import ALIGN, FlatState, read
 
-    live = torch.arange(6.0).reshape(2, 3)
-    first = _host_copy(live, None, "w")
-    assert torch.equal(first, live) and first.data_ptr() != live.data_ptr()
-    live += 1
-    again = _host_copy(live, {"w": first}, "w")
-    assert again is first and torch.equal(first, live)
-    assert _host_copy(live.double(), {"w": first}, "w") is not first
-    assert _host_copy(live[:1], {"w": first}, "w") is not first
+    live = {"model.w": torch.arange(6.0).reshape(2, 3),
+            "model.b": torch.arange(3, dtype=torch.bfloat16),
+            "optim.w.exp_avg": torch.randn(5, dtype=torch.float64), "step": torch.tensor(7)}
+    flat = FlatState(live)
+    assert all(offset % ALIGN == 0 for *_, offset in flat.index)
+    assert flat.buffer.numel() == 32 + 16 + 48 + 16  # each tensor's bytes rounded up to ALIGN
+    flat.fill(live)
+    buffer = flat.buffer.data_ptr()
+    for t in live.values():
+        t += 1
+    assert flat.fits(live)
+    flat.fill(live)
+    assert flat.buffer.data_ptr() == buffer
+    for name, t in live.items():
+        assert torch.equal(flat.views[name], t) and flat.views[name].data_ptr() != t.data_ptr()
+    live["model.w"] += 1  # the copy does not follow the live tensor
+    assert not torch.equal(flat.views["model.w"], live["model.w"])
+    assert not flat.fits({**live, "model.b": live["model.b"].float()})
+    assert not flat.fits({**live, "model.w": live["model.w"][:1]})
+    assert not flat.fits({k: v for k, v in live.items() if k != "step"})
+    path = tmp_path / "state.bin"
+    path.write_bytes(flat.bytes().tobytes())
+    back = read(flat.index, str(path))
+    assert list(back) == list(live)
+    for name, t in back.items():
+        assert t.dtype == flat.views[name].dtype and torch.equal(t, flat.views[name]), name
+    assert int(back["step"]) == 8 and back["step"].dim() == 0

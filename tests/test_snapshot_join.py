@@ -17,6 +17,7 @@ import torch
 from ldt.launch.local import run_local_world
 from ldt.storage import snapshot_files
 from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here
+from ldt.training.flat_state import FlatState
 from ldt.training.snapshot import STATE_FILE
 from ldt.training.snapshot_join import join_stage
 
@@ -119,12 +120,11 @@ def _write_part(snapshot_dir, run_dir, layout_text, step, meta, tensors, copy=Fa
     if copy:  # kept for a rank of another host
         root = snapshot_files.copies_root(root)
 
-    def save(folder):
-        torch.save(tensors, os.path.join(folder, STATE_FILE))
-        with open(os.path.join(folder, META_FILE), "w") as f:
-            json.dump(meta, f)
-
-    snapshot_files.write(root, step, snapshot_files.part_name(meta["rank"]), save)
+    flat = FlatState(tensors)
+    flat.fill(tensors)
+    snapshot_files.write(root, step, snapshot_files.part_name(meta["rank"]),
+                         {STATE_FILE: flat.bytes(),
+                          META_FILE: json.dumps({**meta, "index": flat.index}).encode()})
 
 
 def _join_world(rank, world_size, run_dir, dirs):

@@ -81,7 +81,7 @@ class StageEstimate:
     def snapshot_bytes(self) -> int:
         """One generation of the rank's snapshot (``train.snapshot_dir``, in host memory): its
         state as it holds it, weights, fp32 main params, optimizer states
-        (:func:`ldt.training.snapshot.local_state`); gradients are not part of it."""
+        (:func:`ldt.training.snapshot.live_state`); gradients are not part of it."""
         return self.weights + self.main_params + self.optimizer
 
     @property

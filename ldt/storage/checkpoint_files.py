@@ -80,6 +80,32 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
     writes), atomically: ``tmp`` gets a manifest with the checksum (``algorithm``, one of
     :data:`CHECKSUMS`) of every file, is synced and renamed into place. Raises
     :class:`DiskFullError` when the disk is full."""
+    return _write_part(folder, part, save, nbytes,
+                       lambda tmp: _manifest(tmp, (MANIFEST,), algorithm), algorithm)
+
+
+def write_part_files(folder: str, part: str, files: dict[str, Any],
+                     algorithm: str = "sha256") -> str:
+    """:func:`write_part_with` for files whose bytes are in memory (``files``: name -> any
+    buffer, e.g. a numpy array over a tensor): each written as it is, and its checksum taken
+    from the same memory, not read back (a snapshot part, every step)."""
+    views = {name: memoryview(data).cast("B") for name, data in files.items()}
+
+    def save(tmp: str) -> None:
+        for name, view in views.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(view)
+
+    def manifest(_tmp: str) -> dict:
+        return {name: {"bytes": view.nbytes, algorithm: _checksum_of(view, algorithm)}
+                for name, view in sorted(views.items())}
+
+    return _write_part(folder, part, save, sum(v.nbytes for v in views.values()), manifest,
+                       algorithm)
+
+
+def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int,
+                manifest: Callable[[str], dict], algorithm: str) -> str:
     final = os.path.join(folder, part)
     tmp = final + ".tmp"
     try:
@@ -87,8 +113,7 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         save(tmp)
-        _write_json(os.path.join(tmp, MANIFEST),
-                    {"algorithm": algorithm, "files": _manifest(tmp, (MANIFEST,), algorithm)})
+        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": algorithm, "files": manifest(tmp)})
         fsync_tree(tmp)
         move_into_place(tmp, final)
     except BaseException as exc:
@@ -413,6 +438,12 @@ def _checksum(path: str, algorithm: str) -> str:
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
+    return h.hexdigest()
+
+
+def _checksum_of(data: memoryview, algorithm: str) -> str:
+    h = CHECKSUMS[algorithm]()
+    h.update(data)
     return h.hexdigest()
 
 

@@ -22,7 +22,7 @@ import hashlib
 import os
 import shutil
 import uuid
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from ldt.config import ConfigError
 from ldt.storage import checkpoint_files as files
@@ -99,12 +99,12 @@ def part_name(rank: int) -> str:
     return f"rank_{rank}"
 
 
-def write(root: str, step: int, part: str, save: Callable[[str], None], nbytes: int = 0) -> str:
-    """Write ``part`` of step ``step``'s snapshot (``save(folder)`` writes its files into an
-    empty folder), then drop this part's generations older than the newest
-    :data:`GENERATIONS` (each writer touches only its own part)."""
-    done = files.write_part_with(files.step_dir(root, step), part, save, nbytes,
-                                 algorithm="crc32")
+def write(root: str, step: int, part: str, part_files: dict) -> str:
+    """Write ``part`` of step ``step``'s snapshot (``part_files``: file name -> its bytes, any
+    buffer), then drop this part's generations older than the newest :data:`GENERATIONS`
+    (each writer touches only its own part)."""
+    done = files.write_part_files(files.step_dir(root, step), part, part_files,
+                                  algorithm="crc32")
     prune(root, part)
     return done
 

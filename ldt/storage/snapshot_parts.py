@@ -112,6 +112,8 @@ def _meta(part: str) -> Optional[dict]:
         verify_part(part)
         with open(os.path.join(part, META_FILE)) as f:
             meta = json.load(f)
+        if not isinstance(meta.get("index"), list):  # an older ldt's part (torch.save)
+            return None
         return {k: int(meta[k]) for k in ("rank", "world", "stages", "stage", "tp", "tp_rank",
                                           "dp", "dp_rank", "ep", "sharded")}
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):

@@ -3,9 +3,9 @@
 After each optimizer step every rank copies its own state to host memory as it is: its
 parameters (its TP shard), and the optimizer's fp32 main parameters, moments and step as this
 rank keeps them (with the distributed optimizer, its DP span). No collective and no gather, so
-a snapshot costs the step a copy; a background thread writes the copy as the rank's part of
-the step's snapshot (:mod:`ldt.storage.snapshot_files`: ``torch.save`` and checksums) while
-training goes on. A step's snapshot is whole with every rank's part, so the ranks skip a step
+a snapshot costs the step a copy, into one flat buffer (:mod:`ldt.training.flat_state`); a
+background thread writes the buffer as the rank's part of the step's snapshot
+(:mod:`ldt.storage.snapshot_files`: the bytes and their checksums) while training goes on. A step's snapshot is whole with every rank's part, so the ranks skip a step
 together: when any rank's writer is still busy with an earlier step (agreed at the step
 boundary, :class:`ldt.training.guard.StepGuard`), no rank takes this one, and each says so once:
 snapshots never make a step wait. The lr schedule and the data position follow from the step,
@@ -22,7 +22,6 @@ checkpoint the run resumes from (:func:`newest`).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import socket
@@ -41,10 +40,12 @@ from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
 from ldt.storage.snapshot_parts import META_FILE
 from ldt.topology.buddies import copy_holders
+from ldt.training import flat_state
 from ldt.training.checkpoint import named_params
+from ldt.training.flat_state import FlatState
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
-STATE_FILE = "state.pt"  # in each part: {name: tensor} (torch.save)
+STATE_FILE = "state.bin"  # in each part: the flat buffer; its index is in META_FILE
 
 
 def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
@@ -62,8 +63,8 @@ class Snapshots:
         self.root, self.state, self.copies = root, state, copies
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
-        self._meta: Optional[dict] = None  # where this rank sits in its layout: the same every step
-        self._staged: Optional[dict] = None  # the host buffers the writer reads, refilled each take
+        self._flat: Optional[FlatState] = None  # the host buffer the writer reads, refilled each take
+        self._meta = b""  # META_FILE: where this rank sits in its layout and the buffer's index
         self._said: set = set()
         snapshot_files.remove_other_layouts(root)
 
@@ -80,31 +81,31 @@ class Snapshots:
                       f"step {step} (a snapshot never makes a step wait; the next one is taken "
                       "when every writer is free)")
             return
-        if self._thread is not None:  # done (no writer was busy): its buffers are free
+        if self._thread is not None:  # done (no writer was busy): its buffer is free
             self._thread.join()
-        tensors = self._staged = local_state(models, chunks, optimizer, into=self._staged)
+        tensors = live_state(models, chunks, optimizer)
         tensors["step"] = torch.tensor(step)
-        if self._meta is None:
-            self._meta = part_meta(models, chunks, optimizer, self.state)
-        self._thread = threading.Thread(target=self._write, args=(step, tensors),
-                                        daemon=True, name="ldt-snapshot")
+        if self._flat is None or not self._flat.fits(tensors):  # the first take
+            self._flat = FlatState(tensors)
+            self._meta = json.dumps({**part_meta(models, chunks, optimizer, self.state),
+                                     "index": self._flat.index}).encode()
+        self._flat.fill(tensors)
+        self._thread = threading.Thread(target=self._write, args=(step,), daemon=True,
+                                        name="ldt-snapshot")
         self._thread.start()
 
-    def _write(self, step: int, tensors: dict) -> None:
-        state = io.BytesIO()
-        torch.save(tensors, state)
-        files = {STATE_FILE: state.getvalue(), META_FILE: json.dumps(self._meta).encode()}
+    def _write(self, step: int) -> None:
+        files = {STATE_FILE: self._flat.bytes(), META_FILE: self._meta}
         try:
-            snapshot_files.write(self.root, step, self.part, _writer(files),
-                                 sum(len(b) for b in files.values()))
+            snapshot_files.write(self.root, step, self.part, files)
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                       "training goes on")
         if self.copies is not None:
-            self._exchange_copies(step, files)
+            self._exchange_copies(step)
 
-    def _exchange_copies(self, step: int, files: dict) -> None:
+    def _exchange_copies(self, step: int) -> None:
         """Send this rank's part to its holder on another host and keep the parts of the
         ranks it holds for (:func:`ldt.topology.buddies.copy_holders`): every rank takes the
         same steps, so each copy sent is received. Sends first, then receives, then waits:
@@ -113,13 +114,13 @@ class Snapshots:
         try:
             progress.current().begin("copying the snapshot to another host")  # (a drill's point)
             sends = [] if c.holder is None else [
-                work for name in (META_FILE, STATE_FILE)
-                for work in isend_bytes(files[name], c.holder, c.group)]
+                work for data in (self._meta, self._flat.buffer)
+                for work in isend_buffer(data, c.holder, c.group)]
             for writer in c.writers:
-                got = {name: recv_bytes(writer, c.group) for name in (META_FILE, STATE_FILE)}
+                got = {name: recv_buffer(writer, c.group).numpy()
+                       for name in (META_FILE, STATE_FILE)}
                 snapshot_files.write(snapshot_files.copies_root(self.root), step,
-                                     snapshot_files.part_name(writer), _writer(got),
-                                     sum(len(b) for b in got.values()))
+                                     snapshot_files.part_name(writer), got)
             for work in sends:
                 work.wait()
         except Exception as exc:  # a peer gone: the world is failing; the next one recovers
@@ -142,15 +143,6 @@ class Snapshots:
             self._said.add(what)
             print(f"ldt: warning: rank {dist.get_rank()} (stage {self.state.stage}): {text}",
                   file=sys.stderr, flush=True)
-
-
-def _writer(files: dict[str, bytes]):
-    """``save(folder)`` for :func:`ldt.storage.snapshot_files.write`: these files' bytes."""
-    def save(folder: str) -> None:
-        for name, data in files.items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(data)
-    return save
 
 
 @dataclass(frozen=True)
@@ -187,18 +179,23 @@ def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copi
                   group)
 
 
-def isend_bytes(data: bytes, dst: int, group) -> list:
-    """Send ``data`` to global rank ``dst``: its length, then its bytes (two works to wait)."""
-    return [dist.isend(torch.tensor([len(data)], dtype=torch.int64), dst, group=group),
-            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)]
+def isend_buffer(data, dst: int, group) -> list:
+    """Send ``data`` (bytes, or a uint8 tensor as it is: a part's flat buffer) to global rank
+    ``dst``: its length, then its bytes (two works to wait)."""
+    if not isinstance(data, torch.Tensor):
+        data = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                else torch.empty(0, dtype=torch.uint8))
+    return [dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group),
+            dist.isend(data, dst, group=group)]
 
 
-def recv_bytes(src: int, group) -> bytes:
+def recv_buffer(src: int, group) -> torch.Tensor:
+    """What :func:`isend_buffer` sent from ``src``, as a uint8 tensor."""
     size = torch.zeros(1, dtype=torch.int64)
     dist.recv(size, src, group=group)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
     dist.recv(data, src, group=group)
-    return data.numpy().tobytes()
+    return data
 
 
 def _unique_params(models, chunks):
@@ -211,31 +208,17 @@ def _unique_params(models, chunks):
             yield name, p
 
 
-def local_state(models, chunks, optimizer,
-                into: Optional[dict[str, torch.Tensor]] = None) -> dict[str, torch.Tensor]:
-    """This rank's state, copied to host memory: ``model.<name>`` (its shard of each
+def live_state(models, chunks, optimizer) -> dict[str, torch.Tensor]:
+    """This rank's state as it lives (not copied): ``model.<name>`` (its shard of each
     parameter) and, with an optimizer, ``optim.<name>.<kind>`` as it keeps them
-    (:func:`ldt.training.optim.local_param_state`). No collective. ``into``: the buffers of
-    an earlier call, filled again in place: a fresh buffer larger than malloc's mmap threshold
-    is faulted in page by page on every copy, on the step's own thread (10 tensors of 2.4 MB
-    here: 3.1 ms fresh, 0.24 ms refilled; gpt_tiny's small tensors are reused by malloc
-    either way)."""
+    (:func:`ldt.training.optim.local_param_state`). No collective."""
     out = {}
-    with torch.no_grad():
-        for name, p in _unique_params(models, chunks):
-            out[f"model.{name}"] = _host_copy(p, into, f"model.{name}")
-            if optimizer is not None:
-                for kind, t in local_param_state(optimizer, p).items():
-                    key = f"optim.{name}.{kind}"
-                    out[key] = _host_copy(t, into, key)
+    for name, p in _unique_params(models, chunks):
+        out[f"model.{name}"] = p
+        if optimizer is not None:
+            for kind, t in local_param_state(optimizer, p).items():
+                out[f"optim.{name}.{kind}"] = t
     return out
-
-
-def _host_copy(t: torch.Tensor, into: Optional[dict], key: str) -> torch.Tensor:
-    old = None if into is None else into.get(key)
-    if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-        return old.copy_(t.detach())
-    return t.detach().to("cpu", copy=True)
 
 
 def part_meta(models, chunks, optimizer, state) -> dict:
@@ -261,9 +244,9 @@ def part_meta(models, chunks, optimizer, state) -> dict:
 
 
 def load_local(folder: str, models, chunks, optimizer) -> int:
-    """Put this rank's part ``folder`` (:func:`local_state` of the same rank of the same
+    """Put this rank's part ``folder`` (:func:`live_state` of the same rank of the same
     layout) back into its chunks and optimizer; returns the next step."""
-    tensors = torch.load(os.path.join(folder, STATE_FILE), map_location="cpu", weights_only=True)
+    tensors = read_part(folder)[1]
     optim: dict[str, dict] = {}  # name -> {kind: tensor}, grouped once (kinds have no dot)
     for key, value in tensors.items():
         if key.startswith("optim."):
@@ -281,6 +264,17 @@ def load_local(folder: str, models, chunks, optimizer) -> int:
             if optimizer is not None:
                 set_local_param_state(optimizer, p, optim.get(name, {}))
     return int(tensors["step"]) + 1
+
+
+def read_part(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A part's meta (:func:`part_meta` and the buffer's index) and its tensors."""
+    with open(os.path.join(folder, META_FILE), "rb") as f:
+        meta = json.loads(f.read())
+    if "index" not in meta:
+        raise CheckpointError(f"snapshot {folder} was written by an earlier ldt (its {META_FILE} "
+                              "has no index): remove it (or set train.snapshot_dir=null) and "
+                              "resume from a checkpoint")
+    return meta, flat_state.read(meta["index"], os.path.join(folder, STATE_FILE))
 
 
 def resumes_after(resume: Optional[str]) -> int:

@@ -17,7 +17,6 @@ bytes of the parts, no pickled objects (they cross between the cloud and the dat
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from typing import Optional
@@ -30,9 +29,10 @@ from ldt.models.sharding import unshard
 from ldt.storage import checkpoint_files as files
 from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
 from ldt.training.checkpoint import load_step, write_and_seal
+from ldt.training import flat_state
 from ldt.training.optim import PARAM_STATE_KINDS
-from ldt.training.snapshot import (STATE_FILE, isend_bytes, load_newest, recv_bytes,
-                                   resumes_after)
+from ldt.training.snapshot import (STATE_FILE, isend_buffer, load_newest, read_part,
+                                   recv_buffer, resumes_after)
 
 FIELDS = len(Held.__dataclass_fields__)
 
@@ -103,26 +103,17 @@ def _collect(choice: Choice, snapshot_dir: str, run_dir: str, group) -> dict:
         for rank, source in join.parts:
             folder = part_folder(snapshot_dir, run_dir, choice.layout, choice.step, rank)
             if source == join.joiner == me:
-                out.setdefault(join.stage, []).append(_read(folder))
+                out.setdefault(join.stage, []).append(read_part(folder))
             elif source == me:
                 for name in (META_FILE, STATE_FILE):
                     with open(os.path.join(folder, name), "rb") as f:
-                        for work in isend_bytes(f.read(), join.joiner, group):
+                        for work in isend_buffer(f.read(), join.joiner, group):
                             work.wait()
             elif join.joiner == me:
-                meta, state = (recv_bytes(source, group) for _ in range(2))
-                out.setdefault(join.stage, []).append(_parse(meta, state))
+                meta = json.loads(recv_buffer(source, group).numpy().tobytes())
+                state = flat_state.unpack(meta["index"], recv_buffer(source, group))
+                out.setdefault(join.stage, []).append((meta, state))
     return out
-
-
-def _read(folder: str) -> tuple[dict, dict]:
-    with open(os.path.join(folder, META_FILE), "rb") as meta, \
-            open(os.path.join(folder, STATE_FILE), "rb") as state:
-        return _parse(meta.read(), state.read())
-
-
-def _parse(meta: bytes, state: bytes) -> tuple[dict, dict]:
-    return json.loads(meta), torch.load(io.BytesIO(state), map_location="cpu", weights_only=True)
 
 
 # ---- joining one stage's parts (no collective) ---------------------------------------------
