@@ -18,6 +18,8 @@ import dataclasses
 
 import pytest
 
+from ldt.training.flat_state import ALIGN, META_ALLOWANCE
+
 H, A, F, V, S, B, M = 16, 2, 64, 256, 8, 1, 4
 FP32 = 4
 OVERRIDES = ["cluster=cpu_vtp", "cluster.stages.0.tp=1", "cluster.stages.2.tp=1",
@@ -112,14 +114,19 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
                            f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
                            " the largest part is optimizer states"), line
     # train.snapshot_dir: a rank keeps two snapshots of its state in host memory and writes a
-    # third (ldt.training.snapshot: weights and the optimizer's tensors, no gradients)
-    assert mid.snapshot_bytes == WEIGHTS + ADAM
+    # third (ldt.training.snapshot: weights and the optimizer's tensors, no gradients), each
+    # a part of files: its 49 tensors (12 parameters, their two moments and step counters, the
+    # step) in one buffer, each rounded up to ALIGN bytes, an index entry of at most 128 bytes
+    # each in meta.json, and META_ALLOWANCE each for the rest of meta.json and the manifest
+    tensors = 4 * LAYER_TENSORS + 1
+    files = mid.snapshot_bytes - (WEIGHTS + ADAM)
+    assert tensors * META_ALLOWANCE < files <= tensors * (ALIGN + 128 + META_ALLOWANCE), files
     train = to_train(below["train"])
     assert snapshot_line(got, train) is None
     snap = snapshot_line(got, dataclasses.replace(train, snapshot_dir="/dev/shm"))
     assert snap.startswith("train.snapshot_dir=/dev/shm: host memory per rank for snapshots, 3 x "
                            "the rank's state (2 kept, 1 being written): 0:s0 "), snap
-    assert f", 1:s1 {3 * (WEIGHTS + ADAM) / 2**20:.2f} MiB, 2:s2 " in snap, snap
+    assert f", 1:s1 {3 * mid.snapshot_bytes / 2**20:.2f} MiB, 2:s2 " in snap, snap
 
 
 def test_a_limit_at_the_peak_fits():

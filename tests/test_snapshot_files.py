@@ -175,3 +175,27 @@ def test_a_take_refills_one_flat_buffer_and_reads_back_every_dtype(tmp_path):
     for name, t in back.items():
         assert t.dtype == flat.views[name].dtype and torch.equal(t, flat.views[name]), name
     assert int(back["step"]) == 8 and back["step"].dim() == 0
+
+
+def test_a_parts_files_take_no_more_than_the_memory_estimate_counts(root):
+    """ldt-memory counts a snapshot part as flat_state.part_bytes: what the files of a part
+    really take on disk (the buffer, meta.json with the index and a rank's fields, the
+    manifest), measured by the file system, stays within it."""
+    from ldt.training.flat_state import FlatState, part_bytes
+
+    names = [f"decoder.layers.{i}.mlp.linear_fc{j}.weight" for i in range(8) for j in (1, 2)]
+    live = {f"model.{n}": torch.randn(33, 7) for n in names}
+    live |= {f"optim.{n}.{k}": torch.randn(33, 7) for n in names for k in ("exp_avg", "exp_avg_sq")}
+    live |= {f"optim.{n}.step": torch.tensor(3.0) for n in names}
+    live["step"] = torch.tensor(3)
+    flat = FlatState(live)
+    flat.fill(live)
+    meta = {"rank": 3, "world": 8, "stages": 3, "stage": 1, "tp": 2, "tp_rank": 1, "dp": 2,
+            "dp_rank": 1, "ep": 1, "sharded": 1, "gated": 0,
+            "spans": {n: [123456, 234567] for n in names}, "aliases": {}, "index": flat.index}
+    part = snap.write(root, 0, "rank_3", {"state.bin": flat.bytes(),
+                                          "meta.json": json.dumps(meta).encode()})
+    written = sum(os.path.getsize(os.path.join(part, f)) for f in os.listdir(part))
+    state = sum(t.numel() * t.element_size() for t in live.values())
+    assert state < written <= part_bytes(live), (state, written, part_bytes(live))
+

@@ -42,7 +42,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from ldt import patches
 from ldt.models.build import DTYPES
 from ldt.patches.wgrad_split import deferring, run_wgrad
+from ldt.training.flat_state import part_bytes
 from ldt.training.optim import build_stage_optimizer
+from ldt.training.snapshot import live_state
 from ldt.training.stage import build_stage_models, make_forward_step
 
 
@@ -77,6 +79,8 @@ class StageMeasure:
     """Bytes of one tensor crossing this stage's boundary (a receive buffer)."""
     attention: str
     """``flash`` or ``local`` (see the module docstring)."""
+    snapshot: int = 0
+    """Bytes of one snapshot part of this rank's state, in files (``train.snapshot_dir``)."""
 
 
 class _NoModules:
@@ -186,8 +190,10 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
             optimizer, step_transient = _measure_step(tracker, inner, device)
     finally:
         patches.revert(applied)
+    # the part a snapshot writes: the state the run takes (live_state), as the run lays it out
+    snapshot = part_bytes(live_state(models, chunks, opt))
     return StageMeasure(weights, grads, main_params, optimizer, measured, step_transient,
-                        batch.boundary_bytes, attn)
+                        batch.boundary_bytes, attn, snapshot)
 
 
 def _stage_models(c, topo, state, attn: str, dtype: torch.dtype) -> list:

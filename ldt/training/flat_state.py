@@ -11,22 +11,21 @@ which took 1.5 ms of CPU for cpu_demo's 0.6 MiB parts, most of a snapshot's cost
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
 
 ALIGN = 16  # every dtype's view of the buffer starts at a multiple of its element size
+META_ALLOWANCE = 64  # bytes per tensor (at least 16 tensors' worth) for meta.json and the manifest
 
 
 class FlatState:
     """Host buffers for tensors of these names, shapes and dtypes, all in one ``buffer``."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.index, offset = [], 0
-        for name, t in tensors.items():
-            self.index.append([name, _dtype_name(t.dtype), list(t.shape), offset])
-            offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        self.buffer = torch.zeros(offset, dtype=torch.uint8)
+        self.index, size = layout(tensors)
+        self.buffer = torch.zeros(size, dtype=torch.uint8)
         self.views = unpack(self.index, self.buffer)
 
     def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -44,6 +43,24 @@ class FlatState:
     def bytes(self) -> Any:
         """The buffer as a buffer-protocol object (no copy), for writing and checksums."""
         return self.buffer.numpy()
+
+
+def layout(tensors: dict[str, torch.Tensor]) -> tuple[list, int]:
+    """The index of a buffer for these tensors (only their names, shapes and dtypes are read:
+    fake tensors do) and its size in bytes."""
+    index, offset = [], 0
+    for name, t in tensors.items():
+        index.append([name, _dtype_name(t.dtype), list(t.shape), offset])
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return index, offset
+
+
+def part_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """What a snapshot part of these tensors takes in files: the buffer, its index (in
+    ``meta.json``), and :data:`META_ALLOWANCE` per tensor for the rest of ``meta.json`` and the
+    manifest (where the rank sits, a distributed optimizer's spans, two checksums)."""
+    index, size = layout(tensors)
+    return size + len(json.dumps(index)) + META_ALLOWANCE * max(len(index), 16)
 
 
 def unpack(index: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
