@@ -39,7 +39,8 @@ SUMMARY = [
      "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
      "start, medians)", "**{ratio:.3f}**", "<= 1.05"),
     ("host memory of the snapshots, all 4 ranks (own parts, copies not counted): ldt-memory's "
-     "estimate (3 x each rank's state) / the most the files held (sampled every 20 ms)",
+     "estimate (3 x each rank's part: its state and what its files add) / the most the files "
+     "held (sampled every 20 ms)",
      "{host_bytes_estimate} / {host_bytes_peak} bytes (**{host_bytes_ratio:.3f}**)",
      "bounds from above"),
 ]
