@@ -19,6 +19,7 @@ import pytest
 from ldt.launch.local import WorldError, run_local_world
 
 COMM_TIMEOUT = 10
+HANG_TIMEOUT = 5  # a stopped rank is found only by the timeout: the test waits for it
 
 
 def _alive(pid: int) -> bool:
@@ -187,7 +188,7 @@ def test_a_hang_names_the_rank_everyone_waits_for(tmp_path):
     and the report names rank 2, not the first rank that timed out."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ldt.job.train", f"run_dir={tmp_path}", "train.steps=100000",
-         f"train.comm_timeout_s={COMM_TIMEOUT}"],
+         f"train.comm_timeout_s={HANG_TIMEOUT}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     pids = []
     try:
@@ -198,7 +199,7 @@ def test_a_hang_names_the_rank_everyone_waits_for(tmp_path):
             time.sleep(0.05)
         pids = [int((tmp_path / "pids" / f"rank_{r}").read_text()) for r in range(4)]
         os.kill(pids[2], signal.SIGSTOP)
-        _, err = proc.communicate(timeout=COMM_TIMEOUT + 30)
+        _, err = proc.communicate(timeout=HANG_TIMEOUT + 30)
         assert proc.returncode == 1
         assert "rank 2 (stage 1 'cloud0', TP rank 1) stopped making progress: its process " \
                "is stopped" in err, err[-3000:]

@@ -86,17 +86,20 @@ def test_routing_covers_every_microbatch_once_per_stage():
 
 @pytest.mark.timeout(120)
 def test_deadlock_checker_grid_per_stage_dp():
-    """P <= 4, every stage dp in {1, 2, 4} (ratios 1, 2, 4), m <= 3P, plain and U-shape (also
-    with prefetch depth 1): vdp_schedule's checker passes them, and, from the definition of a
-    step and not from the generator, every stage runs each of its compute ops once for each of
-    the D*m micro-batches of the global batch (D: the largest stage dp), micro-batch g on its
-    replica g mod dp."""
+    """P <= 4, every stage dp in {1, 2, 4} (ratios 1, 2, 4), m around the warm-up's edges
+    (1, 2, P-1, P, P+1) and beyond it (2P, 3P), plain and U-shape (also with prefetch depth 1):
+    vdp_schedule's checker passes them, and, from the definition of a step and not from the
+    generator, every stage runs each of its compute ops once for each of the D*m micro-batches
+    of the global batch (D: the largest stage dp), micro-batch g on its replica g mod dp."""
+    def ms(p):
+        return sorted({m for m in (1, 2, p - 1, p, p + 1, 2 * p, 3 * p) if m >= 1})
+
     cases = [(dps, m, u_shape, 0) for p in range(1, 5)
              for dps in itertools.product((1, 2, 4), repeat=p)
              for u_shape in ((False, True) if p >= 2 else (False,))
-             for m in range(1, 3 * p + 1)]
+             for m in ms(p)]
     cases += [(dps, m, True, 1) for p in range(2, 5)  # the U-shape with prefetch depth 1
-              for dps in itertools.product((1, 2, 4), repeat=p) for m in range(1, 3 * p + 1)]
+              for dps in itertools.product((1, 2, 4), repeat=p) for m in ms(p)]
     for dps, m, u_shape, prefetch in cases:
         lanes = Lanes(dps)
         runs = {}  # (stage, op) -> micro-batches, over the stage's replicas
