@@ -72,9 +72,9 @@ class StageEstimate:
     to its W (the split linear layers' inputs and output gradients); empty otherwise."""
     wstore_held: tuple[int, ...] = ()
     """Per chunk: W store entries held at the schedule's peak."""
-    snapshot_files: int = 0
-    """Bytes of one snapshot part's files beyond the state itself (the buffer's alignment,
-    its index, the part's meta and manifest)."""
+    snapshot_part: int = 0
+    """Bytes of one snapshot part's files (:func:`ldt.training.flat_state.part_bytes`: the
+    state, the buffer's alignment, its index, the part's meta and manifest)."""
 
     @property
     def resident(self) -> int:
@@ -84,9 +84,9 @@ class StageEstimate:
     def snapshot_bytes(self) -> int:
         """One generation of the rank's snapshot (``train.snapshot_dir``, in host memory): its
         state as it holds it, weights, fp32 main params, optimizer states
-        (:func:`ldt.training.snapshot.live_state`), gradients not part of it, and what its files
-        add (:attr:`snapshot_files`)."""
-        return self.weights + self.main_params + self.optimizer + self.snapshot_files
+        (:func:`ldt.training.snapshot.live_state`), gradients not part of it, or its part's
+        files (:attr:`snapshot_part`), whichever is larger."""
+        return max(self.weights + self.main_params + self.optimizer, self.snapshot_part)
 
     @property
     def activation_bytes(self) -> int:

@@ -78,5 +78,5 @@ def estimate_worker(rank: int, world: int, cfg: dict, attention: str) -> list[St
             got.step_transient, None if limit is None else limit * GIB,
             c.train.distributed_optimizer, at.sent, shards,
             wstore=wstore, wstore_held=at.wstore if wstore else (),
-            snapshot_files=max(0, got.snapshot - got.weights - got.main_params - got.optimizer)))
+            snapshot_part=got.snapshot))
     return out

@@ -69,7 +69,7 @@ def unpack(index: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     out = {}
     for name, dtype, shape, offset in index:
         dtype = getattr(torch, dtype)
-        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size = torch.Size(shape).numel() * dtype.itemsize
         out[name] = buffer[offset:offset + size].view(dtype).view(shape)
     return out
 

@@ -5,8 +5,8 @@ parameters (its TP shard), and the optimizer's fp32 main parameters, moments and
 rank keeps them (with the distributed optimizer, its DP span). No collective and no gather, so
 a snapshot costs the step a copy, into one flat buffer (:mod:`ldt.training.flat_state`); a
 background thread writes the buffer as the rank's part of the step's snapshot
-(:mod:`ldt.storage.snapshot_files`: the bytes and their checksums) while training goes on. A step's snapshot is whole with every rank's part, so the ranks skip a step
-together: when any rank's writer is still busy with an earlier step (agreed at the step
+(:mod:`ldt.storage.snapshot_files`: the bytes and their checksums) while training goes on. A
+step's snapshot is whole with every rank's part, so the ranks skip a step together: when any rank's writer is still busy with an earlier step (agreed at the step
 boundary, :class:`ldt.training.guard.StepGuard`), no rank takes this one, and each says so once:
 snapshots never make a step wait. The lr schedule and the data position follow from the step,
 as in a checkpoint.
