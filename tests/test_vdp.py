@@ -5,7 +5,9 @@ The parity worlds run real gloo processes: every stage replica runs its lane of 
 gradient factor. Every replica's gradient must equal the single-process reference's over the
 same global batch (uniform DP with dp = the largest stage dp), within 1e-5; every micro-batch's
 loss within 1e-6 relative. Shapes: plain 2-stage DP 1->2, plain 3-stage DP 2->1->2 with TP
-1/2/1, U-shape edge DP 1 / cloud DP 2 (also with prefetch depth 1) and edge DP 2 / cloud DP 1.
+1/2/1, U-shape edge DP 1 / cloud DP 2 (also with prefetch depth 1) and edge DP 2 / cloud DP 1;
+the plain 3-stage and the prefetching U-shape on the zero-bubble schedule
+(``train.schedule=zb``).
 """
 
 import itertools
@@ -165,7 +167,10 @@ class _RefData:
         return self.batches[self.dp_rank * M + j]
 
 
-def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None):
+def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None, priced=None):
+    """One replica's lane of a step; ``priced``: on the zero-bubble lists generated from these
+    prices (``train.schedule=zb``: the ``wgrad_split`` patch applied, each W store run
+    recorded in ``w_runs``)."""
     import ldt
     from gpt_worlds import (MBS, MODEL, AuditLog, RecomputeCount, Tripwire, _setup, forward_step,
                             make_batches, recompute_kwargs)
@@ -196,17 +201,27 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None):
     else:
         data = Tripwire()
     comm = VtpCommunicator(models[0].config, state, [audit])
+    w_runs = []
+    if priced is not None:
+        from ldt.schedule.wgrad import WgradStore
+
+        patches.apply(["wgrad_split"])
+        default_run = WgradStore.run
+        WgradStore.run = lambda store, key: (w_runs.append(key), default_run(store, key))
     with RecomputeCount() as recomputed:
         res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
                        num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
-                       comm=comm, state=state, config=models[0].config, prefetch=prefetch)
+                       comm=comm, state=state, config=models[0].config, prefetch=prefetch,
+                       zero_bubble=priced is not None, priced=priced)
+    if priced is not None:
+        WgradStore.run = default_run
     params = list({id(p): p for g in models for p in g.parameters()}.values())
     average_dp_grads(params, state)  # what DDP + the step's gradient factor do
     grads = {global_param_name(c, n): p.grad.detach().clone()
              for c, g in zip(chunks, models) for n, p in g.named_parameters() if p.grad is not None}
     out = {"stage": state.stage, "tp_rank": state.info.tp_rank, "dp_rank": state.info.dp_rank,
            "grads": grads, "sent": audit.sent, "touched_data": Tripwire.touched,
-           "recomputed": recomputed.calls}
+           "recomputed": recomputed.calls, "w_runs": w_runs, "mbs": mbs}
     if state.stage == topo.loss_stage():
         # losses come in the lane's order (ascending g): the reference's index v * M + j
         refs = [virtual_of(g, topo.dp)[0] * M + virtual_of(g, topo.dp)[1] for g in mbs]
@@ -223,6 +238,10 @@ CASES = {  # name: (dp per stage, tp per stage, u_shape)
     "ushape_edge1_cloud2": ([1, 2], [1, 1], True),
     "ushape_edge2_cloud1": ([2, 1], [1, 1], True),
     "ushape_edge1_cloud2_prefetch1": ([1, 2], [1, 1], True),
+    # train.schedule=zb: each backward split into B and a later W, the lists generated from
+    # this world's prices (as ldt-train does)
+    "plain_dp2_1_2_tp121_zb": ([2, 1, 2], [1, 2, 1], False),
+    "ushape_edge1_cloud2_prefetch1_zb": ([1, 2], [1, 1], True),
 }
 # these cases run with activation recomputation (the same run; docs/memory.md): the edge
 # recomputes whole layers, the cloud replicas their attention and norms
@@ -242,7 +261,7 @@ def ref():
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, ref):
-    from gpt_worlds import MODEL, even_layout
+    from gpt_worlds import MODEL, even_layout, zb_prices
     from ldt.launch.local import run_local_world
     from ldt.topology.validate import validate
 
@@ -250,9 +269,10 @@ def case(request, ref):
     cluster = _cluster(dps, tps, u_shape,
                        layout=None if u_shape else even_layout(MODEL.num_layers, len(dps)))
     topo = validate(cluster, MODEL, train={}, check_devices=False)
-    prefetch = 1 if request.param.endswith("prefetch1") else 0
+    prefetch = 1 if "prefetch1" in request.param else 0
+    priced = zb_prices(topo, M) if request.param.endswith("_zb") else None
     out = run_local_world(topo.world_size, vdp_worker,
-                          (topo, ref["full"], prefetch, RECOMPUTE.get(request.param)),
+                          (topo, ref["full"], prefetch, RECOMPUTE.get(request.param), priced),
                           timeout_s=240)
     return request.param, topo, out
 
@@ -306,6 +326,22 @@ def test_data_stays_on_the_replicas_that_own_it(case):
         assert not any(r["touched_data"] for r in out if r["stage"] != 0), name
     # each of the D*M micro-batches crosses every activation boundary once each way
     assert len(sent) == 2 * len(topo.activation_boundaries()) * topo.dp * M, name
+
+
+def test_zero_bubble_ran_every_w_after_its_backward(case):
+    """The zb cases' gradients are checked above; here: their weight gradients really were
+    deferred, one W store run per micro-batch of the replica's lane and chunk, in each chunk's
+    backward order; no other case ran a W."""
+    name, topo, out = case
+    for r in out:
+        if not name.endswith("_zb"):
+            assert r["w_runs"] == [], name
+            continue
+        chunks = ["start", "end"] if topo.u_shape and r["stage"] == 0 else ["stage"]
+        assert sorted(r["w_runs"]) == sorted((mb, c) for mb in r["mbs"] for c in chunks), name
+        for c in chunks:  # the edge's end chunk backwards first (BS), its start chunk last
+            runs = [mb for mb, chunk in r["w_runs"] if chunk == c]
+            assert runs == sorted(runs), (name, r["stage"], c, runs)
 
 
 # ---- ldt-train end to end ---------------------------------------------------------------------

@@ -161,3 +161,25 @@ def test_a_w_store_that_does_not_fit_keeps_today_s_schedule():
         assert zb.iteration_time < today.iteration_time and today.fits
         assert zb.stages[0].memory.wstore > 0
         assert pick.schedule == want, (memory_gib, [s.memory.total / 2**30 for s in zb.stages])
+
+
+def test_a_per_stage_dp_plan_is_priced_on_its_zero_bubble_lane_lists():
+    """The edge-cloud plan with the cloud at twice the edge's replicas (per-stage DP, as the
+    planner tries it): timed on zero-bubble lane lists it is faster than on today's, each
+    stage's W store is counted in its memory, and the lists are exactly what a run with those
+    prices generates (``ldt.schedule.vdp.vdp_schedule``, one group of lanes)."""
+    from ldt.plan.evaluate import lane_groups, simulate_lanes
+    from ldt.plan.zerobubble import simulate_zb
+    from ldt.schedule.vdp import vdp_schedule
+
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    plan = Plan(**{**EDGE_CLOUD_PLAN, "stage_dp": (1, 2, 2), "num_microbatches": 8})
+    cost = make_cost(inventory, model, Workload(1, 32))
+    today = simulate_plan(plan, cost)
+    zb = simulate_zb(plan, cost)
+    assert zb.schedule == "zb" and zb.iteration_time < today.iteration_time
+    assert all(s.memory.wstore > 0 for s in zb.stages)
+    assert choose_schedule(today, cost, inventory, Objective())[1] is not None  # priced, too
+    lists = vdp_schedule(lane_groups(plan), 8, True, zero_bubble=True, priced=prices(plan, cost))
+    sim = simulate_lanes(plan, lists, split_op_table(plan, cost), prices(plan, cost).tables()[1])[0]
+    assert sim.iteration_time == zb.pipeline_time

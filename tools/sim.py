@@ -118,12 +118,10 @@ def _simulate(args) -> int:
                                        kinds), prefetch=args.prefetch)
         cost = CostModel(model, inventory, args.mbs, args.dtype, not args.no_flash)
         if args.schedule == "zb":
-            if plan.prefetch or not runs_zb(plan):
-                raise ConfigError(f"--schedule zb runs without prefetch, one dp for every "
-                                  f"stage and two stages at least; got --prefetch "
-                                  f"{plan.prefetch}, dp per stage {list(plan.stage_dp) or None}"
-                                  f", {plan.num_stages} stage(s): drop --schedule zb or those")
-            ev = simulate_zb(plan, cost)
+            if not runs_zb(plan):
+                raise ConfigError(f"--schedule zb needs two stages at least (one has no "
+                                  f"bubble); got {plan.num_stages}: drop --schedule zb")
+            ev = simulate_zb(plan, cost, plan.prefetch)
         else:
             ev = simulate_plan(plan, cost)
     except ValueError as exc:  # the cost model's refusals (ConfigError is one)

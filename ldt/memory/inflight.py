@@ -111,12 +111,13 @@ def stage_inflight(topo, train, sequence_parallel: bool = False,
 
 def _lists(topo, train, priced=None):
     prefetch = train.prefetch if topo.u_shape else 0
+    zb = train.schedule == "zb"
     if topo.is_vdp:
         lanes = Lanes(tuple(topo.dp_sizes))
         return (lane_schedules(tuple(topo.dp_sizes), train.num_microbatches, topo.u_shape,
-                               prefetch=prefetch), lambda lane: lanes.of(lane)[0])
+                               prefetch=prefetch, zero_bubble=zb, priced=priced if zb else None),
+                lambda lane: lanes.of(lane)[0])
     kind = "ushape" if topo.u_shape else "1f1b"
-    zb = train.schedule == "zb"
     return stage_schedules(kind, topo.num_stages, train.num_microbatches, prefetch=prefetch,
                            zero_bubble=zb, priced=priced if zb else None), lambda stage: stage
 

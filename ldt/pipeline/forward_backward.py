@@ -35,8 +35,8 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
     None: all equal))."""
     if zero_bubble:
         tables = priced.tables() if priced is not None else (None, None)
-        compute = (zb_u_shape if kind == "ushape" else zb_h1)(num_stages, num_microbatches,
-                                                                *tables)
+        compute = (zb_u_shape(num_stages, num_microbatches, *tables, prefetch=prefetch)
+                   if kind == "ushape" else zb_h1(num_stages, num_microbatches, *tables))
     elif kind == "ushape":
         compute = u_shape(num_stages, num_microbatches, prefetch=prefetch)
     else:
@@ -50,10 +50,13 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
 
 @functools.lru_cache(maxsize=64)
 def lane_schedules(stage_dp: tuple, num_microbatches: int, u_shape: bool,
-                   forward_only: bool = False, prefetch: int = 0):
-    """Per-stage DP: the checked lane lists (:mod:`ldt.schedule.vdp`)."""
+                   forward_only: bool = False, prefetch: int = 0, zero_bubble: bool = False,
+                   priced: Optional[Priced] = None):
+    """Per-stage DP: the checked lane lists (:mod:`ldt.schedule.vdp`; ``zero_bubble``: each
+    backward split, its W placed from ``priced``)."""
     return vdp_schedule(stage_dp, num_microbatches, u_shape, forward_only,
-                        prefetch=prefetch if u_shape else 0)
+                        prefetch=prefetch if u_shape else 0, zero_bubble=zero_bubble,
+                        priced=priced)
 
 
 def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
@@ -70,9 +73,8 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
     models = model if isinstance(model, list) else [model]
     roles = StageRoles.for_stage(state.stage, topo.num_stages, topo.u_shape, models)
     if topo.is_vdp:  # per-stage DP: this replica's lane; peers are lanes; m of its own
-
         schedule = lane_schedules(tuple(topo.dp_sizes), num_microbatches, topo.u_shape,
-                                  forward_only, prefetch)
+                                  forward_only, prefetch, zero_bubble, priced)
         lane = lane_of(state)
         actions, comm = schedule[lane], LaneCommunicator(comm, tuple(topo.dp_sizes))
         num_microbatches = len(schedule.microbatches[lane])

@@ -329,28 +329,42 @@ def lane_schedule(stage_dp: tuple[int, ...], num_microbatches: int, ushape: bool
 def _simulate_vdp(plan: Plan, cost: CostModel) -> Evaluation:
     """Per-stage DP: the lane schedule the runtime runs (ldt.schedule.vdp), every lane priced
     as its stage; a stage's busy time and in-flight peak are its busiest lane's."""
-    # replicas repeat in groups of gcd(stage dp): price one group, e.g. dp (32, 64) as (1, 2)
+    stage_dp = lane_groups(plan)
+    schedule = lane_schedule(stage_dp, plan.num_microbatches, plan.u_shape,
+                             plan.prefetch if plan.u_shape else 0)
+    sim, busy, inflight, bubble, _ = simulate_lanes(plan, schedule, op_table(plan, cost),
+                                                    comm_table(plan, cost))
+    return evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
+
+
+def lane_groups(plan: Plan) -> tuple[int, ...]:
+    """The stage dp of one group of lanes: replicas repeat in groups of gcd(stage dp), so one
+    group is priced, e.g. dp (32, 64) as (1, 2)."""
     shared = math.gcd(*plan.stage_dp)
-    stage_dp = tuple(d // shared for d in plan.stage_dp)
-    lanes = Lanes(stage_dp)
-    ops, comm = op_table(plan, cost), comm_table(plan, cost)
+    return tuple(d // shared for d in plan.stage_dp)
+
+
+def simulate_lanes(plan: Plan, schedule, ops: dict, comm: dict):
+    """``(SimResult, busy, inflight, bubble, wstore)`` of lane lists (of :func:`lane_groups`),
+    every lane priced as its stage (``ops``: per stage, op -> time; ``comm``: per stage pair);
+    a stage's busy time, in-flight peak and W store entries (zero-bubble lists) are its
+    busiest lane's."""
+    lanes = Lanes(lane_groups(plan))
     stage = [lanes.of(lane)[0] for lane in range(len(lanes))]
-    sim = simulate(lane_schedule(stage_dp, plan.num_microbatches, plan.u_shape,
-                                 plan.prefetch if plan.u_shape else 0),
-                   duration=lambda a: ops[stage[a.stage]][a.op],
+    sim = simulate(schedule, duration=lambda a: ops[stage[a.stage]][a.op],
                    comm_time=lambda a: comm[(stage[a.stage], stage[a.peer])])
     busy = {i: max(sim.busy[ln] for ln in range(len(lanes)) if stage[ln] == i)
             for i in range(plan.num_stages)}
-    inflight = {}
+    inflight, wstore = {}, {}
     for i in range(plan.num_stages):
         mine = [ln for ln in range(len(lanes)) if stage[ln] == i]
         peak = max(sim.peak_inflight[ln] for ln in mine)
         inflight[i] = ((peak, max(sim.peak_inflight_end[ln] for ln in mine))
                        if plan.u_shape and i == 0 else (peak,))
-    devices = sum(stage_dp)
+        wstore[i] = max(sim.peak_wstore.get(ln, 0) for ln in mine)
     work = sum(sim.busy.values())
-    bubble = 1 - work / (devices * sim.iteration_time) if sim.iteration_time else 0
-    return evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim)
+    bubble = 1 - work / (len(lanes) * sim.iteration_time) if sim.iteration_time else 0
+    return sim, busy, inflight, bubble, wstore
 
 
 def estimate_plan(plan: Plan, cost: CostModel) -> Evaluation:

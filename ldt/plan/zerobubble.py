@@ -23,10 +23,11 @@ from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
 from ldt.plan.convert import cluster_to_plan
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
-                               op_table)
+                               lane_groups, op_table, simulate_lanes)
 from ldt.plan.inventory import Inventory, Link, load_inventory
 from ldt.plan.objective import Objective, choose
 from ldt.schedule import Op, Schedule, lower, simulate
+from ldt.schedule.vdp import vdp_schedule
 from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
 
 NOMINAL = "cpu_local"
@@ -55,34 +56,48 @@ def prices(plan: Plan, cost: CostModel) -> Priced:
 
 
 def zb_compute(plan: Plan, priced: Priced) -> Schedule:
-    """The plan's zero-bubble compute lists (ZB-H1, or the zero-bubble U-shape) for ``priced``."""
-    generate = zb_u_shape if plan.u_shape else zb_h1
-    return generate(plan.num_stages, plan.num_microbatches, *priced.tables())
+    """The plan's zero-bubble compute lists (ZB-H1, or the zero-bubble U-shape at the plan's
+    prefetch depth) for ``priced``."""
+    if plan.u_shape:
+        return zb_u_shape(plan.num_stages, plan.num_microbatches, *priced.tables(),
+                          prefetch=plan.prefetch)
+    return zb_h1(plan.num_stages, plan.num_microbatches, *priced.tables())
 
 
-def simulate_zb(plan: Plan, cost: CostModel) -> Evaluation:
+def simulate_zb(plan: Plan, cost: CostModel, prefetch: int = 0) -> Evaluation:
     """``plan`` timed on its zero-bubble schedule, generated from its prices as a run
-    generates it (ZB-H1, or the zero-bubble U-shape; no prefetch: ``train.schedule=zb`` runs
-    without): the simulator's iteration, and per stage the memory of what that order holds,
-    the micro-batches in flight and the W store at its peak (``SimResult.peak_wstore``
-    entries of the stage's largest, :meth:`~ldt.plan.cost.CostModel.wstore_bytes`)."""
-    plan = fit_recompute(replace(plan, prefetch=0), cost)
+    generates it (ZB-H1, the zero-bubble U-shape, or with per-stage DP the lane lists with
+    each backward split, :mod:`ldt.schedule.zerobubble_lanes`), at the U-shape's ``prefetch``
+    depth (the planner prices 0: its pick's depth was chosen for today's schedule;
+    ``ldt-sim --schedule zb --prefetch d`` prices d): the simulator's iteration, and per stage
+    the memory of what that order holds, the micro-batches in flight and the W store at its
+    peak (``SimResult.peak_wstore`` entries of the stage's largest,
+    :meth:`~ldt.plan.cost.CostModel.wstore_bytes`)."""
+    plan = fit_recompute(replace(plan, prefetch=prefetch if plan.u_shape else 0), cost)
     priced = prices(plan, cost)
-    sim = simulate(lower(zb_compute(plan, priced), "ushape" if plan.u_shape else "1f1b"),
-                   *priced.tables())
-    inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i]) if plan.u_shape and i == 0
-                else (sim.peak_inflight[i],) for i in range(plan.num_stages)}
-    wstore = {i: sim.peak_wstore.get(i, 0) * max(cost.wstore_bytes(st.tp, c)
-                                                 for c in plan.stage_chunks(i))
+    if plan.stage_dp:
+        lists = vdp_schedule(lane_groups(plan), plan.num_microbatches, plan.u_shape,
+                             prefetch=plan.prefetch, zero_bubble=True, priced=priced)
+        sim, busy, inflight, bubble, entries = simulate_lanes(
+            plan, lists, split_op_table(plan, cost), comm_table(plan, cost))
+    else:
+        kind = "ushape" if plan.u_shape else "1f1b"
+        sim = simulate(lower(zb_compute(plan, priced), kind, prefetch=plan.prefetch),
+                       *priced.tables())
+        busy, bubble, entries = sim.busy, sim.bubble_fraction, sim.peak_wstore
+        inflight = {i: (sim.peak_inflight[i], sim.peak_inflight_end[i])
+                    if plan.u_shape and i == 0 else (sim.peak_inflight[i],)
+                    for i in range(plan.num_stages)}
+    wstore = {i: entries.get(i, 0) * max(cost.wstore_bytes(st.tp, c)
+                                         for c in plan.stage_chunks(i))
               for i, st in enumerate(plan.stages)}
-    return evaluation(plan, cost, sim.iteration_time, sim.bubble_fraction, sim.busy, inflight,
-                      sim, wstore, "zb")
+    return evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim, wstore, "zb")
 
 
 def runs_zb(plan: Plan) -> bool:
-    """Whether ``train.schedule=zb`` can run ``plan`` and might gain: one dp for every stage
-    (the runtime refuses per-stage DP with it) and two stages at least (one has no bubble)."""
-    return not plan.stage_dp and plan.num_stages >= 2
+    """Whether ``train.schedule=zb`` might gain on ``plan``: two stages at least (one has no
+    bubble)."""
+    return plan.num_stages >= 2
 
 
 PLANNER_LIMIT = 128

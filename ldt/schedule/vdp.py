@@ -14,7 +14,9 @@ and the runtime take as they take a uniform schedule (lanes where stages were):
 * :func:`lower_lanes`: SEND/RECV/WAIT with peers from the routing (fan-out: a replica sends its
   micro-batches to the downstream replicas that run them, in turn; fan-in: it receives from
   each upstream replica on that pair's own FIFO channel).
-* :func:`vdp_schedule`: generate + lower + check, what the runtime and the planner use.
+* :func:`vdp_schedule`: generate + lower + check, what the runtime and the planner use;
+  ``zero_bubble``: each backward split, its W placed by
+  :func:`ldt.schedule.zerobubble_lanes.split_backwards` from the run's prices.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from ldt.schedule.generate import (_EDGE_RANK, _input_channel, _output_channel, 
 from ldt.schedule.ir import Action, Op, LaneSchedule
 from ldt.schedule.routing import Lanes, microbatches_of
 from ldt.schedule.simulate import simulate
+from ldt.schedule.zerobubble import Priced
+from ldt.schedule.zerobubble_lanes import split_backwards
 
 
 def lane_microbatches(stage_dp: tuple[int, ...], m: int, step: int = 0) -> dict[int, list[int]]:
@@ -165,11 +169,26 @@ def lower_lanes(schedule: LaneSchedule, stage_dp: tuple[int, ...], kind: str,
 
 def vdp_schedule(stage_dp: tuple[int, ...], m: int, u_shape: bool,
                  forward_only: bool = False, backward_ratio: float = 2,
-                 prefetch: int = 0) -> LaneSchedule:
+                 prefetch: int = 0, zero_bubble: bool = False,
+                 priced: Priced | None = None) -> LaneSchedule:
     """Generated, lowered and deadlock-checked lane lists (``m``: per uniform replica;
-    ``prefetch``: the U-shape's depth)."""
+    ``prefetch``: the U-shape's depth; ``zero_bubble``: every backward split into B and a later
+    W placed by the play of ``priced``, the run's per-stage costs (None: all equal); the
+    U-shape's order then derived at ``backward_ratio`` and at the split B's ratio to F, the
+    faster kept)."""
     stage_dp = tuple(stage_dp)
     _require(u_shape or not prefetch, f"prefetch={prefetch} is for the U-shape only")
+    if not zero_bubble or forward_only:
+        return _lowered(stage_dp, m, u_shape, forward_only, backward_ratio, prefetch)
+    duration, comm_time = lane_prices(Lanes(stage_dp), priced)
+    ratios = [backward_ratio] + ([_split_ratio(stage_dp, priced)] if u_shape and priced else [])
+    candidates = [split_backwards(_lowered(stage_dp, m, u_shape, False, r, prefetch),
+                                  duration, comm_time) for r in ratios]
+    return min(candidates, key=lambda s: simulate(s, duration, comm_time).iteration_time)
+
+
+def _lowered(stage_dp: tuple[int, ...], m: int, u_shape: bool, forward_only: bool,
+             backward_ratio: float, prefetch: int) -> LaneSchedule:
     compute = (vdp_u_shape(stage_dp, m, backward_ratio, prefetch) if u_shape
                else vdp_one_f_one_b(stage_dp, m))
     if forward_only:
@@ -177,6 +196,27 @@ def vdp_schedule(stage_dp: tuple[int, ...], m: int, u_shape: bool,
     schedule = lower_lanes(compute, stage_dp, "ushape" if u_shape else "1f1b", prefetch)
     check_schedule(schedule)
     return schedule
+
+
+def _split_ratio(stage_dp: tuple[int, ...], priced: Priced) -> float:
+    """The cloud stages' mean B / F under ``priced`` (B without its W): the ratio the U-shape's
+    order is played at when the backward is split (2 where no stage has a forward time)."""
+    costs, _ = priced.tables()
+    ratios = [costs[(s, "B")] / costs[(s, "F")] for s in range(1, len(stage_dp))
+              if costs[(s, "F")] > 0]
+    return sum(ratios) / len(ratios) if ratios else 2
+
+
+def lane_prices(lanes: Lanes, priced: Priced | None):
+    """``(duration, comm_time)`` of lane actions from per-stage zero-bubble prices (a lane
+    costs what its stage does; a transfer what its stages' boundary does); None: every
+    computation 1, every transfer 0."""
+    if priced is None:
+        return (lambda a: 1), (lambda a: 0)
+    costs, comm = priced.tables()
+    stage = lambda lane: lanes.of(lane)[0]  # noqa: E731
+    return (lambda a: costs[(stage(a.stage), a.op.value)],
+            lambda a: comm.get((stage(a.stage), stage(a.peer)), 0))
 
 
 def lane_cost(lanes: Lanes, per_stage: dict[int, dict[Op, float]]):

@@ -95,8 +95,8 @@ def zb_h1(num_stages: int, num_microbatches: int, costs: Optional[Costs] = None,
 
 
 def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = None,
-               comm: Optional[Comm] = None, max_held: Cap = None, max_wstore: Cap = None
-               ) -> Schedule:
+               comm: Optional[Comm] = None, max_held: Cap = None, max_wstore: Cap = None,
+               prefetch: int = 0) -> Schedule:
     """Zero-bubble U-shape (compute only; lower it with kind ``"ushape"``): the edge (stage 0)
     runs the start chunk (FS, BE, WE) and the end chunk (FE, BS, WS), the cloud F, B, W.
 
@@ -105,12 +105,18 @@ def zb_u_shape(num_stages: int, num_microbatches: int, costs: Optional[Costs] = 
     (default 0). ``max_held``: per logical chunk in data-flow order (start chunk, cloud stages
     1..P-1, end chunk: P + 1 values, or one int for all); default what the unsplit
     :func:`~ldt.schedule.generate.u_shape` holds: ``P + 1``, ``P - s + 1``, ``1``.
-    ``max_wstore``: W store entries per stage (edge: both chunks together; default ``P + 1``)."""
+    ``max_wstore``: W store entries per stage (edge: both chunks together; default ``P + 1``).
+    ``prefetch``: as :func:`~ldt.schedule.generate.u_shape`'s depth ``d``, the default
+    ``max_held`` raised as its warm-up is (``2d`` on the start chunk, ``d`` on the cloud's), so
+    forwards run ahead over slow edge links; lower the result with the same ``prefetch``."""
     _require(num_stages >= 2 and num_microbatches >= 1,
              f"the zero-bubble U-shape needs P >= 2 stages (edge + cloud) and m >= 1, got "
              f"P={num_stages}, m={num_microbatches}")
-    p, m = num_stages, num_microbatches
-    held = _caps(max_held, [p + 1] + [p - s + 1 for s in range(1, p)] + [1], p + 1, "max_held")
+    _require(isinstance(prefetch, int) and prefetch >= 0,
+             f"prefetch must be an integer >= 0, got {prefetch!r}")
+    p, m, d = num_stages, num_microbatches, prefetch
+    held = _caps(max_held, [p + 1 + 2 * d] + [p - s + 1 + d for s in range(1, p)] + [1], p + 1,
+                 "max_held")
     return _best(p, m, True, costs, comm, held, _caps(max_wstore, [p + 1] * p, p, "max_wstore"))
 
 

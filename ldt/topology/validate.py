@@ -383,12 +383,11 @@ def _check_schedule(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule={train.schedule!r}; use 'auto', '1f1b', 'interleaved' or 'zb'"
         )
-    if train.schedule == "zb" and (topo.is_vdp or train.prefetch or train.runtime == "megatron"):
+    if train.schedule == "zb" and train.runtime == "megatron":
         raise ConfigError(
-            f"train.schedule=zb (zero-bubble) runs on ldt's runtime over one replica group "
-            f"without prefetch; got per-stage dp {topo.dp_sizes if topo.is_vdp else None}, "
-            f"train.prefetch={train.prefetch}, train.runtime={train.runtime}: give every stage "
-            "the same dp, train.prefetch=0 and train.runtime=auto, or another schedule")
+            "train.schedule=zb (zero-bubble) runs on ldt's runtime (megatron's schedules do not "
+            "split the backward); got train.runtime=megatron: give train.runtime=auto or ldt, "
+            "or another schedule")
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")

@@ -1,0 +1,123 @@
+"""Zero-bubble schedules for lanes (per-stage DP): each lane's order kept, each backward split.
+
+ZB-H1 (Qi et al., ICLR'24) is 1F1B with every backward split into B (the input's gradient, which
+the previous stage waits for) and W (the weights' gradient, which nobody waits for), the W's
+moved into the slots where a stage would otherwise wait: the B chain back through the pipeline
+gets shorter by every W and the cool-down's waits fill with W's, at 1F1B's activation memory.
+
+With per-stage DP the lists are per lane (:mod:`ldt.schedule.vdp`: a replica serving several
+downstream replicas in turn, fan-out and fan-in). The list scheduler of
+:mod:`ldt.schedule.zerobubble` plays one chunk per stage and could not route; here the lane
+lists' forwards, backwards and messages stay as generated (1F1B per lane, or the VDP U-shape,
+with its prefetch) and only the W's are placed, by a play of the lowered lists in time with
+the run's prices (the simulator's: an action starts when its lane is free and, after a WAIT,
+when the message has arrived, sent at the SEND's time plus its transfer):
+
+* a backward runs first its W store's oldest W when the store is full;
+* a WAIT that would block runs W's first: any (``fill="idle"``), or only those that end before
+  the message is known to arrive (``fill="fit"``);
+* what is left runs at the list's end.
+
+Both fills are played at two W store sizes, and the lists with each W right after its backward
+(timed exactly as the unsplit lists); the fastest by the simulator is kept. On equal stages
+(F = B = W, no transfer time) this matches the list scheduler on the U-shape (P 3, m 2 and 4:
+17 and 27 units, as ``zb_u_shape``) and on a plain pipeline (P 4, m 4: 30, as ``zb_h1``). A W consumes and sends nothing, so the
+lists' messages are those of the unsplit lists that the checker passed: deadlock-free by
+construction, checked again anyway. No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from ldt.schedule.check import check_schedule
+from ldt.schedule.ir import WEIGHT_OPS, Action, LaneSchedule, Op, SEND_OPS
+from ldt.schedule.simulate import prepare, simulate
+
+_W_OF = {b: w for w, b in WEIGHT_OPS.items()}  # backward -> the W that follows it
+_WAITS = (Op.WAIT_F, Op.WAIT_B)
+FILLS = ("idle", "fit")
+
+
+def split_backwards(lowered: LaneSchedule, duration: Callable[[Action], float],
+                    comm_time: Callable[[Action], float]) -> LaneSchedule:
+    """``lowered`` (checked lane lists, backwards unsplit) with every backward followed, later,
+    by its W; ``duration`` prices a compute action (a backward: its B part; a W: its own),
+    ``comm_time`` a SEND. The W store's cap per lane (the most backwards whose W has not run)
+    is played at two sizes: the micro-batches the lane holds activations of at its peak (both
+    chunks' peaks on an edge lane, as the simulator counts them), and the most any lane holds
+    (as the uniform zero-bubble schedules' default)."""
+    today = prepare(lowered)  # checked; its matching and the activations each lane holds
+    held = {lane: max(1, today.peak_inflight[lane] + today.peak_inflight_end.get(lane, 0))
+            for lane in lowered}
+    most = {lane: max(held.values()) for lane in held}
+    candidates = [LaneSchedule(lists, lowered.microbatches) for lists in [_right_after(lowered)]
+                  + [_place(lowered, today.matches, duration, comm_time, caps, fill)
+                     for caps in (held, most) for fill in FILLS]]
+
+    def score(schedule: LaneSchedule) -> tuple:
+        sim = simulate(schedule, duration, comm_time)
+        return sim.iteration_time, max(sim.peak_wstore.values(), default=0)
+
+    best = min(candidates, key=score)  # the fastest, then the smallest W store
+    check_schedule(best)
+    return best
+
+
+def _right_after(lowered: LaneSchedule) -> dict[int, list[Action]]:
+    return {lane: [x for a in acts for x in ([a, Action(lane, _W_OF[a.op], a.mb)]
+                                             if a.op in _W_OF else [a])]
+            for lane, acts in lowered.items()}
+
+
+def _place(lowered: LaneSchedule, matches: dict, duration, comm_time, caps: dict[int, int],
+           fill: str) -> dict[int, list[Action]]:
+    """One play: the lowered lists with W's inserted where the rules above put them."""
+    out = {lane: [] for lane in lowered}
+    clock = {lane: 0.0 for lane in lowered}
+    position = {lane: 0 for lane in lowered}
+    store: dict[int, deque] = {lane: deque() for lane in lowered}  # W's to run, in B order
+    arrives: dict[tuple, float] = {}  # SEND slot -> when its message arrives
+    parked: dict[tuple, int] = {}  # SEND slot -> the lane blocked on it
+    ready = deque(sorted(lowered))
+
+    def run_w(lane: int) -> None:
+        w = store[lane].popleft()
+        out[lane].append(w)
+        clock[lane] += duration(w)
+
+    while ready:  # a lane runs until it blocks on a message not sent yet
+        lane = ready.popleft()
+        acts = lowered[lane]
+        while position[lane] < len(acts):
+            i = position[lane]
+            a = acts[i]
+            if a.op in _WAITS:
+                arrival = arrives.get(matches[(lane, i)])
+                if arrival is None or arrival > clock[lane]:
+                    if store[lane] and (fill == "idle" or arrival is not None and
+                                        arrival - clock[lane] >= duration(store[lane][0])):
+                        run_w(lane)
+                        continue
+                    if arrival is None:
+                        parked[matches[(lane, i)]] = lane
+                        break
+                    clock[lane] = arrival
+            elif a.op in _W_OF and len(store[lane]) >= caps[lane]:
+                run_w(lane)  # the W store is full: its oldest W makes room
+                continue
+            out[lane].append(a)
+            position[lane] += 1
+            if a.op in SEND_OPS:
+                arrives[(lane, i)] = clock[lane] + comm_time(a)
+                if (lane, i) in parked:
+                    ready.append(parked.pop((lane, i)))
+            elif a.is_compute:
+                clock[lane] += duration(a)
+                if a.op in _W_OF:
+                    store[lane].append(Action(lane, _W_OF[a.op], a.mb))
+        else:
+            while store[lane]:
+                run_w(lane)
+    return out
