@@ -77,9 +77,14 @@ def unpack(index: list, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 def read(index: list, path: str) -> dict[str, torch.Tensor]:
     """A part's ``state.bin`` at ``path`` as its tensors (views of one buffer read once)."""
     with open(path, "rb") as f:
-        data = bytearray(f.read())
-    return unpack(index, torch.frombuffer(data, dtype=torch.uint8) if data else
-                  torch.empty(0, dtype=torch.uint8))
+        return unpack(index, byte_tensor(f.read()))
+
+
+def byte_tensor(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor over a writable copy (``torch.frombuffer`` refuses an empty
+    buffer, which a part without state has)."""
+    return (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+            else torch.empty(0, dtype=torch.uint8))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

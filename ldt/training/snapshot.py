@@ -183,8 +183,7 @@ def isend_buffer(data, dst: int, group) -> list:
     """Send ``data`` (bytes, or a uint8 tensor as it is: a part's flat buffer) to global rank
     ``dst``: its length, then its bytes (two works to wait)."""
     if not isinstance(data, torch.Tensor):
-        data = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
-                else torch.empty(0, dtype=torch.uint8))
+        data = flat_state.byte_tensor(data)
     return [dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group),
             dist.isend(data, dst, group=group)]
 
