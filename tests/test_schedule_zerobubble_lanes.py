@@ -153,3 +153,65 @@ def test_zb_u_shape_with_prefetch_checks_and_runs_ahead_over_slow_edge_links():
 def test_zb_u_shape_refuses_a_bad_prefetch():
     with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
         zb_u_shape(3, 3, prefetch=-1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vdp_pipelines())
+def test_the_fastest_placement_is_kept(case):
+    """split_backwards keeps, of the lists it plays (each W right after its backward; both
+    fills at both W store sizes), the one the simulator times fastest with the run's prices,
+    transfers included."""
+    from ldt.schedule import zerobubble_lanes as zl
+    from ldt.schedule.simulate import prepare
+
+    dps, m, ushape, prefetch, costs, comm = case
+    today = vdp_schedule(dps, m, ushape, prefetch=prefetch)
+    duration, comm_time = lane_prices(Lanes(dps), Priced.of(costs, comm))
+    prepared = prepare(today)
+    held = {x: max(1, prepared.peak_inflight[x] + prepared.peak_inflight_end.get(x, 0))
+            for x in today}
+    most = {x: max(held.values()) for x in held}
+    played = [zl._right_after(today)] + [
+        zl._place(today, prepared.matches, duration, comm_time, caps, fill)
+        for caps in (held, most) for fill in ("idle", "fit")]
+    times = [simulate(type(today)(p, today.microbatches), duration, comm_time).iteration_time
+             for p in played]
+    kept = zl.split_backwards(today, duration, comm_time)
+    assert simulate(kept, duration, comm_time).iteration_time == min(times)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vdp_pipelines())
+def test_a_w_fills_only_a_wait(case):
+    """Where a play puts W's right before a WAIT (to fill it), timed by the simulator: with
+    ``fill="fit"`` each ends by the time the awaited message arrives (it delays nothing), with
+    ``fill="idle"`` each starts by then (the lane would have waited, or, with zero-time
+    actions, the message arrives at that very moment); and each W's backward ran before it
+    (the checker's rule, on the play's own lists)."""
+    from ldt.schedule import zerobubble_lanes as zl
+    from ldt.schedule.simulate import prepare
+
+    dps, m, ushape, prefetch, costs, comm = case
+    today = vdp_schedule(dps, m, ushape, prefetch=prefetch)
+    duration, comm_time = lane_prices(Lanes(dps), Priced.of(costs, comm))
+    caps = {x: 1 for x in today}
+    for fill in ("fit", "idle"):
+        lists = type(today)(zl._place(today, prepare(today).matches, duration, comm_time, caps,
+                                      fill), today.microbatches)
+        check_schedule(lists)
+        prepared = prepare(lists)
+        sim = simulate(prepared, duration, comm_time)
+        events = {(e.stage, i): e for lane in sorted(lists)
+                  for i, e in enumerate(x for x in sim.events if x.stage == lane)}
+        for lane, actions in lists.items():
+            for i, a in enumerate(actions):
+                if a.op not in (Op.WAIT_F, Op.WAIT_B):
+                    continue
+                send = prepared.matches[(lane, i)]
+                arrival = events[send].start + comm_time(lists[send[0]][send[1]])
+                j = i - 1
+                while j >= 0 and actions[j].op in WEIGHTS.values():
+                    w = events[(lane, j)]
+                    assert (w.end <= arrival) if fill == "fit" else (w.start <= arrival), \
+                        (fill, lane, str(actions[j]), w, arrival)
+                    j -= 1

@@ -73,51 +73,53 @@ def _right_after(lowered: LaneSchedule) -> dict[int, list[Action]]:
 
 def _place(lowered: LaneSchedule, matches: dict, duration, comm_time, caps: dict[int, int],
            fill: str) -> dict[int, list[Action]]:
-    """One play: the lowered lists with W's inserted where the rules above put them."""
+    """One play: the lowered lists with W's inserted where the rules above put them. The lane
+    whose clock is earliest acts next, so a message not sent yet cannot arrive before it."""
     out = {lane: [] for lane in lowered}
     clock = {lane: 0.0 for lane in lowered}
     position = {lane: 0 for lane in lowered}
     store: dict[int, deque] = {lane: deque() for lane in lowered}  # W's to run, in B order
     arrives: dict[tuple, float] = {}  # SEND slot -> when its message arrives
     parked: dict[tuple, int] = {}  # SEND slot -> the lane blocked on it
-    ready = deque(sorted(lowered))
+    active = set(lowered)  # lanes neither blocked nor done
 
     def run_w(lane: int) -> None:
         w = store[lane].popleft()
         out[lane].append(w)
         clock[lane] += duration(w)
 
-    while ready:  # a lane runs until it blocks on a message not sent yet
-        lane = ready.popleft()
-        acts = lowered[lane]
-        while position[lane] < len(acts):
-            i = position[lane]
-            a = acts[i]
-            if a.op in _WAITS:
-                arrival = arrives.get(matches[(lane, i)])
-                if arrival is None or arrival > clock[lane]:
-                    if store[lane] and (fill == "idle" or arrival is not None and
-                                        arrival - clock[lane] >= duration(store[lane][0])):
-                        run_w(lane)
-                        continue
-                    if arrival is None:
-                        parked[matches[(lane, i)]] = lane
-                        break
-                    clock[lane] = arrival
-            elif a.op in _W_OF and len(store[lane]) >= caps[lane]:
-                run_w(lane)  # the W store is full: its oldest W makes room
-                continue
-            out[lane].append(a)
-            position[lane] += 1
-            if a.op in SEND_OPS:
-                arrives[(lane, i)] = clock[lane] + comm_time(a)
-                if (lane, i) in parked:
-                    ready.append(parked.pop((lane, i)))
-            elif a.is_compute:
-                clock[lane] += duration(a)
-                if a.op in _W_OF:
-                    store[lane].append(Action(lane, _W_OF[a.op], a.mb))
-        else:
+    while active:
+        lane = min(active, key=lambda x: (clock[x], x))
+        acts, i = lowered[lane], position[lane]
+        if i == len(acts):  # the list's end: what the store still holds
             while store[lane]:
                 run_w(lane)
+            active.discard(lane)
+            continue
+        a = acts[i]
+        if a.op in _WAITS:
+            arrival = arrives.get(matches[(lane, i)])
+            if arrival is None or arrival > clock[lane]:
+                if store[lane] and (fill == "idle" or arrival is not None and
+                                    arrival - clock[lane] >= duration(store[lane][0])):
+                    run_w(lane)
+                elif arrival is None:
+                    parked[matches[(lane, i)]] = lane
+                    active.discard(lane)
+                else:
+                    clock[lane] = arrival
+                continue
+        elif a.op in _W_OF and len(store[lane]) >= caps[lane]:
+            run_w(lane)  # the W store is full: its oldest W makes room
+            continue
+        out[lane].append(a)
+        position[lane] += 1
+        if a.op in SEND_OPS:
+            arrives[(lane, i)] = clock[lane] + comm_time(a)
+            if (lane, i) in parked:
+                active.add(parked.pop((lane, i)))  # it decides again, at its own clock
+        elif a.is_compute:
+            clock[lane] += duration(a)
+            if a.op in _W_OF:
+                store[lane].append(Action(lane, _W_OF[a.op], a.mb))
     return out
