@@ -214,9 +214,11 @@ def lane_prices(lanes: Lanes, priced: Priced | None):
     if priced is None:
         return (lambda a: 1), (lambda a: 0)
     costs, comm = priced.tables()
-    stage = lambda lane: lanes.of(lane)[0]  # noqa: E731
-    return (lambda a: costs[(stage(a.stage), a.op.value)],
-            lambda a: comm.get((stage(a.stage), stage(a.peer)), 0))
+    per_stage: dict[int, dict[Op, float]] = {}
+    for (stage, op), t in costs.items():
+        per_stage.setdefault(stage, {})[Op(op)] = t
+    return lane_cost(lanes, per_stage), \
+        lambda a: comm.get((lanes.of(a.stage)[0], lanes.of(a.peer)[0]), 0)
 
 
 def lane_cost(lanes: Lanes, per_stage: dict[int, dict[Op, float]]):

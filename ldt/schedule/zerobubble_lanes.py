@@ -19,11 +19,12 @@ when the message has arrived, sent at the SEND's time plus its transfer):
 * what is left runs at the list's end.
 
 Both fills are played at two W store sizes, and the lists with each W right after its backward
-(timed exactly as the unsplit lists); the fastest by the simulator is kept. On equal stages
-(F = B = W, no transfer time) this matches the list scheduler on the U-shape (P 3, m 2 and 4:
-17 and 27 units, as ``zb_u_shape``) and on a plain pipeline (P 4, m 4: 30, as ``zb_h1``). A W consumes and sends nothing, so the
-lists' messages are those of the unsplit lists that the checker passed: deadlock-free by
-construction, checked again anyway. No torch here.
+(timed exactly as the unsplit lists); the fastest by the simulator is kept. With one replica
+per stage and F = B = W this is the paper's ZB-H1 (``3m + P - 1`` for m >= P); on uneven costs
+the list scheduler, free to reorder forwards and backwards, is mostly faster
+(docs/zero_bubble.md). A W consumes and sends nothing, so the lists' messages are those of the
+unsplit lists that the checker passed: deadlock-free by construction, checked again anyway.
+No torch here.
 """
 
 from __future__ import annotations
