@@ -158,24 +158,19 @@ def test_zb_u_shape_refuses_a_bad_prefetch():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(vdp_pipelines())
 def test_the_fastest_placement_is_kept(case):
-    """split_backwards keeps, of the lists it plays (each W right after its backward; both
-    fills at both W store sizes), the one the simulator times fastest with the run's prices,
-    transfers included."""
+    """split_backwards keeps, of the lists it plays (``played``: each W right after its
+    backward; both fills at both W store sizes), the one the simulator times fastest with the
+    run's prices, transfers included; and every one of them splits every backward."""
     from ldt.schedule import zerobubble_lanes as zl
-    from ldt.schedule.simulate import prepare
 
     dps, m, ushape, prefetch, costs, comm = case
     today = vdp_schedule(dps, m, ushape, prefetch=prefetch)
     duration, comm_time = lane_prices(Lanes(dps), Priced.of(costs, comm))
-    prepared = prepare(today)
-    held = {x: max(1, prepared.peak_inflight[x] + prepared.peak_inflight_end.get(x, 0))
-            for x in today}
-    most = {x: max(held.values()) for x in held}
-    played = [zl._right_after(today)] + [
-        zl._place(today, prepared.matches, duration, comm_time, caps, fill)
-        for caps in (held, most) for fill in ("idle", "fit")]
-    times = [simulate(type(today)(p, today.microbatches), duration, comm_time).iteration_time
-             for p in played]
+    candidates = zl.played(today, duration, comm_time)
+    assert len(candidates) == 5
+    for lists in candidates:
+        check_schedule(lists)
+    times = [simulate(c, duration, comm_time).iteration_time for c in candidates]
     kept = zl.split_backwards(today, duration, comm_time)
     assert simulate(kept, duration, comm_time).iteration_time == min(times)
 

@@ -208,13 +208,16 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None, priced
         patches.apply(["wgrad_split"])
         default_run = WgradStore.run
         WgradStore.run = lambda store, key: (w_runs.append(key), default_run(store, key))
-    with RecomputeCount() as recomputed:
-        res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
-                       num_microbatches=M, seq_length=MODEL.seq_length, micro_batch_size=MBS,
-                       comm=comm, state=state, config=models[0].config, prefetch=prefetch,
-                       zero_bubble=priced is not None, priced=priced)
-    if priced is not None:
-        WgradStore.run = default_run
+    try:
+        with RecomputeCount() as recomputed:
+            res = run_step(forward_step_func=forward_step, data_iterator=data, model=models,
+                           num_microbatches=M, seq_length=MODEL.seq_length,
+                           micro_batch_size=MBS, comm=comm, state=state,
+                           config=models[0].config, prefetch=prefetch,
+                           zero_bubble=priced is not None, priced=priced)
+    finally:
+        if priced is not None:
+            WgradStore.run = default_run
     params = list({id(p): p for g in models for p in g.parameters()}.values())
     average_dp_grads(params, state)  # what DDP + the step's gradient factor do
     grads = {global_param_name(c, n): p.grad.detach().clone()

@@ -45,25 +45,31 @@ def split_backwards(lowered: LaneSchedule, duration: Callable[[Action], float],
                     comm_time: Callable[[Action], float]) -> LaneSchedule:
     """``lowered`` (checked lane lists, backwards unsplit) with every backward followed, later,
     by its W; ``duration`` prices a compute action (a backward: its B part; a W: its own),
-    ``comm_time`` a SEND. The W store's cap per lane (the most backwards whose W has not run)
-    is played at two sizes: the micro-batches the lane holds activations of at its peak (both
-    chunks' peaks on an edge lane, as the simulator counts them), and the most any lane holds
-    (as the uniform zero-bubble schedules' default)."""
-    today = prepare(lowered)  # checked; its matching and the activations each lane holds
-    held = {lane: max(1, today.peak_inflight[lane] + today.peak_inflight_end.get(lane, 0))
-            for lane in lowered}
-    most = {lane: max(held.values()) for lane in held}
-    candidates = [LaneSchedule(lists, lowered.microbatches) for lists in [_right_after(lowered)]
-                  + [_place(lowered, today.matches, duration, comm_time, caps, fill)
-                     for caps in (held, most) for fill in FILLS]]
+    ``comm_time`` a SEND. Of :func:`played`, the fastest, then the smallest W store."""
 
     def score(schedule: LaneSchedule) -> tuple:
         sim = simulate(schedule, duration, comm_time)
         return sim.iteration_time, max(sim.peak_wstore.values(), default=0)
 
-    best = min(candidates, key=score)  # the fastest, then the smallest W store
+    best = min(played(lowered, duration, comm_time), key=score)
     check_schedule(best)
     return best
+
+
+def played(lowered: LaneSchedule, duration: Callable[[Action], float],
+           comm_time: Callable[[Action], float]) -> list[LaneSchedule]:
+    """The candidate lists: each W right after its backward, then each fill played with the
+    W store's cap per lane (the most backwards whose W has not run) at two sizes: the
+    micro-batches the lane holds activations of at its peak (both chunks' peaks on an edge
+    lane, as the simulator counts them), and the most any lane holds (as the uniform
+    zero-bubble schedules' default)."""
+    today = prepare(lowered)  # checked; its matching and the activations each lane holds
+    held = {lane: max(1, today.peak_inflight[lane] + today.peak_inflight_end.get(lane, 0))
+            for lane in lowered}
+    most = {lane: max(held.values()) for lane in held}
+    return [LaneSchedule(lists, lowered.microbatches) for lists in [_right_after(lowered)]
+            + [_place(lowered, today.matches, duration, comm_time, caps, fill)
+               for caps in (held, most) for fill in FILLS]]
 
 
 def _right_after(lowered: LaneSchedule) -> dict[int, list[Action]]:
