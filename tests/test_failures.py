@@ -104,7 +104,9 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
     # before torchrun's report ("E... failed (exitcode: -9) local_rank: 1 ...", its traceback
     # and summary): torchrun's log lines and the ranks' own lines, no traceback
     torchrun_log = re.compile(r"[IWE]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
-    ranks_part, summary = re.split(r"\n[IWE]\d{4} [^\n]* failed \(exitcode", err, maxsplit=1)
+    parts = re.split(r"\n[IWE]\d{4} [^\n]* failed \(exitcode", err, maxsplit=1)
+    assert len(parts) == 2, f"no 'failed (exitcode' report of torchrun's:\n{err[-4000:]}"
+    ranks_part, summary = parts
     assert "Traceback" not in ranks_part, ranks_part[-3000:]
     lines = [x for x in ranks_part.splitlines() if x and not torchrun_log.match(x)]
     assert len(lines) == 3, ranks_part  # one line per rank left (bare: one line in all)
