@@ -12,8 +12,9 @@ was timed against megatron's two busy senders with more CPU than they had (issue
 0.681 at small sizes). Paths, alternating (ABBA) after discarded warm-up rounds:
 
 * *megatron*: every TP rank of stage 0 sends its own copy to its peer in stage 1;
-* *fanout* (``cluster.boundary_fanout=always``): stage 0's leader sends its one payload to
-  both ranks of stage 1, which need no relay;
+* *fanout* (``cluster.boundary_fanout=always``): each rank of stage 0 sends its own copy to
+  one rank of stage 1, TP rank i to TP rank i (``ldt.topology.routes.fanout_sources``; until
+  2026-12-05 stage 0's leader sent both copies and its second rank idled), no relay;
 * *relay* (``never``): one copy to stage 1's leader, which relays it in pieces as they arrive
   (``ldt.boundary.relay``);
 * *whole*: the relay unpipelined (every message one piece, as before issue #27).

@@ -175,14 +175,25 @@ class TransportCount:
     """Receives into a stage of TP > 1 per route (:data:`ROUTES`), counted on every rank of
     that stage where the route's code runs: the fan-out receive, the leader's broadcast or
     scatter of a whole message (every rank joins it), the piece relay. The proof that a
-    variant ran the transport it names, and no other."""
+    variant ran the transport it names, and no other. ``fanout_sent``: the fan-out copies this
+    rank sent (the sending ranks share them, ``ldt.topology.routes.fanout_sources``)."""
 
     def __enter__(self):
         from ldt.boundary.communicator import VtpCommunicator
         from ldt.boundary.sequence import SequenceLayout
         from ldt.boundary.relay import PieceRelay
+        from ldt.topology.routes import FANOUT
 
-        self.calls, self._undo = dict.fromkeys(ROUTES, 0), []
+        self.calls, self._undo, self.fanout_sent = dict.fromkeys(ROUTES, 0), [], 0
+        targets = VtpCommunicator._targets
+
+        def counted_targets(comm, route, how):
+            out = targets(comm, route, how)
+            self.fanout_sent += len(out) if how.kind == FANOUT else 0
+            return out
+
+        VtpCommunicator._targets = counted_targets
+        self._undo.append((VtpCommunicator, "_targets", targets))
         for cls, name, route, tp in (
                 (VtpCommunicator, "_recv_fanout", "fanout", lambda c: c.layout.tp),
                 (SequenceLayout, "distribute", "whole", lambda layout: layout.tp),
@@ -370,7 +381,7 @@ def vtp_run(rank, world, topo, full_state, m, variants):
         results.append({"stage": state.stage, "tp_rank": state.info.tp_rank,
                         "losses": losses, "grads": grads, "sent": audit.sent,
                         "touched_data": Tripwire.touched, "recomputed": recomputed.calls,
-                        "routes": routes.calls,
+                        "routes": routes.calls, "fanout_sent": routes.fanout_sent,
                         "w_runs": w_runs, "ran": ran})
         patches.revert()
         ldt.destroy_vtp()

@@ -325,6 +325,38 @@ def test_fanout_posts_on_the_fanout_group_with_the_data_tag(rec):
     assert tensor.dtype == torch.float32 and tensor.requires_grad
 
 
+def test_between_two_tp2_stages_each_rank_sends_its_own_copy_with_the_same_noise(rec):
+    """U-shape TP 2 -> TP 2 (ranks [0 1] [2 3]), fan-out: TP rank i sends to TP rank i, as
+    megatron's p2p pairs them, and receives from it. Each rank of the data stage draws the
+    noise of ``train.boundary_noise`` from its own transform, seeded alike: the two copies are
+    equal bit for bit (else the TP ranks across would train on different inputs). With the
+    sequence sharded, the leader (which gathers it) sends both."""
+    from ldt.boundary.noise import send_transforms
+
+    train = SimpleNamespace(boundary_noise=1.0, seed=3)
+    x = torch.arange(12.0).view(3, 1, 4)
+    for rank, peer in ((0, 2), (1, 3)):
+        state = _state(rank, tps=(2, 2), fanout="always")
+        transforms = send_transforms(train, state.topology, state.stage)
+        for t in transforms:
+            t.start(step=5)
+        work = p2p.VtpCommunicator(CONFIG, state, send_transforms=transforms).send(
+            x, 1, p2p.FORWARD)
+        assert work is not None and rec.calls[-1] == ("isend", peer, FORWARD_TAG)
+    assert [c[1] for c in rec.calls] == [2, 3]  # one copy each
+    assert torch.equal(rec.tensors[0], rec.tensors[1]) and not torch.equal(rec.tensors[0], x)
+    rec.calls.clear()
+    for rank, peer in ((2, 0), (3, 1)):
+        p2p.VtpCommunicator(CONFIG, _state(rank, tps=(2, 2), fanout="always")).recv(
+            (3, 1, 4), 0, p2p.FORWARD)
+        assert rec.calls[-1] == ("irecv", peer, FORWARD_TAG)
+    rec.calls.clear()
+    sp = SimpleNamespace(**{**vars(CONFIG), "sequence_parallel": True})
+    p2p.VtpCommunicator(sp, _state(3, tps=(2, 2), fanout="always")).recv((2, 1, 4), 0,
+                                                                          p2p.FORWARD)
+    assert rec.calls == [("irecv", 0, FORWARD_TAG)]  # from the leader
+
+
 def test_a_message_whose_shape_crosses_first_never_fans_out(rec):
     """With variable sequence lengths the receiver learns the shape from the sender's first
     message, so the sender cannot fan out: `always` is overruled by one copy and the relay."""

@@ -124,6 +124,16 @@ def test_each_variant_ran_the_transport_it_names(case):
         # counted on the TP 2 stages' ranks only
         assert all(sum(rank[i]["routes"].values()) == 0 for rank in out
                    if topo.stages[rank[i]["stage"]].tp == 1), v["name"]
+        # every fan-out copy received was sent once; between two TP 2 stages by every rank
+        # of the sending stage, TP rank i to TP rank i (not all by the leader)
+        assert sum(rank[i]["fanout_sent"] for rank in out) == calls["fanout"], v["name"]
+        both_tp2 = {s for b in topo.boundaries() for s in (b.src_stage, b.dst_stage)
+                    if topo.stages[b.src_stage].tp > 1 and topo.stages[b.dst_stage].tp > 1}
+        for r in (rank[i] for rank in out):  # beside a leader: only a share of a fan-out
+            if r["tp_rank"] > 0 and r["fanout_sent"]:
+                assert want == "fanout" and r["stage"] in both_tp2, (v["name"], r["stage"])
+        if want == "fanout" and all(st.tp > 1 for st in topo.stages):
+            assert all(rank[i]["fanout_sent"] > 0 for rank in out), v["name"]
 
 
 def test_zero_bubble_ran_every_w_after_its_backward(case):

@@ -455,10 +455,14 @@ def test_reference_api_as_its_callers_use_it(world):
         (stage, tp_rank, d), r = hand.info(rank), o["reference"]
         assert r["leader_idiom"] == hand.leader(stage, d)
         assert r["enabled"] is True
-        prev = (stage - 1) % hand.num_stages
+        prev, nxt = (stage - 1) % hand.num_stages, (stage + 1) % hand.num_stages
+        # beside a leader, a send into a TP > 1 stage is a share of a fan-out (on one machine
+        # every message into a TP > 1 stage fans out), TP rank i to TP rank i
+        shares = sum(hand.tp_sizes[peer] > 1 for peer in (nxt, prev))
         for label in ("pp_group", "own_group"):
             got = r[label]
-            assert got["handles"] == (2 if tp_rank == 0 else 0)  # one per send, leaders only
+            want = 2 if tp_rank == 0 else shares if label == "pp_group" else 0
+            assert got["handles"] == want, (rank, label)  # one per send it posted
             assert got["fwd"] == float(prev)  # every TP rank got the leader's activation
             assert got["bwd"] == float(stage) + 0.5  # and the gradient back from next
 

@@ -29,7 +29,7 @@ def test_bubble_through_cost_model(p, m, monkeypatch):
     inv = synthetic_inventory({"a100": 8})
     cost = CostModel(load_model("llama_7b"), inv, micro_batch_size=1)
     monkeypatch.setattr(cost, "head_time", lambda kind, tp: (0.0, 0.0))
-    monkeypatch.setattr(cost, "boundary_time", lambda a, b, tp: 0.0)
+    monkeypatch.setattr(cost, "boundary_time", lambda *args: 0.0)
     plan = Plan(tuple(StageSpec("a100", 1) for _ in range(p)), (2,) * p, False, 1, m)
     ev = simulate_plan(plan, cost)
     assert ev.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)

@@ -150,6 +150,13 @@ def test_transfers_by_hand():
     # most 64 KiB, so the sender sends a copy to each of its 2 ranks (no relay)
     assert cost.boundary_time("gpu", "gpu", 1) == pytest.approx(nbytes / 8e9 + 10e-6)
     assert cost.boundary_time("gpu", "gpu", 2) == pytest.approx(2 * nbytes / 8e9 + 10e-6)
+    # from a TP 2 stage each sending rank sends one of the copies (TP rank i to TP rank i);
+    # with the sequence sharded over them the leader gathers it and sends both
+    assert cost.boundary_time("gpu", "gpu", 2, 2) == pytest.approx(nbytes / 8e9 + 10e-6)
+    assert cost.boundary_time("gpu", "gpu", 3, 2) == pytest.approx(2 * nbytes / 8e9 + 10e-6)
+    sp = CostModel(ModelConfig(**{**FAMILIES["gpt"].__dict__, "sequence_parallel": True}),
+                   _inventory(), micro_batch_size=2)
+    assert sp.boundary_time("gpu", "gpu", 2, 2) == pytest.approx(2 * nbytes / 8e9 + 10e-6)
     # 8x the micro-batch: 128 KiB crosses once, whole (one piece), and the leader relays it
     big = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=16)
     assert big.boundary_time("gpu", "gpu", 2) == pytest.approx(8 * nbytes / 8e9 + 10e-6

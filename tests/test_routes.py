@@ -248,6 +248,21 @@ def test_fan_out_by_mode_node_and_size():
     assert never.fanout_group is None and never.transport(1 * KIB, mode="always").kind == WHOLE
 
 
+def test_the_sending_ranks_share_a_fan_out():
+    """TP 2 -> TP 2 (world [0 1] [2 3]): TP rank i sends to TP rank i, as megatron's p2p pairs
+    them; TP 2 -> TP 3 ([0 1] [2 3 4]): in turn; TP 1 -> TP 2 and a sequence-parallel sender:
+    the leader sends every copy. What a sender posts back to back prices the link."""
+    two = rank_plan(topo((2, 2)))
+    assert two.route(0, 1, FORWARD).fanout_sources(True) == (0, 1)
+    assert two.route(1, 0, BACKWARD).fanout_sources(True) == (2, 3)
+    assert two.route(0, 1, FORWARD).fanout_sources(False) == (0, 0)
+    assert rank_plan(topo((2, 3))).route(0, 1, FORWARD).fanout_sources(True) == (0, 1, 0)
+    assert rank_plan(topo((2, 3))).route(1, 0, BACKWARD).fanout_sources(True) == (2, 3)
+    assert rank_plan(topo((1, 2))).route(0, 1, FORWARD).fanout_sources(True) == (0, 0)
+    assert [carry(KIB, 3, mode="always", same_node=True, senders=k).copies
+            for k in (1, 2, 3, 4)] == [3, 2, 1, 1]
+
+
 # ---- invariants of every plan, P = 2..8 -----------------------------------------------------
 
 def _clusters():
@@ -280,6 +295,14 @@ def test_every_plan_keeps_the_invariants(kw):
         assert fwd.group == bwd.group and (fwd.tag, bwd.tag) == (1, 2)
         assert plan.group(fwd.group).ranks == tuple(sorted({fwd.src_rank, fwd.dst_rank}))
         assert (fwd.receivers, bwd.receivers) == (stage_ranks[d, b], stage_ranks[d, a])
+        assert (fwd.senders, bwd.senders) == (stage_ranks[d, a], stage_ranks[d, b])
+        # a fan-out copy for every rank across, each from a rank of the sending stage, no
+        # sending rank posting more than its share; the leader alone with the sequence sharded
+        for route in (fwd, bwd):
+            spread = route.fanout_sources(whole_on_every_sender=True)
+            assert len(spread) == len(route.receivers) and set(spread) <= set(route.senders)
+            assert max(spread.count(r) for r in spread) == -(-len(spread) // len(route.senders))
+            assert route.fanout_sources(False) == (route.src_rank,) * len(route.receivers)
         fans = kw["fanout"] != "never" and max(tps[a], tps[b]) > 1
         assert (fwd.fanout_group is not None) == fans
         if fans:

@@ -10,8 +10,9 @@ A boundary transfer, in the order it happens:
    broadcast; :class:`~ldt.boundary.communicator.VtpCommunicator` is megatron-core's
    ``P2PCommunicator`` with that ``_communicate``, and the reference implementation's
    functional API (``vtp_send_forward`` and its siblings, :mod:`ldt.boundary.functional`)
-   sits on it. Where no slow link is in the way the sending leader sends straight to every
-   TP rank across instead (fan-out, ``cluster.boundary_fanout``).
+   sits on it. Where no slow link is in the way the sending stage sends straight to every
+   TP rank across instead, its TP ranks sharing the copies (fan-out,
+   ``cluster.boundary_fanout``).
    A large message crosses in pieces, relayed in the receiving stage (and gathered in a
    sequence-parallel sending one) piece by piece as they arrive: :mod:`ldt.boundary.relay`.
 3. :mod:`ldt.boundary.work`: the handles a transfer returns (``wait()`` = leader receive, then

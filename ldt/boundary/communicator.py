@@ -1,7 +1,8 @@
 """VTP boundary transport: leader send/recv + intra-stage broadcast, with async handles.
 
-Only a stage's leader (TP rank 0) talks to neighbouring stages, over that boundary's own group
-(see :mod:`ldt.groups.parallel_state`). After a receive the leader broadcasts inside its TP group
+A stage's leader (TP rank 0) talks to neighbouring stages' leaders, over that boundary's own
+group (see :mod:`ldt.groups.parallel_state`); a fan-out copy goes from a TP rank of the sending
+stage straight to one of the receiving stage (:meth:`ldt.topology.routes.Route.fanout_sources`). After a receive the leader broadcasts inside its TP group
 (boundary activations and their gradients are replicated on every TP rank of a stage), or,
 with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
 its sequence slices on the leader (:mod:`ldt.boundary.sequence`). A boundary the device layer
@@ -118,10 +119,14 @@ class VtpCommunicator(P2PCommunicator):
                   else None)
         whole = gather.whole if gather is not None else layout.gather(
             tensor, state.tp_group, state.stage_ranks[0], state.is_leader)
-        if not state.is_leader:
+        targets = self._targets(route, how)
+        if not targets:
             return None
-        group = state.named_groups[route.group]
-        payload = whole.detach()
+        group = state.named_groups[route.group] if state.is_leader else None
+        # a fan-out copy from a rank beside the leader: its own replica of the whole tensor,
+        # through the same transforms (the noise's generator is seeded per stage and pass, so
+        # every rank of the stage draws the same noise)
+        payload = (tensor if whole is None else whole).detach()
         for transform in self.send_transforms:
             payload = transform(payload, route.src_stage, route.dst_stage, direction)
         if route.host_staged and gather is None:
@@ -129,29 +134,48 @@ class VtpCommunicator(P2PCommunicator):
         payload = payload.contiguous()
         if gather is None:
             self._observe_send(route, payload)
-        what = self._describe("send", route.src_stage, route.dst_stage, direction, route.dst_rank)
+        what = self._describe("send", route.src_stage, route.dst_stage, direction, targets[0])
         keep = [payload]
         try:
-            works = self._post_sends(payload, route, group, how, bounds, gather, keep)
+            works = self._post_sends(payload, route, group, how, bounds, gather, keep, targets)
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
         if gather is not None:  # the whole tensor is there now
             self._observe_send(route, payload)
         return SendWork(works, keep, what)
 
+    def _targets(self, route: Route, how: Carry) -> list[int]:
+        """The ranks this rank sends one message of ``route`` to: a fan-out's copies that
+        :meth:`_fanout_sources` gives it, else the receiving leader from the sending leader."""
+        if how.kind == FANOUT:
+            me = self.state.info.rank
+            return [r for r, s in zip(route.receivers, self._fanout_sources(route)) if s == me]
+        return [route.dst_rank] if self.state.is_leader else []
+
+    def _fanout_sources(self, route: Route) -> tuple[int, ...]:
+        """Per rank across, who sends it its fan-out copy. Both ends ask with the same facts:
+        a fan-out joins two stages of TP > 1 where the sender has several ranks, and on such
+        stages sequence parallelism is the model's setting (ldt turns it off on TP 1 only)."""
+        return route.fanout_sources(whole_on_every_sender=not self.layout.sequence_parallel)
+
+    def _observe_send(self, route: Route, payload: torch.Tensor) -> None:
+        if self.state.is_leader:  # what the leader sends (the other fan-out copies are equal)
+            for obs in self.observers:
+                obs.on_send(route.src_stage, route.dst_stage, route.direction, payload)
+
     def _post_sends(self, payload, route: Route, group, how: Carry, bounds, gather,
-                    keep: list) -> list:
-        """The leader's isends of one message along ``route``, as ``how`` says."""
+                    keep: list, targets: list[int]) -> list:
+        """This rank's isends of one message along ``route`` to ``targets``, as ``how`` says."""
         works = []
         if self.layout.variable_seq_lengths:  # the shape first, as megatron does
             work, buf = send_shape(payload.shape, route.dst_rank, group, route.direction,
                                    "cpu" if route.host_staged else payload.device)
             works.append(work)
             keep.append(buf)
-        if how.kind == FANOUT:  # straight to every TP rank across (ldt.boundary.relay)
+        if how.kind == FANOUT:  # straight to TP ranks across (ldt.boundary.relay)
             fan_group = self.state.named_groups[route.fanout_group]
             return works + [dist.isend(payload, dst=r, group=fan_group, tag=route.tag)
-                            for r in route.receivers]
+                            for r in targets]
         if how.kind == WHOLE:
             return works + [dist.isend(payload, dst=route.dst_rank, group=group, tag=route.tag)]
         for k, (a, b) in enumerate(bounds):  # in pieces, each as soon as it is gathered
@@ -163,10 +187,6 @@ class VtpCommunicator(P2PCommunicator):
                     keep.append(part)
             works.append(dist.isend(part, dst=route.dst_rank, group=group, tag=route.tag))
         return works
-
-    def _observe_send(self, route: Route, payload: torch.Tensor) -> None:
-        for obs in self.observers:
-            obs.on_send(route.src_stage, route.dst_stage, route.direction, payload)
 
     def recv(self, shape, peer_stage: int, direction: str,
              peer_replica: Optional[int] = None) -> tuple[torch.Tensor, RecvWork]:
@@ -251,11 +271,13 @@ class VtpCommunicator(P2PCommunicator):
         return route.transport(nbytes, self.piece_unit_bytes, mode)
 
     def _recv_fanout(self, shape, route: Route):
-        """Every rank's own receive of the sending leader's copy, no relay: the whole tensor
-        (the sender does not know the layout here), of which a sequence-parallel rank keeps
-        its slice."""
+        """Every rank's own receive of its copy (from the sending rank
+        :meth:`_fanout_sources` names), no relay: the whole tensor (the sender does not know
+        the layout here), of which a sequence-parallel rank keeps its slice."""
+        me = self.state.info.rank
+        src = self._fanout_sources(route)[route.receivers.index(me)]
         what = self._describe("receive", route.src_stage, route.dst_stage, route.direction,
-                              route.src_rank, direct=True)
+                              src, direct=True)
         dtype, layout = self.config.pipeline_dtype, self.layout
         tensor = torch.empty(tuple(shape), dtype=dtype, device=self.device, requires_grad=True)
         whole_shape = layout.full_shape(shape)
@@ -265,10 +287,10 @@ class VtpCommunicator(P2PCommunicator):
         target = staged if staged is not None else full if full is not None else tensor.detach()
         group = self.state.named_groups[route.fanout_group]
         try:
-            works = [dist.irecv(target, src=route.src_rank, group=group, tag=route.tag)]
+            works = [dist.irecv(target, src=src, group=group, tag=route.tag)]
         except Exception as exc:
             raise boundary_error(what, time.monotonic(), exc) from exc
-        keep_slice = ((layout.tp, self.state.stage_ranks.index(self.state.info.rank))
+        keep_slice = ((layout.tp, self.state.stage_ranks.index(me))
                       if full is not None else None)
         landing = Landing(staged=staged, full=full, keep_slice=keep_slice)
         return tensor, self._recv_work(tensor, works, route, landing, what, direct=True)

@@ -2,7 +2,8 @@
 
 As in MindSpeed LDT: receives take (tensor_shape, config, async_op) and return the tensor, or
 (tensor, {"recv_prev" | "recv_next": handle}) with async_op; sends take the tensor and return
-a list of work handles on a stage's rank 0 (None elsewhere), so callers ``handles.extend()``.
+a list of work handles on a stage's rank 0 and on a rank that sends a fan-out copy of its own
+(None elsewhere), so callers ``handles.extend()``.
 Keywords pick the channel: ``group`` (a group or a list of groups) with ``next_rank`` /
 ``prev_rank`` (a global rank or a list, one per group). Without them, or with megatron's
 pipeline group (ldt's StagePipelineGroup), the stage boundary to the neighbouring stage's
@@ -38,12 +39,12 @@ def vtp_recv_backward(tensor_shape, config, async_op: bool = False, **kwargs):
 
 
 def vtp_send_forward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
-    """Send this stage's output activation to the next stage: the leader's work handles."""
+    """Send this stage's output activation to the next stage: this rank's work handles."""
     return _send(tensor, config, FORWARD, kwargs)
 
 
 def vtp_send_backward(tensor: torch.Tensor, config=None, **kwargs) -> Optional[list]:
-    """Send the gradient of this stage's input to the previous stage: the leader's handles."""
+    """Send the gradient of this stage's input to the previous stage: this rank's handles."""
     return _send(tensor, config, BACKWARD, kwargs)
 
 
@@ -85,12 +86,14 @@ def _peer_stage(comm: VtpCommunicator, rank: int) -> int:
 def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optional[list]:
     comm, routing = _communicator(config, kwargs)
     sharded = comm.layout.sharded  # sequence parallel (config= given): every rank gathers
-    if not comm.state.is_leader and not sharded:
-        return None
     handles = []
     for group, rank in _routes(comm, routing, direction, sending=True):
-        if group is None:
-            handles.append(comm.send(tensor, _peer_stage(comm, rank), direction))
+        if group is None:  # every rank: it gathers, or sends a fan-out copy of its own
+            work = comm.send(tensor, _peer_stage(comm, rank), direction)
+            if work is not None:
+                handles.append(work)
+        elif not comm.state.is_leader:
+            continue
         elif sharded:
             raise ConfigError("sequence_parallel=True with group=: ldt gathers the sequence "
                               "only on its own stage boundaries; leave group= out")
@@ -101,7 +104,7 @@ def _send(tensor: torch.Tensor, config, direction: str, kwargs: dict) -> Optiona
             payload = payload.contiguous()
             handles.append(SendWork([dist.isend(payload, dst=rank, group=group,
                                                  tag=DATA_TAGS[direction])], payload))
-    return handles if comm.state.is_leader else None
+    return handles if comm.state.is_leader or handles else None
 
 
 def _recv(tensor_shape, config, async_op: bool, direction: str, kwargs: dict):

@@ -170,7 +170,7 @@ class CostModel:
         self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
         self.sequence_parallel = bool(getattr(m, "sequence_parallel", False))
         self.moe = moe_shape(m)
-        self._boundary_times: dict[tuple[str, str, int], float] = {}  # the planner asks ~40k
+        self._boundary_times: dict[tuple[str, str, int, int], float] = {}  # the planner asks ~40k
         self._memories: dict[tuple, Memory] = {}  # and ~28k stage memories, a few hundred distinct
         self._cache: dict[tuple, tuple[float, float]] = {}
         self.memo: dict[tuple, object] = {}
@@ -478,24 +478,25 @@ class CostModel:
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
 
-    def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int) -> float:
-        """One activation (or gradient) from a stage leader to the next stage, all its ranks,
-        as ``cluster.boundary_fanout=auto`` moves it between nodes (the route policy a run
-        uses, :func:`ldt.topology.routes.carry`; the planner places stages on separate nodes): a small
-        message as a copy per TP rank, a larger one as one copy whose last piece the receiving
-        leader relays."""
-        key = (src_kind, dst_kind, dst_tp)
+    def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int, src_tp: int = 1) -> float:
+        """One activation (or gradient) from a stage of TP ``src_tp`` to the next stage, all
+        its ``dst_tp`` ranks, as ``cluster.boundary_fanout=auto`` moves it between nodes (the
+        route policy a run uses, :func:`ldt.topology.routes.carry`; the planner places stages on
+        separate nodes): a small message as a copy per TP rank, which the sending ranks share
+        unless the sequence is sharded over them, a larger one as one copy whose last piece
+        the receiving leader relays."""
+        key = (src_kind, dst_kind, dst_tp, src_tp)
         if key in self._boundary_times:
             return self._boundary_times[key]
         nbytes = self.boundary_bytes()
         src, dst = self.inventory.kind(src_kind), self.inventory.kind(dst_kind)
         link = self.inventory.link(src_kind, dst_kind)
-        how = carry(nbytes, dst_tp, mode="auto", same_node=False)
-        copies = dst_tp if how.kind == FANOUT else 1
-        t = message_time(copies * nbytes, link)
+        whole_senders = 1 if self.sequence_parallel else src_tp  # fanout_sources' rule
+        how = carry(nbytes, dst_tp, mode="auto", same_node=False, senders=whole_senders)
+        t = message_time(how.copies * nbytes, link)
         if plan_boundary(0, src.device, 1, dst.device).host_staged:  # the run's own rule
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")
-        if dst_tp > 1 and copies == 1:  # the relay of the last piece inside the TP group
+        if dst_tp > 1 and how.kind != FANOUT:  # the relay of the last piece in the TP group
             t += nbytes / how.pieces / (dst.intra_bw_gbps * GB)
         self._boundary_times[key] = t
         return t

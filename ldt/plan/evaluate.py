@@ -190,8 +190,8 @@ def comm_table(plan: Plan, cost: CostModel) -> dict[tuple[int, int], float]:
     pairs = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if plan.u_shape else [])
     for a, b in pairs:
         sa, sb = plan.stages[a], plan.stages[b]
-        out[(a, b)] = cost.boundary_time(sa.kind, sb.kind, sb.tp)
-        out[(b, a)] = cost.boundary_time(sb.kind, sa.kind, sa.tp)
+        out[(a, b)] = cost.boundary_time(sa.kind, sb.kind, sb.tp, sa.tp)
+        out[(b, a)] = cost.boundary_time(sb.kind, sa.kind, sa.tp, sb.tp)
     return out
 
 def simulate_times(ops: dict[int, dict[Op, float]], comm: dict[tuple[int, int], float],

@@ -11,7 +11,8 @@ staging, link delays) a :class:`RankPlan`:
   close the list with the backend :data:`CROSS_STAGE`; their ranks are the ranks holding one;
 - ``routes``: every message path across a stage boundary, as :class:`Route` (stages,
   replicas, the two leaders, the group it travels on, host staging, tag, and the transport
-  policy :meth:`Route.transport`: whole, in pieces, or fanned out to every TP rank across).
+  policy :meth:`Route.transport`: whole, in pieces, or fanned out to every TP rank across,
+  :meth:`Route.fanout_sources` saying which sending rank sends which copy).
   :mod:`ldt.boundary.communicator` only executes routes; :mod:`ldt.plan.cost` prices
   :func:`carry`, the same policy.
 
@@ -76,20 +77,38 @@ def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
 @dataclass(frozen=True)
 class Carry:
     """How one message crosses: ``kind`` is WHOLE, PIECES (``pieces`` of them, relayed as
-    they arrive) or FANOUT (a copy to every TP rank across, no relay)."""
+    they arrive) or FANOUT (a copy to every TP rank across, no relay; ``copies``: the most
+    one sending rank posts, back to back)."""
 
     kind: str
     pieces: int = 1
+    copies: int = 1
 
 
 def carry(nbytes: int, receivers: int, *, mode: str, same_node: bool,
-          fanout_group: bool = True, unit_bytes: int = PIECE_UNIT_BYTES) -> Carry:
+          fanout_group: bool = True, unit_bytes: int = PIECE_UNIT_BYTES,
+          senders: int = 1) -> Carry:
     """The transport of a message of ``nbytes`` into a stage of ``receivers`` TP ranks
-    (``fanout_group``: a group spanning both stages exists, so fan-out is possible)."""
+    (``fanout_group``: a group spanning both stages exists, so fan-out is possible;
+    ``senders``: the sending stage's ranks that each hold the whole message and share the
+    fan-out's copies, :func:`fanout_sources`)."""
     if fanout_group and receivers > 1 and fans_out(mode, same_node, nbytes):
-        return Carry(FANOUT)
+        return Carry(FANOUT, copies=math.ceil(receivers / max(1, senders)))
     k = piece_count(nbytes, unit_bytes)
     return Carry(WHOLE if k == 1 else PIECES, k)
+
+
+def fanout_sources(senders: Sequence[int], receivers: int, whole_on_every_sender: bool
+                   ) -> tuple[int, ...]:
+    """Per TP rank across (in order), the rank that sends it its fan-out copy. Where every
+    sending rank holds the whole message (no sequence parallelism: a stage's boundary tensor
+    is replicated over its TP ranks, which megatron's own p2p relies on too), the sending
+    ranks take the copies in turn, TP rank i to TP rank i as megatron pairs them: one copy each
+    between two stages of equal TP, instead of all of them from the leader. Else the leader,
+    which gathered the sequence, sends every copy."""
+    if not whole_on_every_sender:
+        senders = senders[:1]
+    return tuple(senders[j % len(senders)] for j in range(receivers))
 
 
 @dataclass(frozen=True)
@@ -122,6 +141,7 @@ class Route:
     host_staged: bool  # copy to the host, gloo, copy back (different device types)
     delay_ms: float  # cluster.link_delay_ms (a measurement tool)
     receivers: tuple[int, ...]  # every TP rank of the receiving stage replica
+    senders: tuple[int, ...] = ()  # every TP rank of the sending stage replica (leader first)
     fanout_group: Optional[str] = None  # the group of both stages, where fan-out may happen
     fanout_mode: str = "never"  # cluster.boundary_fanout
     same_node: bool = True  # both stages' ranks share one node
@@ -141,6 +161,12 @@ class Route:
         return carry(nbytes, len(self.receivers), mode=mode or self.fanout_mode,
                      same_node=self.same_node, fanout_group=self.fanout_group is not None,
                      unit_bytes=unit_bytes)
+
+    def fanout_sources(self, whole_on_every_sender: bool) -> tuple[int, ...]:
+        """Per rank of ``receivers``, the rank that sends it its fan-out copy
+        (:func:`fanout_sources`; both ends ask with the same facts)."""
+        return fanout_sources(self.senders or (self.src_rank,), len(self.receivers),
+                              whole_on_every_sender)
 
 
 @dataclass(frozen=True)
@@ -363,7 +389,8 @@ def _routes(topo: Topology, nodes: Optional[Sequence[str]]) -> tuple[Route, ...]
                 out.append(Route(direction=direction, src_stage=s, dst_stage=t,
                                  src_replica=rs, dst_replica=rt, src_rank=topo.leader(s, rs),
                                  dst_rank=topo.leader(t, rt),
-                                 receivers=topo.stage_ranks(t, rt), **common))
+                                 receivers=topo.stage_ranks(t, rt),
+                                 senders=topo.stage_ranks(s, rs), **common))
     return tuple(out)
 
 
