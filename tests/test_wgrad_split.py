@@ -266,12 +266,13 @@ def test_patch_applies_and_reverts_megatrons_names():
 
     from ldt import patches
 
-    original = layers.linear_with_grad_accumulation_and_async_allreduce
+    original = layers.LinearWithGradAccumulationAndAsyncCommunication
     had = hasattr(layers, "fused_weight_gradient_mlp_cuda")
     with patches.applied(["wgrad_split"]):
-        assert layers.linear_with_grad_accumulation_and_async_allreduce.__wrapped__ is original
+        split = layers.LinearWithGradAccumulationAndAsyncCommunication
+        assert split is not original and issubclass(split, original)
         assert hasattr(layers, "fused_weight_gradient_mlp_cuda")
-    assert layers.linear_with_grad_accumulation_and_async_allreduce is original
+    assert layers.LinearWithGradAccumulationAndAsyncCommunication is original
     assert hasattr(layers, "fused_weight_gradient_mlp_cuda") == had
 
 
