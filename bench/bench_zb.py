@@ -102,6 +102,24 @@ def floor(busy_ms: dict) -> float:
     return 1 - sum(values) / (len(values) * max(values))
 
 
+def compute_ms(run_dir: str) -> dict:
+    """Per stage, per compute op (F, B, W; the edge's FS, BE, ...): the milliseconds one step
+    spends in it, median over the steps after the first: where the split's extra work is
+    (B + W against today's whole backward)."""
+    from collections import defaultdict
+
+    from ldt.plan.calibrate import read_action_times, steady
+
+    per_step: dict = defaultdict(lambda: defaultdict(float))
+    for r in steady(read_action_times(run_dir), 1):
+        if r.action.is_compute:
+            per_step[(r.action.stage, r.action.op.value)][r.step] += r.duration_s * 1e3
+    out: dict = {}
+    for (stage, op), steps in sorted(per_step.items()):
+        out.setdefault(str(stage), {})[op] = round(median(list(steps.values())), 3)
+    return out
+
+
 def measure(tmp: str, m: int, config: str) -> dict:
     """ABBA runs of both paths at ``m`` micro-batches of ``CONFIGS[config]``: step times,
     spans, first-run replays."""
@@ -110,6 +128,7 @@ def measure(tmp: str, m: int, config: str) -> dict:
     times: dict = {p: [] for p in PATHS}
     spans: dict = {p: [] for p in PATHS}
     replay: dict = {}
+    compute: dict = {}  # each path's first run
     overrides, ranks = CONFIGS[config]
     order = list(PATHS)
     for i in range(ROUNDS):
@@ -121,6 +140,7 @@ def measure(tmp: str, m: int, config: str) -> dict:
             run_spans, summary = schedule_spans(run_dir)
             spans[path] += run_spans
             replay.setdefault(path, summary)
+            compute.setdefault(path, compute_ms(run_dir))
     return {"step_s": {p: median(v) for p, v in times.items()},
             "step_s_spread": {p: spread(v) for p, v in times.items()},
             "span_s": {p: median(v) for p, v in spans.items()},
@@ -128,6 +148,7 @@ def measure(tmp: str, m: int, config: str) -> dict:
                               ("measured_ms", "predicted_ms", "error", "bubble_fraction",
                                "busy_ms")}, "floor": floor(replay[p].get("busy_ms") or {})}
                        for p in PATHS},
+            "compute_ms": compute,
             "steps_measured": {p: len(v) for p, v in times.items()}}
 
 
@@ -157,7 +178,8 @@ def main() -> dict:
                   f"{got['replay']['auto']['bubble_fraction']:.3f}; no order can go below "
                   f"{got['replay']['zb']['floor']:.3f} / {got['replay']['auto']['floor']:.3f}: "
                   f"busy {got['replay']['auto']['busy_ms']} ms); one host of {CPUS} core per "
-                  "rank")
+                  f"rank; compute per step (ms) today {got['compute_ms']['auto']}, zb "
+                  f"{got['compute_ms']['zb']}")
     return emit(out, load_before=load)
 
 
