@@ -45,6 +45,9 @@ CASES = {
     "zb_megatron": (["cluster=cpu_vtp", "train.schedule=zb", "train.runtime=megatron"], {},
                     ["train.schedule=zb (zero-bubble)", "train.runtime=megatron",
                      "train.runtime=auto or ldt"]),
+    "cost_run_not_zb": (["train.cost_run=outputs/earlier"], {},
+                        ["train.cost_run='outputs/earlier' prices the zero-bubble order",
+                         "train.schedule='auto'", "give train.schedule=zb"]),
     "eval_negative": (["train.eval_every=-1"], {},
                       ["train.eval_every=-1 must be >= 0", "0: no evaluation"]),
     # issue #12: accepted, or refused late and raw, before

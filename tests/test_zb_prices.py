@@ -183,3 +183,95 @@ def test_a_per_stage_dp_plan_is_priced_on_its_zero_bubble_lane_lists():
     lists = vdp_schedule(lane_groups(plan), 8, True, zero_bubble=True, priced=prices(plan, cost))
     sim = simulate_lanes(plan, lists, split_op_table(plan, cost), prices(plan, cost).tables()[1])[0]
     assert sim.iteration_time == zb.pipeline_time
+
+
+# ---- train.cost_run: the order from a run's measured times -----------------------------------
+# cpu_demo's U-shape: per (stage, op) the times a "run" takes (ms), chosen by hand as the hosts
+# of bench_zb measure them (the edge's end chunk, head and loss, the longest; transfers of
+# milliseconds), and each receiver's WAIT (its own time, from when the message could arrive)
+RUN_COMPUTE = {(0, Op.FS): 3.0, (0, Op.FE): 12.0, (0, Op.BS): 10.0, (0, Op.BE): 4.0,
+               (1, Op.F): 6.0, (1, Op.B): 9.0, (2, Op.F): 6.0, (2, Op.B): 9.0}
+RUN_WAITS = {(1, Op.WAIT_F): 2.0, (2, Op.WAIT_F): 3.0, (0, Op.WAIT_F): 5.0,  # 0->1, 1->2, 2->0
+             (0, Op.WAIT_B): 6.0, (1, Op.WAIT_B): 7.0, (2, Op.WAIT_B): 9.0}  # 1->0, 2->1, 0->2
+
+
+def _a_run(folder, compute, waits, steps=3):
+    """An action_times.csv as ldt-train writes it, from today's U-shape (m 4) played by the
+    simulator with these times: every stage's own timeline, one host, each step after the
+    other."""
+    from ldt.schedule import u_shape
+
+    schedule = lower(u_shape(3, 4), "ushape")
+    ms = lambda a: (compute if a.is_compute else waits).get((a.stage, a.op), 0.0) / 1e3  # noqa
+    events = simulate(schedule, ms, local_time=ms).events
+    folder.mkdir()
+    with open(folder / "action_times.csv", "w") as f:
+        f.write("step,stage,action,start_s,end_s,host,step_start_s\n")
+        for step in range(steps):
+            for e in events:
+                f.write(f"{step},{e.stage},{e.action},{e.start!r},{e.end!r},h,{step * 10.0}\n")
+    return folder
+
+
+def test_a_measured_run_prices_the_order(tmp_path):
+    """train.cost_run: F and each boundary's transfer are what the run measured; the whole
+    backward it measured splits into B and W at the cost model's shares; the order generated
+    from them is another than the nominal one, and faster at the measured times."""
+    cfg = _run_cfg("cpu_demo", 4)
+    nominal_costs, nominal_comm = run_prices(cfg.cluster, cfg.model, cfg.train).tables()
+    run = _a_run(tmp_path / "run", RUN_COMPUTE, RUN_WAITS)
+    cfg.train.cost_run = str(run)
+    costs, comm = run_prices(cfg.cluster, cfg.model, cfg.train).tables()
+    assert set(costs) == set(nominal_costs) and set(comm) == set(nominal_comm)
+    for (s, op), t in RUN_COMPUTE.items():
+        w_op = {Op.B: "W", Op.BS: "WS", Op.BE: "WE"}.get(op)
+        if w_op is None:
+            assert costs[(s, op.value)] == pytest.approx(t / 1e3), (s, op)
+            continue
+        share = nominal_costs[(s, w_op)] / (nominal_costs[(s, op.value)]
+                                            + nominal_costs[(s, w_op)])
+        assert 0 < share < 1
+        assert costs[(s, w_op)] == pytest.approx(t / 1e3 * share), (s, w_op)
+        assert costs[(s, op.value)] == pytest.approx(t / 1e3 * (1 - share)), (s, op)
+    assert comm == pytest.approx({(0, 1): 2e-3, (1, 2): 3e-3, (2, 0): 5e-3,
+                                  (1, 0): 6e-3, (2, 1): 7e-3, (0, 2): 9e-3})
+    measured = zb_u_shape(3, 4, costs, comm)
+    nominal = zb_u_shape(3, 4, nominal_costs, nominal_comm)
+    assert measured != nominal
+    t = [simulate(lower(s, "ushape"), costs, comm).iteration_time for s in (measured, nominal)]
+    assert t[0] < 0.95 * t[1], t  # 143.1 / 155.1 ms at the measured times
+
+
+def test_a_measured_zero_bubble_run_gives_its_own_w(tmp_path):
+    """A run of train.schedule=zb timed B and W apart: those are the prices, no shares."""
+    from ldt.plan.zerobubble import measured_prices
+
+    cfg = _run_cfg("cpu_demo", 4)
+    nominal = run_prices(cfg.cluster, cfg.model, cfg.train)
+    costs, comm = nominal.tables()
+    schedule = lower(zb_u_shape(3, 4), "ushape")
+    want = {(s, op): 1e-3 * (i + 1) for i, (s, op) in enumerate(sorted(costs))}
+    events = simulate(schedule, lambda a: want.get((a.stage, a.op.value), 0.0) if a.is_compute
+                      else 0.0).events
+    (tmp_path / "zb").mkdir()
+    with open(tmp_path / "zb" / "action_times.csv", "w") as f:
+        f.write("step,stage,action,start_s,end_s,host,step_start_s\n")
+        for step in range(3):
+            f.writelines(f"{step},{e.stage},{e.action},{e.start!r},{e.end!r},h,{step * 10.0}\n"
+                         for e in events)
+    got, _ = measured_prices(str(tmp_path / "zb"), nominal).tables()
+    assert got == pytest.approx(want)
+
+
+def test_a_run_that_cannot_price_the_order_is_refused(tmp_path):
+    from ldt.plan.zerobubble import measured_prices
+
+    cfg = _run_cfg("cpu_demo", 4)
+    nominal = run_prices(cfg.cluster, cfg.model, cfg.train)
+    with pytest.raises(ConfigError, match=r"train.cost_run=.*nowhere.*ldt-train run of this "
+                                          r"cluster"):
+        measured_prices(str(tmp_path / "nowhere"), nominal)
+    plain = _run_cfg("cpu_vtp", 4)  # 3 plain stages: no FS / FE / BS / BE on stage 0
+    with pytest.raises(ConfigError, match=r"train.cost_run=.*measured no B on stage 0 \(it timed BE, BS, FE, FS"):
+        measured_prices(str(_a_run(tmp_path / "ushape", RUN_COMPUTE, RUN_WAITS)),
+                        run_prices(plain.cluster, plain.model, plain.train))

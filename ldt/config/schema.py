@@ -155,6 +155,12 @@ class TrainConfig:
     the inventory's edge kind). None: an elastic run's ``cluster.inventory``, else
     ``cpu_local``'s figures for every device type (the stages then differ by their layers,
     chunks, TP and recomputation, not by their device's speed). ``ldt-plan`` writes its own."""
+    cost_run: Optional[str] = None
+    """``train.schedule=zb``: the folder of an earlier ``ldt-train`` run of this cluster on
+    ldt's runtime; the zero-bubble order is then generated from the times it measured
+    (``action_times.csv``: each stage's F, B and W, a backward of today's schedule split as the
+    cost model splits it, and each boundary's transfer), not from an inventory's
+    (docs/zero_bubble.md). Read on every rank: on several hosts, copy it to each."""
     runtime: str = "auto"
     """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
     default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it

@@ -11,7 +11,8 @@ of the backward (input gradients, TP collectives, recomputation); transfers as
 :func:`run_prices` prices a run's own plan (its cluster, model, micro-batches): what
 ``train.schedule=zb`` generates its order from (``ldt.training.loop``). The device kinds come
 from ``train.cost_inventory``, else an elastic run's ``cluster.inventory``, else
-:func:`nominal_inventory`.
+:func:`nominal_inventory`; with ``train.cost_run`` the times a run of the cluster measured
+replace them (:func:`measured_prices`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from ldt.plan.calibrate import calibrate, read_action_times, steady
 from ldt.plan.convert import cluster_to_plan
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
@@ -174,10 +176,59 @@ def run_prices(cluster: ClusterConfig, model: ModelConfig, train: TrainConfig) -
     try:
         plan = cluster_to_plan(cluster, model, inventory, train.num_microbatches,
                                planned_kinds(cluster, inventory))
-        return prices(plan, CostModel(model, inventory, train.micro_batch_size))
+        priced = prices(plan, CostModel(model, inventory, train.micro_batch_size))
     except ConfigError as exc:
         raise ConfigError(
             f"train.schedule=zb prices each stage with inventory {inventory.name!r} "
             f"(train.cost_inventory): {exc.args[0].split('; pass --kinds')[0]}; name each "
             "stage KIND_n after its kind (as ldt-plan does), or give an inventory with one "
             "kind per device type") from None
+    return measured_prices(train.cost_run, priced) if train.cost_run else priced
+
+
+def measured_prices(run_dir: str, nominal: Priced) -> Priced:
+    """``nominal``'s tables with what a run of the same cluster measured (``run_dir``'s
+    ``action_times.csv``, steps after the first; :func:`ldt.plan.calibrate.calibrate`): each
+    (stage, op)'s mean time, and each boundary's transfer as its receiver's WAIT measured it
+    (from when the message could first have arrived). A run of today's schedule has each
+    backward whole: it is split into B and W as ``nominal`` splits it. The zero-bubble order
+    is then generated from the run's own costs, not from an inventory's."""
+    where = f"train.cost_run={run_dir!r}"
+    try:
+        cal = calibrate(steady(read_action_times(run_dir), 1))
+    except (ConfigError, ValueError, OSError) as exc:
+        raise ConfigError(f"{where}: {exc}; give the folder of an ldt-train run of this "
+                          "cluster on ldt's runtime (it writes action_times.csv)") from None
+    costs, comm = nominal.tables()
+    measured = {(s, op.value): t for (s, op), t in cal.compute.items()}
+    stages = 1 + max(s for s, _ in costs)
+    if {s for s, _ in measured} != set(range(stages)):
+        raise ConfigError(f"{where}: its action_times.csv times stages "
+                          f"{sorted({s for s, _ in measured})}, this cluster has {stages}; give "
+                          "a run of this cluster")
+    split = any(op in _WHOLE_BACKWARD for _, op in measured)  # a zero-bubble run: W's timed
+    out = {}
+    for (s, op), t in costs.items():
+        b_op = _WHOLE_BACKWARD.get(op, op)
+        if not split and b_op in _SPLIT_OF:  # B and W take nominal's shares of the whole
+            key, share = (s, b_op), t / (costs[(s, b_op)] + costs[(s, _SPLIT_OF[b_op])])
+        else:
+            key, share = (s, op), 1.0
+        if key not in measured:
+            timed = sorted(o for t, o in measured if t == s)
+            raise ConfigError(f"{where}: it measured no {key[1]} on stage {s} (it timed "
+                              f"{', '.join(timed)} there); give a run of this cluster and "
+                              "schedule kind (plain or U-shape)")
+        out[(s, op)] = measured[key] * share
+    for (a, b) in comm:  # the receiver's WAIT: F from the stage before it, B from the one after
+        waits = [cal.local[(b, w)] for w, peer in ((Op.WAIT_F, (b - 1) % stages),
+                                                    (Op.WAIT_B, (b + 1) % stages))
+                 if peer == a and (b, w) in cal.local]
+        if waits:
+            comm[(a, b)] = sum(waits) / len(waits)
+    return Priced.of(out, comm)
+
+
+# a W op -> the whole backward a run of today's schedule measured; a B op -> its W
+_WHOLE_BACKWARD = {"W": "B", "WS": "BS", "WE": "BE"}
+_SPLIT_OF = {"B": "W", "BS": "WS", "BE": "WE"}

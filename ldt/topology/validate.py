@@ -388,6 +388,10 @@ def _check_schedule(topo: Topology, train: TrainConfig) -> None:
             "train.schedule=zb (zero-bubble) runs on ldt's runtime (megatron's schedules do not "
             "split the backward); got train.runtime=megatron: give train.runtime=auto or ldt, "
             "or another schedule")
+    if train.cost_run and train.schedule != "zb":
+        raise ConfigError(f"train.cost_run={train.cost_run!r} prices the zero-bubble order, "
+                          f"and train.schedule={train.schedule!r}: give train.schedule=zb, or "
+                          "leave train.cost_run out")
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
