@@ -6,24 +6,26 @@ Both paths train ``conf/cluster/cpu_demo.yaml`` (U-shape, layout ``Et|tt|tt|tL``
 two layers each: unequal stages) on the default model, the same weights and batches:
 
 * ``auto``: today's U-shape schedule (1F1B-style, the backward whole);
-* ``zb``: ``train.schedule=zb``, the order generated from the run's own prices, the backward
-  split into B and W (docs/zero_bubble.md).
+* ``zb``: ``train.schedule=zb``, the order generated from the run's own prices (the cost
+  model's nominal CPU figures), the backward split into B and W (docs/zero_bubble.md);
+* ``zb_measured``: the same, the order generated from the times the config's first ``auto``
+  run measured (``train.cost_run``).
 
 On the 2 shared cores a rank that waits lends its core to one that computes, so a bubble hardly
 shows as step time while the zero-bubble runtime's extra work does (docs/zero_bubble.md,
 *Measured on CPU*). Here every rank runs on a host of its own (``ldt.testing.hosts``: a network
 namespace, started as torchrun starts ranks) with a CPU quota of ``CPUS`` cores, like a device
 of its own: an idle rank's time is lost, as on a GPU (needs root; skipped with the reason
-elsewhere). m = P = 3 and m = 2P = 6 micro-batches; runs in ABBA order (auto, zb, zb, auto)
+elsewhere). m = P = 3 and m = 2P = 6 micro-batches; runs in ABBA order (auto, zb, zb_measured,
+then the reverse)
 for each m. Figures: the median ``step_time_s`` of ``metrics.csv`` over every step but each
 run's first, the median schedule span (``action_times.csv``: the pipeline's part of the step,
 no optimizer), and the simulator's replay of each path's first run with that run's own action
 times (its iteration time and bubble fraction): how much of the measured difference the
 schedule model explains. The replay's busy time per stage also gives the floor no order of
 those actions can go below (:func:`floor`): where it is high the bubble is the stages'
-imbalance, not the schedule's. The same runs again with the middle stage at TP 1 (3 ranks,
-``tp1_`` keys): no slow TP stage, though the edge (embedding, head and loss beside a layer
-each) then computes the longest (floor ~0.4).
+imbalance, not the schedule's. The same runs again on even stages (``even_`` keys: TP 1/1/1,
+12 layers, layout ``Et|ttttt|ttttt|tL``, 3 ranks; floor ~0.2), whose bubble is the schedule's.
 """
 
 from __future__ import annotations
@@ -37,61 +39,59 @@ MS, STEPS, ROUNDS = (3, 6), 10, 2
 BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false"]
 # name: (overrides, ranks). cpu_demo's TP-2 stage computes ~4.5x longer than the others on
 # these hosts (its all-reduces cross hosts), so its bubble is mostly that imbalance, which no
-# order removes; "tp1" is the same U-shape with the middle stage at TP 1: no slow TP stage,
-# but the edge's two chunks (the embedding, the head and the loss beside a layer each) then
-# compute the longest (floor ~0.4 in 2026-12-05's run)
-CONFIGS = {"": ([], 4), "tp1_": (["cluster.stages.1.tp=1"], 3)}
-PATHS = {"auto": ["train.schedule=auto"], "zb": ["train.schedule=zb"]}
+# order removes; with the middle stage at TP 1 the edge's two chunks (the embedding, the head
+# and the loss beside a layer each) compute the longest (floor ~0.4, 2026-12-05); "even" gives
+# the cloud stages 5 layers each, near the edge's time (floor ~0.2)
+CONFIGS = {"": ([], 4),
+           "even_": (["cluster.stages.1.tp=1", "model.num_layers=12",
+                      "cluster.layout=Et|ttttt|ttttt|tL"], 3)}
+# zb_measured: the order generated from the times the config's first auto run measured
+# (train.cost_run), not from the cost model's nominal CPU prices
+PATHS = {"auto": ["train.schedule=auto"], "zb": ["train.schedule=zb"],
+         "zb_measured": ["train.schedule=zb"]}
 # per rank (host): 4 x 0.3 = 1.2 of the 2 cores, room left for other work (bench/common.py)
 CPUS = float(os.environ.get("LDT_BENCH_ZB_CPUS", "0.3"))
+
+
+def _bubbles(key: str) -> str:
+    return " / ".join(f"{{runs[{key}][replay][{p}][bubble_fraction]:.3f}}" for p in PATHS)
+
 
 # bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
 SUMMARY = [
     ("step zero-bubble / today's U-shape (cpu_demo, TP 1/2/1, m = P = 3; m = 2P = 6), one rank "
-     "per host of {cpus_per_rank} core (medians)",
-     "**{ratio_step[m3]:.3f}**; **{ratio_step[m6]:.3f}**", "<= 0.85 at m = P"),
+     "per host of {cpus_per_rank} core (medians); the order priced by the cost model / by a "
+     "run's measured times (`train.cost_run`)",
+     "**{ratio_step[m3]:.3f}** / {ratio_step_measured[m3]:.3f}; **{ratio_step[m6]:.3f}** / "
+     "{ratio_step_measured[m6]:.3f}", "<= 0.85 at m = P"),
     ("the same, schedule span only (no optimizer step); the simulator's replay of the runs",
      "{ratio_span[m3]:.3f}, {ratio_span[m6]:.3f}; {ratio_replay[m3]:.3f}, "
      "{ratio_replay[m6]:.3f}", "-"),
-    ("bubble fraction of the replayed runs, zero-bubble / today's, m = 3; m = 6 (the floor no "
-     "order goes below at this split: 1 - mean / max busy per stage)",
-     "{runs[m3][replay][zb][bubble_fraction]:.3f} / {runs[m3][replay][auto][bubble_fraction]:.3f}"
-     " ({runs[m3][replay][auto][floor]:.3f}); {runs[m6][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[m6][replay][auto][bubble_fraction]:.3f} ({runs[m6][replay][auto][floor]:.3f})",
-     "zb <= 1/3 of today's"),
-    ("the same U-shape with the middle stage at TP 1 (3 ranks): step zero-bubble / "
-     "today's, m = 3; m = 6", "**{ratio_step[tp1_m3]:.3f}**; **{ratio_step[tp1_m6]:.3f}**",
+    ("bubble fraction of the replayed runs, today's / zero-bubble / priced by measured times, "
+     "m = 3; m = 6 (the floor no order goes below at this split: 1 - mean / max busy per "
+     "stage)", _bubbles("m3") + " ({runs[m3][replay][auto][floor]:.3f}); " + _bubbles("m6")
+     + " ({runs[m6][replay][auto][floor]:.3f})", "zb <= 1/3 of today's"),
+    ("even stages (TP 1/1/1, 12 layers, `Et|ttttt|ttttt|tL`, 3 ranks): step zero-bubble / "
+     "today's, priced by the cost model / by measured times, m = 3; m = 6",
+     "**{ratio_step[even_m3]:.3f}** / **{ratio_step_measured[even_m3]:.3f}**; "
+     "**{ratio_step[even_m6]:.3f}** / **{ratio_step_measured[even_m6]:.3f}**",
      "<= 0.85 at m = P"),
-    ("its bubble fraction, zero-bubble / today's (floor), m = 3; m = 6",
-     "{runs[tp1_m3][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[tp1_m3][replay][auto][bubble_fraction]:.3f} ({runs[tp1_m3][replay][auto][floor]:.3f});"
-     " {runs[tp1_m6][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[tp1_m6][replay][auto][bubble_fraction]:.3f} ({runs[tp1_m6][replay][auto][floor]:.3f})",
+    ("its bubble fraction, today's / zero-bubble / priced by measured times (floor), m = 3; "
+     "m = 6", _bubbles("even_m3") + " ({runs[even_m3][replay][auto][floor]:.3f}); "
+     + _bubbles("even_m6") + " ({runs[even_m6][replay][auto][floor]:.3f})",
      "zb <= 1/3 of today's"),
 ]
 
 
-# docs/zero_bubble.md's table of the latest run: step, bubble and floor per config and m
-QUOTES = [
-    ("docs/zero_bubble.md", "| cpu_demo TP 1/2/1 | 3 | {ratio_step[m3]:.3f} | "
-     "{runs[m3][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[m3][replay][auto][bubble_fraction]:.3f} | {runs[m3][replay][zb][floor]:.3f} / "
-     "{runs[m3][replay][auto][floor]:.3f} |"),
-    ("docs/zero_bubble.md", "| cpu_demo TP 1/2/1 | 6 | {ratio_step[m6]:.3f} | "
-     "{runs[m6][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[m6][replay][auto][bubble_fraction]:.3f} | {runs[m6][replay][zb][floor]:.3f} / "
-     "{runs[m6][replay][auto][floor]:.3f} |"),
-    ("docs/zero_bubble.md", "| TP 1/1/1 | 3 | {ratio_step[tp1_m3]:.3f} | "
-     "{runs[tp1_m3][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[tp1_m3][replay][auto][bubble_fraction]:.3f} | "
-     "{runs[tp1_m3][replay][zb][floor]:.3f} / "
-     "{runs[tp1_m3][replay][auto][floor]:.3f} |"),
-    ("docs/zero_bubble.md", "| TP 1/1/1 | 6 | {ratio_step[tp1_m6]:.3f} | "
-     "{runs[tp1_m6][replay][zb][bubble_fraction]:.3f} / "
-     "{runs[tp1_m6][replay][auto][bubble_fraction]:.3f} | "
-     "{runs[tp1_m6][replay][zb][floor]:.3f} / "
-     "{runs[tp1_m6][replay][auto][floor]:.3f} |"),
-]
+def _row(label: str, m: int, key: str) -> str:
+    return (f"| {label} | {m} | {{ratio_step[{key}]:.3f}} | {{ratio_step_measured[{key}]:.3f}} "
+            f"| {_bubbles(key)} | {{runs[{key}][replay][auto][floor]:.3f}} |")
+
+
+# docs/zero_bubble.md's table of the latest run: steps, bubbles and floor per config and m
+QUOTES = [("docs/zero_bubble.md", _row(label, m, f"{prefix}m{m}"))
+          for label, prefix in (("cpu_demo TP 1/2/1", ""), ("even TP 1/1/1", "even_"))
+          for m in MS]
 
 
 def floor(busy_ms: dict) -> float:
@@ -132,10 +132,12 @@ def measure(tmp: str, m: int, config: str) -> dict:
     compute: dict = {}  # each path's first run
     overrides, ranks = CONFIGS[config]
     order = list(PATHS)
+    measured_by = os.path.join(tmp, f"{config}m{m}_auto0")  # the first run of all
     for i in range(ROUNDS):
         for path in (order if i % 2 == 0 else order[::-1]):
             run_dir = os.path.join(tmp, f"{config}m{m}_{path}{i}")
-            common.train_on_hosts(run_dir, BASE + overrides + PATHS[path]
+            priced = [f"train.cost_run={measured_by}"] if path == "zb_measured" else []
+            common.train_on_hosts(run_dir, BASE + overrides + PATHS[path] + priced
                                   + [f"train.num_microbatches={m}"], ranks, cpus=CPUS)
             times[path] += step_times(run_dir)
             run_spans, summary = schedule_spans(run_dir)
@@ -161,19 +163,21 @@ def main() -> dict:
         print(f"skipped: {reason}")
         return {"bench": "zb", "skipped": reason}
     load = machine_load()
-    out: dict = {"bench": "zb", "cpus_per_rank": CPUS, "ratio_step": {}, "ratio_span": {},
-                 "ratio_replay": {}, "runs": {}}
+    out: dict = {"bench": "zb", "cpus_per_rank": CPUS, "ratio_step": {},
+                 "ratio_step_measured": {}, "ratio_span": {}, "ratio_replay": {}, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="ldt-bench-zb-") as tmp:
         for config, m in ((c, m) for c in CONFIGS for m in MS):
             got = measure(tmp, m, config)
             key = f"{config}m{m}"
             out["runs"][key] = got
             out["ratio_step"][key] = got["step_s"]["zb"] / got["step_s"]["auto"]
+            out["ratio_step_measured"][key] = got["step_s"]["zb_measured"] / got["step_s"]["auto"]
             out["ratio_span"][key] = got["span_s"]["zb"] / got["span_s"]["auto"]
             out["ratio_replay"][key] = (got["replay"]["zb"]["predicted_ms"]
                                         / got["replay"]["auto"]["predicted_ms"])
             print(f"{config or 'cpu_demo '}m={m}: step zb {got['step_s']['zb'] * 1e3:.1f} ms / "
-                  f"today {got['step_s']['auto'] * 1e3:.1f} ms = {out['ratio_step'][key]:.3f}; span "
+                  f"today {got['step_s']['auto'] * 1e3:.1f} ms = {out['ratio_step'][key]:.3f} "
+                  f"(priced by measured times {out['ratio_step_measured'][key]:.3f}); span "
                   f"{out['ratio_span'][key]:.3f}; replay {out['ratio_replay'][key]:.3f} "
                   f"(bubble {got['replay']['zb']['bubble_fraction']:.3f} vs "
                   f"{got['replay']['auto']['bubble_fraction']:.3f}; no order can go below "
