@@ -13,14 +13,14 @@ was timed against megatron's two busy senders with more CPU than they had (issue
 
 * *megatron*: every TP rank of stage 0 sends its own copy to its peer in stage 1;
 * *fanout* (``cluster.boundary_fanout=always``): each rank of stage 0 sends its own copy to
-  one rank of stage 1, TP rank i to TP rank i (``ldt.topology.routes.fanout_sources``; until
+  one rank of stage 1, TP rank i to TP rank i (``ldt.topology.transport.fanout_sources``; until
   2026-12-05 stage 0's leader sent both copies and its second rank idled), no relay;
 * *relay* (``never``): one copy to stage 1's leader, which relays it in pieces as they arrive
   (``ldt.boundary.relay``);
 * *whole*: the relay unpipelined (every message one piece, as before issue #27).
 
 ``auto`` picks per message from the nodes: here every rank is a node of its own, so it is the
-relay for every size measured (all above ``ldt.topology.routes.CROSS_NODE_FANOUT_BYTES``); on one node
+relay for every size measured (all above ``ldt.topology.transport.CROSS_NODE_FANOUT_BYTES``); on one node
 it is fan-out. A round times about ``ROUND_BYTES`` of transfers back to back (each waited, as a
 pipeline waits one per micro-batch) between two world barriers; the figure is the median of the
 per-round ratios path / megatron, with quartiles, and each path's median. Every transfer sends

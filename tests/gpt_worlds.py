@@ -176,13 +176,13 @@ class TransportCount:
     that stage where the route's code runs: the fan-out receive, the leader's broadcast or
     scatter of a whole message (every rank joins it), the piece relay. The proof that a
     variant ran the transport it names, and no other. ``fanout_sent``: the fan-out copies this
-    rank sent (the sending ranks share them, ``ldt.topology.routes.fanout_sources``)."""
+    rank sent (the sending ranks share them, ``ldt.topology.transport.fanout_sources``)."""
 
     def __enter__(self):
         from ldt.boundary.communicator import VtpCommunicator
         from ldt.boundary.sequence import SequenceLayout
         from ldt.boundary.relay import PieceRelay
-        from ldt.topology.routes import FANOUT
+        from ldt.topology.transport import FANOUT
 
         self.calls, self._undo, self.fanout_sent = dict.fromkeys(ROUTES, 0), [], 0
         targets = VtpCommunicator._targets

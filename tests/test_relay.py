@@ -22,7 +22,7 @@ import torch
 from ldt.boundary import relay
 from ldt.boundary.sequence import SequenceLayout
 from ldt.boundary.relay import PieceGather, PieceRelay, owners, pieces
-from ldt.topology.routes import MAX_PIECES
+from ldt.topology.transport import MAX_PIECES
 from ldt.launch.local import run_local_world
 from relay_worlds import SHAPES, relay_cases
 

@@ -1,5 +1,5 @@
-"""The rank plan (ldt.topology.routes) without processes: small plans written out by hand, and the
-invariants every plan of 2..8 stages keeps (VTP, per-stage DP, expert groups, U-shape,
+"""The rank plan (ldt.topology.routes) and its transport policy (ldt.topology.transport) without
+processes: small plans written out by hand, and the invariants every plan of 2..8 stages keeps (VTP, per-stage DP, expert groups, U-shape,
 fan-out modes, host staging). Ranks are computed here from the layout's formula (rank = dp
 rank * replica size + the TP sizes of the stages before + TP rank), not asked of the
 topology."""
@@ -11,10 +11,10 @@ import itertools
 import pytest
 
 from ldt.config import ClusterConfig, ConfigError, StageConfig
-from ldt.topology.routes import (BACKWARD, CROSS_STAGE, FANOUT, FORWARD, MAX_PIECES, MEGATRON_NAMES,
-                                 PIECES, WHOLE, GroupSpec, carry, check_stages,
-                                 default_embedding_stages, rank_plan)
 from ldt.topology.ranks import Topology
+from ldt.topology.routes import (BACKWARD, CROSS_STAGE, FORWARD, MEGATRON_NAMES, GroupSpec,
+                                 check_stages, default_embedding_stages, rank_plan)
+from ldt.topology.transport import FANOUT, MAX_PIECES, PIECES, WHOLE, carry
 
 KIB, MIB = 1024, 1024 * 1024
 

@@ -31,8 +31,8 @@ from ldt.boundary.work import BoundaryError, Landing, RecvWork, SendWork, bounda
 from ldt.config import ConfigError
 from ldt.groups.parallel_state import VtpState, get_vtp_state
 from ldt.topology.device import rank_device
-from ldt.topology.routes import (BACKWARD, FANOUT, FORWARD, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry,
-                        Route)
+from ldt.topology.routes import BACKWARD, FORWARD, Route
+from ldt.topology.transport import FANOUT, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry
 
 __all__ = ["BACKWARD", "FORWARD", "BoundaryError", "BoundaryObserver", "VtpCommunicator"]
 

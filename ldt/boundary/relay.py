@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ldt.boundary.sequence import SequenceLayout
-from ldt.topology.routes import GATHER_TAG, PIECE_UNIT_BYTES, RELAY_TAG, piece_count
+from ldt.topology.routes import GATHER_TAG, RELAY_TAG
+from ldt.topology.transport import PIECE_UNIT_BYTES, piece_count
 
 
 def pieces(numel: int, element_size: int, unit_bytes: int = PIECE_UNIT_BYTES

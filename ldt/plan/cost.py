@@ -61,7 +61,7 @@ from ldt.config import ModelConfig, RecomputeConfig
 from ldt.config.load import config_dict
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
 from ldt.topology.device import plan_boundary
-from ldt.topology.routes import FANOUT, carry
+from ldt.topology.transport import FANOUT, carry
 
 GB = 1e9
 GIB = 2**30
@@ -481,7 +481,7 @@ class CostModel:
     def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int, src_tp: int = 1) -> float:
         """One activation (or gradient) from a stage of TP ``src_tp`` to the next stage, all
         its ``dst_tp`` ranks, as ``cluster.boundary_fanout=auto`` moves it between nodes (the
-        route policy a run uses, :func:`ldt.topology.routes.carry`; the planner places stages on
+        route policy a run uses, :func:`ldt.topology.transport.carry`; the planner places stages on
         separate nodes): a small message as a copy per TP rank, which the sending ranks share
         unless the sequence is sharded over them, a larger one as one copy whose last piece
         the receiving leader relays."""

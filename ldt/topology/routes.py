@@ -12,9 +12,9 @@ staging, link delays) a :class:`RankPlan`:
 - ``routes``: every message path across a stage boundary, as :class:`Route` (stages,
   replicas, the two leaders, the group it travels on, host staging, tag, and the transport
   policy :meth:`Route.transport`: whole, in pieces, or fanned out to every TP rank across,
-  :meth:`Route.fanout_sources` saying which sending rank sends which copy).
-  :mod:`ldt.boundary.communicator` only executes routes; :mod:`ldt.plan.cost` prices
-  :func:`carry`, the same policy.
+  :meth:`Route.fanout_sources` saying which sending rank sends which copy; the policy itself
+  is :mod:`ldt.topology.transport`'s). :mod:`ldt.boundary.communicator` only executes routes;
+  :mod:`ldt.plan.cost` prices :func:`~ldt.topology.transport.carry`, the same policy.
 
 :data:`MEGATRON_NAMES` is the one table from megatron-core's names (``parallel_state``
 globals, ``ProcessGroupCollection`` fields) to the role of a plan group.
@@ -26,7 +26,6 @@ checked without processes (tests/test_routes.py).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
@@ -35,6 +34,7 @@ from ldt.config import ConfigError
 from ldt.schedule.routing import boundary_pairs
 from ldt.topology.device import backend_for
 from ldt.topology.ranks import Topology
+from ldt.topology.transport import PIECE_UNIT_BYTES, Carry, carry, fanout_sources
 
 FORWARD, BACKWARD = "F", "B"  # activations travel along a boundary's arrow, gradients against
 # Wire tags, all of them. Data and shape tags are distinct per direction (a two-stage ring,
@@ -45,71 +45,6 @@ SHAPE_TAGS = {FORWARD: 3, BACKWARD: 4}
 RELAY_TAG, GATHER_TAG = 5, 6
 
 CROSS_STAGE = "cross_stage"  # the backend of a group ldt.groups.cross_stage writes in Python
-
-# How a message reaches every TP rank of the stage across (ldt.boundary.relay carries it out,
-# ldt.plan.cost prices it). Relayed in k pieces it costs about link(n) + relay(n) / k + k *
-# (one message's overhead); the best k grows as sqrt(n). PIECE_UNIT_BYTES is where a second
-# piece starts to pay on loopback gloo (bench/RESULTS.md, p2p_boundary); MAX_PIECES bounds the
-# messages.
-PIECE_UNIT_BYTES = 128 * 1024
-MAX_PIECES = 16
-# Between nodes a message this small costs about a message's latency on a datacenter link
-# (64 KiB: ~50 us at 10 Gbit/s), so a copy per TP rank beats a relay hop there.
-CROSS_NODE_FANOUT_BYTES = 64 * 1024
-
-WHOLE, PIECES, FANOUT = "whole", "pieces", "fanout"
-
-
-def piece_count(nbytes: int, unit_bytes: int = PIECE_UNIT_BYTES) -> int:
-    """The pieces a relayed message of ``nbytes`` crosses in (1: whole)."""
-    return max(1, min(MAX_PIECES, round(math.sqrt(nbytes / unit_bytes))))
-
-
-def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` goes from the sending leader straight to every TP rank
-    across a boundary whose stages do (``same_node``) or do not share a node, under
-    ``cluster.boundary_fanout``; else one copy crosses and the receiving leader relays it."""
-    if mode == "always":
-        return True
-    return mode == "auto" and (same_node or nbytes <= CROSS_NODE_FANOUT_BYTES)
-
-
-@dataclass(frozen=True)
-class Carry:
-    """How one message crosses: ``kind`` is WHOLE, PIECES (``pieces`` of them, relayed as
-    they arrive) or FANOUT (a copy to every TP rank across, no relay; ``copies``: the most
-    one sending rank posts, back to back)."""
-
-    kind: str
-    pieces: int = 1
-    copies: int = 1
-
-
-def carry(nbytes: int, receivers: int, *, mode: str, same_node: bool,
-          fanout_group: bool = True, unit_bytes: int = PIECE_UNIT_BYTES,
-          senders: int = 1) -> Carry:
-    """The transport of a message of ``nbytes`` into a stage of ``receivers`` TP ranks
-    (``fanout_group``: a group spanning both stages exists, so fan-out is possible;
-    ``senders``: the sending stage's ranks that each hold the whole message and share the
-    fan-out's copies, :func:`fanout_sources`)."""
-    if fanout_group and receivers > 1 and fans_out(mode, same_node, nbytes):
-        return Carry(FANOUT, copies=math.ceil(receivers / max(1, senders)))
-    k = piece_count(nbytes, unit_bytes)
-    return Carry(WHOLE if k == 1 else PIECES, k)
-
-
-def fanout_sources(senders: Sequence[int], receivers: int, whole_on_every_sender: bool
-                   ) -> tuple[int, ...]:
-    """Per TP rank across (in order), the rank that sends it its fan-out copy. Where every
-    sending rank holds the whole message (no sequence parallelism: a stage's boundary tensor
-    is replicated over its TP ranks, which megatron's own p2p relies on too), the sending
-    ranks take the copies in turn, TP rank i to TP rank i as megatron pairs them: one copy each
-    between two stages of equal TP, instead of all of them from the leader. Else the leader,
-    which gathered the sequence, sends every copy."""
-    if not whole_on_every_sender:
-        senders = senders[:1]
-    return tuple(senders[j % len(senders)] for j in range(receivers))
-
 
 @dataclass(frozen=True)
 class GroupSpec:
