@@ -20,12 +20,13 @@ was timed against megatron's two busy senders with more CPU than they had (issue
 * *whole*: the relay unpipelined (every message one piece, as before issue #27).
 
 ``auto`` picks per message from the nodes: here every rank is a node of its own, so it is the
-relay for every size measured (all above ``ldt.topology.transport.CROSS_NODE_FANOUT_BYTES``); on one node
-it is fan-out. A round times about ``ROUND_BYTES`` of transfers back to back (each waited, as a
-pipeline waits one per micro-batch) between two world barriers; the figure is the median of the
-per-round ratios path / megatron, with quartiles, and each path's median. Every transfer sends
-a different tensor (``base + k``), and every rank of stage 1 checks every tensor it received,
-on every path. Prints a table and one JSON line (with the machine's load before and after).
+relay for every size measured (all above ``ldt.topology.transport.CROSS_NODE_FANOUT_BYTES``); on
+one node it is fan-out. A round times about ``ROUND_BYTES`` of transfers back to back (each
+waited, as a pipeline waits one per micro-batch) between two world barriers; the figure is the
+median of the per-round ratios path / megatron, with quartiles, and each path's median. Every
+transfer sends a different tensor (``base + k``), and every rank of stage 1 checks every tensor
+it received, on every path. Prints a table and one JSON line (with the machine's load before and
+after).
 ``--units 32768,131072`` adds one relay path per piece unit.
 """
 

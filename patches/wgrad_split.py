@@ -170,15 +170,16 @@ def _split(function: type) -> type:
     Positions are read from ``forward``'s signature once; a call costs a few microseconds
     (binding the wrapped function's signature on every call cost ~15 us per layer, 25-30% of a
     small layer's forward)."""
-    at = {name: i for i, name in enumerate(list(inspect.signature(function.forward).parameters)[1:])}
+    import torch  # bound once here: apply runs for every linear layer of every micro-batch
+
+    params = list(inspect.signature(function.forward).parameters)[1:]  # without ctx
+    at = {name: i for i, name in enumerate(params)}
     i_input, i_weight, i_bias = at["input"], at["weight"], at["bias"]
     i_fusion, i_sp, i_buffer = at["gradient_accumulation_fusion"], at["sequence_parallel"], \
         at["grad_output_buffer"]
     i_remat = at.get("gtp_remat_size")  # 0.19: re-gathered weights, left unsplit
 
     def apply(cls, *args):
-        import torch
-
         weight, bias = args[i_weight], args[i_bias]
         if not (torch.is_grad_enabled() and weight.requires_grad
                 and args[i_buffer] is None  # megatron's own embedding deferral

@@ -1,8 +1,8 @@
 """The rank plan (ldt.topology.routes) and its transport policy (ldt.topology.transport) without
-processes: small plans written out by hand, and the invariants every plan of 2..8 stages keeps (VTP, per-stage DP, expert groups, U-shape,
-fan-out modes, host staging). Ranks are computed here from the layout's formula (rank = dp
-rank * replica size + the TP sizes of the stages before + TP rank), not asked of the
-topology."""
+processes: small plans written out by hand, and the invariants every plan of 2..8 stages
+keeps (VTP, per-stage DP, expert groups, U-shape, fan-out modes, host staging). Ranks are
+computed here from the layout's formula (rank = dp rank * replica size + the TP sizes of the
+stages before + TP rank), not asked of the topology."""
 
 from __future__ import annotations
 

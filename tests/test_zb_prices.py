@@ -272,6 +272,8 @@ def test_a_run_that_cannot_price_the_order_is_refused(tmp_path):
                                           r"cluster"):
         measured_prices(str(tmp_path / "nowhere"), nominal)
     plain = _run_cfg("cpu_vtp", 4)  # 3 plain stages: no FS / FE / BS / BE on stage 0
-    with pytest.raises(ConfigError, match=r"train.cost_run=.*measured no B on stage 0 \(it timed BE, BS, FE, FS"):
+    with pytest.raises(ConfigError,
+                       match=r"train.cost_run=.*measured no B on stage 0 "
+                             r"\(it timed BE, BS, FE, FS"):
         measured_prices(str(_a_run(tmp_path / "ushape", RUN_COMPUTE, RUN_WAITS)),
                         run_prices(plain.cluster, plain.model, plain.train))

@@ -2,13 +2,13 @@
 
 A stage's leader (TP rank 0) talks to neighbouring stages' leaders, over that boundary's own
 group (see :mod:`ldt.groups.parallel_state`); a fan-out copy goes from a TP rank of the sending
-stage straight to one of the receiving stage (:meth:`ldt.topology.routes.Route.fanout_sources`). After a receive the leader broadcasts inside its TP group
-(boundary activations and their gradients are replicated on every TP rank of a stage), or,
-with sequence parallelism, scatters the sequence over it; before a send such a stage gathers
-its sequence slices on the leader (:mod:`ldt.boundary.sequence`). A boundary the device layer
-marks host-staged (different device types) copies to CPU, sends over gloo, and copies back to
-the device. The handles a transfer returns (wait semantics, link delay, the boundary's error)
-are :mod:`ldt.boundary.work`'s.
+stage straight to one of the receiving stage (:meth:`ldt.topology.routes.Route.fanout_sources`).
+After a receive the leader broadcasts inside its TP group (boundary activations and their
+gradients are replicated on every TP rank of a stage), or, with sequence parallelism, scatters
+the sequence over it; before a send such a stage gathers its sequence slices on the leader
+(:mod:`ldt.boundary.sequence`). A boundary the device layer marks host-staged (different device
+types) copies to CPU, sends over gloo, and copies back to the device. The handles a transfer
+returns (wait semantics, link delay, the boundary's error) are :mod:`ldt.boundary.work`'s.
 
 :class:`VtpCommunicator` subclasses megatron-core's ``P2PCommunicator`` and overrides only
 ``_communicate``, the one hook every public send/recv method goes through, so megatron's

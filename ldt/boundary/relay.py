@@ -18,13 +18,13 @@ of a stage) compute the same pieces from the element count alone. A small messag
 piece: there latency dominates and every piece costs a message's overhead, and a one-piece
 transfer makes the same calls as a whole message.
 
-Fan-out (``cluster.boundary_fanout``, :meth:`ldt.topology.routes.Route.transport`): the
-sending stage sends a copy straight to every TP rank of the receiving stage (its TP ranks in
-turn, each holding the whole tensor, whose send transforms draw alike: the same bytes; a
-sequence-parallel stage's leader), which then needs no relay, at the price of a copy per TP
-rank on the link. Where the two stages share a node the link is memory (or the node's accelerator fabric) as the relay
-is, so one hop wins at every size (bench/RESULTS.md, p2p_boundary); between nodes only a small
-message, whose time is latency rather than bytes, is worth the copies. The sender does not
+Fan-out (``cluster.boundary_fanout``, :meth:`ldt.topology.routes.Route.transport`): the sending
+stage sends a copy straight to every TP rank of the receiving stage (its TP ranks in turn, each
+holding the whole tensor, whose send transforms draw alike: the same bytes; a sequence-parallel
+stage's leader), which then needs no relay, at the price of a copy per TP rank on the link.
+Where the two stages share a node the link is memory (or the node's accelerator fabric) as the
+relay is, so one hop wins at every size (bench/RESULTS.md, p2p_boundary); between nodes only a
+small message, whose time is latency rather than bytes, is worth the copies. The sender does not
 know whether the receiving stage splits the sequence (a TP 1 stage's config says no), so it
 sends the whole tensor; a sequence-parallel rank keeps its slice
 (:class:`ldt.boundary.work.RecvWork`).

@@ -95,13 +95,13 @@ class ClusterConfig:
     boundary_fanout: str = "auto"
     """How a message reaches the TP ranks of the stage that receives it (docs/network.md):
     ``auto``: where both stages of a boundary run on one node (the same host name and torchrun
-    node rank), and across nodes for a message of at most 64 KiB, the sending stage sends a
-    copy straight to every TP rank (one hop; its TP ranks share the copies, TP rank i to TP
-    rank i, unless it is sequence-parallel: then its leader sends them); otherwise one copy crosses to the receiving
-    leader, which relays it in pieces as they arrive. ``never``: always one copy and the relay
-    (a slow link between stages on one node). ``always``: always a copy per TP rank (a fast
-    link between nodes). A message whose shape crosses first (``variable_seq_lengths``) and
-    per-stage-DP boundaries always relay."""
+    node rank), and across nodes for a message of at most 64 KiB, the sending stage sends a copy
+    straight to every TP rank (one hop; its TP ranks share the copies, TP rank i to TP rank i,
+    unless it is sequence-parallel: then its leader sends them); otherwise one copy crosses to
+    the receiving leader, which relays it in pieces as they arrive. ``never``: always one copy
+    and the relay (a slow link between stages on one node). ``always``: always a copy per TP
+    rank (a fast link between nodes). A message whose shape crosses first
+    (``variable_seq_lengths``) and per-stage-DP boundaries always relay."""
     link_delay_ms: Any = 0.0
     """Emulated one-way link delay, a measurement tool (off: 0): a number for every stage
     boundary, or a list with one number per boundary ``i -> i+1`` in pipeline order (the last,

@@ -479,12 +479,12 @@ class CostModel:
         return self.b * self.s * self.h * self.d
 
     def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int, src_tp: int = 1) -> float:
-        """One activation (or gradient) from a stage of TP ``src_tp`` to the next stage, all
-        its ``dst_tp`` ranks, as ``cluster.boundary_fanout=auto`` moves it between nodes (the
-        route policy a run uses, :func:`ldt.topology.transport.carry`; the planner places stages on
+        """One activation (or gradient) from a stage of TP ``src_tp`` to the next stage, all its
+        ``dst_tp`` ranks, as ``cluster.boundary_fanout=auto`` moves it between nodes (the route
+        policy a run uses, :func:`ldt.topology.transport.carry`; the planner places stages on
         separate nodes): a small message as a copy per TP rank, which the sending ranks share
-        unless the sequence is sharded over them, a larger one as one copy whose last piece
-        the receiving leader relays."""
+        unless the sequence is sharded over them, a larger one as one copy whose last piece the
+        receiving leader relays."""
         key = (src_kind, dst_kind, dst_tp, src_tp)
         if key in self._boundary_times:
             return self._boundary_times[key]

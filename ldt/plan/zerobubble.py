@@ -29,6 +29,7 @@ from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_rec
 from ldt.plan.inventory import Inventory, Link, load_inventory
 from ldt.plan.objective import Objective, choose
 from ldt.schedule import Op, Schedule, lower, simulate
+from ldt.schedule.ir import WEIGHT_OPS
 from ldt.schedule.vdp import vdp_schedule
 from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
 
@@ -206,16 +207,18 @@ def measured_prices(run_dir: str, nominal: Priced) -> Priced:
         raise ConfigError(f"{where}: its action_times.csv times stages "
                           f"{sorted({s for s, _ in measured})}, this cluster has {stages}; give "
                           "a run of this cluster")
-    split = any(op in _WHOLE_BACKWARD for _, op in measured)  # a zero-bubble run: W's timed
+    weights = {w.value: b.value for w, b in WEIGHT_OPS.items()}  # W -> the backward it follows
+    backwards = {b: w for w, b in weights.items()}
+    split = any(op in weights for _, op in measured)  # a zero-bubble run: its W's timed
     out = {}
     for (s, op), t in costs.items():
-        b_op = _WHOLE_BACKWARD.get(op, op)
-        if not split and b_op in _SPLIT_OF:  # B and W take nominal's shares of the whole
-            key, share = (s, b_op), t / (costs[(s, b_op)] + costs[(s, _SPLIT_OF[b_op])])
+        b_op = weights.get(op, op)
+        if not split and b_op in backwards:  # B and W take nominal's shares of the whole
+            key, share = (s, b_op), t / (costs[(s, b_op)] + costs[(s, backwards[b_op])])
         else:
             key, share = (s, op), 1.0
         if key not in measured:
-            timed = sorted(o for t, o in measured if t == s)
+            timed = sorted(o for stage, o in measured if stage == s)
             raise ConfigError(f"{where}: it measured no {key[1]} on stage {s} (it timed "
                               f"{', '.join(timed)} there); give a run of this cluster and "
                               "schedule kind (plain or U-shape)")
@@ -227,8 +230,3 @@ def measured_prices(run_dir: str, nominal: Priced) -> Priced:
         if waits:
             comm[(a, b)] = sum(waits) / len(waits)
     return Priced.of(out, comm)
-
-
-# a W op -> the whole backward a run of today's schedule measured; a B op -> its W
-_WHOLE_BACKWARD = {"W": "B", "WS": "BS", "WE": "BE"}
-_SPLIT_OF = {"B": "W", "BS": "WS", "BE": "WE"}

@@ -76,7 +76,7 @@ class Route:
     host_staged: bool  # copy to the host, gloo, copy back (different device types)
     delay_ms: float  # cluster.link_delay_ms (a measurement tool)
     receivers: tuple[int, ...]  # every TP rank of the receiving stage replica
-    senders: tuple[int, ...] = ()  # every TP rank of the sending stage replica (leader first)
+    senders: tuple[int, ...]  # every TP rank of the sending stage replica (leader first)
     fanout_group: Optional[str] = None  # the group of both stages, where fan-out may happen
     fanout_mode: str = "never"  # cluster.boundary_fanout
     same_node: bool = True  # both stages' ranks share one node
@@ -100,8 +100,7 @@ class Route:
     def fanout_sources(self, whole_on_every_sender: bool) -> tuple[int, ...]:
         """Per rank of ``receivers``, the rank that sends it its fan-out copy
         (:func:`fanout_sources`; both ends ask with the same facts)."""
-        return fanout_sources(self.senders or (self.src_rank,), len(self.receivers),
-                              whole_on_every_sender)
+        return fanout_sources(self.senders, len(self.receivers), whole_on_every_sender)
 
 
 @dataclass(frozen=True)

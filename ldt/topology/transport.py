@@ -32,7 +32,7 @@ def piece_count(nbytes: int, unit_bytes: int = PIECE_UNIT_BYTES) -> int:
 
 
 def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
-    """Whether a message of ``nbytes`` goes from the sending leader straight to every TP rank
+    """Whether a message of ``nbytes`` goes from the sending stage straight to every TP rank
     across a boundary whose stages do (``same_node``) or do not share a node, under
     ``cluster.boundary_fanout``; else one copy crosses and the receiving leader relays it."""
     if mode == "always":
