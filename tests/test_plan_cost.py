@@ -303,3 +303,22 @@ def test_planner_recomputes_only_the_stage_that_does_not_fit_otherwise():
     for st, r in zip(stages, rc):
         assert st.get("recompute") == (r.config() if r is not None else None)
     assert all(s["memory_gib"] == (37.0 if i == 0 else 77.0) for i, s in enumerate(stages))
+
+
+def test_a_plan_with_per_stage_dp_is_priced_without_fan_out():
+    """ldt builds no fan-out group where stages have different replica counts
+    (Topology.fanout_boundaries), so a small message into TP 2 crosses once and the leader
+    relays it: dearer than the two copies the same stages exchange without per-stage DP."""
+    inv = synthetic_inventory({"a100": 8})
+    cost = CostModel(load_model("gpt_tiny"), inv, micro_batch_size=1)
+    assert cost.boundary_bytes() <= 64 * 1024  # small enough to fan out between nodes
+    stages = (StageSpec("a100", 1), StageSpec("a100", 2))
+    uniform = comm_table(Plan(stages, (2, 2), False, 2, 4), cost)
+    vdp = comm_table(Plan(stages, (2, 2), False, 2, 4, stage_dp=(2, 1)), cost)
+    link = inv.link("a100", "a100")
+    one = cost.boundary_bytes() / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6
+    relay = cost.boundary_bytes() / (inv.kind("a100").intra_bw_gbps * 1e9)
+    assert uniform[(0, 1)] == pytest.approx(one + cost.boundary_bytes()
+                                            / (link.bandwidth_gbps * 1e9))  # two copies
+    assert vdp[(0, 1)] == pytest.approx(one + relay)
+    assert vdp[(1, 0)] == uniform[(1, 0)] == pytest.approx(one)  # into TP 1: one copy

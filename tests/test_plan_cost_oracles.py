@@ -157,6 +157,12 @@ def test_transfers_by_hand():
     sp = CostModel(ModelConfig(**{**FAMILIES["gpt"].__dict__, "sequence_parallel": True}),
                    _inventory(), micro_batch_size=2)
     assert sp.boundary_time("gpu", "gpu", 2, 2) == pytest.approx(2 * nbytes / 8e9 + 10e-6)
+    # per-stage DP: no group spans both stages, so even 16 KiB crosses once and the leader
+    # relays it to its TP rank (4 GB/s inside the node)
+    assert cost.boundary_time("gpu", "gpu", 2, 2, per_stage_dp=True) == pytest.approx(
+        nbytes / 8e9 + 10e-6 + nbytes / 4e9)
+    assert cost.boundary_time("gpu", "gpu", 1, 2, per_stage_dp=True) == pytest.approx(
+        nbytes / 8e9 + 10e-6)
     # 8x the micro-batch: 128 KiB crosses once, whole (one piece), and the leader relays it
     big = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=16)
     assert big.boundary_time("gpu", "gpu", 2) == pytest.approx(8 * nbytes / 8e9 + 10e-6

@@ -61,7 +61,7 @@ from ldt.config import ModelConfig, RecomputeConfig
 from ldt.config.load import config_dict
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
 from ldt.topology.device import plan_boundary
-from ldt.topology.transport import FANOUT, carry
+from ldt.topology.transport import FANOUT, carry, fanout_boundary
 
 GB = 1e9
 GIB = 2**30
@@ -478,21 +478,24 @@ class CostModel:
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
 
-    def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int, src_tp: int = 1) -> float:
+    def boundary_time(self, src_kind: str, dst_kind: str, dst_tp: int, src_tp: int = 1,
+                      per_stage_dp: bool = False) -> float:
         """One activation (or gradient) from a stage of TP ``src_tp`` to the next stage, all its
         ``dst_tp`` ranks, as ``cluster.boundary_fanout=auto`` moves it between nodes (the route
         policy a run uses, :func:`ldt.topology.transport.carry`; the planner places stages on
         separate nodes): a small message as a copy per TP rank, which the sending ranks share
-        unless the sequence is sharded over them, a larger one as one copy whose last piece the
+        unless the sequence is sharded over them, a larger one, or any message of a plan with
+        per-stage DP (``per_stage_dp``: no fan-out there), as one copy whose last piece the
         receiving leader relays."""
-        key = (src_kind, dst_kind, dst_tp, src_tp)
+        key = (src_kind, dst_kind, dst_tp, src_tp, per_stage_dp)
         if key in self._boundary_times:
             return self._boundary_times[key]
         nbytes = self.boundary_bytes()
         src, dst = self.inventory.kind(src_kind), self.inventory.kind(dst_kind)
         link = self.inventory.link(src_kind, dst_kind)
         whole_senders = 1 if self.sequence_parallel else src_tp  # fanout_sources' rule
-        how = carry(nbytes, dst_tp, mode="auto", same_node=False, senders=whole_senders)
+        how = carry(nbytes, dst_tp, mode="auto", same_node=False, senders=whole_senders,
+                    fanout_group=fanout_boundary("auto", src_tp, dst_tp, per_stage_dp))
         t = message_time(how.copies * nbytes, link)
         if plan_boundary(0, src.device, 1, dst.device).host_staged:  # the run's own rule
             t += sum(nbytes / (k.host_bw_gbps * GB) for k in (src, dst) if k.device != "cpu")

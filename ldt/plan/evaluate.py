@@ -188,10 +188,11 @@ def comm_table(plan: Plan, cost: CostModel) -> dict[tuple[int, int], float]:
     """Transfer time of one boundary tensor from stage a to stage b, for every adjacent pair."""
     p, out = plan.num_stages, {}
     pairs = [(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if plan.u_shape else [])
+    vdp = bool(plan.stage_dp)
     for a, b in pairs:
         sa, sb = plan.stages[a], plan.stages[b]
-        out[(a, b)] = cost.boundary_time(sa.kind, sb.kind, sb.tp, sa.tp)
-        out[(b, a)] = cost.boundary_time(sb.kind, sa.kind, sa.tp, sb.tp)
+        out[(a, b)] = cost.boundary_time(sa.kind, sb.kind, sb.tp, sa.tp, vdp)
+        out[(b, a)] = cost.boundary_time(sb.kind, sa.kind, sa.tp, sb.tp, vdp)
     return out
 
 def simulate_times(ops: dict[int, dict[Op, float]], comm: dict[tuple[int, int], float],

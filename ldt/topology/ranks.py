@@ -27,6 +27,7 @@ from ldt.config import DEVICE_TYPES, ConfigError, ModelConfig, to_cluster
 from ldt.config.layout import LayerSplit
 from ldt.config.layout import split_layers
 from ldt.topology.device import BoundaryPlan, plan_boundary
+from ldt.topology.transport import fanout_boundary
 
 FANOUT_MODES = ("auto", "never", "always")  # cluster.boundary_fanout
 
@@ -296,13 +297,11 @@ class Topology:
         ]
 
     def fanout_boundaries(self) -> list[BoundaryPlan]:
-        """The boundaries where a leader may send straight to every TP rank of the stage
-        across (``cluster.boundary_fanout`` not ``never``; one side has TP > 1; one replica
-        per stage pair, i.e. not per-stage DP, whose replicas route through the leaders)."""
-        if self.boundary_fanout == "never" or self.is_vdp:
-            return []
+        """The boundaries where a sending stage may send straight to every TP rank of the stage
+        across (:func:`ldt.topology.transport.fanout_boundary`)."""
         return [b for b in self.boundaries()
-                if max(self.stages[b.src_stage].tp, self.stages[b.dst_stage].tp) > 1]
+                if fanout_boundary(self.boundary_fanout, self.stages[b.src_stage].tp,
+                                   self.stages[b.dst_stage].tp, self.is_vdp)]
 
     def boundary(self, src_stage: int, dst_stage: int) -> BoundaryPlan:
         for b in self.boundaries():

@@ -31,6 +31,13 @@ def piece_count(nbytes: int, unit_bytes: int = PIECE_UNIT_BYTES) -> int:
     return max(1, min(MAX_PIECES, round(math.sqrt(nbytes / unit_bytes))))
 
 
+def fanout_boundary(mode: str, src_tp: int, dst_tp: int, per_stage_dp: bool) -> bool:
+    """Whether a boundary gets a group spanning both stages, so that its messages may fan out
+    (:func:`fans_out` then decides per message): ``cluster.boundary_fanout`` not ``never``,
+    a stage with TP > 1, and not per-stage DP, whose replicas meet through their leaders."""
+    return mode != "never" and not per_stage_dp and max(src_tp, dst_tp) > 1
+
+
 def fans_out(mode: str, same_node: bool, nbytes: int) -> bool:
     """Whether a message of ``nbytes`` goes from the sending stage straight to every TP rank
     across a boundary whose stages do (``same_node``) or do not share a node, under
