@@ -195,16 +195,18 @@ RUN_WAITS = {(1, Op.WAIT_F): 2.0, (2, Op.WAIT_F): 3.0, (0, Op.WAIT_F): 5.0,  # 0
              (0, Op.WAIT_B): 6.0, (1, Op.WAIT_B): 7.0, (2, Op.WAIT_B): 9.0}  # 1->0, 2->1, 0->2
 
 
-def _a_run(folder, compute, waits, steps=3):
-    """An action_times.csv as ldt-train writes it, from today's U-shape (m 4) played by the
-    simulator with these times: every stage's own timeline, one host, each step after the
-    other."""
+def _a_run(folder, compute, waits, steps=3, cfg=None):
+    """The folder of an ldt-train run of ``cfg`` (default: cpu_demo's) under today's
+    U-shape (m 4): its config.yaml, and its action_times.csv as the simulator plays the
+    schedule with these times (every stage's own timeline, one host, each step after the
+    other)."""
+    from ldt.job.prepare import save_config
     from ldt.schedule import u_shape
 
     schedule = lower(u_shape(3, 4), "ushape")
     ms = lambda a: (compute if a.is_compute else waits).get((a.stage, a.op), 0.0) / 1e3  # noqa
     events = simulate(schedule, ms, local_time=ms).events
-    folder.mkdir()
+    save_config(cfg or _run_cfg("cpu_demo", 4, schedule="auto"), str(folder))
     with open(folder / "action_times.csv", "w") as f:
         f.write("step,stage,action,start_s,end_s,host,step_start_s\n")
         for step in range(steps):
@@ -240,6 +242,35 @@ def test_a_measured_run_prices_the_order(tmp_path):
     assert measured != nominal
     t = [simulate(lower(s, "ushape"), costs, comm).iteration_time for s in (measured, nominal)]
     assert t[0] < 0.95 * t[1], t  # 143.1 / 155.1 ms at the measured times
+
+
+def test_a_run_of_other_ops_does_not_price_the_order(tmp_path):
+    """train.cost_run from a run of another layout, model size or micro-batch size timed other
+    ops: refused, naming what differs; another micro-batch count, schedule or sequence
+    parallelism changes no op's size and is taken."""
+    cfg = _run_cfg("cpu_demo", 4)
+    other = _run_cfg("cpu_demo", 8, schedule="auto", micro_batch_size=4)
+    other.cluster.layout = "Ett|t|tt|tL"
+    other.model.hidden_size *= 2
+    cfg.train.cost_run = str(_a_run(tmp_path / "other", RUN_COMPUTE, RUN_WAITS, cfg=other))
+    with pytest.raises(ConfigError) as err:
+        run_prices(cfg.cluster, cfg.model, cfg.train)
+    msg = str(err.value)
+    assert msg.startswith(f"train.cost_run={cfg.train.cost_run!r} timed other ops than this "
+                          "run's: its stages ")
+    assert ("its stages [cpu/tp1 cpu/tp2 cpu/tp1] layout=Et*2|t|t*2|tL (this run: [cpu/tp1 "
+            "cpu/tp2 cpu/tp1] layout=Et|t*2|t*2|tL)") in msg
+    assert "model.hidden_size=128 (this run: 64)" in msg
+    assert "train.micro_batch_size=4 (this run: 2)" in msg
+    assert msg.endswith("give the folder of an ldt-train run of this cluster and model")
+    alike = _run_cfg("cpu_demo", 8, schedule="auto")
+    alike.model.sequence_parallel = True
+    cfg.train.cost_run = str(_a_run(tmp_path / "alike", RUN_COMPUTE, RUN_WAITS, cfg=alike))
+    run_prices(cfg.cluster, cfg.model, cfg.train)
+    (tmp_path / "alike" / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"train.cost_run=.*config.yaml.*give the folder of "
+                                          r"an ldt-train run of this cluster and model"):
+        run_prices(cfg.cluster, cfg.model, cfg.train)
 
 
 def test_a_measured_zero_bubble_run_gives_its_own_w(tmp_path):

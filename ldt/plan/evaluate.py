@@ -113,12 +113,16 @@ class Plan:
         return names
 
     def describe(self) -> str:
+        extra = f" prefetch={self.prefetch}" if self.prefetch else ""
+        dp = f"dp={list(self.stage_dp)}" if self.stage_dp else f"dp={self.dp}"
+        return f"{dp} m={self.num_microbatches}{extra} {self.describe_stages()}"
+
+    def describe_stages(self) -> str:
+        """Each stage's kind, TP and recomputation, and the layout."""
         st = " ".join(f"{s.kind}/tp{s.tp}" + (f"/{self.recompute_of(i).describe()}"
                                                if self.recompute_of(i) else "")
                       for i, s in enumerate(self.stages))
-        extra = f" prefetch={self.prefetch}" if self.prefetch else ""
-        dp = f"dp={list(self.stage_dp)}" if self.stage_dp else f"dp={self.dp}"
-        return f"{dp} m={self.num_microbatches}{extra} [{st}] layout={self.layout()}"
+        return f"[{st}] layout={self.layout()}"
 
 @dataclass
 class StageReport:

@@ -17,10 +17,12 @@ replace them (:func:`measured_prices`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig
+from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig, typed_config
+from ldt.config.load import load_plain
 from ldt.plan.calibrate import calibrate, read_action_times, steady
 from ldt.plan.convert import cluster_to_plan
 from ldt.plan.cost import CostModel
@@ -184,7 +186,46 @@ def run_prices(cluster: ClusterConfig, model: ModelConfig, train: TrainConfig) -
             f"(train.cost_inventory): {exc.args[0].split('; pass --kinds')[0]}; name each "
             "stage KIND_n after its kind (as ldt-plan does), or give an inventory with one "
             "kind per device type") from None
-    return measured_prices(train.cost_run, priced) if train.cost_run else priced
+    if not train.cost_run:
+        return priced
+    check_cost_run(train.cost_run, plan, model, train.micro_batch_size, inventory)
+    return measured_prices(train.cost_run, priced)
+
+
+# What sets the size of every op a run times, besides its plan's stages (kinds, TP, layers,
+# recomputation): a run that differs in one of these timed other ops
+OP_SIZE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "seq_length", "vocab_size", "gated_linear_unit",
+                  "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                  "mtp_num_layers", "transformer_impl")
+
+
+def check_cost_run(run_dir: str, plan: Plan, model: ModelConfig, micro_batch_size: int,
+                   inventory: Inventory) -> None:
+    """Refuse a ``train.cost_run`` that timed other ops than this run's (its ``config.yaml``
+    says): another layout, TP, device kind or recomputation of a stage, another model size
+    (:data:`OP_SIZE_FIELDS`) or micro-batch size. The micro-batch count, the schedule and
+    settings that change no op's size (sequence parallelism, the optimizer, ...) may differ."""
+    where = f"train.cost_run={run_dir!r}"
+    fix = "give the folder of an ldt-train run of this cluster and model"
+    try:
+        theirs = typed_config(load_plain(os.path.join(run_dir, "config.yaml"), "run config"))
+        their_plan = cluster_to_plan(theirs.cluster, theirs.model, inventory,
+                                     plan.num_microbatches,
+                                     planned_kinds(theirs.cluster, inventory))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}; {fix}") from None
+    same = lambda p: (p.stages, p.layers, p.u_shape, p.recompute)  # noqa: E731
+    differ = [f"its stages {their_plan.describe_stages()} (this run: {plan.describe_stages()})"
+              ] if same(their_plan) != same(plan) else []
+    differ += [f"model.{f}={getattr(theirs.model, f)!r} (this run: {getattr(model, f)!r})"
+               for f in OP_SIZE_FIELDS if getattr(theirs.model, f) != getattr(model, f)]
+    if theirs.train.micro_batch_size != micro_batch_size:
+        differ.append(f"train.micro_batch_size={theirs.train.micro_batch_size} (this run: "
+                      f"{micro_batch_size})")
+    if differ:
+        raise ConfigError(f"{where} timed other ops than this run's: {'; '.join(differ)}; "
+                          f"{fix}")
 
 
 def measured_prices(run_dir: str, nominal: Priced) -> Priced:
