@@ -9,6 +9,8 @@ no one would time by hand. A real run's rows are checked in test_train.py.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ldt.plan import calibrate
@@ -101,6 +103,14 @@ def test_hand_timed_step_gives_hand_computed_costs_and_span():
     assert cal.predict().iteration_time == pytest.approx(HAND_SPAN_MS / 1e3)
     # compute only: F0 4, F0 6, B0 12, B0 8 one after another, messages free, same start
     assert cal.predict(compute_only=True).iteration_time == pytest.approx(30e-3)
+    # the transfers as the receivers' WAITs measured them; no order of one micro-batch's
+    # actions beats its path: 4 + 1.0 + 6 + 12 + 0.7 + 8 = 31.7 ms, 30 ms of it computing
+    # on 2 stages
+    assert cal.transfer_times() == pytest.approx({(0, 1): 1.0e-3, (1, 0): 0.7e-3})
+    assert cal.least_iteration() == pytest.approx(31.7e-3)
+    summary = calibrate.compare(rows).summary()
+    assert summary["least_ms"] == pytest.approx(31.7)
+    assert summary["bubble_least"] == pytest.approx(1 - 30 / (2 * 31.7), abs=1e-4)
 
 
 def test_compare_predicts_steps_it_was_not_calibrated_on():
@@ -180,6 +190,12 @@ def test_ldt_sim_measured_replays_a_run_folder(tmp_path, capsys):
     assert summary["measured_ms"] == pytest.approx(played.iteration_time * 1e3, abs=1e-3)
     assert abs(summary["error"]) < 1e-6
     assert (tmp_path.parent / f"{tmp_path.name}.png").stat().st_size > 0
+    assert main(["--measured", str(tmp_path), "--skip", "2"]) == 0  # the table: its least line
+    least = re.search(r"\n  least, any order of these ops +([\d.]+) ms  bubble [\d.]+% \(least "
+                      r"([\d.]+)%\)\n", capsys.readouterr().out)
+    assert float(least.group(1)) == pytest.approx(summary["least_ms"], abs=0.01)
+    assert float(least.group(2)) == pytest.approx(100 * summary["bubble_least"], abs=0.1)
+    assert summary["least_ms"] <= summary["measured_ms"]
     assert main(["--measured", str(tmp_path / "missing")]) == 2
     assert "train.runtime=ldt" in capsys.readouterr().err
 

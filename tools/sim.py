@@ -194,6 +194,9 @@ def _replay(args) -> int:
           f" ms  {comparison.error_compute_only:+.1%}")
     print(f"  simulated, with communication    {full.iteration_time * 1e3:9.2f} ms  "
           f"{comparison.error:+.1%}")
+    figures = comparison.summary()
+    print(f"  least, any order of these ops    {figures['least_ms']:9.2f} ms  "
+          f"bubble {full.bubble_fraction:.1%} (least {figures['bubble_least']:.1%})")
     print(f"{'stage':>5} {'busy ms':>9} {'start ms':>9}  mean ms per action")
     for stage in cal.schedule:
         ops = {op: t for (s, op), t in {**cal.compute, **cal.local}.items() if s == stage}

@@ -41,7 +41,8 @@ from ldt.config import ConfigError
 from ldt.config.userfiles import not_a, path_kind
 from ldt.schedule import Action, Op, Schedule, SimResult, parse_action, simulate
 from ldt.schedule.check import ScheduleError, check_structure
-from ldt.schedule.ir import COMM_OPS, SEND_OPS, WAIT_OPS
+from ldt.schedule.bounds import least_iteration
+from ldt.schedule.ir import COMM_OPS, SEND_OPS, WAIT_OPS, num_microbatches
 
 CostTable = dict[tuple[int, Op], float]
 """(stage, op) -> seconds."""
@@ -158,6 +159,26 @@ class Calibration:
         table = self.compute if action.is_compute else self.local
         return table[(action.stage, action.op)]
 
+    def transfer_times(self) -> dict[tuple[int, int], float]:
+        """Each boundary's transfer ``(sender, receiver)`` as the receiver's WAIT measured it
+        (the forward's from the stage before, the backward's from the stage after; the mean
+        of both where one peer sends both, P = 2)."""
+        stages = len(self.schedule)
+        waits: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for (b, op), t in self.local.items():
+            if op in (Op.WAIT_F, Op.WAIT_B):
+                waits[((b - 1 if op == Op.WAIT_F else b + 1) % stages, b)].append(t)
+        return {pair: sum(ts) / len(ts) for pair, ts in waits.items()}
+
+    def least_iteration(self) -> float:
+        """The least iteration any order of these measured ops could take, each transfer
+        as :meth:`transfer_times` (:func:`ldt.schedule.bounds.least_iteration`): what no
+        schedule of this run's actions goes below."""
+        return least_iteration({(s, op.value): t for (s, op), t in self.compute.items()},
+                               self.transfer_times(), len(self.schedule),
+                               num_microbatches(self.schedule),
+                               any(op == Op.FS for _, op in self.compute))
+
 
 def calibrate(rows: Iterable[ActionTime]) -> Calibration:
     """What the simulator needs from a run's (steady) rows; see the module docstring."""
@@ -260,12 +281,15 @@ class Comparison:
                     for k, v in sorted(table.items())}
 
         cal = self.calibration
+        least, work = cal.least_iteration(), sum(self.full.busy.values())
         return {"steps": self.steps, "measured_ms": round(self.measured_s * 1e3, 3),
                 "predicted_ms": round(self.full.iteration_time * 1e3, 3),
                 "error": round(self.error, 4),
                 "predicted_compute_only_ms": round(self.compute_only.iteration_time * 1e3, 3),
                 "error_compute_only": round(self.error_compute_only, 4),
                 "bubble_fraction": round(float(self.full.bubble_fraction), 4),
+                "least_ms": round(least * 1e3, 3),
+                "bubble_least": round(1 - work / (len(self.full.busy) * least), 4),
                 "busy_ms": ms(self.full.busy), "start_at_ms": ms(cal.start_at),
                 "compute_ms": ms(cal.compute), "comm_ms": ms(cal.local)}
 

@@ -264,10 +264,6 @@ def measured_prices(run_dir: str, nominal: Priced) -> Priced:
                               f"{', '.join(timed)} there); give a run of this cluster and "
                               "schedule kind (plain or U-shape)")
         out[(s, op)] = measured[key] * share
-    for (a, b) in comm:  # the receiver's WAIT: F from the stage before it, B from the one after
-        waits = [cal.local[(b, w)] for w, peer in ((Op.WAIT_F, (b - 1) % stages),
-                                                    (Op.WAIT_B, (b + 1) % stages))
-                 if peer == a and (b, w) in cal.local]
-        if waits:
-            comm[(a, b)] = sum(waits) / len(waits)
+    measured_comm = cal.transfer_times()  # the receivers' WAITs
+    comm.update({pair: t for pair, t in measured_comm.items() if pair in comm})
     return Priced.of(out, comm)

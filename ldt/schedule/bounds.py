@@ -1,0 +1,76 @@
+"""The least iteration time any order of a pipeline's actions can have, from their costs.
+
+A schedule is one order of the same actions; whatever the order, three facts hold on every
+stage ``s`` (compute only, each transfer taking its ``comm`` time, micro-batches entering in
+order):
+
+1. nothing runs on ``s`` before micro-batch 0's forward reached it (``head``), and then all of
+   its work runs one op at a time: ``head + busy``;
+2. no backward runs on ``s`` before micro-batch 0's gradient came back to it, and all of its
+   backward work (B and W of every micro-batch) runs after: ``first_backward + m * backward``;
+3. its last B (of micro-batch m - 1) ends after everything but the W's, which may go after it,
+   and the rest of that micro-batch's backward path (B's and transfers, no W) follows it:
+   ``head + busy - m * W + tail``.
+
+The iteration is at least the largest of these over the stages. With a whole backward (W
+folded into B, today's schedules) the W term is 0. For equal costs the bound is what 1F1B and
+ZB-H1 take exactly (``3m + 3(P - 1)`` and ``3m + P - 1`` at F = B = W = 1), so a schedule's
+distance from it is the part of its bubble an order could still remove; on unequal stages
+it is the floor a zero-bubble order is judged against (``bench/bench_zb.py``). No torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from ldt.schedule.ir import WEIGHT_OPS, Op
+
+Costs = Mapping[tuple[int, str], float]
+Comm = Mapping[tuple[int, int], float]
+
+
+def chain(num_stages: int, ushape: bool) -> list[tuple[int, Op]]:
+    """One micro-batch's path: its forwards then its backwards, as ``(stage, op)``."""
+    cloud = range(1, num_stages) if ushape else range(num_stages)
+    if ushape:
+        forward = [(0, Op.FS)] + [(s, Op.F) for s in cloud] + [(0, Op.FE)]
+        # the edge's end chunk's backward first (BS: the backward's start), its start
+        # chunk's last (BE: the backward's end), as ldt.schedule.generate names them
+        backward = [(0, Op.BS)] + [(s, Op.B) for s in reversed(cloud)] + [(0, Op.BE)]
+    else:
+        forward = [(s, Op.F) for s in cloud]
+        backward = [(s, Op.B) for s in reversed(cloud)]
+    return forward + backward
+
+
+def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches: int,
+                    ushape: bool) -> float:
+    """The largest of the module's three bounds over the stages (``costs``: ``(stage, op)``
+    -> time of one micro-batch, ``"F"``/``"B"``/``"W"`` or the edge's ``"FS"``... as
+    :func:`ldt.schedule.zerobubble.zb_u_shape` takes them, W absent for a whole backward;
+    ``comm``: ``(a, b)`` -> one transfer's time, absent: 0)."""
+    path = chain(num_stages, ushape)
+    m = num_microbatches
+    cost = lambda stage, op: costs.get((stage, op.value), 0.0)  # noqa: E731
+    weights = {b: w for w, b in WEIGHT_OPS.items()}  # a backward op -> the W split from it
+    starts, t = [], 0.0  # when each step of the path can start, micro-batch 0
+    for i, (stage, op) in enumerate(path):
+        if i and path[i - 1][0] != stage:
+            t += comm.get((path[i - 1][0], stage), 0.0)
+        starts.append(t)
+        t += cost(stage, op)
+    best = t  # one micro-batch's path
+    for s in range(num_stages):
+        mine = [i for i, (stage, _) in enumerate(path) if stage == s]
+        backs = [i for i in mine if path[i][1] in weights]
+        busy = m * sum(cost(s, path[i][1]) + cost(s, weights[path[i][1]]) for i in backs)
+        busy += m * sum(cost(s, path[i][1]) for i in mine if i not in backs)
+        deferrable = m * sum(cost(s, weights[path[i][1]]) for i in backs)
+        backward = m * sum(cost(s, path[i][1]) + cost(s, weights[path[i][1]]) for i in backs)
+        last = backs[-1]
+        tail = sum(cost(*path[j]) for j in range(last + 1, len(path)))
+        tail += sum(comm.get((path[j - 1][0], path[j][0]), 0.0)
+                    for j in range(last + 1, len(path)) if path[j - 1][0] != path[j][0])
+        best = max(best, starts[mine[0]] + busy, starts[backs[0]] + backward,
+                   starts[mine[0]] + busy - deferrable + tail)
+    return best

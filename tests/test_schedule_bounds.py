@@ -1,0 +1,82 @@
+"""The least iteration any order of a pipeline's actions can have (ldt/schedule/bounds.py):
+equal to what 1F1B and ZB-H1 take on equal costs (the zero-bubble paper's figures, derived by
+hand), and never above what a generated schedule takes when the simulator plays it."""
+
+from __future__ import annotations
+
+import random
+from fractions import Fraction
+
+import pytest
+
+from ldt.schedule import lower, one_f_one_b, simulate, u_shape
+from ldt.schedule.bounds import chain, least_iteration
+from ldt.schedule.ir import Op
+from ldt.schedule.zerobubble import unsplit, zb_h1, zb_u_shape
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_equal_costs_bound_is_what_1f1b_and_zb_h1_take(p, k):
+    m = k * p
+    whole = {(s, op): Fraction(t) for s in range(p) for op, t in (("F", 1), ("B", 2))}
+    split = {(s, op): Fraction(1) for s in range(p) for op in ("F", "B", "W")}
+    assert least_iteration(whole, {}, p, m, False) == 3 * m + 3 * (p - 1)
+    assert least_iteration(split, {}, p, m, False) == 3 * m + p - 1
+    assert simulate(lower(one_f_one_b(p, m), "1f1b"), whole).iteration_time == 3 * m + 3 * (p - 1)
+    assert simulate(lower(zb_h1(p, m, split), "1f1b"), split).iteration_time == 3 * m + p - 1
+
+
+def test_a_u_shape_by_hand():
+    """Edge chunks F 1, B 1, W 1; one cloud stage F 2, B 3, W 1; transfers 0.5; m = 2. The
+    cloud's first backward waits FS + 0.5 + F + 0.5 + FE + BE + 0.5 = 6.5 and then does
+    2 x (3 + 1) = 8: 14.5; its head (1.5) + busy (2 x 6 = 12) = 13.5; its last B after 1.5 +
+    12 - 2 = 11.5, then 0.5 + BE 1: 13 (BS: the end chunk's backward, first; BE: the start
+    chunk's, last). The edge: first backward at 5, then 2 x 4: 13."""
+    costs = {(0, "FS"): 1, (0, "FE"): 1, (0, "BE"): 1, (0, "BS"): 1, (0, "WE"): 1, (0, "WS"): 1,
+             (1, "F"): 2, (1, "B"): 3, (1, "W"): 1}
+    comm = {(0, 1): 0.5, (1, 0): 0.5}
+    assert chain(2, True) == [(0, Op.FS), (1, Op.F), (0, Op.FE), (0, Op.BS), (1, Op.B),
+                              (0, Op.BE)]
+    assert least_iteration(costs, comm, 2, 2, True) == pytest.approx(14.5)
+    # each backward whole (the cloud's B 4, the edge's 2): the cloud's first backward at 7.5,
+    # then 8 (15.5); its last B ends after 1.5 + 12, then 0.5 + BE 2: 16
+    whole = unsplit(costs)
+    assert least_iteration(whole, comm, 2, 2, True) == pytest.approx(16.0)
+
+
+def _random_costs(rng, p, ushape):
+    costs = {}
+    for s in range(p):
+        ops = (("FS", "BE", "WE"), ("FE", "BS", "WS")) if ushape and s == 0 else (("F", "B", "W"),)
+        for names in ops:
+            for op in names:
+                costs[(s, op)] = Fraction(rng.randint(1, 12), 4)
+    comm = {}
+    for a in range(p):
+        for b in ((a + 1) % p, (a - 1) % p):
+            if a != b:
+                comm[(a, b)] = Fraction(rng.randint(0, 6), 8)
+    return costs, comm
+
+
+@pytest.mark.parametrize("ushape", [False, True])
+def test_no_generated_schedule_beats_the_bound(ushape):
+    """Every schedule ldt generates, played by the simulator at uneven random costs (today's
+    with each backward whole, the zero-bubble one split), takes at least the bound; the bound
+    is reached or approached, never crossed."""
+    rng = random.Random(7)
+    kind = "ushape" if ushape else "1f1b"
+    reached = {"today": 0, "zb": 0}
+    for p in range(2, 6):
+        for m in (1, 2, p, 2 * p + 1):
+            costs, comm = _random_costs(rng, p, ushape)
+            whole = unsplit(costs)
+            today = lower(u_shape(p, m) if ushape else one_f_one_b(p, m), kind)
+            zb = lower((zb_u_shape if ushape else zb_h1)(p, m, costs, comm), kind)
+            for name, schedule, table in (("today", today, whole), ("zb", zb, costs)):
+                took = simulate(schedule, table, comm).iteration_time
+                bound = least_iteration(table, comm, p, m, ushape)
+                assert bound <= took, (name, p, m, bound, took)
+                reached[name] += bound == took
+    assert min(reached.values()) >= 3, reached  # of 16 each: the bound is not a loose one
