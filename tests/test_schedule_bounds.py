@@ -80,3 +80,20 @@ def test_no_generated_schedule_beats_the_bound(ushape):
                 assert bound <= took, (name, p, m, bound, took)
                 reached[name] += bound == took
     assert min(reached.values()) >= 3, reached  # of 16 each: the bound is not a loose one
+
+
+def test_docs_heterogeneous_u_shape_bound_is_the_hand_derived_one():
+    """docs/zero_bubble.md's P = m = 4 U-shape: 'no schedule ends before 15.5', derived there
+    by hand (micro-batch 0 round the U to cloud stage 1's first backward, 7.5, then its 4 B's
+    and W's, 8)."""
+    f = Fraction
+    costs = {(0, "FS"): f("0.6"), (0, "BE"): f("0.5"), (0, "WE"): f("0.3"),
+             (0, "FE"): f("0.5"), (0, "BS"): f("0.6"), (0, "WS"): f("0.5"),
+             (1, "F"): f("0.9"), (1, "B"): f("1.1"), (1, "W"): f("0.9"),
+             (2, "F"): f("1.1"), (2, "B"): f("1.0"), (2, "W"): f("0.8"),
+             (3, "F"): f("0.8"), (3, "B"): f("1.2"), (3, "W"): f("1.0")}
+    comm = {(0, 1): f("0.2"), (1, 0): f("0.2"), (3, 0): f("0.2"), (0, 3): f("0.2"),
+            (1, 2): f("0.05"), (2, 1): f("0.05"), (2, 3): f("0.05"), (3, 2): f("0.05")}
+    assert least_iteration(costs, comm, 4, 4, True) == f("15.5")
+    zb = simulate(lower(zb_u_shape(4, 4, costs, comm), "ushape"), costs, comm)
+    assert f("15.5") < zb.iteration_time <= f("16.3")  # the docs' 16.3
