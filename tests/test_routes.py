@@ -14,7 +14,7 @@ from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.topology.ranks import Topology
 from ldt.topology.routes import (BACKWARD, CROSS_STAGE, FORWARD, MEGATRON_NAMES, GroupSpec,
                                  check_stages, default_embedding_stages, rank_plan)
-from ldt.topology.transport import FANOUT, MAX_PIECES, PIECES, WHOLE, carry
+from ldt.topology.transport import FANOUT, MAX_PIECES, PIECES, WHOLE, Carry, carry
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -355,3 +355,10 @@ def test_expert_tp_of_one_and_the_second_replica_s_experts():
     assert rank_plan(topo((1, 2))).roles_of(1)["expt_tp"] == "tp:s1:r0"
     plan = rank_plan(topo((1, 4), dp=2, eps=(1, 2)))
     assert [g.ranks for g in plan.groups if g.name.startswith("ep:s1:r1")] == [(6, 8), (7, 9)]
+
+
+def test_one_sender_posts_every_fan_out_copy_unless_told_otherwise():
+    """carry's ``senders`` (the sending ranks that share the copies) defaults to one: a
+    leader alone sends all of them; two senders into three ranks post two and one."""
+    assert carry(1024, 3, mode="always", same_node=True) == Carry(FANOUT, copies=3)
+    assert carry(1024, 3, mode="always", same_node=True, senders=2).copies == 2

@@ -48,29 +48,27 @@ def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches:
     """The largest of the module's three bounds over the stages (``costs``: ``(stage, op)``
     -> time of one micro-batch, ``"F"``/``"B"``/``"W"`` or the edge's ``"FS"``... as
     :func:`ldt.schedule.zerobubble.zb_u_shape` takes them, W absent for a whole backward;
-    ``comm``: ``(a, b)`` -> one transfer's time, absent: 0)."""
+    ``comm``: ``(a, b)`` -> one transfer's time between two stages, absent: 0)."""
     path = chain(num_stages, ushape)
     m = num_microbatches
     cost = lambda stage, op: costs.get((stage, op.value), 0.0)  # noqa: E731
     weights = {b: w for w, b in WEIGHT_OPS.items()}  # a backward op -> the W split from it
+    # the transfer before each step of the path (none between two steps of one stage)
+    hops = [0.0] + [comm.get((a, b), 0.0) for (a, _), (b, _) in zip(path, path[1:])]
     starts, t = [], 0.0  # when each step of the path can start, micro-batch 0
-    for i, (stage, op) in enumerate(path):
-        if i and path[i - 1][0] != stage:
-            t += comm.get((path[i - 1][0], stage), 0.0)
+    for (stage, op), hop in zip(path, hops):
+        t += hop
         starts.append(t)
         t += cost(stage, op)
     best = t  # one micro-batch's path
     for s in range(num_stages):
         mine = [i for i, (stage, _) in enumerate(path) if stage == s]
         backs = [i for i in mine if path[i][1] in weights]
-        busy = m * sum(cost(s, path[i][1]) + cost(s, weights[path[i][1]]) for i in backs)
-        busy += m * sum(cost(s, path[i][1]) for i in mine if i not in backs)
-        deferrable = m * sum(cost(s, weights[path[i][1]]) for i in backs)
-        backward = m * sum(cost(s, path[i][1]) + cost(s, weights[path[i][1]]) for i in backs)
+        deferrable = m * sum(cost(s, weights[path[i][1]]) for i in backs)  # its W's
+        backward = m * sum(cost(s, path[i][1]) for i in backs) + deferrable
+        busy = backward + m * sum(cost(s, path[i][1]) for i in mine if i not in backs)
         last = backs[-1]
-        tail = sum(cost(*path[j]) for j in range(last + 1, len(path)))
-        tail += sum(comm.get((path[j - 1][0], path[j][0]), 0.0)
-                    for j in range(last + 1, len(path)) if path[j - 1][0] != path[j][0])
+        tail = sum(hops[j] + cost(*path[j]) for j in range(last + 1, len(path)))
         best = max(best, starts[mine[0]] + busy, starts[backs[0]] + backward,
                    starts[mine[0]] + busy - deferrable + tail)
     return best
