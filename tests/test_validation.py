@@ -48,6 +48,11 @@ CASES = {
     "cost_run_not_zb": (["train.cost_run=outputs/earlier"], {},
                         ["train.cost_run='outputs/earlier' prices the zero-bubble order",
                          "train.schedule='auto'", "give train.schedule=zb"]),
+    "cost_run_elastic": (["cluster=cpu_elastic", "run_dir=elastic", "train.schedule=zb",
+                          "train.cost_run=outputs/earlier"], {},
+                         ["train.cost_run='outputs/earlier' prices the zero-bubble order with "
+                          "one cluster's measured ops", "cluster.inventory='cpu_elastic'",
+                          "leave train.cost_run out"]),
     "eval_negative": (["train.eval_every=-1"], {},
                       ["train.eval_every=-1 must be >= 0", "0: no evaluation"]),
     # issue #12: accepted, or refused late and raw, before

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ldt.config import to_model
+from ldt.config import ConfigError, to_model
 from ldt.config.errors import one_line
 from ldt.config.errors import EXIT_CONFIG
 from ldt.elastic.nodes import ElasticError
@@ -43,6 +43,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
     try:
         check_run_dir_given(hydra_cfg)
         plain = resolve(cfg, hydra_cfg.runtime.output_dir)
+        _check_replannable(plain)
         run = _continued_run(plain, lock, env) if env.get("RANK") == "0" else None
         # torch and megatron-core load here, once the config is accepted
 
@@ -71,6 +72,19 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
     return _train_in(world, config, topo, memory, env)
+
+
+def _check_replannable(plain: dict) -> None:
+    """What a re-planned world could not keep: ``train.cost_run``, one cluster's measured op
+    times, would price another world's stages with them (refused there, after a host was
+    lost, instead of here)."""
+    cost_run = plain["train"].get("cost_run")
+    if cost_run:
+        raise ConfigError(
+            f"train.cost_run={cost_run!r} prices the zero-bubble order with one cluster's "
+            f"measured ops, and an elastic run (cluster.inventory="
+            f"{plain['cluster'].get('inventory')!r}) plans its stages anew at every start: "
+            "leave train.cost_run out (the order is then priced by the inventory's figures)")
 
 
 def _continued_run(plain: dict, lock, env) -> dict:
