@@ -40,6 +40,7 @@ REPS, WARMUP = 31, 2
 ROUND_BYTES = 32 * 2**20  # a round moves about this much: small messages back to back
 WHOLE = 1 << 62  # a piece unit no message reaches: one piece
 CPUS = float(os.environ.get("LDT_BENCH_P2P_CPUS", "0.3"))  # per rank (host); see bench.common
+PYTHON_CALLS, PYTHON_ROUNDS = 500, 4  # the per-call Python cost, gloo stubbed (_python_cost)
 
 # bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
 SUMMARY = [
@@ -56,6 +57,10 @@ SUMMARY = [
      "{ratios_relay[1024x2x1024]:.3f} / {ratios_relay[2048x2x2048]:.3f}; whole "
      "{ratios_whole[128x1x256]:.3f} / {ratios_whole[512x1x512]:.3f} / "
      "{ratios_whole[1024x2x1024]:.3f} / {ratios_whole[2048x2x2048]:.3f}", "-"),
+    ("each path's own Python work per call, gloo's isend and irecv stubbed (0.12 MiB, the same "
+     "hosts; a send on stage 0, a receive on stage 1, mean of its two ranks)",
+     "megatron {python_us[send][megatron]:.0f} / {python_us[recv][megatron]:.0f} us, fan-out "
+     "{python_us[send][fanout]:.0f} / {python_us[recv][fanout]:.0f} us", "-"),
 ]
 
 
@@ -133,10 +138,47 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
                      "rounds": rounds})
     checked = torch.tensor([sent[0] if not first else 0])
     dist.all_reduce(checked)  # what stage 1's two ranks checked together
+    python_us = _python_cost({"megatron": mcomm, "fanout": vcomms["fanout"]}, first, sizes[0])
     patches.revert()
     ldt.destroy_vtp()
     ps.destroy_model_parallel()
-    return {"rows": rows, "checked": int(checked)}
+    return {"rows": rows, "checked": int(checked), "python_us": python_us}
+
+
+def _python_cost(comms: dict, first: bool, shape, calls: int = PYTHON_CALLS) -> dict:
+    """Microseconds one ``send_forward`` (stage 0) / ``recv_forward`` (stage 1) costs on this
+    rank with gloo's isend and irecv stubbed out (nothing moves): each path's own Python work
+    (megatron's p2p; ldt's route lookup, transport decision, handles). Paths alternate, the
+    median of ``PYTHON_ROUNDS``; every rank stubs alike, so no message is left posted."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    class Done:
+        def wait(self, *args):
+            return True
+
+        def is_completed(self):
+            return True
+
+    real = dist.isend, dist.irecv
+    dist.isend = dist.irecv = lambda *args, **kwargs: Done()
+    try:
+        tensor, took = torch.randn(shape), {name: [] for name in comms}
+        for i in range(PYTHON_ROUNDS):
+            for name in (list(comms) if i % 2 == 0 else list(comms)[::-1]):
+                comm, start = comms[name], time.perf_counter()
+                for _ in range(calls):
+                    if first:
+                        comm.send_forward(tensor, is_last_stage=False)
+                    else:
+                        comm.recv_forward(shape, is_first_stage=False)
+                took[name].append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        dist.isend, dist.irecv = real
+    dist.barrier()
+    return {name: sorted(t)[len(t) // 2] for name, t in took.items()}
 
 
 def main(argv=None) -> dict:
@@ -151,8 +193,12 @@ def main(argv=None) -> dict:
         print(f"skipped: {reason}")
         return {"bench": "p2p_boundary", "skipped": reason}
     load = machine_load()
-    data = run_on_hosts(_worker, (SIZES, REPS, WARMUP, units), 4, cpus=CPUS)[0]
-    rows = data["rows"]
+    results = run_on_hosts(_worker, (SIZES, REPS, WARMUP, units), 4, cpus=CPUS)
+    data, rows = results[0], results[0]["rows"]
+    # ranks 0 and 1 send, 2 and 3 receive (stage 0 and stage 1 of TP 2)
+    python_us = {role: {p: round(sum(r["python_us"][p] for r in ranks) / 2, 1)
+                        for p in ranks[0]["python_us"]}
+                 for role, ranks in (("send", results[:2]), ("recv", results[2:]))}
     paths = [p for p in rows[0]["rounds"][0] if p != "megatron"]
     print(f"boundary transfer, 2 stages x TP 2, one rank per host of {CPUS} core, gloo; "
           f"{WARMUP} warm-up rounds discarded, then {REPS} alternating (ABBA), a round of "
@@ -167,6 +213,9 @@ def main(argv=None) -> dict:
               f"{r['ms']['megatron']['median']:12.3f} " +
               " ".join(f"{r['ratio'][p]['median']:17.3f} "
                        f"{r['ratio'][p]['q1']:5.3f}-{r['ratio'][p]['q3']:.3f}" for p in paths))
+    print(f"Python per call, gloo stubbed ({tuple(SIZES[0])}, mean of the two ranks), us: "
+          + "; ".join(f"{role} " + ", ".join(f"{p} {t}" for p, t in by.items())
+                      for role, by in python_us.items()))
     name = lambda r: "x".join(map(str, r["shape"]))  # noqa: E731
     return emit({"bench": "p2p_boundary",
                  "method": f"one rank per namespace host of {CPUS} core, one world, {WARMUP} "
@@ -179,6 +228,7 @@ def main(argv=None) -> dict:
                  "ratios_relay": {name(r): r["ratio"]["relay"]["median"] for r in rows},
                  "ratios_whole": {name(r): r["ratio"]["whole"]["median"] for r in rows},
                  "ratio_spread": {name(r): r["ratio"] for r in rows},
+                 "python_us": python_us,
                  "ms": {name(r): r["ms"] for r in rows}}, load_before=load)
 
 
