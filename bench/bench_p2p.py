@@ -17,7 +17,10 @@ was timed against megatron's two busy senders with more CPU than they had (issue
   2026-12-05 stage 0's leader sent both copies and its second rank idled), no relay;
 * *relay* (``never``): one copy to stage 1's leader, which relays it in pieces as they arrive
   (``ldt.boundary.relay``);
-* *whole*: the relay unpipelined (every message one piece, as before issue #27).
+* *whole*: the relay unpipelined (every message one piece, as before issue #27);
+* *raw_megatron*, *raw_fanout*: the fan-out's transfers by bare ``dist.isend`` / ``irecv``,
+  TP rank i to TP rank i, on megatron's pipeline group and on ldt's fan-out group (no code of
+  either above gloo): their ratio is what the group alone makes of a gap.
 
 ``auto`` picks per message from the nodes: here every rank is a node of its own, so it is the
 relay for every size measured (all above ``ldt.topology.transport.CROSS_NODE_FANOUT_BYTES``); on
@@ -57,6 +60,10 @@ SUMMARY = [
      "{ratios_relay[1024x2x1024]:.3f} / {ratios_relay[2048x2x2048]:.3f}; whole "
      "{ratios_whole[128x1x256]:.3f} / {ratios_whole[512x1x512]:.3f} / "
      "{ratios_whole[1024x2x1024]:.3f} / {ratios_whole[2048x2x2048]:.3f}", "-"),
+    ("the same transfers by bare gloo isend / irecv (no ldt, no megatron code): on ldt's "
+     "fan-out group / on megatron's pipeline group, median of per-round ratios",
+     "{ratios_raw[128x1x256]:.3f} / {ratios_raw[512x1x512]:.3f} / {ratios_raw[1024x2x1024]:.3f} "
+     "/ {ratios_raw[2048x2x2048]:.3f}", "-"),
     ("each path's own Python work per call, gloo's isend and irecv stubbed (0.12 MiB, the same "
      "hosts; a send on stage 0, a receive on stage 1, mean of its two ranks)",
      "megatron {python_us[send][megatron]:.0f} / {python_us[recv][megatron]:.0f} us, fan-out "
@@ -83,6 +90,7 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
     from ldt.boundary.communicator import VtpCommunicator
     from ldt.config import ClusterConfig, StageConfig
     from ldt.topology.ranks import Topology
+    from ldt.topology.routes import FORWARD
 
     cfg = type("Cfg", (), dict(pipeline_dtype=torch.float32,
                                 virtual_pipeline_model_parallel_size=None,
@@ -95,12 +103,19 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
                                               boundary_fanout="always"))
     patches.apply(["cpu_shims"])
     ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    mcomm = P2PCommunicator(ps.get_pipeline_model_parallel_group(), cfg)
+    pp_group = ps.get_pipeline_model_parallel_group()  # megatron's (ldt's replaces the global)
+    mcomm = P2PCommunicator(pp_group, cfg)
     first = ps.is_pipeline_first_stage()
     state = ldt.initialize_vtp(topo, timeout_s=300)
     if (state.stage == 0) != first:
         raise RuntimeError("megatron's and ldt's rank maps differ")
     vcomms = {"fanout": VtpCommunicator(cfg, state)}
+    # the same transfers by bare gloo isend / irecv, TP rank i to TP rank i, on megatron's
+    # pipeline group and on ldt's fan-out group: how much of a gap is the group's, not the code's
+    fan_route = state.plan.route(0, 1, FORWARD)
+    raw_groups = {"raw_megatron": pp_group,
+                  "raw_fanout": state.named_groups[fan_route.fanout_group]}
+    peer = rank + 2 if first else rank - 2
     for name, unit in ([("relay", None), ("whole", WHOLE)]
                        + [(f"relay unit {u}", u) for u in units]):
         vcomms[name] = VtpCommunicator(cfg, state)
@@ -112,7 +127,7 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
         burst = transfers_per_round(base.numel() * 4)
 
         def run(path):
-            comm = mcomm if path == "megatron" else vcomms[path]
+            comm = mcomm if path == "megatron" else vcomms.get(path)
             ks = range(sent[0], sent[0] + burst)
             sent[0] += burst
             outgoing = [base + k for k in ks] if first else []  # made before the clock
@@ -120,9 +135,16 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
 
             def step():
                 for tensor in outgoing:
-                    comm.send_forward(tensor, is_last_stage=False)
+                    if comm is None:
+                        dist.isend(tensor, dst=peer, group=raw_groups[path]).wait()
+                    else:
+                        comm.send_forward(tensor, is_last_stage=False)
                 for _ in range(0 if first else burst):
-                    got.append(comm.recv_forward(shape, is_first_stage=False))
+                    if comm is None:
+                        got.append(torch.empty(shape))
+                        dist.irecv(got[-1], src=peer, group=raw_groups[path]).wait()
+                    else:
+                        got.append(comm.recv_forward(shape, is_first_stage=False))
 
             seconds = timed_step(step) / burst
             for k, tensor in zip(ks, got):  # every copy, after the clock
@@ -133,7 +155,7 @@ def _worker(rank, world, sizes, reps: int, warmup: int, units) -> dict:
                 raise RuntimeError(f"{path}: rank {rank} received {len(got)} of {burst}")
             return seconds
 
-        rounds = abba(run, ["megatron", *vcomms], reps, warmup)
+        rounds = abba(run, ["megatron", *vcomms, *raw_groups], reps, warmup)
         rows.append({"shape": list(shape), "bytes": base.numel() * 4, "burst": burst,
                      "rounds": rounds})
     checked = torch.tensor([sent[0] if not first else 0])
@@ -228,6 +250,8 @@ def main(argv=None) -> dict:
                  "ratios_relay": {name(r): r["ratio"]["relay"]["median"] for r in rows},
                  "ratios_whole": {name(r): r["ratio"]["whole"]["median"] for r in rows},
                  "ratio_spread": {name(r): r["ratio"] for r in rows},
+                 "ratios_raw": {name(r): spread(x["raw_fanout"] / x["raw_megatron"]
+                                                for x in r["rounds"])["median"] for r in rows},
                  "python_us": python_us,
                  "ms": {name(r): r["ms"] for r in rows}}, load_before=load)
 
