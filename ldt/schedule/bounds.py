@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ldt.schedule.ir import WEIGHT_OPS, Op
+from ldt.schedule.ir import W_OF, Op
 
 Costs = Mapping[tuple[int, str], float]
 Comm = Mapping[tuple[int, int], float]
@@ -52,7 +52,6 @@ def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches:
     path = chain(num_stages, ushape)
     m = num_microbatches
     cost = lambda stage, op: costs.get((stage, op.value), 0.0)  # noqa: E731
-    weights = {b: w for w, b in WEIGHT_OPS.items()}  # a backward op -> the W split from it
     # the transfer before each step of the path (none between two steps of one stage)
     hops = [0.0] + [comm.get((a, b), 0.0) for (a, _), (b, _) in zip(path, path[1:])]
     starts, t = [], 0.0  # when each step of the path can start, micro-batch 0
@@ -63,8 +62,8 @@ def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches:
     best = t  # one micro-batch's path
     for s in range(num_stages):
         mine = [i for i, (stage, _) in enumerate(path) if stage == s]
-        backs = [i for i in mine if path[i][1] in weights]
-        deferrable = m * sum(cost(s, weights[path[i][1]]) for i in backs)  # its W's
+        backs = [i for i in mine if path[i][1] in W_OF]
+        deferrable = m * sum(cost(s, W_OF[path[i][1]]) for i in backs)  # its W's
         backward = m * sum(cost(s, path[i][1]) for i in backs) + deferrable
         busy = backward + m * sum(cost(s, path[i][1]) for i in mine if i not in backs)
         last = backs[-1]

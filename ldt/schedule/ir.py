@@ -55,6 +55,7 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.FS, Op.FE, Op.BS, Op.BE, Op.W, Op.WS, Op
 EDGE_OPS = (Op.FS, Op.FE, Op.BS, Op.BE)  # in the order one micro-batch must run them
 PLAIN_OPS = (Op.F, Op.B)
 WEIGHT_OPS = {Op.W: Op.B, Op.WS: Op.BS, Op.WE: Op.BE}  # W op -> the backward it follows
+W_OF = {b: w for w, b in WEIGHT_OPS.items()}  # a backward op -> the W split from it
 FORWARD_OPS = frozenset({Op.F, Op.FS, Op.FE})  # an evaluation (forward-only) schedule's ops
 SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})

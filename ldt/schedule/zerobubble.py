@@ -48,7 +48,7 @@ from itertools import product
 from typing import Optional, Union
 
 from ldt.schedule.generate import lower, one_f_one_b, u_shape
-from ldt.schedule.ir import Action, Op, Schedule, WEIGHT_OPS
+from ldt.schedule.ir import W_OF, Action, Op, Schedule, WEIGHT_OPS
 from ldt.schedule.simulate import simulate
 from ldt.schedule.zerobubble_play import Chunk, chunks_of, play
 
@@ -252,13 +252,12 @@ def _unsplit_order(p: int, m: int, ushape: bool, price: dict, held: list[int],
         base = u_shape(p, m, backward_ratio=ratio if ratio > 0 else 2)
     else:
         base = one_f_one_b(p, m)
-    out = {s: [x for a in acts for x in ([a, Action(s, _W_OF[a.op], a.mb)] if a.op in _W_OF
+    out = {s: [x for a in acts for x in ([a, Action(s, W_OF[a.op], a.mb)] if a.op in W_OF
                                          else [a])] for s, acts in base.items()}
     counts = _held_peaks(out, chunks_of(p, ushape))
     return out if all(c <= cap for c, cap in zip(counts, held)) and min(wstore) >= 1 else None
 
 
-_W_OF = {b: w for w, b in WEIGHT_OPS.items()}
 
 
 def _held_peaks(schedule: Schedule, chunks: list[Chunk]) -> list[int]:

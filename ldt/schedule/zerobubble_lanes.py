@@ -33,10 +33,9 @@ from collections import deque
 from collections.abc import Callable
 
 from ldt.schedule.check import check_schedule
-from ldt.schedule.ir import WEIGHT_OPS, Action, LaneSchedule, Op, SEND_OPS
+from ldt.schedule.ir import W_OF, Action, LaneSchedule, Op, SEND_OPS
 from ldt.schedule.simulate import prepare, simulate
 
-_W_OF = {b: w for w, b in WEIGHT_OPS.items()}  # backward -> the W that follows it
 _WAITS = (Op.WAIT_F, Op.WAIT_B)
 FILLS = ("idle", "fit")
 
@@ -73,8 +72,8 @@ def played(lowered: LaneSchedule, duration: Callable[[Action], float],
 
 
 def _right_after(lowered: LaneSchedule) -> dict[int, list[Action]]:
-    return {lane: [x for a in acts for x in ([a, Action(lane, _W_OF[a.op], a.mb)]
-                                             if a.op in _W_OF else [a])]
+    return {lane: [x for a in acts for x in ([a, Action(lane, W_OF[a.op], a.mb)]
+                                             if a.op in W_OF else [a])]
             for lane, acts in lowered.items()}
 
 
@@ -116,7 +115,7 @@ def _place(lowered: LaneSchedule, matches: dict, duration, comm_time, caps: dict
                 else:
                     clock[lane] = arrival
                 continue
-        elif a.op in _W_OF and len(store[lane]) >= caps[lane]:
+        elif a.op in W_OF and len(store[lane]) >= caps[lane]:
             run_w(lane)  # the W store is full: its oldest W makes room
             continue
         out[lane].append(a)
@@ -127,6 +126,6 @@ def _place(lowered: LaneSchedule, matches: dict, duration, comm_time, caps: dict
                 active.add(parked.pop((lane, i)))  # it decides again, at its own clock
         elif a.is_compute:
             clock[lane] += duration(a)
-            if a.op in _W_OF:
-                store[lane].append(Action(lane, _W_OF[a.op], a.mb))
+            if a.op in W_OF:
+                store[lane].append(Action(lane, W_OF[a.op], a.mb))
     return out
