@@ -601,7 +601,7 @@ def test_a_run_writes_hydra_files_only_once_its_folder_is_its_own(guarded, capsy
 
     started = []
     monkeypatch.setattr(ldt.job.train, "_launch_local",  # the launcher holds the lock meanwhile
-                        lambda cfg, topo: started.append(holder(cfg.run_dir)) or 0)
+                        lambda cfg, topo, priced: started.append(holder(cfg.run_dir)) or 0)
     run = guarded / "run_new"
     try:
         code, _, err = _run(T, [f"hydra.run.dir={run}", "train.steps=3"], capsys)

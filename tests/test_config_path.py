@@ -26,9 +26,10 @@ ENTRY = ("ldt.training.loop", "train_worker", "cfg")
 # A ratchet: today's count. A file the config newly reaches is a decision made here, in the
 # commit that raises it. History, by this follower: 19 at #44's review (a48af8a; the review's
 # own follower, which also followed values derived from the config, counted 44), 20 after
-# #44, 24 since a zero-bubble run prices its own plan (ldt.plan's convert, cost, evaluate,
-# zerobubble) and snapshots its state (ldt.training.snapshot).
-MAX_FILES = 24
+# #44, 24 once a zero-bubble run priced its own plan in every rank (ldt.plan's convert, cost,
+# evaluate, zerobubble) and snapshots its state (ldt.training.snapshot), 21 since the launcher
+# prices it once and hands the prices to the ranks.
+MAX_FILES = 21
 WHOLE = ("ldt.training", "ldt.data", "ldt.config")  # where the whole LdtConfig may go
 
 

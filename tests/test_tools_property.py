@@ -248,7 +248,7 @@ def test_ldt_audit(world, monkeypatch, rest, overrides):
 def test_ldt_train(world, monkeypatch, overrides, run_dir):
     import ldt.job.train
 
-    monkeypatch.setattr(ldt.job.train, "_launch_local", lambda cfg, topo: 0)
+    monkeypatch.setattr(ldt.job.train, "_launch_local", lambda cfg, topo, priced: 0)
     world.run(ldt.job.train.main, [f"run_dir={run_dir}", *overrides], [run_dir])
 
 

@@ -244,6 +244,48 @@ def test_a_measured_run_prices_the_order(tmp_path):
     assert t[0] < 0.95 * t[1], t  # 143.1 / 155.1 ms at the measured times
 
 
+@pytest.mark.timeout(300)
+def test_under_torchrun_rank_0_alone_reads_the_cost_run(tmp_path):
+    """Under torchrun, rank 0 prices the order (it reads train.cost_run) and broadcasts the
+    prices: the other ranks are given a folder that does not exist, and every stage runs the
+    order generated from the measured prices, not the nominal one."""
+    import csv
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    from ldt.schedule.ir import COMPUTE_OPS
+
+    _a_run(tmp_path / "costs0", RUN_COMPUTE, RUN_WAITS)  # rank 0's; costs1..3 do not exist
+    cfg = _run_cfg("cpu_demo", 4)
+    nominal = run_prices(cfg.cluster, cfg.model, cfg.train)
+    cfg.train.cost_run = str(tmp_path / "costs0")
+    measured = run_prices(cfg.cluster, cfg.model, cfg.train)
+    orders = [lower(zb_u_shape(3, 4, *p.tables()), "ushape") for p in (measured, nominal)]
+    want = [{s: [str(a) for a in acts if a.op in COMPUTE_OPS] for s, acts in o.items()}
+            for o in orders]
+    assert want[0] != want[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ldt.job.train",
+         f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.num_microbatches=4",
+         "train.schedule=zb", f"train.cost_run={tmp_path}/costs${{oc.env:RANK}}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran: dict[int, list[tuple[float, str]]] = {}
+    compute = r"\d+(%s)\d+" % "|".join(op.value for op in COMPUTE_OPS)
+    with open(tmp_path / "run" / "action_times.csv") as f:
+        for row in csv.DictReader(f):
+            if row["step"] == "1" and re.fullmatch(compute, row["action"]):
+                ran.setdefault(int(row["stage"]), []).append((float(row["start_s"]),
+                                                             row["action"]))
+    assert {s: [a for _, a in sorted(acts)] for s, acts in ran.items()} == want[0]
+
+
 def test_a_run_of_other_ops_does_not_price_the_order(tmp_path):
     """train.cost_run from a run of another layout, model size or micro-batch size timed other
     ops: refused, naming what differs; another micro-batch count, schedule or sequence

@@ -17,8 +17,9 @@ from ldt.elastic.world import form_world
 from ldt.memory.report import Hosts
 from ldt.plan import load_inventory
 from ldt.plan.cost import message_time
-from ldt.job.prepare import (build_extensions, check, check_run_dir_given, discard_run_folder,
-                             join_torchrun, memory_estimate, resolve, world_backend)
+from ldt.job.prepare import (Checked, build_extensions, check, check_run_dir_given,
+                             discard_run_folder, join_torchrun, memory_estimate, resolve,
+                             world_backend)
 import ldt.launch.quiet
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
@@ -59,8 +60,8 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
             print(f"ldt-train: node {env['GROUP_RANK']} local rank {env['LOCAL_RANK']} is idle "
                   f"in this world: {world.plan.describe()}", flush=True)
             return world.wait_idle()
-        config, topo, warnings = _planned(plain, world)
-        memory = check_memory(plain, topo, world)
+        checked = _planned(plain, world)
+        memory = check_memory(plain, checked.topo, world)
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
         if speak:
             what = "" if isinstance(exc, ElasticError) else "invalid config: "
@@ -69,9 +70,9 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
             lock.release()
             discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
         return EXIT_CONFIG
-    for warning in warnings:
+    for warning in checked.warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
-    return _train_in(world, config, topo, memory, env)
+    return _train_in(world, checked, memory, env)
 
 
 def _check_replannable(plain: dict) -> None:
@@ -102,9 +103,8 @@ def _continued_run(plain: dict, lock, env) -> dict:
         return {"error": one_line(exc)}
 
 
-def _planned(plain: dict, world):
-    """The config of the planned world, typed and validated: ``(LdtConfig, topology,
-    warnings)``. What only some ranks read (data, checkpoint files): all stop if one cannot."""
+def _planned(plain: dict, world) -> Checked:
+    """The config of the planned world, typed and validated. What only some ranks read (data, checkpoint files): all stop if one cannot."""
     plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
     plain["train"].update(num_microbatches=world.plan.num_microbatches,
                           prefetch=world.plan.prefetch, resume=world.run["resume"],
@@ -116,8 +116,9 @@ def _planned(plain: dict, world):
         raise  # (settle raised the first rank's error already)
 
 
-def _train_in(world, config, topo, memory: str, env) -> int:
+def _train_in(world, checked: Checked, memory: str, env) -> int:
     """Form the planned world's process group and train in it."""
+    config, topo = checked.cfg, checked.topo
     if not build_extensions(config):
         return 1
     world.init_process_group(world_backend(config), config.train.comm_timeout_s)
@@ -127,7 +128,7 @@ def _train_in(world, config, topo, memory: str, env) -> int:
         print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)
     code = 1
     try:
-        code = join_torchrun(config, topo, memory=memory)
+        code = join_torchrun(config, topo, memory=memory, priced=checked.priced)
         return code
     finally:
         world.finish(code)  # a finished run releases the idle processes

@@ -11,7 +11,7 @@ from dataclasses import replace
 from datetime import timedelta
 
 import psutil
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -23,10 +23,12 @@ from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
 from ldt.models.extensions import BuildError, build_for
 from ldt.plan.zerobubble import run_prices
+from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO
 from ldt.storage.runlock import check_not_training, run_of
 from ldt.topology.device import backend_for
+from ldt.topology.ranks import Topology
 from ldt.topology.validate import check_files, validate
 from ldt.training.outputs import summary_json
 
@@ -96,17 +98,29 @@ def resolve(cfg, run_dir: str) -> dict:
     return plain
 
 
-def check(plain: dict, rank: Optional[int], world: Optional[int]):
-    """Type and validate a resolved config for a world of ``world`` processes, once: ``(the
-    LdtConfig the ranks receive, topology, warnings)``."""
-    if rank in (None, 0):
+class Checked(NamedTuple):
+    """A config checked for its world: what the ranks receive."""
+
+    cfg: LdtConfig
+    topo: Topology
+    warnings: list
+    priced: Optional[Priced]
+    """``train.schedule=zb``: the plan's prices its order is generated from, computed by the
+    launcher or torchrun's rank 0 alone, which hands them to every rank (a ``train.cost_run``
+    folder is read on its host only); None elsewhere."""
+
+
+def check(plain: dict, rank: Optional[int], world: Optional[int]) -> Checked:
+    """Type and validate a resolved config for a world of ``world`` processes, once."""
+    first = rank in (None, 0)
+    if first:
         _not_a_live_run(plain)
     cfg = typed_config(plain)
     topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
-    if cfg.train.schedule == "zb" and not cfg.cluster.inventory:  # (elastic: once planned)
-        run_prices(cfg.cluster, cfg.model, cfg.train)  # its inventory and kinds, refused here rather than in every rank
+    priced = run_prices(cfg.cluster, cfg.model, cfg.train) \
+        if cfg.train.schedule == "zb" and first else None
     warnings = check_files(cfg.data, cfg.model, cfg.train, topo, rank)
-    return cfg, topo, warnings
+    return Checked(cfg, topo, warnings, priced)
 
 
 def _not_a_live_run(plain: dict) -> None:
@@ -126,7 +140,7 @@ def save_config(cfg: LdtConfig, run_dir: str) -> None:
 
 
 def join_torchrun(cfg: LdtConfig, topo, auto: bool = False, complete: Optional[str] = None,
-                   memory: str = "") -> int:
+                   memory: str = "", priced: Optional[Priced] = None) -> int:
     """Under torchrun: join its world; the loss stage's leader prints the summary. ``auto``:
     rank 0 resolved ``train.resume=auto`` (``complete``: the run needs nothing more). A failure
     is one line from each failing rank (and its exit status), not a traceback: no launcher of
@@ -141,13 +155,13 @@ def join_torchrun(cfg: LdtConfig, topo, auto: bool = False, complete: Optional[s
 
     doing = failure.track_progress()
     try:
-        return _train_in_torchrun_world(cfg, topo, auto, complete, memory)
+        return _train_in_torchrun_world(cfg, topo, auto, complete, memory, priced)
     except (Exception, KeyboardInterrupt) as exc:
         return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
 
 
 def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optional[str],
-                             memory: str = "") -> int:
+                             memory: str = "", priced: Optional[Priced] = None) -> int:
     import torch.distributed as dist
 
     from ldt.training.loop import train_worker
@@ -155,10 +169,11 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
     if not dist.is_initialized():  # an elastic world joined in ldt.elastic.world
         dist.init_process_group(world_backend(cfg),
                                 timeout=timedelta(seconds=cfg.train.comm_timeout_s))
-    # rank 0's run folder (only it kept Hydra's) and what train.resume=auto found there
-    holder = [cfg.run_dir, (cfg.train.resume, cfg.train.load, complete)]
+    # rank 0's run folder (only it kept Hydra's), what train.resume=auto found there and the
+    # zero-bubble order's prices (priced there alone)
+    holder = [cfg.run_dir, (cfg.train.resume, cfg.train.load, complete), priced]
     dist.broadcast_object_list(holder, src=0)
-    cfg.run_dir = holder[0]
+    cfg.run_dir, priced = holder[0], holder[2]
     if auto:
         cfg.train.resume, cfg.train.load, complete = holder[1]
     if complete:
@@ -169,7 +184,8 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
     if dist.get_rank() == 0:
         print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
         save_config(cfg, holder[0])
-    summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0], topo=topo)
+    summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0], topo=topo,
+                           priced=priced)
     code = 0
     if summary is not None and summary.get("stopped"):
         print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)

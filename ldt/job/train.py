@@ -31,6 +31,7 @@ from ldt.job.prepare import (build_extensions, check, check_run_dir_given, disca
 from ldt.launch import drill
 from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
+from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
 from ldt.storage.commit import _NO_SPACE, out_of_space
@@ -88,7 +89,7 @@ def _job(cfg, save_hydra_files=None) -> int:
             return refused(EXIT_CONFIG)
         if checked is None:  # nothing left to train
             return 0
-        if not build_extensions(checked[0]):  # before any process starts or group forms
+        if not build_extensions(checked[0].cfg):  # before any process starts or group forms
             return refused(1)
         return _start(checked, hydra_cfg.runtime.choices, rank)
     except _Unwritable as exc:  # config.yaml, before the world starts
@@ -110,7 +111,7 @@ def _say_refused(exc: Exception, run_dir: str, rank: Optional[int]) -> None:
 
 def _start(checked, choices, rank: Optional[int]) -> int:
     """Say what starts, then join torchrun's world (``rank`` set) or start it here."""
-    config, topo, memory, complete, auto = checked
+    (config, topo, _, priced), memory, complete, auto = checked
     what = (f"cluster={choices.get('cluster')} model={choices.get('model')}: "
             f"{topo.num_stages} stages, TP {topo.tp_sizes}, dp {topo.dp}"
             + (", U-shape" if topo.u_shape else ""))
@@ -118,10 +119,11 @@ def _start(checked, choices, rank: Optional[int]) -> int:
         if rank == 0:
             print(f"ldt-train: {what}; joining torchrun's world of {topo.world_size} "
                   "processes", flush=True)
-        return join_torchrun(config, topo, auto=auto, complete=complete, memory=memory)
+        return join_torchrun(config, topo, auto=auto, complete=complete, memory=memory,
+                             priced=priced)
     print(f"ldt-train: {what}; starting {topo.world_size} processes on this machine\n"
           f"ldt-train: run folder {config.run_dir}\n{topo.rank_map()}{memory}", flush=True)
-    return _launch_local(config, topo)
+    return _launch_local(config, topo, priced)
 
 
 def _cannot_write(exc: OSError, run_dir: str) -> str:
@@ -136,14 +138,15 @@ def _cannot_write(exc: OSError, run_dir: str) -> str:
 
 
 def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
-    """The config typed and validated (and ``.hydra/`` written once it is): ``(LdtConfig,
-    topology, the memory estimate's text, train.resume=auto's "nothing left" line, whether
-    train.resume is auto)``, or None when a bare launch has nothing left to train; raises
+    """The config typed and validated (and ``.hydra/`` written once it is): ``(Checked, the
+    memory estimate's text, train.resume=auto's "nothing left" line, whether train.resume is
+    auto)``, or None when a bare launch has nothing left to train; raises
     ValueError for a config that cannot work."""
     auto = cfg.train.get("resume") == AUTO
     if auto:
         check_run_dir_given(hydra_cfg)
-    plain, config, topo, warnings = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+    plain, checked = prepare(cfg, hydra_cfg.runtime.output_dir, rank)
+    config, topo, warnings = checked.cfg, checked.topo, checked.warnings
     complete = plain.pop("run_complete", None)
     if complete and rank is None:
         print(f"ldt-train: {complete}", flush=True)
@@ -157,7 +160,7 @@ def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
         raise _Refused()
     if save_hydra_files is not None:
         save_hydra_files()
-    return config, topo, memory, complete, auto
+    return checked, memory, complete, auto
 
 
 class _Unwritable(Exception):
@@ -182,7 +185,7 @@ def _resuming(config, auto: bool) -> Optional[str]:
 
 def prepare(cfg, run_dir: str, rank: Optional[int] = None):
     """The composed config resolved (run folder and paths made absolute), typed and validated:
-    ``(the plain dict, its LdtConfig, topology, warnings)``; raises ConfigError. Imports neither torch nor megatron.
+    ``(the plain dict, its :class:`~ldt.job.prepare.Checked`)``; raises ConfigError. Imports neither torch nor megatron.
     ``train.resume=auto`` is resolved where the run folder is known (bare, torchrun's rank 0;
     the others learn it from rank 0); ``cfg["run_complete"]`` then says when nothing is left."""
     plain = resolve(cfg, run_dir)
@@ -194,13 +197,13 @@ def prepare(cfg, run_dir: str, rank: Optional[int] = None):
         else:  # torchrun's other ranks learn it from rank 0 (join_torchrun)
             plain["train"]["resume"] = None
     world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
-    config, topo, warnings = check(plain, rank, world)
-    return plain, config, topo, warnings
+    return plain, check(plain, rank, world)
 
 
-def _launch_local(cfg: LdtConfig, topo) -> int:
+def _launch_local(cfg: LdtConfig, topo, priced: Optional[Priced]) -> int:
     """Bare launch: start the whole world here; every child is reaped whatever happens. The
-    ranks receive the typed config and the topology this process validated."""
+    ranks receive the typed config, the topology and the zero-bubble order's prices this
+    process checked."""
 
     run_dir = cfg.run_dir
     try:
@@ -212,7 +215,7 @@ def _launch_local(cfg: LdtConfig, topo) -> int:
     verified = bool(cfg.train.resume or cfg.train.load)
     try:
         results = run_local_world(topo.world_size, _rank,
-                                  (cfg, run_dir, verified, None, topo),
+                                  (cfg, run_dir, verified, None, topo, priced),
                                   timeout_s=_job_timeout(cfg), comm_timeout_s=timeout,
                                   stop_grace_s=max(120.0, 2 * timeout))
     except WorldError as exc:

@@ -174,7 +174,8 @@ def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
 
 def run_prices(cluster: ClusterConfig, model: ModelConfig, train: TrainConfig) -> Priced:
     """The prices of this run's plan (its cluster, model, micro-batches and micro-batch size)
-    that ``train.schedule=zb`` generates its order from. Every rank computes the same."""
+    that ``train.schedule=zb`` generates its order from: the launcher prices it once
+    (:func:`ldt.job.prepare.check`) and hands it to every rank."""
     inventory = run_inventory(cluster, train)
     try:
         plan = cluster_to_plan(cluster, model, inventory, train.num_microbatches,

@@ -70,7 +70,8 @@ def audit(opts: AuditOptions, log=print) -> dict:
     """Check every option, then make the runs and attack them in a folder built beside
     ``opts.out`` and renamed into place when the report is complete: a refused or failed
     audit leaves ``out`` as it was."""
-    cfg, _, topo, _ = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
+    cfg, checked = prepare(compose(opts.overrides), opts.out)  # as ldt-train validates
+    topo = checked.topo
     steps = opts.steps or cfg["train"]["steps"]
     check_options(opts, cfg, topo, steps)
     inputs = [(f, p) for f, p in (("--cloud-text", opts.cloud_text),

@@ -27,10 +27,12 @@ from typing import Optional
 
 import torch
 
+from ldt.config import typed_config
 from ldt.data.bytes import TextData
 from ldt.data.bytes import default_corpus_files
 from ldt.data.bytes import load_bytes
 from ldt.launch import local
+from ldt.plan.zerobubble import run_prices
 from ldt.privacy.attacks import Vectors
 from ldt.privacy.capture import capture_observers, channel_name, load_channel
 from ldt.storage.checkpoint_files import latest
@@ -90,8 +92,16 @@ def _first_step(checkpoint: Optional[str]) -> int:
 
 
 def audit_worker(rank: int, world: int, runs: list[Run]) -> list[Optional[dict]]:
-    """One rank of the audit's world: every run in turn, each captured at its boundaries."""
-    return [train_worker(rank, world, r.cfg, r.run_dir, observe=capture_observers) for r in runs]
+    """One rank of the audit's world: every run in turn, each captured at its boundaries
+    (``train.schedule=zb``: its order generated from the plan's prices, as ldt-train's)."""
+    out = []
+    for r in runs:
+        cfg = typed_config(r.cfg)
+        priced = (run_prices(cfg.cluster, cfg.model, cfg.train) if cfg.train.schedule == "zb"
+                  else None)
+        out.append(train_worker(rank, world, cfg, r.run_dir, observe=capture_observers,
+                                priced=priced))
+    return out
 
 
 def run_all(runs: list[Run], world_size: int, timeout_s: float) -> dict[str, dict]:

@@ -29,14 +29,13 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from ldt import patches
 from ldt.boundary.communicator import VtpCommunicator
 from ldt.boundary.noise import send_transforms
-from ldt.config import LdtConfig, TrainConfig
+from ldt.config import ConfigError, LdtConfig, TrainConfig
 from ldt.config import typed_config
 from ldt.data import build_training_data
 from ldt.groups.parallel_state import VtpState, destroy_vtp, initialize_vtp
 from ldt.launch import progress
 from ldt.launch.quiet import set_log_level
 from ldt.pipeline.forward_backward import MegatronHooks, run_step
-from ldt.plan.zerobubble import run_prices
 from ldt.schedule.size import runs_on_ldt_runtime
 from ldt.schedule.zerobubble import Priced
 from ldt.topology.device import rank_device, use_device
@@ -53,7 +52,8 @@ from ldt.training.stage import build_stage_models, make_forward_step
 
 def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
                  resume_verified: bool = False, observe: Optional[Callable] = None,
-                 topo: Optional[Topology] = None) -> Optional[dict]:
+                 topo: Optional[Topology] = None,
+                 priced: Optional[Priced] = None) -> Optional[dict]:
     """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
     ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
     ``cfg``: the launcher's :class:`~ldt.config.LdtConfig` (a plain dict, from tests and the
@@ -61,15 +61,18 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     already (the launchers); else it is validated here, before the first collective.
     ``resume_verified``: the launcher already checked the checkpoint's checksums
     (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
-    boundary observers (ldt-audit's)."""
+    boundary observers (ldt-audit's). ``priced``: with ``train.schedule=zb``, the plan's prices
+    its order is generated from (:func:`ldt.plan.zerobubble.run_prices`), priced once where
+    the config was checked and handed to every rank (a cost run's folder is read there only)."""
     cfg = typed_config(cfg)
     set_log_level(cfg.train.log_level, rank)  # the same under torchrun as in a bare launch
     if topo is None:
         topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
+    if cfg.train.schedule == "zb" and priced is None:
+        raise ConfigError("train.schedule=zb: train_worker needs the run's prices; pass "
+                          "priced=ldt.plan.zerobubble.run_prices(cfg.cluster, cfg.model, "
+                          "cfg.train), as ldt-train's launchers do")
     _record_pid(run_dir, rank)
-    # the zero-bubble order comes from this plan's prices: priced before any collective
-    priced = (run_prices(cfg.cluster, cfg.model, cfg.train) if cfg.train.schedule == "zb"
-              else None)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
     with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
