@@ -4,7 +4,8 @@ Runs of cluster=cpu_elastic (the stages planned at every start from the nodes th
 agent per host: host 0 the data owner's edge (the rendezvous), hosts 1 and 2 cloud machines,
 one process each, nobody stepping in.
 
-With disk checkpoints (save_every 2): 3 hosts until a step after the first checkpoint, then
+With disk checkpoints (save_every 2), on the zero-bubble schedule (train.schedule=zb, each
+world's order priced by its own plan): 3 hosts until a step after the first checkpoint, then
 host 2's link is cut; hosts 0 and 1 (the cut found by train.comm_timeout_s) re-plan, resume from
 the newest checkpoint (the steps after it are trained again) and train to the last step.
 Checked: both remaining agents exit 0; the worlds' nodes and resume point; the work lost is at
@@ -73,8 +74,10 @@ def test_a_host_cut_off_is_replanned_around_from_the_checkpoint(reference, tmp_p
     run_dir = str(tmp_path / "run")
     run = RunFolder(run_dir)
     with hosts.Hosts(len(NODES)) as net:
+        # on the zero-bubble schedule: each world prices its order by its nodes' kinds
         agents = ElasticAgents(net, NODES, ["-m", "ldt.job.train", "cluster=cpu_elastic",
-                                            f"run_dir={run_dir}", *TRAIN], min_nodes=2)
+                                            f"run_dir={run_dir}", *TRAIN, "train.schedule=zb"],
+                               min_nodes=2)
         agents.start_all()
         both = (0, 1)
         try:

@@ -53,6 +53,37 @@ WORLDS = {
 
 
 @pytest.mark.parametrize("name", sorted(WORLDS))
+def test_a_planned_world_prices_its_zero_bubble_order_by_its_nodes_kinds(name, inventory,
+                                                                         model):
+    """train.schedule=zb in an elastic run: the planned cluster's stages name their nodes'
+    kinds, so the order is priced by each one's (the edge by edge_cpu's figures)."""
+    from ldt.config import typed_config
+    from ldt.config.load import config_dict
+    from ldt.plan.zerobubble import planned_kinds, run_prices
+
+    plan = plan_world(WORLDS[name], inventory, model, CONFIGURED, TRAIN)
+    cfg = typed_config({"cluster": plan.cluster, "model": config_dict(model),
+                        "train": {**TRAIN, "num_microbatches": plan.num_microbatches,
+                                  "schedule": "zb"}})
+    stages = len(cfg.cluster.stages)
+    assert planned_kinds(cfg.cluster, inventory) == ["edge_cpu"] + ["cloud_cpu"] * (stages - 1)
+    costs, _ = run_prices(cfg.cluster, cfg.model, cfg.train).tables()
+    assert {s for s, _ in costs} == set(range(stages))
+
+
+def test_a_world_is_priced_on_the_schedule_it_will_run(inventory, model):
+    """A world trains train.schedule as configured. Without zb its plan (prefetch, predicted
+    step) is today's schedule's, although the zero-bubble one would be faster here (a world
+    told prefetch 1 and 30.9 ms would run today's U-shape at that depth); with zb, the
+    zero-bubble one's."""
+    world = WORLDS["one host lost"]
+    today = plan_world(world, inventory, model, CONFIGURED, TRAIN)
+    zb = plan_world(world, inventory, model, CONFIGURED, {**TRAIN, "schedule": "zb"})
+    assert zb.iteration_s < today.iteration_s
+    assert (today.prefetch, zb.prefetch) == (3, 1)
+
+
+@pytest.mark.parametrize("name", sorted(WORLDS))
 def test_a_plan_runs_on_the_nodes_there_are(name, inventory, model):
     world = WORLDS[name]
     plan = plan_world(world, inventory, model, CONFIGURED, TRAIN)

@@ -145,6 +145,23 @@ def test_the_planner_s_pick_is_the_objective_s_pick(monkeypatch):
     assert "schedule" not in train_yaml(today, "llama_7b", 1, "planned", "edge_cloud")
 
 
+def test_the_zero_bubble_order_is_timed_at_every_prefetch_depth_up_to_the_pick_s():
+    """The edge-cloud pick runs today's U-shape at prefetch 3. Its zero-bubble order, timed at
+    depths 0-3 one by one here: 1 is the fastest that fits (2 and 3 pass the cloud's memory
+    beside the W store, 0 is slower), and that is what the planner's choice keeps."""
+    from ldt.plan.zerobubble import simulate_zb
+
+    inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
+    cost = make_cost(inventory, model, Workload(1, 64))
+    today = simulate_plan(Plan(**EDGE_CLOUD_PLAN, prefetch=3), cost)
+    by_depth = [simulate_zb(today.plan, cost, d) for d in range(4)]
+    assert [z.fits for z in by_depth] == [True, True, False, False]
+    assert by_depth[1].iteration_time < by_depth[0].iteration_time
+    pick, zb = choose_schedule(today, cost, inventory, Objective())
+    assert zb.plan.prefetch == 1 and zb.iteration_time == by_depth[1].iteration_time
+    assert pick is zb and "prefetch: 1" in train_yaml(pick, "llama_7b", 1, "p", "edge_cloud")
+
+
 def test_a_w_store_that_does_not_fit_keeps_today_s_schedule():
     """The same plan with the edge card's memory between today's need (17.0 GiB) and the
     zero-bubble schedule's (20.1 GiB: its W store on top): the faster zb does not fit, so

@@ -114,7 +114,9 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig,
     groups, inv = _planner_inventory(nodes, inventory, u_shape)
     mbs, batch = int(train["micro_batch_size"]), global_batch(cluster, train)
     try:
-        result = plan(inv, model, Workload(mbs, batch, u_shape=u_shape), PLANNER)
+        # priced on the schedule the world will run: its prediction and prefetch are that one's
+        opts = replace(PLANNER, zero_bubble=train.get("schedule") == "zb")
+        result = plan(inv, model, Workload(mbs, batch, u_shape=u_shape), opts)
     except ConfigError as exc:
         raise ElasticError(f"no plan fits the nodes there are ({_nodes(nodes)}): "
                            f"{exc}") from None
@@ -131,7 +133,8 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig,
     names = []
     for i, spec in enumerate(best.plan.stages):
         kind = kind_of[spec.kind]
-        names.append("edge" if u_shape and i == 0 else f"{kind}{counts.get(kind, 0)}")
+        # KIND_n as ldt-plan names stages: train.schedule=zb prices each by the kind it names
+        names.append("edge" if u_shape and i == 0 else f"{kind}_{counts.get(kind, 0)}")
         counts[kind] = counts.get(kind, 0) + 1
     planned = planned_cluster(best.plan, inv, base=cluster)
     planned = replace(planned, stages=[replace(st, name=name)

@@ -86,6 +86,9 @@ class PlannerOptions:
     """Effort (simulated actions) the local search may spend, over all its starts."""
     max_stages: Optional[int] = None
     """Upper bound on pipeline stages (None: the layer count)."""
+    zero_bubble: bool = True
+    """Step 8: time the pick on its zero-bubble schedule too and keep the objective's choice
+    (False: today's schedule only, for a world that will not run ``train.schedule=zb``)."""
 
 
 @dataclass
@@ -157,7 +160,8 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
         pool.append(vdp)
         notes += [note] if note else []
     best, reason = _pick(pool, inventory, objective, cost, sim)
-    best, reason = _schedule(best, reason, pool, cost, inventory, objective, notes)
+    if opts.zero_bubble:
+        best, reason = _schedule(best, reason, pool, cost, inventory, objective, notes)
     return PlanResult(best, ranked, scored, used, sim.runs, time.perf_counter() - t0,
                       notes=notes, front=pareto_front(pool, inventory), reason=reason,
                       objective=objective)

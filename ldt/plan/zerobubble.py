@@ -73,8 +73,8 @@ def simulate_zb(plan: Plan, cost: CostModel, prefetch: int = 0) -> Evaluation:
     """``plan`` timed on its zero-bubble schedule, generated from its prices as a run
     generates it (ZB-H1, the zero-bubble U-shape, or with per-stage DP the lane lists with
     each backward split, :mod:`ldt.schedule.zerobubble_lanes`), at the U-shape's ``prefetch``
-    depth (the planner prices 0: its pick's depth was chosen for today's schedule;
-    ``ldt-sim --schedule zb --prefetch d`` prices d): the simulator's iteration, and per stage
+    depth (the planner prices each up to its pick's, :func:`choose_schedule`; ``ldt-sim
+    --schedule zb --prefetch d`` prices d): the simulator's iteration, and per stage
     the memory of what that order holds, the micro-batches in flight and the W store at its
     peak (``SimResult.peak_wstore`` entries of the stage's largest,
     :meth:`~ldt.plan.cost.CostModel.wstore_bytes`)."""
@@ -121,10 +121,16 @@ def choose_schedule(ev: Evaluation, cost: CostModel, inventory: Inventory,
     """``ev`` (a plan timed on today's schedule) or the same plan on its zero-bubble one,
     whichever ``objective`` picks (both hold the same devices, so the faster that fits; ties
     to today's); and the zero-bubble evaluation (None where it cannot run, :func:`runs_zb`,
-    or is longer than :data:`PLANNER_LIMIT`)."""
+    or is longer than :data:`PLANNER_LIMIT`). A U-shape's zero-bubble order is timed at
+    every prefetch depth up to ``ev``'s (chosen for today's schedule: the W's may fill the
+    waits a prefetch would, a deeper one may not fit beside the W store, or it still pays
+    where the links are slow), the objective's pick of those kept."""
     if not runs_zb(ev.plan) or too_long(ev.plan):
         return ev, None
-    zb = simulate_zb(ev.plan, cost)
+    timed = [simulate_zb(ev.plan, cost, depth)
+             for depth in range(ev.plan.prefetch + 1 if ev.plan.u_shape else 1)]
+    fitting = [z for z in timed if z.fits]
+    zb = choose(fitting, inventory, objective)[0] if fitting else timed[0]
     if not ev.fits:
         return (zb if zb.fits else ev), zb
     return choose([ev, zb], inventory, objective)[0], zb
@@ -157,8 +163,9 @@ def run_inventory(cluster: ClusterConfig, train: TrainConfig) -> Inventory:
 
 
 def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
-    """Each stage's kind as the planner named the stage (``KIND_n``, an elastic plan's
-    ``KIND.j_n``; a U-shape's stage 0 the inventory's edge kind), or None where a stage's name
+    """Each stage's kind as the planner named the stage (``KIND_n``, an elastic world's too;
+    ``KIND.j_n`` for the planner's j-th node group of a kind; a U-shape's stage 0 the
+    inventory's edge kind), or None where a stage's name
     names no kind of ``inventory`` (a hand-written cluster: kinds by device type then)."""
     names, out = {k.name for k in inventory.kinds}, []
     for i, st in enumerate(cluster.stages):
