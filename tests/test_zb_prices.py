@@ -290,9 +290,12 @@ def test_under_torchrun_rank_0_alone_reads_the_cost_run(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ldt.job.train",
          f"run_dir={tmp_path / 'run'}", "train.steps=2", "train.num_microbatches=4",
-         "train.schedule=zb", f"train.cost_run={tmp_path}/costs${{oc.env:RANK}}"],
+         "train.schedule=zb", f"train.cost_run={tmp_path}/costs${{oc.env:RANK}}",
+         "train.estimate_memory=true"],  # which walks the order: rank 0's estimate alone
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning" not in proc.stderr and "memory per rank, MiB (estimate" in proc.stdout, \
+        proc.stderr
     ran: dict[int, list[tuple[float, str]]] = {}
     compute = r"\d+(%s)\d+" % "|".join(op.value for op in COMPUTE_OPS)
     with open(tmp_path / "run" / "action_times.csv") as f:

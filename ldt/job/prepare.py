@@ -228,7 +228,12 @@ def _public(summary: dict) -> dict:
 def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     """With ``train.estimate_memory`` (by default: when a stage states ``memory_gib``), the
     per-stage estimate to print under the rank map; None (after saying why) when a stage does
-    not fit. Every rank of a torchrun world estimates alike, so all refuse together."""
+    not fit. Every rank of a torchrun world estimates alike, so all refuse together; but a
+    zero-bubble order priced by ``train.cost_run`` is rank 0's alone (the folder need be on
+    its host only, :func:`check`), so rank 0 alone estimates it and its refusal stops the
+    world."""
+    if rank not in (None, 0) and plain["train"].get("cost_run"):
+        return ""
     text, refused = memory_estimate(plain, topo)
     if refused is not None:
         where = f" (rank {rank})" if rank is not None else ""
