@@ -9,7 +9,8 @@ of the backward (input gradients, TP collectives, recomputation); transfers as
 :func:`ldt.plan.evaluate.comm_table`. No second cost model: the same tables, split.
 
 :func:`run_prices` prices a run's own plan (its cluster, model, micro-batches): what
-``train.schedule=zb`` generates its order from (``ldt.training.loop``). The device kinds come
+``train.schedule=zb`` generates its order from (priced where the config is checked,
+``ldt.job.prepare.check``, and handed to the ranks). The device kinds come
 from ``train.cost_inventory``, else an elastic run's ``cluster.inventory``, else
 :func:`nominal_inventory`; with ``train.cost_run`` the times a run of the cluster measured
 replace them (:func:`measured_prices`).
