@@ -179,6 +179,10 @@ def world(tmp_path_factory, tiny_model_files):
     text = (w / "measured" / "action_times.csv").read_text()
     (w / "measured_trunc" / "action_times.csv").write_text(text[:len(text) // 2 + 7])
     (w / "measured_header" / "action_times.csv").write_text("a,b\n1,2\n")
+    (w / "measured_lanes").mkdir()  # a per-stage DP run writes its lanes' timeline instead
+    (w / "measured_lanes" / "lane_times.csv").write_text(
+        "step,lane,stage,replica,action,start_s,end_s,host,step_start_s\n"
+        "0,2,1,1,2F1,0.1,0.2,h,5.0\n")
     (w / "cloud_small.txt").write_text("tiny")
     (w / "audit_old").mkdir()
     (w / "audit_old" / "audit.json").write_text("{}")
@@ -380,6 +384,8 @@ ROWS = [
     (S, ["--cluster", "cluster_tp.yaml", *SIM[2:], "-m", "4"], 2, r"tp=3 .* does not divide"),
     (S, "--measured measured_trunc", 2, r"action_times.csv:\d+: a damaged row"),
     (S, "--measured measured_header", 2, r"no action, end_s, start_s, step column"),
+    (S, "--measured measured_lanes", 2, r"lane_times.csv times the lanes \(stage replicas\) "
+                                       r"of a per-stage DP run.*one replica per stage"),
     (S, "--measured nowhere", 2, r"--measured nowhere: nowhere does not exist"),
     (S, "--measured hf_a", 2, r"hf_a/action_times.csv does not exist"),
     (S, "--measured measured --png measured/t.png", 2, r"lies inside the input --measured"),

@@ -278,6 +278,7 @@ def _readme_summary_keys() -> list[str]:
 RUN_FOLDER = ["config.yaml", ".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.csv",
               "events.out.tfevents.*"]  # README: "The run folder ... holds"
 TIMELINE = ["timeline.png", "timeline.json", "action_times.csv"]  # runs on ldt's runtime
+LANE_TIMELINE = ["timeline.png", "timeline.json", "lane_times.csv"]  # per-stage DP: per lane
 
 
 def check_summary(result, scratch: Scratch, *, jobs: int = 1, u_shape: Optional[bool] = None):
@@ -289,7 +290,8 @@ def check_summary(result, scratch: Scratch, *, jobs: int = 1, u_shape: Optional[
         shown = _readme_summary_keys()  # train.verify and train.eval_every add their own
         assert set(shown) <= set(s), f"the README's keys {shown}, this run's {list(s)}"
         folder = s["run_dir"]
-        for pattern in RUN_FOLDER + (TIMELINE if u_shape else []):
+        timeline = LANE_TIMELINE if _per_stage_dp(_config_of(folder)["cluster"]) else TIMELINE
+        for pattern in RUN_FOLDER + (timeline if u_shape else []):
             assert glob.glob(os.path.join(folder, pattern)), f"{folder} has no {pattern}"
         if "parity_max_abs_diff" in s:  # README: train.verify ... the losses must agree
             assert s["parity_max_abs_diff"] < 1e-6, s
@@ -305,10 +307,13 @@ def _config_of(run_dir: str) -> dict:
 def check_training(result, scratch: Scratch):
     summaries = [s for s in _json_lines(result.stdout) if "run_dir" in s]
     clusters = [_config_of(s["run_dir"])["cluster"] for s in summaries]
-    # a measured timeline: U-shape runs, not with per-stage DP (docs/vdp.md: one row per lane)
-    timeline = [c["u_shape"] and len({st.get("dp") or c["dp"] for st in c["stages"]}) == 1
-                for c in clusters]
-    check_summary(result, scratch, jobs=len(summaries) or 1, u_shape=all(timeline))
+    # a measured timeline: U-shape runs (per-stage DP: one row per lane, docs/vdp.md)
+    check_summary(result, scratch, jobs=len(summaries) or 1,
+                  u_shape=all(c["u_shape"] for c in clusters))
+
+
+def _per_stage_dp(cluster: dict) -> bool:
+    return len({st.get("dp") or cluster["dp"] for st in cluster["stages"]}) > 1
 
 
 def check_multirun(result, scratch: Scratch):

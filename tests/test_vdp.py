@@ -367,12 +367,44 @@ def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
 
     vdp = train(tmp_path / "vdp", "cluster=cpu_vdp", "train.save_every=2")
     assert sorted(vdp) == [0, 1, 2, 3] and vdp[3] < vdp[0]
+    _ran_its_lane_lists(tmp_path / "vdp")
     uniform = train(tmp_path / "uniform", "cluster=cpu_vdp", "cluster.stages.0.dp=null",
                     "cluster.stages.1.dp=null", "cluster.dp=2",
                     f"train.resume={tmp_path / 'vdp' / 'checkpoints' / 'step_0000001'}")
     assert sorted(uniform) == [2, 3]
     for step, loss in uniform.items():
         assert abs(loss - vdp[step]) <= 1e-6 * abs(vdp[step]), (step, loss, vdp[step])
+
+
+def _ran_its_lane_lists(run_dir) -> None:
+    """A per-stage DP run's measured timeline (lane_times.csv, gathered from every lane's
+    leader): each lane ran exactly its list's computations, in order, every step; each row
+    names its lane's stage and replica."""
+    import csv
+
+    from omegaconf import OmegaConf
+
+    from ldt.schedule.ir import COMPUTE_OPS
+    from ldt.schedule.routing import Lanes
+    from ldt.schedule.vdp import vdp_schedule
+
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    stage_dp = tuple(st.dp or cfg.cluster.dp for st in cfg.cluster.stages)
+    lists = vdp_schedule(stage_dp, cfg.train.num_microbatches, cfg.cluster.u_shape)
+    want = {lane: [str(a) for a in acts if a.op in COMPUTE_OPS] for lane, acts in lists.items()}
+    ran: dict = {}
+    with open(run_dir / "lane_times.csv") as f:
+        for r in csv.DictReader(f):
+            lane = int(r["lane"])
+            assert Lanes(stage_dp).of(lane) == (int(r["stage"]), int(r["replica"])), r
+            if r["action"][len(r["lane"]):].rstrip("0123456789") in {o.value for o in COMPUTE_OPS}:
+                ran.setdefault((int(r["step"]), lane), []).append((float(r["start_s"]),
+                                                                   r["action"]))
+    steps = {step for step, _ in ran}
+    assert steps == set(range(cfg.train.steps)), steps
+    for (step, lane), acts in ran.items():
+        assert [a for _, a in sorted(acts)] == want[lane], (step, lane)
+    assert not (run_dir / "action_times.csv").exists()  # read as one lane per stage, it would lie
 
 
 def test_ldt_sim_prices_per_stage_dp():

@@ -80,6 +80,9 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     if path_kind(path) not in ("file", "missing"):
         raise ConfigError(not_a(path, str(path), "file", "give an ldt-train run folder or its "
                                 "action_times.csv"))
+    lanes = os.path.join(os.path.dirname(path), "lane_times.csv")
+    if not os.path.isfile(path) and os.path.isfile(lanes):
+        path = lanes  # refused below, saying why
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"{path} does not exist: ldt-train writes action_times.csv into its run_dir when "
@@ -88,6 +91,10 @@ def read_action_times(path: str | os.PathLike[str]) -> list[ActionTime]:
     rows = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
+        if "lane" in (reader.fieldnames or ()):
+            raise ConfigError(f"{path} times the lanes (stage replicas) of a per-stage DP "
+                              "run, where the simulator's calibration takes one timeline per "
+                              "stage; give a run of one replica per stage")
         missing = {"step", "action", "start_s", "end_s"} - set(reader.fieldnames or ())
         if missing:
             raise ConfigError(f"{path}: no {', '.join(sorted(missing))} column in its header; "

@@ -44,10 +44,12 @@ OP_MEANINGS = {
 }
 
 
-def _stage_name(stage: int, result: SimResult, names: Sequence[str] | None = None) -> str:
-    """``stage 0: edge`` with a cluster name, else ``stage 0 (edge)`` for the U-shape's edge."""
+def _stage_name(stage: int, result: SimResult, names: Sequence[str] | None = None,
+                rows: str = "stage") -> str:
+    """``stage 0: edge`` with a cluster name, else ``stage 0 (edge)`` for the U-shape's edge
+    (``rows="lane"``: a per-stage DP run's rows are its lanes, ``lane 2: cloud r1``)."""
     if names is not None and stage < len(names):
-        return f"stage {stage}: {names[stage]}"
+        return f"{rows} {stage}: {names[stage]}"
     ops = {e.action.op for e in result.events if e.stage == stage}
     return f"stage {stage} (edge)" if Op.FS in ops else f"stage {stage}"
 
@@ -63,7 +65,7 @@ def _time_scale(span: float, time_unit: str | None) -> tuple[float, str]:
 
 
 def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit: float = 1e6,
-                    stage_names: Sequence[str] | None = None) -> None:
+                    stage_names: Sequence[str] | None = None, rows: str = "stage") -> None:
     """Write one complete ("X") event per compute action; ``us_per_unit`` converts sim time to µs.
 
     The default assumes the cost model is in seconds. Stages become processes (named by metadata
@@ -72,7 +74,7 @@ def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit
     events: list[dict[str, object]] = []
     for stage in sorted(result.busy):
         events.append({"ph": "M", "name": "process_name", "pid": stage, "tid": 0,
-                       "args": {"name": _stage_name(stage, result, stage_names)}})
+                       "args": {"name": _stage_name(stage, result, stage_names, rows)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": stage, "tid": 0,
                        "args": {"sort_index": stage}})
     for event in result.events:
@@ -93,18 +95,19 @@ def to_chrome_trace(result: SimResult, path: str | os.PathLike[str], us_per_unit
 
 
 def to_png(result: SimResult, path: str | os.PathLike[str], title: str, *,
-           stage_names: Sequence[str] | None = None, time_unit: str | None = "s") -> None:
+           stage_names: Sequence[str] | None = None, time_unit: str | None = "s",
+           rows: str = "stage") -> None:
     """One row per stage (stage 0 on top), one box per compute action labelled with its
     micro-batch; the legend says what each op is; saved with every label inside the image."""
     import matplotlib.pyplot as plt
 
-    fig = draw(result, title, stage_names=stage_names, time_unit=time_unit)
+    fig = draw(result, title, stage_names=stage_names, time_unit=time_unit, rows=rows)
     fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
 
 
 def draw(result: SimResult, title: str, *, stage_names: Sequence[str] | None = None,
-         time_unit: str | None = "s"):
+         time_unit: str | None = "s", rows: str = "stage"):
     """The figure :func:`to_png` saves (the caller closes it)."""
     import matplotlib
 
@@ -131,11 +134,11 @@ def draw(result: SimResult, title: str, *, stage_names: Sequence[str] | None = N
             ax.text(start + width / 2, row, str(event.action.mb), ha="center", va="center",
                     fontsize=7, color="white")
     ax.set_yticks(range(len(stages)))
-    ax.set_yticklabels([_stage_name(s, result, stage_names) for s in reversed(stages)])
+    ax.set_yticklabels([_stage_name(s, result, stage_names, rows) for s in reversed(stages)])
     ax.set_ylim(-0.6, len(stages) - 0.4)
     ax.set_xlim(0, span * scale * 1.005)  # the last box's right edge stays visible
     ax.set_xlabel(f"time ({unit})")
-    ax.set_ylabel("pipeline stage")
+    ax.set_ylabel(f"pipeline {rows}")
     iteration = f"{span * scale:.4g} {unit}" if time_unit is not None else f"{span:.4g}"
     ax.set_title(f"{title}\n(bubble {float(result.bubble_fraction):.1%}, iteration {iteration})")
     handles = [Patch(color=OP_COLOURS[op], label=OP_MEANINGS[op])

@@ -15,7 +15,9 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
+from ldt.boundary.lanes import lane_of
 from ldt.plan.cost import CostModel
+from ldt.schedule.routing import Lanes
 from ldt.schedule.timeline import median_step, result_from_measurements, to_chrome_trace, to_png
 from ldt.storage.atomic import replacing
 
@@ -29,6 +31,10 @@ REPORT_KEYS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
 # action_times.csv (ldt runtime only): every action of every step and stage; start_s / end_s are
 # relative to that stage's step start, which is step_start_s on the clock of `host`.
 ACTION_TIMES_KEYS = ("step", "stage", "action", "start_s", "end_s", "host", "step_start_s")
+# lane_times.csv, its per-stage DP twin: a row per action of every lane (stage replica), whose
+# action strings name lanes (ldt.schedule.vdp), with the lane's stage and replica beside it
+LANE_TIMES_KEYS = ("step", "lane", "stage", "replica", "action", "start_s", "end_s", "host",
+                   "step_start_s")
 
 
 def mtp_keys(num_mtp: int) -> list[str]:
@@ -234,41 +240,57 @@ def _finite(obj: Any) -> Any:
 
 def gather_timings(timings, state):
     """Every stage leader's host and measured per-action times of every step (for the loss
-    leader). Step starts are ``perf_counter`` values: one clock for all processes of a host
-    (Linux CLOCK_MONOTONIC), so stages on one host can be lined up against each other."""
+    leader); with per-stage DP every lane's (stage replica's) leader's, every rank joining.
+    Step starts are ``perf_counter`` values: one clock for all processes of a host (Linux
+    CLOCK_MONOTONIC), so stages on one host can be lined up against each other."""
     import torch.distributed as dist
 
-    if not state.is_leader or state.leader_group is None or state.topology.is_vdp:
-        return None  # per-stage DP: no measured timeline yet (one row per lane would be needed)
+    if state.topology.is_vdp:  # no group holds just the lanes' leaders: the world's
+        mine = (lane_of(state), socket.gethostname(), timings) if state.is_leader else None
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return [(host, steps) for _, host, steps in
+                sorted((x for x in every if x is not None), key=lambda x: x[0])]
+    if not state.is_leader or state.leader_group is None:
+        return None
     gathered: list[Any] = [None] * state.topology.num_stages
     dist.all_gather_object(gathered, (socket.gethostname(), timings), group=state.leader_group)
-    return gathered  # [stage] -> (host, [step] -> (step_start, [(action, start_s, end_s)]))
+    return gathered  # [stage or lane] -> (host, [step] -> (step_start, [(action, s, e)]))
 
 
 def write_outputs(run_dir: str, rows: list, timeline, topo) -> None:
-    """At the end: ``action_times.csv`` and the measured timeline (metrics.csv is written as
-    the run goes, by :class:`MetricsLog`)."""
+    """At the end: ``action_times.csv`` (per-stage DP: ``lane_times.csv``, a timeline per
+    lane) and the measured timeline (metrics.csv is written as the run goes, by
+    :class:`MetricsLog`)."""
     os.makedirs(run_dir, exist_ok=True)
     if timeline and rows:
-        with replacing(os.path.join(run_dir, "action_times.csv")) as tmp, \
-                open(tmp, "w", newline="") as f:  # whole: ldt-sim --measured reads it
+        lanes = Lanes(tuple(topo.dp_sizes)) if topo.is_vdp else None
+        # whole: ldt-sim --measured and train.cost_run read action_times.csv
+        with replacing(os.path.join(run_dir, "lane_times.csv" if lanes else
+                                    "action_times.csv")) as tmp, \
+                open(tmp, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(ACTION_TIMES_KEYS)
-            for stage, (host, steps) in enumerate(timeline):
+            w.writerow(LANE_TIMES_KEYS if lanes else ACTION_TIMES_KEYS)
+            for index, (host, steps) in enumerate(timeline):
+                where = (index, *lanes.of(index)) if lanes else (index,)
                 for i, (step_start, step_rows) in enumerate(steps):
-                    w.writerows((rows[i]["step"], stage, a, s, e, host, step_start)
+                    w.writerows((rows[i]["step"], *where, a, s, e, host, step_start)
                                 for a, s, e in step_rows)
         one_clock = len({host for host, _ in timeline}) == 1  # else stages' starts don't compare
         i = median_step([steps for _, steps in timeline], one_clock)
         shown = [steps[i] for _, steps in timeline]  # per stage: (step start, rows)
         offsets = [start - min(s for s, _ in shown) for start, _ in shown] if one_clock else None
         result = result_from_measurements([step_rows for _, step_rows in shown], offsets)
-        names = [stage.name for stage in topo.stages]
+        names = ([f"{topo.stages[s].name} r{r}" for s, r in map(lanes.of, range(len(lanes)))]
+                 if lanes else [stage.name for stage in topo.stages])
+        rows_are = "lane" if lanes else "stage"
         with replacing(os.path.join(run_dir, "timeline.json")) as tmp:
-            to_chrome_trace(result, tmp, stage_names=names)
+            to_chrome_trace(result, tmp, stage_names=names, rows=rows_are)
         with replacing(os.path.join(run_dir, "timeline.png")) as tmp:
             to_png(result, tmp, f"measured step {rows[i]['step']} (the median of {len(rows)} "
-                   f"steps), {topo.num_stages} stages, TP {topo.tp_sizes}", stage_names=names)
+                   f"steps), {topo.num_stages} stages, TP {topo.tp_sizes}"
+                   + (f", dp {list(topo.dp_sizes)}" if lanes else ""), stage_names=names,
+                   rows=rows_are)
 
 
 class StepOutputs:
