@@ -86,6 +86,12 @@ QUOTES = [
     ("docs/vdp.md", "measured {ratio_vdp_over_uniform:.3f} times the uniform step (medians of "
      "{steps_measured[vdp]} steps each), simulated {predicted_ratio:.3f} with free messages and "
      "{predicted_ratio_with_comm:.3f} with the messages' CPU time"),
+    ("docs/vdp.md", "the simulator playing each VDP run's own lane lists at that run's own op "
+     "times gives {lane_prediction[vdp][posting]:.3f} / {lane_prediction[vdp_zb][posting]:.3f} "
+     "of its measured schedule span (today's / zero-bubble; {lane_prediction[vdp][free]:.3f} / "
+     "{lane_prediction[vdp_zb][free]:.3f} with free messages)"),
+    ("docs/zero_bubble.md", "step zero-bubble / today's {ratio_zb_over_vdp:.3f}, bubble "
+     "{lane_bubble[vdp]:.3f} -> {lane_bubble[vdp_zb]:.3f}"),
 ]
 
 
