@@ -483,3 +483,21 @@ def test_the_launcher_names_the_estimates_helper_and_loads_no_megatron():
     code = ("import sys, ldt.memory, ldt.memory.report, ldt.job.prepare, ldt.tools.memory\n"
             "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, 'loaded'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_failed_estimate_says_why_and_the_run_starts(monkeypatch, capsys):
+    """A forecast stops nothing: an estimate whose helper failed is a warning that names the
+    cause (the last line of the helper's traceback, not "rank 0 failed"), and the run starts."""
+    from ldt.job import prepare
+    from ldt.launch.local import WorldError
+
+    def fail(*_):
+        raise WorldError("rank 0 failed", 0, "Traceback (most recent call last):\n  ...\n"
+                         "ValueError: the stage's chunk could not be built\n")
+
+    monkeypatch.setattr(prepare.memory_report, "check", fail)
+    plain = {"train": {"estimate_memory": True}, "cluster": {"stages": []}}
+    assert prepare.memory_estimate(plain, None) == ("", None)
+    err = capsys.readouterr().err
+    assert err == ("ldt: warning: the memory estimate failed (ValueError: the stage's chunk "
+                   "could not be built); starting without it\n"), err

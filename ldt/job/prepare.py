@@ -252,8 +252,11 @@ def memory_estimate(plain: dict, topo, hosts=None) -> tuple[str, Optional[str]]:
     try:
         text, refused = memory_report.check(plain, topo, hosts)
     except Exception as exc:
-        print(f"ldt: warning: the memory estimate failed ({str(exc).splitlines()[0]}); "
-              "starting without it", file=sys.stderr)
+        # a failed helper world's first line is "rank 0 failed": its traceback's last says why
+        tb = getattr(exc, "tb", "").strip()
+        why = tb.splitlines()[-1] if tb else str(exc).splitlines()[0]
+        print(f"ldt: warning: the memory estimate failed ({why}); starting without it",
+              file=sys.stderr)
         return "", None
     return "\n" + text, refused
 
