@@ -104,7 +104,8 @@ def _continued_run(plain: dict, lock, env) -> dict:
 
 
 def _planned(plain: dict, world) -> Checked:
-    """The config of the planned world, typed and validated. What only some ranks read (data, checkpoint files): all stop if one cannot."""
+    """The config of the planned world, typed and validated. What only some ranks read
+    (data, checkpoint files): all stop if one cannot."""
     plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
     plain["train"].update(num_microbatches=world.plan.num_microbatches,
                           prefetch=world.plan.prefetch, resume=world.run["resume"],
