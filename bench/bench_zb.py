@@ -25,8 +25,8 @@ times (its iteration time and bubble fraction): how much of the measured differe
 schedule model explains. The same run's measured op and transfer times also give the least
 bubble any order of its actions could have (``bubble_least``,
 :meth:`ldt.plan.calibrate.Calibration.least_iteration`: micro-batch 0's way to each stage,
-the way back, every stage's own work; today's ops with each backward whole, zero-bubble's
-split): what a schedule is judged against, since no order goes below it. The same runs again
+the way back, every stage's own work with its sends, waits and start offset as the replay
+charges them; today's ops with each backward whole, zero-bubble's split): what a schedule is judged against, since no order goes below it. The same runs again
 on even stages (``even_`` keys: TP 1/1/1, 12 layers, layout ``Et|ttttt|ttttt|tL``, 3 ranks),
 whose stages are closer to equal.
 """

@@ -97,3 +97,57 @@ def test_docs_heterogeneous_u_shape_bound_is_the_hand_derived_one():
     assert least_iteration(costs, comm, 4, 4, True) == f("15.5")
     zb = simulate(lower(zb_u_shape(4, 4, costs, comm), "ushape"), costs, comm)
     assert f("15.5") < zb.iteration_time <= f("16.3")  # the docs' 16.3
+
+
+@pytest.mark.parametrize("ushape", [False, True])
+def test_a_replay_with_posting_and_start_offsets_never_beats_the_bound(ushape):
+    """As a measured run is replayed (ldt.plan.calibrate: every SEND, RECV and WAIT takes its
+    own time, a WAIT's being the transfer; each stage starts at its offset): the bound with
+    those (``own``, ``start_at``) is never above the replay of a generated schedule, and never
+    below the bound without them, and above it in most cases."""
+    rng = random.Random(11)
+    kind = "ushape" if ushape else "1f1b"
+    tighter = total = 0
+    for p in range(2, 6):
+        for m in (1, 2, p, 2 * p + 1):
+            costs, _ = _random_costs(rng, p, ushape)
+            own = {(s, f"{op}_{d}"): Fraction(rng.randint(0, 4), 8)
+                   for s in range(p) for op in ("SEND", "RECV") for d in "FB"}
+            for s in range(p):  # P = 2's U-shape: one pair carries both directions
+                wait = Fraction(rng.randint(0, 6), 8)
+                own[(s, "WAIT_F")] = wait
+                own[(s, "WAIT_B")] = wait if ushape and p == 2 else Fraction(rng.randint(0, 6), 8)
+            path = chain(p, ushape)
+            comm = {(a, b): own[(b, "WAIT_B" if op in (Op.B, Op.BS, Op.BE) else "WAIT_F")]
+                    for (a, _), (b, op) in zip(path, path[1:]) if a != b}
+            start_at = {s: Fraction(rng.randint(0, 3), 4) for s in range(p)}
+            whole = unsplit(costs)
+            today = lower(u_shape(p, m) if ushape else one_f_one_b(p, m), kind)
+            zb = lower((zb_u_shape if ushape else zb_h1)(p, m, costs, comm), kind)
+            for schedule, table in ((today, whole), (zb, costs)):
+                price = lambda a, t=table: t.get((a.stage, a.op.value),  # noqa: E731
+                                                  own.get((a.stage, a.op.value), 0))
+                took = simulate(schedule, price, local_time=price,
+                                start_at=start_at).iteration_time
+                bound = least_iteration(table, comm, p, m, ushape, own=own, start_at=start_at)
+                plain = least_iteration(table, comm, p, m, ushape)
+                assert plain <= bound <= took, (p, m, plain, bound, took)
+                tighter += bound > plain
+                total += 1
+    assert tighter >= total * 3 // 4, (tighter, total)
+
+
+def test_posting_by_hand():
+    """P = 2, m = 2, 1F1B; stage 0's ops and sends free, stage 1's F 1 and B 1; stage 1 waits
+    0.5 for each activation (the transfer, as a replay counts it) and posts each gradient in
+    0.25. Stage 1: micro-batch 0 arrives at 0.5, then 4 of compute, the second activation's
+    wait 0.5 (the first is in the 0.5) and two sends 0.5: 5.5, what the replay takes."""
+    costs = {(0, "F"): 0, (0, "B"): 0, (1, "F"): 1, (1, "B"): 1}
+    own = {(1, "WAIT_F"): Fraction(1, 2), (1, "SEND_B"): Fraction(1, 4)}
+    comm = {(0, 1): Fraction(1, 2)}
+    price = lambda a: costs.get((a.stage, a.op.value), own.get((a.stage, a.op.value), 0))  # noqa: E731
+    replay = simulate(lower(one_f_one_b(2, 2), "1f1b"), price, local_time=price).iteration_time
+    assert least_iteration(costs, comm, 2, 2, False, own=own) == replay == Fraction(11, 2)
+    assert least_iteration(costs, comm, 2, 2, False) == Fraction(9, 2)  # without: 1 less
+    later = least_iteration(costs, comm, 2, 2, False, own=own, start_at={1: Fraction(1)})
+    assert later == Fraction(6)  # stage 1 starts at 1: micro-batch 0 waits for it

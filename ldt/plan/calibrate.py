@@ -179,12 +179,16 @@ class Calibration:
 
     def least_iteration(self) -> float:
         """The least iteration any order of these measured ops could take, each transfer
-        as :meth:`transfer_times` (:func:`ldt.schedule.bounds.least_iteration`): what no
-        schedule of this run's actions goes below."""
+        as :meth:`transfer_times`, each stage's sends and waits at their own times and each
+        stage starting at its offset, as :meth:`predict` replays them
+        (:func:`ldt.schedule.bounds.least_iteration`): what no schedule of this run's actions
+        goes below."""
         return least_iteration({(s, op.value): t for (s, op), t in self.compute.items()},
                                self.transfer_times(), len(self.schedule),
                                num_microbatches(self.schedule),
-                               any(op == Op.FS for _, op in self.compute))
+                               any(op == Op.FS for _, op in self.compute),
+                               own={(s, op.value): t for (s, op), t in self.local.items()},
+                               start_at=self.start_at)
 
 
 def calibrate(rows: Iterable[ActionTime]) -> Calibration:

@@ -21,6 +21,7 @@ it is the floor a zero-bubble order is judged against (``bench/bench_zb.py``). N
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Mapping
 
 from ldt.schedule.ir import W_OF, Op
@@ -44,22 +45,32 @@ def chain(num_stages: int, ushape: bool) -> list[tuple[int, Op]]:
 
 
 def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches: int,
-                    ushape: bool) -> float:
+                    ushape: bool, own: Costs | None = None,
+                    start_at: Mapping[int, float] | None = None) -> float:
     """The largest of the module's three bounds over the stages (``costs``: ``(stage, op)``
     -> time of one micro-batch, ``"F"``/``"B"``/``"W"`` or the edge's ``"FS"``... as
     :func:`ldt.schedule.zerobubble.zb_u_shape` takes them, W absent for a whole backward;
-    ``comm``: ``(a, b)`` -> one transfer's time between two stages, absent: 0)."""
+    ``comm``: ``(a, b)`` -> one transfer's time between two stages, absent: 0).
+
+    A replay of measured times (:meth:`ldt.plan.calibrate.Calibration.least_iteration`) also
+    charges each stage its communication actions' own time (``own``: ``(stage, "SEND_F")``...,
+    where a WAIT's is the transfer ``comm`` gives the pair) and starts each stage at its
+    ``start_at`` offset: micro-batch 0 reaches no stage before it starts, and after its first
+    arrival a stage also posts every send and waits for every other message (its receives may
+    be posted earlier, so they are left out)."""
     path = chain(num_stages, ushape)
     m = num_microbatches
     cost = lambda stage, op: costs.get((stage, op.value), 0.0)  # noqa: E731
+    mine_own = lambda stage, op: (own or {}).get((stage, op), 0.0)  # noqa: E731
     # the transfer before each step of the path (none between two steps of one stage)
     hops = [0.0] + [comm.get((a, b), 0.0) for (a, _), (b, _) in zip(path, path[1:])]
     starts, t = [], 0.0  # when each step of the path can start, micro-batch 0
     for (stage, op), hop in zip(path, hops):
-        t += hop
+        t = max(t + hop, (start_at or {}).get(stage, 0.0))
         starts.append(t)
         t += cost(stage, op)
     best = t  # one micro-batch's path
+    posting = _posting(path, m, mine_own)
     for s in range(num_stages):
         mine = [i for i, (stage, _) in enumerate(path) if stage == s]
         backs = [i for i in mine if path[i][1] in W_OF]
@@ -68,6 +79,24 @@ def least_iteration(costs: Costs, comm: Comm, num_stages: int, num_microbatches:
         busy = backward + m * sum(cost(s, path[i][1]) for i in mine if i not in backs)
         last = backs[-1]
         tail = sum(hops[j] + cost(*path[j]) for j in range(last + 1, len(path)))
-        best = max(best, starts[mine[0]] + busy, starts[backs[0]] + backward,
+        best = max(best, starts[mine[0]] + busy + posting[s], starts[backs[0]] + backward,
                    starts[mine[0]] + busy - deferrable + tail)
     return best
+
+
+def _posting(path: list[tuple[int, Op]], m: int, own) -> dict[int, float]:
+    """Per stage, the own time of the communication actions it must run after micro-batch
+    0 first reached it: a SEND after each of its steps that hands a micro-batch to another
+    stage, a WAIT before each it is handed, less the WAIT micro-batch 0's arrival ends with."""
+    out: dict[int, float] = defaultdict(float)
+    first_wait_done: set[int] = set()
+    for (a, _), (b, op) in zip(path, path[1:]):
+        if a == b:
+            continue
+        d = "B" if op in W_OF else "F"
+        out[a] += m * own(a, f"SEND_{d}")
+        out[b] += m * own(b, f"WAIT_{d}")
+        if b not in first_wait_done and path[0][0] != b:  # micro-batch 0's arrival: in starts
+            out[b] -= own(b, f"WAIT_{d}")
+        first_wait_done.add(b)
+    return out
