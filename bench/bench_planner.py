@@ -67,6 +67,12 @@ SUMMARY = [
      "{plan_time_s_64:.2f} / {plan_time_s_256:.2f} / **{plan_time_s_1024:.2f}** / "
      "**{plan_time_s_4096:.2f}** s", "1024: < 1 s, 4096: < 5 s"),
 ]
+# figures documents quote from the latest run (bench.summary, tests/test_bench_summary.py)
+QUOTES = [
+    ("docs/planner.md", "Planning llama_7b on 64 / 256 / 1024 / 4096 devices of 2-3 kinds: "
+     "{plan_time_s_64:.2f} / {plan_time_s_256:.2f} / {plan_time_s_1024:.2f} / "
+     "{plan_time_s_4096:.2f} s"),
+]
 
 
 def _label(counts: dict[str, int], edge, memory=None) -> str:
