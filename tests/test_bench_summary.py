@@ -38,10 +38,10 @@ def test_an_unrecorded_bench_says_so_in_its_rows_and_its_quotes_are_not_dropped(
     assert {name for name, _, _ in summary.quotes(str(tmp_path))} == {"elastic"}
     assert "convert" in summary.unrecorded(str(tmp_path))
     assert "elastic" not in summary.unrecorded(str(tmp_path))
-    assert "planner" not in summary.unrecorded(str(tmp_path))  # SUMMARY rows, no QUOTES
-    planner = [r for r in summary.rows(str(tmp_path)) if r[0] == "planner"]
-    assert planner and all(r[2] == "not recorded: `make bench ARGS=planner`" and r[4] == "-"
-                           for r in planner)
+    assert "calibration" not in summary.unrecorded(str(tmp_path))  # SUMMARY rows, no QUOTES
+    calibration = [r for r in summary.rows(str(tmp_path)) if r[0] == "calibration"]
+    assert calibration and all(r[2] == "not recorded: `make bench ARGS=calibration`"
+                               and r[4] == "-" for r in calibration)
 
 
 def test_documents_quote_the_latest_recorded_run():
