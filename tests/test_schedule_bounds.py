@@ -151,3 +151,30 @@ def test_posting_by_hand():
     assert least_iteration(costs, comm, 2, 2, False) == Fraction(9, 2)  # without: 1 less
     later = least_iteration(costs, comm, 2, 2, False, own=own, start_at={1: Fraction(1)})
     assert later == Fraction(6)  # stage 1 starts at 1: micro-batch 0 waits for it
+
+
+def _replayed(schedule, costs, own):
+    price = lambda a: costs.get((a.stage, a.op.value), own.get((a.stage, a.op.value), 0))  # noqa: E731
+    return simulate(schedule, price, local_time=price).iteration_time
+
+
+def test_posting_by_hand_counts_every_message_a_stage_waits_for_but_the_first():
+    """Two cases where one stage never idles, so the bound is the replay exactly. P = 3, m = 2,
+    1F1B, only stage 1 works (F 1, B 1): it waits 1/2 for each activation and 1/4 for each
+    gradient, and sends each in 1/8: 1/2 (micro-batch 0's activation) + 4 + 2 x 1/4 of sends
+    + 1/2 + 2 x 1/4 of the other waits = 6. The U-shape, P = 2, m = 2, only the edge works
+    (its four chunks' ops 1 each): 8 + 4 x 1/8 of sends + 2 x (1/2 + 1/4) of waits, none
+    before its first op = 10."""
+    f = Fraction
+    costs = {(1, "F"): 1, (1, "B"): 1}
+    own = {(1, "WAIT_F"): f(1, 2), (1, "WAIT_B"): f(1, 4), (1, "SEND_F"): f(1, 8),
+           (1, "SEND_B"): f(1, 8)}
+    comm = {(0, 1): f(1, 2), (2, 1): f(1, 4)}
+    plain = lower(one_f_one_b(3, 2), "1f1b")
+    assert least_iteration(costs, comm, 3, 2, False, own=own) == _replayed(plain, costs, own) == 6
+    costs = {(0, op): 1 for op in ("FS", "FE", "BS", "BE")}
+    own = {(0, "WAIT_F"): f(1, 2), (0, "WAIT_B"): f(1, 4), (0, "SEND_F"): f(1, 8),
+           (0, "SEND_B"): f(1, 8)}
+    comm = {(1, 0): f(3, 8)}  # the pair's mean of its two waits, as transfer_times has it
+    ushape = lower(u_shape(2, 2), "ushape")
+    assert least_iteration(costs, comm, 2, 2, True, own=own) == _replayed(ushape, costs, own) == 10
