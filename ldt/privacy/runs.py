@@ -35,6 +35,7 @@ from ldt.launch import local
 from ldt.plan.zerobubble import run_prices
 from ldt.privacy.attacks import Vectors
 from ldt.privacy.capture import capture_observers, channel_name, load_channel
+from ldt.schedule.zerobubble import Priced
 from ldt.storage.checkpoint_files import latest
 from ldt.training.loop import train_worker
 
@@ -46,6 +47,9 @@ class Run:
     run_dir: str
     noise: float = 0.0
     shadow: bool = False
+    priced: Optional[Priced] = None
+    """``train.schedule=zb``: the order's prices, made once here as ldt-train's launcher
+    makes them (:func:`ldt.job.prepare.check`), handed to every rank."""
 
 
 def plan_runs(cfg: dict, out: str, *, steps: int, noise_levels, cloud_text: str,
@@ -67,8 +71,11 @@ def plan_runs(cfg: dict, out: str, *, steps: int, noise_levels, cloud_text: str,
             c["data"]["path"] = data_path
         run_dir = os.path.join(out, name)
         c["run_dir"] = run_dir
+        typed = typed_config(c)
+        priced = (run_prices(typed.cluster, typed.model, typed.train)
+                  if typed.train.schedule == "zb" else None)
         return Run(name, c, run_dir, noise=c["train"]["boundary_noise"],
-                   shadow=data_path is not None)
+                   shadow=data_path is not None, priced=priced)
 
     total = first + steps if checkpoint else steps
     runs = [variant("victim", audit_comm=True, eval_every=total)]
@@ -92,16 +99,9 @@ def _first_step(checkpoint: Optional[str]) -> int:
 
 
 def audit_worker(rank: int, world: int, runs: list[Run]) -> list[Optional[dict]]:
-    """One rank of the audit's world: every run in turn, each captured at its boundaries
-    (``train.schedule=zb``: its order generated from the plan's prices, as ldt-train's)."""
-    out = []
-    for r in runs:
-        cfg = typed_config(r.cfg)
-        priced = (run_prices(cfg.cluster, cfg.model, cfg.train) if cfg.train.schedule == "zb"
-                  else None)
-        out.append(train_worker(rank, world, cfg, r.run_dir, observe=capture_observers,
-                                priced=priced))
-    return out
+    """One rank of the audit's world: every run in turn, each captured at its boundaries."""
+    return [train_worker(rank, world, r.cfg, r.run_dir, observe=capture_observers,
+                         priced=r.priced) for r in runs]
 
 
 def run_all(runs: list[Run], world_size: int, timeout_s: float) -> dict[str, dict]:

@@ -258,8 +258,6 @@ def _unsplit_order(p: int, m: int, ushape: bool, price: dict, held: list[int],
     return out if all(c <= cap for c, cap in zip(counts, held)) and min(wstore) >= 1 else None
 
 
-
-
 def _held_peaks(schedule: Schedule, chunks: list[Chunk]) -> list[int]:
     """Per chunk, the most micro-batches between its forward and its backward."""
     peaks = []
