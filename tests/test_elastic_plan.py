@@ -9,6 +9,7 @@ the launcher checks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from datetime import timedelta
@@ -81,6 +82,34 @@ def test_a_world_is_priced_on_the_schedule_it_will_run(inventory, model):
     zb = plan_world(world, inventory, model, CONFIGURED, {**TRAIN, "schedule": "zb"})
     assert zb.iteration_s < today.iteration_s
     assert (today.prefetch, zb.prefetch) == (3, 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_world_whose_zero_bubble_store_does_not_fit_trains_todays_schedule(inventory, tmp_path):
+    """train.schedule=zb lets each world's planner choose between today's schedule and the
+    zero-bubble one, as ldt-plan does. On nodes with 3 MiB usable, llama_tiny's W store does
+    not fit: the world runs today's schedule at today's prefetch and the job's config says so.
+    (It trained zb at today's prefetch, so its memory check stopped the run with exit 2.)"""
+    from omegaconf import OmegaConf
+
+    from ldt.job.elastic import _planned
+    from ldt.job.hydra import compose
+
+    model = load_model("llama_tiny")
+    zb = {**TRAIN, "schedule": "zb"}
+    roomy = plan_world(WORLDS["one host lost"], inventory, model, CONFIGURED, zb)
+    assert roomy.schedule == "zb" and "the zero-bubble schedule" in roomy.describe()
+    tight = [Node(n.index, n.host, n.kind, n.devices, 1.003) for n in WORLDS["one host lost"]]
+    plan = plan_world(tight, inventory, model, CONFIGURED, zb)
+    assert plan.schedule == "auto" and "zero-bubble" not in plan.describe()
+    assert plan.digest() != dataclasses.replace(plan, schedule="zb").digest()
+    plain = OmegaConf.to_container(compose(["cluster=cpu_demo", "model=llama_tiny",
+                                            "train.schedule=zb"]), resolve=True)
+    world = _World(0, plan)
+    world.run = {"run_dir": str(tmp_path), "resume": None, "load": None}
+    checked = _planned(plain, world)
+    assert checked.cfg.train.schedule == "auto" and checked.priced is None
+    assert checked.cfg.train.prefetch == plan.prefetch
 
 
 @pytest.mark.parametrize("name", sorted(WORLDS))

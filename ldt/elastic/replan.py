@@ -54,6 +54,10 @@ class WorldPlan:
     """The planner's predicted step time."""
     rank_stages: tuple[int, ...] = ()
     """Per ldt rank: its stage (:meth:`stage_nodes`)."""
+    schedule: str = "auto"
+    """The ``train.schedule`` the world runs: ``zb`` only where it was configured and the
+    planner kept it for these nodes (a zero-bubble order whose W store does not fit, or that is
+    slower here, gives way to today's schedule, as ``ldt-plan`` would write it)."""
 
     @property
     def world_size(self) -> int:
@@ -77,7 +81,8 @@ class WorldPlan:
     def digest(self) -> str:
         """What every rank must agree on, as a short hash."""
         text = json.dumps({"cluster": self.cluster, "m": self.num_microbatches,
-                           "prefetch": self.prefetch, "placement": self.placement},
+                           "prefetch": self.prefetch, "placement": self.placement,
+                           "schedule": self.schedule},
                           sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -93,6 +98,7 @@ class WorldPlan:
                 + (f" ({idle} idle)" if idle else "") + f": {stages}; dp {self.cluster['dp']}, "
                 f"{self.num_microbatches} micro-batches, "
                 + (f"prefetch {self.prefetch}, " if self.prefetch else "")
+                + ("the zero-bubble schedule, " if self.schedule == "zb" else "")
                 + f"layout {self.cluster['layout']}; predicted {self.iteration_s * 1e3:.1f} ms "
                 "per step")
 
@@ -144,7 +150,8 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig,
     prefetch = best.plan.prefetch if u_shape else 0
     return WorldPlan(config_dict(planned), best.plan.num_microbatches, prefetch, placement,
                      nodes, best.iteration_time,
-                     tuple(topo.rank_info(r).stage for r in range(topo.world_size)))
+                     tuple(topo.rank_info(r).stage for r in range(topo.world_size)),
+                     schedule=best.schedule)
 
 
 def _nodes(nodes: Sequence[Node]) -> str:

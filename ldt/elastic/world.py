@@ -112,7 +112,7 @@ class ElasticWorld:
                  "nodes": [vars(n) for n in self.plan.nodes], "world_size": self.plan.world_size,
                  "plan": self.plan.describe(), "cluster": self.plan.cluster,
                  "num_microbatches": self.plan.num_microbatches, "prefetch": self.plan.prefetch,
-                 "resume": self.run.get("resume")}
+                 "schedule": self.plan.schedule, "resume": self.run.get("resume")}
         os.makedirs(self.run["run_dir"], exist_ok=True)
         with open(os.path.join(self.run["run_dir"], LOG), "a") as f:
             f.write(json.dumps(entry) + "\n")

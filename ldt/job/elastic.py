@@ -108,7 +108,8 @@ def _planned(plain: dict, world) -> Checked:
     (data, checkpoint files): all stop if one cannot."""
     plain["run_dir"], plain["cluster"] = world.run["run_dir"], world.plan.cluster
     plain["train"].update(num_microbatches=world.plan.num_microbatches,
-                          prefetch=world.plan.prefetch, resume=world.run["resume"],
+                          prefetch=world.plan.prefetch, schedule=world.plan.schedule,
+                          resume=world.run["resume"],
                           load=world.run["load"])
     try:
         return check(plain, world.rank, world.plan.world_size)
