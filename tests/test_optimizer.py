@@ -207,11 +207,60 @@ def test_16bit_ushape_follows_the_reference(dtype, tmp_path):
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref, strict=True)) < BF16_TOL
 
 
+@pytest.mark.timeout(600)
+def test_fp16_steps_that_overflow_are_skipped_and_the_run_goes_on(tmp_path):
+    """float16's dynamic loss scale finds its level by overflowing: megatron skips such a step
+    and halves the scale (after 2 overflows). ldt stopped the run at the first one ("non-finite
+    gradient norm"). Now the run goes on: metrics.csv says which steps were skipped and at
+    which scale, a skipped step leaves the lr where it was, and the losses follow the
+    single-process reference, which skips the same steps (the found-inf flag spans every
+    stage). A constant scale cannot back off: there an overflow stops the run."""
+    small = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 16,
+             "params_dtype": "float16"}
+    cfg = _cfg([1, 2, 1], u_shape=True, model=small, save_every=0, steps=6,
+               initial_loss_scale=2.0 ** 20)
+    rows = _metrics(cfg, tmp_path / "run")
+    ref = _metrics(reference_config(cfg), tmp_path / "ref")
+    skipped = [int(r["skipped"]) for r in rows]
+    assert skipped == [int(r["skipped"]) for r in ref] and 0 < sum(skipped) < len(rows)
+    assert [float(r["loss_scale"]) for r in rows] == [float(r["loss_scale"]) for r in ref]
+    assert float(rows[-1]["loss_scale"]) < 2.0 ** 20
+    for before, after in zip(rows, rows[1:]):  # the lr schedule advances on applied steps only
+        assert (float(after["lr"]) == float(before["lr"])) == bool(int(before["skipped"]))
+    assert max(abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows, ref)) < BF16_TOL
+
+
+def test_only_an_overflow_the_scale_can_back_off_from_goes_on():
+    """The norm the ranks check: none for a step the dynamic scale skipped above its smallest
+    scale; NaN for one at the smallest, at a constant scale, or of an applied step."""
+    import dataclasses
+    import math
+
+    from ldt.config import TrainConfig
+    from ldt.training.loop import _checked_norm
+
+    t, row = TrainConfig(), {"grad_norm": float("nan"), "skipped": 1, "loss_scale": 1024.0}
+    assert _checked_norm(row, t) == 0.0
+    assert math.isnan(_checked_norm({**row, "loss_scale": 1.0}, t))  # megatron's smallest
+    assert math.isnan(_checked_norm(row, dataclasses.replace(t, loss_scale=1024.0)))
+    assert math.isnan(_checked_norm({**row, "skipped": 0}, t))
+    assert math.isnan(_checked_norm({"grad_norm": float("nan")}, t))  # bf16: no scale
+
+
+def _metrics(cfg, run_dir) -> list[dict]:
+    _train(cfg, run_dir)
+    with open(os.path.join(run_dir, "metrics.csv")) as f:
+        return list(csv.DictReader(f))
+
+
 @pytest.mark.parametrize("model,train,words", [
     ({"params_dtype": "float16"}, {"fp32_main_params": False}, "fp32_main_params=true"),
     ({"params_dtype": "bfloat16"}, {"fp32_main_params": False, "distributed_optimizer": True},
      "always shards fp32 main params"),
     ({"params_dtype": "bfloat16"}, {"loss_scale": 1024.0}, "only for float16"),
+    ({"params_dtype": "bfloat16"}, {"initial_loss_scale": 1024.0}, "first scale of float16's"),
+    ({"params_dtype": "float16"}, {"loss_scale": 8.0, "initial_loss_scale": 1024.0},
+     "remove it or train.loss_scale"),
     ({"params_dtype": "bfloat16"}, {"fp32_main_params": False}, "clips only fp32 gradients"),
     ({}, {"optimizer": {"name": "lamb"}}, "train/optimizer=adam"),
     ({"tie_embeddings": True}, {"distributed_optimizer": True}, "same TP size"),

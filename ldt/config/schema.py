@@ -194,6 +194,10 @@ class TrainConfig:
     one bucket when not overlapping)."""
     loss_scale: Optional[float] = None
     """float16 only: a constant loss scale; None: dynamic loss scaling (megatron's)."""
+    initial_loss_scale: Optional[float] = None
+    """float16 with dynamic loss scaling: the scale of the first step (megatron's
+    ``--initial-loss-scale``; None: 65536). A step whose gradients overflow is skipped and the scale backs
+    off (halves after megatron's hysteresis of 2 overflows); the run goes on."""
     seed: int = 1234
     verify: bool = False
     """Also run the same steps in a single-process reference and report the loss difference."""
@@ -271,6 +275,10 @@ class TrainConfig:
                 math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "
                               "or null for dynamic loss scaling")
+        if given(self.initial_loss_scale) and self.initial_loss_scale is not None and not (
+                math.isfinite(self.initial_loss_scale) and self.initial_loss_scale >= 1):
+            raise ConfigError(f"train.initial_loss_scale={self.initial_loss_scale} must be a "
+                              "finite number >= 1 (megatron's smallest scale), e.g. 65536")
         if given(self.comm_timeout_s) and not (math.isfinite(self.comm_timeout_s)
                                                  and 0 < self.comm_timeout_s <= MAX_TIMEOUT_S):
             raise ConfigError(

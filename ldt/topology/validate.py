@@ -186,6 +186,12 @@ def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> 
             f"train.loss_scale={train.loss_scale} with model.params_dtype={dtype}: megatron-core "
             "scales the loss only for float16 (bf16 and fp32 have the range without it); "
             "remove train.loss_scale or use model.params_dtype=float16")
+    if train.initial_loss_scale is not None and (dtype != "float16" or train.loss_scale):
+        raise ConfigError(
+            f"train.initial_loss_scale={train.initial_loss_scale} with model.params_dtype={dtype}"
+            + (f" and train.loss_scale={train.loss_scale}" if dtype == "float16" else "")
+            + ": it is the first scale of float16's dynamic loss scaling; remove it"
+            + (" or train.loss_scale" if dtype == "float16" else ""))
 
 
 def _check_model_vs_tp(topo: Topology, model: ModelConfig) -> None:

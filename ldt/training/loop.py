@@ -45,7 +45,7 @@ from ldt.training import checkpoint, moe, snapshot, snapshot_join
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
-from ldt.training.optim import build_stage_optimizer, skip_to
+from ldt.training.optim import MIN_LOSS_SCALE, build_stage_optimizer, skip_to
 from ldt.training.outputs import StepOutputs, gather_timings, mtp_keys, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
@@ -244,7 +244,7 @@ def _train(run: _Run) -> Optional[dict]:
     for step in range(stage.first_step, run.cfg.train.steps):
         row, timed = _step(run, stage, step)
         progress.current().begin("step boundary", waiting=True)
-        decision = run.guard.agree(loss=row["loss"], grad_norm=row["grad_norm"],
+        decision = run.guard.agree(loss=row["loss"], grad_norm=_checked_norm(row, run.cfg.train),
                                    peak_gib=peak_memory_gib(device),
                                    snapshot_busy=bool(stage.snapshots and stage.snapshots.busy()))
         rows.append(row)
@@ -285,11 +285,14 @@ def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
     losses, timed = stage.run_pass(lambda: stage.data.step_iterator(step), step)
     record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
                  waiting=True)
-    lr, norm, _ = stage.opt.step()
+    scale = stage.opt.loss_scale()
+    lr, norm, applied = stage.opt.step()
     loss, mtp = _step_losses(run, losses)
     dt = time.perf_counter() - t0
     row = dict(step=step, loss=loss, lr=lr, grad_norm=norm, step_time_s=dt,
                tokens_per_s=run.tokens_per_step / dt, eval_loss=None)
+    if scale is not None:  # float16: the scale this step used, and whether megatron skipped it
+        row.update(loss_scale=scale, skipped=int(not applied))
     if moe.tracks_aux_loss(cfg.model):
         record.begin("MoE load-balancing loss all-reduce", waiting=True)
         row["moe_aux_loss"] = moe.aux_loss(cfg.model, run.topo.dp * cfg.train.num_microbatches,
@@ -299,6 +302,15 @@ def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
     if _evaluates(cfg.train, step):
         row["eval_loss"] = _evaluate(run, stage, step)
     return row, (t0, [(str(a), s - t0, e - t0) for a, s, e in timed])
+
+
+def _checked_norm(row: dict, t: TrainConfig) -> float:
+    """The gradient norm the ranks check for NaN/Inf. A step fp16's dynamic loss scale skipped
+    (its gradients overflowed) has none, and that is how the scale finds its level: megatron
+    halves it and the run goes on. An overflow at a constant ``train.loss_scale``, or at
+    megatron's smallest scale, cannot back off: a non-finite gradient."""
+    backs_off = t.loss_scale is None and row.get("loss_scale", 0.0) > MIN_LOSS_SCALE
+    return 0.0 if row.get("skipped") and backs_off else row["grad_norm"]
 
 
 def _evaluates(t: TrainConfig, step: int) -> bool:

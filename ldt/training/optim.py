@@ -58,6 +58,11 @@ class StageOptimizer:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def loss_scale(self) -> Optional[float]:
+        """fp16's loss scale now (megatron's grad scaler); None without one (bf16, fp32)."""
+        scaler = getattr(_inner(self.optimizer), "grad_scaler", None)
+        return None if scaler is None else float(scaler.scale)
+
     def step(self) -> tuple[float, float, bool]:
         """Reduce the gradients (DP, tied embedding), clip, step; -> (lr used, global grad
         norm, whether the update was applied: fp16 skips a step with inf/nan gradients)."""
@@ -98,6 +103,11 @@ def main_params_in_fp32(model, train) -> bool:
     return True if train.fp32_main_params is None else bool(train.fp32_main_params)
 
 
+MIN_LOSS_SCALE = 1.0
+"""fp16's smallest dynamic loss scale (megatron's ``OptimizerConfig.min_loss_scale``, its
+default), given to megatron here so that :mod:`ldt.training.loop` knows it."""
+
+
 def optimizer_config(c):
     """megatron-core's OptimizerConfig from ``train.*`` and the model's dtype."""
     from megatron.core.optimizer import OptimizerConfig
@@ -110,7 +120,8 @@ def optimizer_config(c):
         adam_eps=t.optimizer.adam_eps, sgd_momentum=t.optimizer.sgd_momentum,
         clip_grad=t.clip_grad, params_dtype=dtype,
         bf16=fp32_main and dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        loss_scale=t.loss_scale, initial_loss_scale=2.0 ** 16,
+        loss_scale=t.loss_scale, initial_loss_scale=t.initial_loss_scale or 2.0 ** 16,
+        min_loss_scale=MIN_LOSS_SCALE,
         use_distributed_optimizer=t.distributed_optimizer)
 
 

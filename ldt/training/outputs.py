@@ -159,6 +159,8 @@ def log_line(row: dict, steps: int) -> str:
     parts = [f"step {row['step'] + 1}/{steps}", f"loss {_fmt(row['loss'], '.4f')}",
              f"lr {_fmt(row['lr'], '.2e')}", f"grad_norm {_fmt(row['grad_norm'], '.3f')}",
              f"{_fmt(row['tokens_per_s'], '.0f')} tok/s", f"{_fmt(row['step_time_s'], '.3f')} s/step"]
+    if row.get("skipped"):
+        parts.append(f"skipped: fp16 gradients overflowed at loss scale {row['loss_scale']:g}")
     if row.get("eval_loss") is not None:
         parts.append(f"eval_loss {_fmt(row['eval_loss'], '.4f')}")
     for key in (k for k in row if k.startswith("mtp_")):
@@ -301,8 +303,9 @@ class StepOutputs:
         t = cfg.train
         self.memory_keys = memory_keys(topo.num_stages)
         aux = ["moe_aux_loss"] if moe_aux else []  # megatron's MoE auxiliary loss is tracked
+        scaled = ["loss_scale", "skipped"] if cfg.model.params_dtype == "float16" else []
         self.metrics = MetricsLog(run_dir, [*REPORT_KEYS, *mtp_keys(cfg.model.mtp_num_layers),
-                                            *aux, *self.memory_keys], first_step)
+                                            *aux, *scaled, *self.memory_keys], first_step)
         self.board = TensorBoard(run_dir, first_step, t.log_interval) if t.tensorboard else None
         self.console = Console(first_step, t.steps, t.log_interval)
         self.flops = model_flops_per_step(cfg.model, t.micro_batch_size,
