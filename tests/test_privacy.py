@@ -141,6 +141,28 @@ def test_boundary_noise_scale_seed_and_stages():
     assert len(send_transforms(on, topo, 0)) == 1 and send_transforms(on, topo, 1) == []
 
 
+def test_each_data_parallel_replica_draws_noise_of_its_own():
+    """With dp 2 the cloud receives both edge replicas' messages, x_r + s_r * z_r: were z_1
+    and z_2 the same, m_1 - (s_1 / s_2) * m_2 would hold no noise at all. Replica 0 keeps the
+    stream it had (a run of one replica sends what it sent before)."""
+    from ldt.topology.ranks import Stage, Topology
+
+    topo = Topology((Stage(0, "edge", "cpu", 1), Stage(1, "cloud", "cpu", 1)), u_shape=True,
+                    dp=2)
+    on = TrainConfig(boundary_noise=1.0)
+    x = torch.randn(4, 2, 8)
+    sent = []
+    for replica in (0, 1):
+        (noise,) = send_transforms(on, topo, 0, replica)
+        noise.start(3)
+        sent.append(noise(x, 0, 1, "F") - x)
+    assert not torch.allclose(sent[0], sent[1], atol=1e-3)
+    (alone,) = send_transforms(on, Topology(topo.stages, u_shape=True), 0)
+    alone.start(3)
+    assert torch.equal(alone(x, 0, 1, "F") - x, sent[0])
+    assert alone.seed == on.seed * 7_919 + 104_729  # the stream of every run before replicas
+
+
 @pytest.mark.parametrize("train, message", [
     (dict(boundary_noise=-1.0), "boundary_noise=-1.0 must be"),
     (dict(boundary_noise=1.0, verify=True), "train.verify=true"),

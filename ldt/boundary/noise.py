@@ -42,10 +42,13 @@ class BoundaryNoise:
         return self._generators[device]
 
 
-def send_transforms(train, topo, stage: int) -> list:
-    """The transforms ``stage``'s sends go through: noise on data stages when configured."""
+def send_transforms(train, topo, stage: int, replica: int = 0) -> list:
+    """The transforms the sends of ``stage``'s data-parallel ``replica`` go through: noise on
+    data stages when configured."""
     if train.boundary_noise > 0 and stage in topo.data_stages():
-        # a seed of its own per stage, apart from the weight and data seeds of train.seed
-        seed = train.seed * 7_919 + 104_729 * (stage + 1)
+        # a seed of its own per stage and replica, apart from the weight and data seeds of
+        # train.seed. Replicas drawing the same noise would let the cloud, which receives every
+        # replica's messages, cancel it: a scaled difference of two of them is noise-free.
+        seed = train.seed * 7_919 + 104_729 * (stage + 1) + 15_485_863 * replica
         return [BoundaryNoise(train.boundary_noise, seed=seed)]
     return []

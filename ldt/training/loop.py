@@ -208,7 +208,7 @@ def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable
     cfg, state = run.cfg, run.state
     t, m, seq = cfg.train, cfg.train.num_microbatches, cfg.model.seq_length
     forward_step = make_forward_step(seq, rank_device(run.topo, run.rank))
-    transforms = send_transforms(t, run.topo, state.stage)
+    transforms = send_transforms(t, run.topo, state.stage, state.info.dp_rank)
     if ldt_runtime:
         comm = VtpCommunicator(models[0].config, state, run.observers, transforms)
     else:
