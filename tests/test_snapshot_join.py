@@ -16,7 +16,7 @@ import torch
 
 from ldt.launch.local import run_local_world
 from ldt.storage import snapshot_files
-from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here
+from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here, unjoinable
 from ldt.training.flat_state import FlatState
 from ldt.training.snapshot import STATE_FILE
 from ldt.training.snapshot_join import join_stage
@@ -43,6 +43,13 @@ def test_the_newest_step_whose_every_stage_can_be_joined():
     assert choose(old + newer, after=5, steps=100) is None  # not newer than the checkpoint
     assert choose(old, after=-1, steps=6) is None  # step 5 is the last of 6: none left
     assert choose(old[:2], after=-1, steps=100) is None  # a TP rank missing
+    # what a run that starts older says it leaves behind: the newest one, and why
+    assert unjoinable(old[:2], after=-1, steps=100) == (
+        "the snapshot of step 5 in host memory (layout 000000000007) cannot be joined: no host "
+        "holds any part of its stage 1's TP rank 1 (its host is gone, no copy)")
+    assert unjoinable(old[:2], after=5, steps=100) is None  # none newer than the checkpoint
+    assert unjoinable(old + newer, after=-1, steps=100).startswith("the snapshot of step 6")
+    assert "stage 0 (its host" in unjoinable(old[1:], after=-1, steps=100)
 
 
 def test_a_replica_stands_in_unless_the_optimizer_is_sharded():
@@ -51,6 +58,9 @@ def test_a_replica_stands_in_unless_the_optimizer_is_sharded():
     assert choose(replicated, -1, 100).joins[1] == StageJoin(1, 1, ((2, 1),))
     sharded = [held(0, 0, 0, sharded=1), held(1, 2, 1, dp_rank=1, dp=2, sharded=1)]
     assert choose(sharded, -1, 100) is None  # each DP rank holds a span of its own
+    assert unjoinable(sharded, -1, 100).endswith(
+        "no host holds every DP rank part of its stage 1's TP rank 0 (the distributed "
+        "optimizer shards it over 2) (its host is gone, no copy)")
     both = sharded + [held(0, 1, 1, dp_rank=0, dp=2, sharded=1)]
     assert choose(both, -1, 100).joins[1] == StageJoin(1, 0, ((1, 0), (2, 1)))
 
@@ -65,6 +75,9 @@ def test_parts_held_where_the_stage_is_joined_are_not_sent():
 
 def test_expert_parallel_stages_are_joined_only_in_their_layout():
     assert choose([held(0, 0, 0), held(0, 1, 1, ep=2)], -1, 100) is None
+    assert unjoinable([held(0, 0, 0), held(0, 1, 1, ep=2)], -1, 100).endswith(
+        "its stage 1 has expert parallelism (ep 2), whose parts load only into the layout "
+        "that wrote them")
 
 
 # ---- join_stage: shards and spans cut by hand ----------------------------------------------

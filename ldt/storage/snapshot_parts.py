@@ -130,28 +130,47 @@ def choose(held: Sequence[Held], after: int, steps: int) -> Optional[Choice]:
     for step, layout in candidates:
         here = [h for h in held if (h.step, h.layout) == (step, layout)]
         joins = _joins(here)
-        if joins is not None:
+        if not isinstance(joins, str):
             return Choice(layout, step, joins)
     return None
 
 
-def _joins(here: list[Held]) -> Optional[tuple[StageJoin, ...]]:
-    """How each stage of one snapshot is joined, or None when some stage cannot be: a TP
-    rank with no part (its optimizer span of every DP rank, with the distributed optimizer;
-    else any replica's), or expert parallelism (its parts are joined only in its layout)."""
+def unjoinable(held: Sequence[Held], after: int, steps: int) -> Optional[str]:
+    """Why the newest snapshot :func:`choose` passed over cannot be joined (one line), None
+    when there is none newer than step ``after``: what a run that starts from an older
+    checkpoint, or from the start, says it leaves behind."""
+    candidates = sorted({(h.step, h.layout) for h in held if after < h.step < steps - 1},
+                        reverse=True)
+    if not candidates:
+        return None
+    step, layout = candidates[0]
+    return (f"the snapshot of step {step} in host memory (layout {layout_name(layout)}) "
+            f"cannot be joined: {_joins([h for h in held if (h.step, h.layout) == (step, layout)])}")
+
+
+def _joins(here: list[Held]) -> tuple[StageJoin, ...] | str:
+    """How each stage of one snapshot is joined, or why some stage cannot be: a TP rank with
+    no part (its optimizer span of every DP rank, with the distributed optimizer; else any
+    replica's), or expert parallelism (its parts are joined only in its layout)."""
     stages = here[0].stages
     out = []
     for stage in range(stages):
         mine = [h for h in here if h.stage == stage]
-        if not mine or any(h.ep != 1 for h in mine):
-            return None
+        if not mine:
+            return f"no host holds a part of its stage {stage} (its host is gone, no copy)"
+        if any(h.ep != 1 for h in mine):
+            return (f"its stage {stage} has expert parallelism (ep {mine[0].ep}), whose parts "
+                    "load only into the layout that wrote them")
         tp, dp, sharded = mine[0].tp, mine[0].dp, mine[0].sharded
         need = []  # sets of old ranks, one of each needed
         for tp_rank in range(tp):
             replicas = sorted({h.rank for h in mine if h.tp_rank == tp_rank})
             dp_ranks = {h.dp_rank for h in mine if h.tp_rank == tp_rank}
             if not replicas or (sharded and len(dp_ranks) < dp):
-                return None
+                return (f"no host holds {'every DP rank' if replicas else 'any'} part of its "
+                        f"stage {stage}'s TP rank {tp_rank}"
+                        + (f" (the distributed optimizer shards it over {dp})" if replicas
+                           else "") + " (its host is gone, no copy)")
             need += [[r] for r in replicas] if sharded else [replicas]
         holders = sorted({h.holder for h in mine})  # joined where most of its parts are
         joiner = max(holders, key=lambda k: (sum(any(h.holder == k and h.rank in ranks

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ldt.launch import progress
 from ldt.models.sharding import unshard
 from ldt.storage import checkpoint_files as files
-from ldt.storage.snapshot_parts import META_FILE, Choice, Held, choose, held_here, part_folder
+from ldt.storage.snapshot_parts import (META_FILE, Choice, Held, choose, held_here, part_folder,
+                                        unjoinable)
 from ldt.training.checkpoint import load_step, write_and_seal
 from ldt.training import flat_state
 from ldt.training.optim import PARAM_STATE_KINDS
@@ -61,6 +62,11 @@ def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, mode
     held = _exchange(held_here(snapshot_dir, run_dir, dist.get_rank()), group)
     choice = choose(held, after, steps)
     if choice is None:
+        why = unjoinable(held, after, steps)
+        if why and dist.get_rank() == 0:  # its parts are removed once the run takes snapshots
+            print(f"ldt-train: {why}; the run goes on "
+                  + (f"after its checkpoint of step {after}" if after >= 0 else "from step 0")
+                  + " and trains the steps up to that snapshot again", flush=True)
         return None
     progress.current().begin(f"joining the snapshot of step {choice.step} of another layout")
     target = files.step_dir(run_dir, choice.step)
