@@ -199,3 +199,32 @@ def test_a_parts_files_take_no_more_than_the_memory_estimate_counts(root):
     state = sum(t.numel() * t.element_size() for t in live.values())
     assert state < written <= part_bytes(live), (state, written, part_bytes(live))
 
+
+
+def test_a_start_drops_the_snapshots_of_its_steps_and_later(root):
+    """A run that starts at step 5 (all ranks agreed) makes the snapshots of step 5 and later
+    another history's: they go, parts and copies alike, so a later start cannot continue a
+    history that was rolled back."""
+    for step in (4, 5):
+        snap.write(root, step, "rank_0", _state(step))
+        snap.write(snap.copies_root(root), step, "rank_1", _state(step))
+    snap.remove_from(root, 5)
+    assert snap.steps(root) == [4] and snap.steps(snap.copies_root(root)) == [4]
+
+
+def test_a_roll_back_to_an_older_checkpoint_is_not_replaced_by_a_snapshot(tmp_path):
+    """A snapshot may stand in for the run folder, its newest checkpoint or a fresh start; a
+    roll-back to an older checkpoint of the run, or another run's, is what the user asked
+    for."""
+    from ldt.training.snapshot import continues
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    for step in (40, 45):
+        os.makedirs(files.step_dir(str(run), step))
+        files.seal(files.step_dir(str(run), step), {"step": step})
+    os.makedirs(files.step_dir(str(other), 50))
+    files.seal(files.step_dir(str(other), 50), {"step": 50})
+    assert continues(None, str(run)) and continues(str(run), str(run))
+    assert continues(files.step_dir(str(run), 45), str(run))
+    assert not continues(files.step_dir(str(run), 40), str(run))
+    assert not continues(str(other), str(run))

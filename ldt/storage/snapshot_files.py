@@ -153,6 +153,17 @@ def remove_other_layouts(root: str) -> None:
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
 
 
+def remove_from(root: str, first_step: int) -> None:
+    """Drop this layout's snapshots of step ``first_step`` and later, the parts and the copies
+    kept for other hosts: a run that starts at ``first_step`` (all ranks agreed on it) makes
+    them another history's, or unfinished, and a later start must never take them for its own
+    (a rolled-back run would continue the steps it rolled back)."""
+    for folder in (root, copies_root(root)):
+        for s in steps(folder):
+            if s >= first_step:
+                shutil.rmtree(files.step_dir(folder, s), ignore_errors=True)
+
+
 def remove(root: str, part: Optional[str] = None) -> None:
     """A finished run's snapshots: ``part``'s (every step), or all; folders left empty go."""
     if part is None:

@@ -176,7 +176,8 @@ def _build_stage(run: _Run) -> _Stage:
     ldt_runtime = uses_ldt_runtime(cfg.train, topo)
     run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
     snaps = (snapshot.Snapshots(root, state, snapshot.copies(
-        topo, cfg.train.distributed_optimizer, cfg.train.comm_timeout_s)) if root else None)
+        topo, cfg.train.distributed_optimizer, cfg.train.comm_timeout_s), first_step)
+             if root else None)
     return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass, snaps)
 
 

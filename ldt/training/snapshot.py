@@ -59,7 +59,8 @@ def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
 class Snapshots:
     """One rank's snapshots (every rank writes its own part)."""
 
-    def __init__(self, root: str, state, copies: Optional["Copies"] = None):
+    def __init__(self, root: str, state, copies: Optional["Copies"] = None,
+                 first_step: int = 0):
         self.root, self.state, self.copies = root, state, copies
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
@@ -67,6 +68,7 @@ class Snapshots:
         self._meta = b""  # META_FILE: where this rank sits in its layout and the buffer's index
         self._said: set = set()
         snapshot_files.remove_other_layouts(root)
+        snapshot_files.remove_from(root, first_step)
 
     def busy(self) -> bool:
         """Is this rank's writer still writing an earlier step (told at the step boundary)?"""
@@ -324,9 +326,13 @@ def load_newest(root: str, resume: Optional[str], steps: int, models, chunks, op
 
 def continues(resume: Optional[str], run_dir: str) -> bool:
     """May a snapshot replace ``resume``? Only when the run continues its own folder (a
-    fresh start, ``train.resume=auto``, or a checkpoint of the run folder): an explicit
-    checkpoint of another run is what the user asked for."""
+    fresh start, ``train.resume=auto``, the run folder or its newest checkpoint): a checkpoint
+    of another run, or an older one of this run (a roll-back), is what the user asked for."""
     if resume is None:
         return True
     here, there = os.path.abspath(run_dir), os.path.abspath(resume)
-    return there == here or there.startswith(here + os.sep)
+    if there == here:
+        return True
+    newest = latest(here) if os.path.isdir(here) else None
+    return there.startswith(here + os.sep) and newest is not None \
+        and os.path.abspath(newest) == os.path.abspath(latest(there) or "")
