@@ -254,8 +254,10 @@ def _train(run: _Run) -> Optional[dict]:
             out.step(row, decision)
         if stage.snapshots is not None and not decision.nonfinite:
             progress.current().begin("snapshot (copying this rank's state)")
+            # at a stop signal this step's snapshot is what the restart starts from: every rank
+            # waits for its busy writer rather than skip it (a stop loses no step it can keep)
             stage.snapshots.take(step, stage.opt.models, stage.chunks, stage.opt,
-                                 busy=decision.snapshot_busy)
+                                 busy=decision.snapshot_busy and not decision.signum)
         stop = _stop_or_save(run, stage, step, row, decision)
         if stop is not None:
             break
