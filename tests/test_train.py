@@ -299,7 +299,7 @@ def _fake_run(dp: int, num_mtp: int = 0, u_shape: bool = True):
     from types import SimpleNamespace as NS
 
     topo = NS(dp_of=lambda stage: dp, u_shape=u_shape, is_vdp=False, loss_stage=lambda: 0)
-    state = NS(topology=topo, stage=0, dp_group_gloo="dp-gloo")
+    state = NS(topology=topo, stage=0, dp_group_gloo="dp-gloo", info=NS(dp_rank=0))
     train = NS(num_microbatches=2, micro_batch_size=1, prefetch=0, schedule="auto",
                runtime="auto")
     cfg = NS(train=train, model=NS(seq_length=8, mtp_num_layers=num_mtp))

@@ -30,6 +30,18 @@ CASES = {
     "device_missing": (["cluster=mixed_gpu_npu", "model=llama_7b"], {},
                        ["cluster.stages[0].device='cuda'", "this machine has only ['cpu']"]),
     "dp_zero": (["cluster.dp=0"], {}, ["cluster.dp=0 must be >= 1"]),
+    "chunks_ldt_runtime": (["cluster=cpu_uniform", "cluster.layout=Ett|t|t|ttL",
+                            "train.runtime=ldt"], {},
+                           ["cluster.layout has 2 chunks per stage", "only megatron's interleaved",
+                            "train.runtime=ldt runs one chunk per stage", "train.runtime=auto"]),
+    "chunks_one_stage": (["cluster.stages=[{name:a,device:cpu,tp:1}]", "cluster.u_shape=false",
+                          "cluster.layout=Ettt|tttL"], {},
+                         ["2 chunks per stage", "one stage has no pipeline to interleave"]),
+    "sgd_distributed": (["train/optimizer=sgd", "train.distributed_optimizer=true"], {},
+                        ["train.distributed_optimizer=true with train/optimizer=sgd",
+                         "shards Adam only", "train.distributed_optimizer=false"]),
+    "verify_torchrun": (["train.verify=true"], {"WORLD_SIZE": "4", "RANK": "0"},
+                        ["train.verify=true under torchrun", "ldt-train on one machine"]),
     "snapshot_dir_missing": (["train.snapshot_dir={tmp}/absent"], {},
                              ["train.snapshot_dir=", "absent' is not a folder this process can "
                               "write", "e.g. /dev/shm"]),
@@ -226,3 +238,22 @@ def test_binary_data_file_is_a_warning(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("plain text " * 1000)
     assert check_files(DataConfig(path=str(text)), model, TrainConfig(), topo) == []
+
+
+def test_under_torchrun_each_host_needs_only_its_own_stages_devices():
+    """A CPU edge host beside a GPU cloud host: under torchrun the edge's rank checks the edge's
+    stage only (it refused the cloud's cuda, whose devices are on the other host, although
+    that is what torchrun was launched for); the cloud's rank on this CPU machine is refused,
+    and so is the whole cluster when one launcher runs every rank here."""
+    from ldt.config import ConfigError
+    from ldt.job.hydra import compose
+    from ldt.topology.validate import validate
+
+    model = compose(["model=gpt_tiny"]).model
+    cluster = {"stages": [{"name": "edge", "device": "cpu", "tp": 1},
+                          {"name": "cloud", "device": "cuda", "tp": 1}], "u_shape": True}
+    assert validate(cluster, model, world_size=2, rank=0).num_stages == 2
+    for rank in (1, None):
+        with pytest.raises(ConfigError, match=r"cluster.stages\[1\].device='cuda' but this "
+                                              r"machine has only \['cpu'\]"):
+            validate(cluster, model, world_size=2, rank=rank)

@@ -116,7 +116,12 @@ def check(plain: dict, rank: Optional[int], world: Optional[int]) -> Checked:
     if first:
         _not_a_live_run(plain)
     cfg = typed_config(plain)
-    topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
+    if rank is not None and cfg.train.verify:
+        raise ConfigError("train.verify=true under torchrun: the single-process reference runs "
+                          "only beside the bare launcher's world, so no parity would be "
+                          "checked; check it with ldt-train on one machine, or drop "
+                          "train.verify")
+    topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train, rank=rank)
     priced = run_prices(cfg.cluster, cfg.model, cfg.train) \
         if cfg.train.schedule == "zb" and first else None
     warnings = check_files(cfg.data, cfg.model, cfg.train, topo, rank)

@@ -100,15 +100,17 @@ def available_device_types() -> frozenset[str]:
     return frozenset(found)
 
 
-def check_devices_present(device_types: Iterable[str], available: frozenset[str] | None = None) -> None:
-    """Refuse a cluster that names a device type this machine does not have."""
+def check_devices_present(device_types: Iterable[str], available: frozenset[str] | None = None,
+                          stages: Iterable[int] | None = None) -> None:
+    """Refuse a cluster that names a device type this machine does not have; ``stages``: the
+    stage index of each device type (default 0, 1, ...: every stage's)."""
     device_types = list(device_types)
     for dev in device_types:
         backend_for(dev)
     if available is None and set(device_types) <= {"cpu"}:
         return  # every machine has a CPU: no need to ask torch (and pay for importing it)
     available = available_device_types() if available is None else available
-    for i, dev in enumerate(device_types):
+    for i, dev in zip(range(len(device_types)) if stages is None else stages, device_types):
         backend_for(dev)
         if dev not in available:
             raise ConfigError(

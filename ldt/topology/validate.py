@@ -30,10 +30,13 @@ from ldt.topology.ranks import Topology
 
 
 def validate(cluster: ClusterConfig, model: ModelConfig, world_size: Optional[int] = None, *,
-             train: Optional[TrainConfig] = None, check_devices: bool = True) -> Topology:
+             train: Optional[TrainConfig] = None, check_devices: bool = True,
+             rank: Optional[int] = None) -> Topology:
     """Validate a (cluster, model[, train]) combination; return its topology. The configs are
     typed once here (a dict from a test, the API or a resolved Hydra config; a typed config
-    passes as it is) and travel typed to every check."""
+    passes as it is) and travel typed to every check. ``rank``: this process's rank under
+    torchrun, whose host need have only its own stage's devices (and Transformer Engine); None
+    (one launcher runs every rank here): this machine runs every stage."""
     cluster, model = to_cluster(cluster), to_model(model)
     train = None if train is None else to_train(train)
     topo = Topology.from_config(cluster, model)  # structure + layout vs model
@@ -47,10 +50,11 @@ def validate(cluster: ClusterConfig, model: ModelConfig, world_size: Optional[in
     check_stages(model, cluster, topo)
     _check_experts(topo, model)
     _check_mtp(topo, model)
+    here = range(topo.num_stages) if rank is None else [topo.rank_info(rank).stage]
     if check_devices:
-        check_devices_present(s.device for s in topo.stages)
-    for s in topo.stages:
-        transformer_impl(model, s.device)
+        check_devices_present([topo.stages[i].device for i in here], stages=here)
+    for i, s in enumerate(topo.stages):  # another host's stage: its own check runs there
+        transformer_impl(model, s.device, te_available=None if i in here else True)
     if topo.is_vdp:
         _check_vdp(topo, model, train)
     if train is not None:
@@ -171,6 +175,11 @@ def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> 
             "clips only fp32 gradients (clip_grad_by_total_norm_fp32 asserts it), and without "
             "main params the gradients are bf16; set train.clip_grad=0 or "
             "train.fp32_main_params=true (or null)")
+    if train.distributed_optimizer and train.optimizer.name != "adam":
+        raise ConfigError(
+            f"train.distributed_optimizer=true with train/optimizer={train.optimizer.name}: "
+            "megatron-core's distributed optimizer shards Adam only; use train/optimizer=adam "
+            "or set train.distributed_optimizer=false")
     first, last = topo.stages[0].tp, topo.stages[-1].tp
     if train.distributed_optimizer and model.tie_embeddings and topo.dp > 1 \
             and not topo.u_shape and topo.num_stages > 1 and first != last:
@@ -415,6 +424,13 @@ def _check_schedule(topo: Topology, train: TrainConfig) -> None:
             "train.schedule='interleaved' with cluster.u_shape=true: the U-shape has its own "
             "schedule; use train.schedule=auto"
         )
+    _check_schedule_size(topo, train)
+    _check_chunks_per_stage(topo, train)
+
+
+def _check_chunks_per_stage(topo: Topology, train: TrainConfig) -> None:
+    """A layout of several segments per stage: megatron's interleaved schedule, which alone
+    runs it, and its micro-batch count."""
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
     if train.schedule == "interleaved" and vpp == 1:
         raise ConfigError(
@@ -431,7 +447,14 @@ def _check_schedule(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "
             "train.schedule=interleaved (or auto), or one segment per stage")
-    _check_schedule_size(topo, train)
+    if vpp > 1 and (train.runtime == "ldt" or topo.is_vdp or topo.num_stages == 1):
+        why = ("train.runtime=ldt runs one chunk per stage" if train.runtime == "ldt" else
+               "per-stage DP runs on ldt's runtime, one chunk per stage" if topo.is_vdp else
+               "one stage has no pipeline to interleave")
+        raise ConfigError(
+            f"cluster.layout has {vpp} chunks per stage, which only megatron's interleaved "
+            f"schedule runs, and {why}: give one segment per stage"
+            + (", or train.runtime=auto" if train.runtime == "ldt" else ""))
     if vpp > 1:
         p, m = topo.num_stages, train.num_microbatches
         if m % p:
