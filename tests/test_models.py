@@ -294,6 +294,9 @@ FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
     "qwen3-ushape": ("cpu_demo", ("model=qwen3_tiny",), 3),
     "qwen3-vtp": ("cpu_vtp", ("model=qwen3_tiny",), 3),
     "qwen3_moe-vtp": ("cpu_vtp", MOE, 3),  # the U-shape: test_moe_expert_parallel_...
+    # per-stage DP: the cloud's 2 replicas hold the MoE layers, the edge's 1 the loss (each
+    # lane's load-balancing loss weighed as the loss stage's micro-batches are)
+    "qwen3_moe-vdp": ("cpu_vdp", MOE, 3),
 }
 
 

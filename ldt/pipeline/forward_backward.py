@@ -77,7 +77,12 @@ def run_step(*, forward_step_func, data_iterator, model, num_microbatches: int,
                                   forward_only, prefetch, zero_bubble, priced)
         lane = lane_of(state)
         actions, comm = schedule[lane], LaneCommunicator(comm, tuple(topo.dp_sizes))
-        num_microbatches = len(schedule.microbatches[lane])
+        # megatron's forward_step scales the loss by 1 / this, and on every MoE stage the
+        # load-balancing loss: a loss-stage lane's count, which the stage's grad_factor
+        # (ldt.schedule.routing) turns into the uniform-DP gradient for both (a lane's own
+        # count would weigh a MoE stage's aux loss dp_s / dp_loss times the reference's)
+        loss_lane = Lanes(tuple(topo.dp_sizes)).lane(topo.loss_stage(), 0)
+        num_microbatches = len(schedule.microbatches[loss_lane])
     else:
         schedule = stage_schedules(kind, topo.num_stages, num_microbatches, forward_only,
                                    prefetch, zero_bubble, priced)
