@@ -322,3 +322,27 @@ def test_a_plan_with_per_stage_dp_is_priced_without_fan_out():
                                             / (link.bandwidth_gbps * 1e9))  # two copies
     assert vdp[(0, 1)] == pytest.approx(one + relay)
     assert vdp[(1, 0)] == uniform[(1, 0)] == pytest.approx(one)  # into TP 1: one copy
+
+
+def test_selective_mlp_recompute_spares_only_the_dense_layers_of_a_moe_model():
+    """megatron recomputes a dense layer's MLP under selective ``mlp``, never a MoE layer's
+    experts (its ``recompute_mlp`` is off there). qwen3_moe_tiny, 2 of whose 6 layers are
+    dense: the planner saved the whole averaged MLP on every layer, so it priced a MoE stage
+    smaller than megatron keeps it. Now it saves a dense MLP's bytes on 2 of 6 layers (fp32,
+    s 64, b 1: fc1's gated output 2f, fc2's input f, SwiGLU's activation and product 2f, with
+    f 128), and repeats 2 / 6 of a dense MLP's FLOPs."""
+    from ldt.config import to_model
+    from ldt.job.hydra import compose
+    from ldt.plan.cost import Recompute
+
+    moe = to_model(compose(["model=qwen3_moe_tiny"]).model)
+    dense = to_model({**moe.__dict__, "num_moe_experts": None, "moe_layer_freq": 1})
+    rc = Recompute("selective", modules=("mlp",))
+    inv = synthetic_inventory({"a100": 8})
+    cost, plain = CostModel(moe, inv, 1), CostModel(dense, inv, 1)
+    saved = cost.layer_activation_bytes(1) - cost.layer_activation_bytes(1, rc)
+    assert saved == pytest.approx(64 * 4 * (2 * 128 + 128 + 2 * 128) * 2 / 6)
+    assert plain.layer_activation_bytes(1) - plain.layer_activation_bytes(1, rc) == \
+        pytest.approx(64 * 4 * (2 * 128 + 128 + 2 * 128))
+    assert cost.recompute_time("a100", 1, 6, rc) == \
+        pytest.approx(plain.recompute_time("a100", 1, 6, rc) * 2 / 6)

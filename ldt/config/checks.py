@@ -74,5 +74,6 @@ def check_recompute(field: Any, granularity, method, num_layers, modules) -> Non
     if bad or (modules is not None and not modules):
         raise ConfigError(
             f"{field('modules')}={list(modules)}: "
-            + (f"{bad[0]!r} is not a recomputable module of a dense model; " if bad else
-               "empty; ") + f"use some of {', '.join(RECOMPUTE_MODULES)}")
+            + (f"{bad[0]!r} is not a module ldt recomputes (megatron's MoE and MLA modules are "
+               "not supported; on a MoE model mlp recomputes the dense layers' MLPs); "
+               if bad else "empty; ") + f"use some of {', '.join(RECOMPUTE_MODULES)}")

@@ -283,7 +283,7 @@ class CostModel:
             core = 4 * a / tp  # log-sum-exp, fp32
         else:
             core = (self._upcast() * a + 1) * s / tp
-        mlp = d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit else 0)) / tp
+        mlp = self._dense_mlp_bytes(tp)
         if self.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
             qkv += self._qk_norm_bytes() / d
         if self.moe is not None:  # a MoE layer's router and dispatched tokens
@@ -292,6 +292,16 @@ class CostModel:
                 "qkv": d * qkv / tp + rope_tables, "core_attn": core,
                 "attn_out": d * self.hd / tp, "mlp": mlp}
 
+    def _dense_mlp_bytes(self, tp: int) -> float:
+        """A dense MLP's activation bytes per token (:meth:`layer_parts`' ``mlp``)."""
+        return self.d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit
+                                              else 0)) / tp
+
+    def _dense_share(self) -> float:
+        """The layers whose MLP selective ``mlp`` recomputation repeats: megatron recomputes a
+        dense layer's MLP, never a MoE layer's experts (``recompute_mlp`` is off there)."""
+        return 1.0 if self.moe is None else 1.0 - self.moe.share
+
     def layer_activation_bytes(self, tp: int, recompute=None) -> float:
         """One decoder layer, one micro-batch: without recomputation, or with a selective one
         (the recomputed modules keep only their inputs, which other parts keep anyway)."""
@@ -299,8 +309,8 @@ class CostModel:
         for module in _selective_modules(recompute):
             if module == "core_attn":
                 parts["core_attn"] = 0.0
-            elif module == "mlp":
-                parts["mlp"] = 0.0
+            elif module == "mlp":  # the dense layers' (megatron leaves the experts' kept)
+                parts["mlp"] -= self._dense_share() * self._dense_mlp_bytes(tp)
             elif module == "layernorm":  # the norm outputs (QKV, fc1 inputs) and internals
                 parts["norms"] -= (2 * self.d * self.h + 2 * self._norm_bytes()) / \
                     self.sequence_shards(tp)
@@ -432,7 +442,7 @@ class CostModel:
             return n * self.layer_time(kind, tp)[0]
         b, s, h = self.b, self.s, self.h
         flops = {"core_attn": 4 * b * s * s * h,
-                 "mlp": 2 * b * s * h * self.fc1 + 2 * b * s * self.f * h}
+                 "mlp": self._dense_share() * (2 * b * s * h * self.fc1 + 2 * b * s * self.f * h)}
         per_layer = sum(flops.get(m, 0.0) for m in _selective_modules(recompute))
         return layers * per_layer / self._speed(self.inventory.kind(kind), tp)
 
