@@ -33,7 +33,7 @@ def _cluster(*recompute, layout="Et|tt|tt|tL"):
      r"model.recompute_num_layers=2 with model.recompute_granularity='selective'"),
     ({"recompute_granularity": "partial"}, None, r"'partial' is not a recompute granularity"),
     ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, None,
-     r"'moe' is not a recomputable module.*core_attn, mlp, layernorm"),
+     r"'moe' is not a module ldt recomputes.*core_attn, mlp, layernorm"),
     ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, None,
      r"stage 0 \(s0\) with model.add_bias_linear=true.*drop mlp"),
     ({}, RecomputeConfig("full", "block"),
