@@ -264,6 +264,7 @@ def test_a_bad_checkpoint_is_refused_before_training(tmp_path, full):
     check_compatible(source, to_model(model))
     model_json = os.path.join(source, "model.json")  # written by the save, under the checksums
     assert files.read_info(source)["files"]["model.json"]["bytes"] == os.path.getsize(model_json)
+    assert files.read_info(source)["optimizer"] == "adam"  # a resume with another is refused
 
     # the launcher refuses them before starting any rank: exit 2, one line
     for resume, extra, named in ((cases["flip"][0], ["train.steps=40"], cases["flip"][1]),

@@ -257,3 +257,28 @@ def test_under_torchrun_each_host_needs_only_its_own_stages_devices():
         with pytest.raises(ConfigError, match=r"cluster.stages\[1\].device='cuda' but this "
                                               r"machine has only \['cpu'\]"):
             validate(cluster, model, world_size=2, rank=rank)
+
+
+def test_a_resume_with_another_optimizer_is_refused(tmp_path, monkeypatch):
+    """A checkpoint says which optimizer wrote it: resuming an Adam run with SGD kept no
+    momentum and dropped Adam's moments without a word. train.load (weights only) and a
+    checkpoint that does not say (written before it did) pass."""
+    import json
+
+    from ldt.config import ConfigError, to_train
+    from ldt.topology import validate as checks
+
+    found = tmp_path / "checkpoints" / "step_5"
+    found.mkdir(parents=True)
+    info = {"step": 5, "steps": 10, "optimizer": "adam"}
+    (found / "checkpoint.json").write_text(json.dumps(info))
+    monkeypatch.setattr(checks, "preflight", lambda *a, **k: str(found))  # files: elsewhere
+    monkeypatch.setattr(checks, "check_compatible", lambda *a: None)
+    sgd = {"steps": 10, "optimizer": {"name": "sgd"}}
+    with pytest.raises(ConfigError, match=r"was written by a train/optimizer=adam run, and this "
+                                          r"run's is sgd.*train.load="):
+        checks._check_checkpoint(to_train({**sgd, "resume": str(tmp_path)}), None)
+    checks._check_checkpoint(to_train({**sgd, "load": str(tmp_path)}), None)
+    checks._check_checkpoint(to_train({"steps": 10, "resume": str(tmp_path)}), None)  # adam
+    (found / "checkpoint.json").write_text(json.dumps({"step": 5, "steps": 10}))
+    checks._check_checkpoint(to_train({**sgd, "resume": str(tmp_path)}), None)

@@ -23,7 +23,7 @@ from ldt.models.spec import transformer_impl
 from ldt.models.tensor_files import check_compatible
 from ldt.schedule.size import (available_bytes, check_fits, check_schedule_size, gib,
                                runs_on_ldt_runtime)
-from ldt.storage.checkpoint_files import preflight, skipped
+from ldt.storage.checkpoint_files import preflight, read_info, skipped
 from ldt.storage.snapshot_files import check_snapshot_dir
 from ldt.topology.device import check_devices_present
 from ldt.topology.ranks import Topology
@@ -151,6 +151,13 @@ def _check_checkpoint(train: TrainConfig, model: ModelConfig) -> None:
     # (sha256 too: check_files on a launcher, or each rank on load)
     found = preflight(path, field, train.steps if train.resume else None, hashes=False)
     check_compatible(found, model)
+    theirs = read_info(found, field).get("optimizer") if train.resume else None
+    if theirs and theirs != train.optimizer.name:  # its state would be dropped without a word
+        raise ConfigError(
+            f"train.resume={path!r} was written by a train/optimizer={theirs} run, and this "
+            f"run's is {train.optimizer.name}, which keeps other state: resume with "
+            f"train/optimizer={theirs}, or start from its weights alone with train.load="
+            f"{path!r}")
 
 
 def _check_precision(topo: Topology, model: ModelConfig, train: TrainConfig) -> None:

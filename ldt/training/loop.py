@@ -342,7 +342,9 @@ def _stop_or_save(run: _Run, stage: _Stage, step: int, row: dict,
     if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
         progress.current().begin("saving a checkpoint", waiting=True)
         result = checkpoint.save(run_dir, step, stage.opt.models, stage.chunks, stage.opt,
-                                 run.state, info={"steps": t.steps}, model=run.cfg.model,
+                                 run.state, info={"steps": t.steps,
+                                                  "optimizer": t.optimizer.name},
+                                 model=run.cfg.model,
                                  keep_last=t.keep_last, group=run.guard.group,
                                  origin=t.resume or t.load)
         if result.error:

@@ -48,7 +48,9 @@ def load_snapshot(root: str, train, run_dir: str, models, chunks, optimizer, sta
     if step is not None:
         return step
     found = join_newest(train.snapshot_dir, run_dir, resumes_after(train.resume), train.steps,
-                        model=model, info={"steps": train.steps}, keep_last=train.keep_last,
+                        model=model, info={"steps": train.steps,
+                                           "optimizer": train.optimizer.name},
+                        keep_last=train.keep_last,
                         origin=train.resume or train.load, group=group)
     return None if found is None else load_step(found, models, chunks, optimizer, state,
                                                 verified=True)
