@@ -177,6 +177,9 @@ def test_bad_noise_settings_are_refused(train, message):
         validate(cluster, model, train=TrainConfig(**train))
     with pytest.raises(ConfigError, match="ldt's runtime"):
         validate({**cluster, "u_shape": False}, model, train=TrainConfig(boundary_noise=1.0))
+    for plain_on_ldt in (dict(schedule="zb"), dict(runtime="ldt")):  # ldt's runtime: noised
+        validate({**cluster, "u_shape": False}, model,
+                 train=TrainConfig(boundary_noise=1.0, **plain_on_ldt))
 
 
 def test_auc_matches_pair_counting():

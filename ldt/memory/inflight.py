@@ -95,7 +95,7 @@ def stage_inflight(topo, train, sequence_parallel: bool = False,
     if vpp > 1:
         return {s: _interleaved(topo.num_stages, s, vpp, m) for s in range(topo.num_stages)}
     schedule, stage_of = _lists(topo, train, priced)
-    ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime)
+    ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime, train.schedule)
     out: dict[int, list[Moment]] = {}
     for lane, actions in schedule.items():
         stage = stage_of(lane)

@@ -36,10 +36,12 @@ def actions_per_step(num_stages: int, num_microbatches: int, replicas: int = 1) 
     return num_microbatches * replicas * (8 * max(num_stages, 1) + 2)
 
 
-def runs_on_ldt_runtime(u_shape: bool, per_stage_dp: bool, runtime: str) -> bool:
-    """The U-shape and per-stage DP always run on ldt's runtime (which materialises the step's
-    action lists); a plain pipeline when ``train.runtime=ldt``."""
-    return bool(u_shape or per_stage_dp or runtime == "ldt")
+def runs_on_ldt_runtime(u_shape: bool, per_stage_dp: bool, runtime: str,
+                        schedule: str = "auto") -> bool:
+    """The U-shape, per-stage DP and the zero-bubble schedule always run on ldt's runtime
+    (which materialises the step's action lists); a plain pipeline when
+    ``train.runtime=ldt``."""
+    return bool(u_shape or per_stage_dp or runtime == "ldt" or schedule == "zb")
 
 
 def available_bytes() -> int:

@@ -330,7 +330,7 @@ def _check_schedule_size(topo: Topology, train: TrainConfig) -> None:
     and keeps every action's measured times: bounded by the host's memory before it starts."""
     processes = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world_size))
     m = train.num_microbatches
-    if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime):
+    if runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, train.runtime, train.schedule):
         check_schedule_size("train.num_microbatches", m, topo.num_stages,
                             replicas=max(topo.dp_sizes) if topo.is_vdp else 1,
                             processes=processes, steps=train.steps)
@@ -392,7 +392,8 @@ def _check_train(topo: Topology, train: TrainConfig) -> None:
         raise ConfigError(
             f"train.verify=true with train.boundary_noise={train.boundary_noise}: the noise makes "
             "the run differ from the single-process reference on purpose; set one of them off")
-    if train.boundary_noise > 0 and not (topo.u_shape or train.runtime == "ldt"):
+    if train.boundary_noise > 0 and not runs_on_ldt_runtime(topo.u_shape, topo.is_vdp,
+                                                            train.runtime, train.schedule):
         raise ConfigError(
             f"train.boundary_noise={train.boundary_noise} is applied by ldt's runtime; use "
             "cluster.u_shape=true or train.runtime=ldt (megatron's own 1F1B does not apply it)")
@@ -410,10 +411,11 @@ def _check_schedule(topo: Topology, train: TrainConfig) -> None:
             "train.schedule=zb (zero-bubble) runs on ldt's runtime (megatron's schedules do not "
             "split the backward); got train.runtime=megatron: give train.runtime=auto or ldt, "
             "or another schedule")
-    if train.cost_run and train.schedule != "zb":
-        raise ConfigError(f"train.cost_run={train.cost_run!r} prices the zero-bubble order, "
-                          f"and train.schedule={train.schedule!r}: give train.schedule=zb, or "
-                          "leave train.cost_run out")
+    for key in ("cost_run", "cost_inventory"):  # set for nothing, they would be ignored
+        if getattr(train, key) and train.schedule != "zb":
+            raise ConfigError(f"train.{key}={getattr(train, key)!r} prices the zero-bubble "
+                              f"order, and train.schedule={train.schedule!r}: give "
+                              f"train.schedule=zb, or leave train.{key} out")
     if train.prefetch < 0 or (train.prefetch and not topo.u_shape):
         raise ConfigError(f"train.prefetch={train.prefetch}: the prefetch depth of the U-shape "
                           "schedule must be >= 0, and 0 without cluster.u_shape=true")
@@ -450,6 +452,10 @@ def _check_chunks_per_stage(topo: Topology, train: TrainConfig) -> None:
             f"train.schedule=zb but cluster.layout has {vpp} chunks per stage; the zero-bubble "
             "schedules (ZB-H1, the zero-bubble U-shape) run one chunk per stage: give one "
             "segment per stage, or train.schedule=interleaved")
+    if train.overlap_p2p_comm and vpp == 1:
+        raise ConfigError("train.overlap_p2p_comm=true overlaps the sends of megatron's "
+                          "interleaved schedule, and cluster.layout has one segment per stage; "
+                          "give a layout with several chunks per stage, or leave it false")
     if train.schedule == "1f1b" and vpp > 1:
         raise ConfigError(
             f"train.schedule=1f1b but cluster.layout has {vpp} chunks per stage; use "

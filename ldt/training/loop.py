@@ -173,7 +173,8 @@ def _build_stage(run: _Run) -> _Stage:
     root = snapshot.root_of(cfg.train.snapshot_dir, run.run_dir, topo)
     first_step = _load_checkpoint(run, models, chunks, opt, root)
     data = build_training_data(cfg, topo, state)  # every rank: indexed data builds collectively
-    ldt_runtime = uses_ldt_runtime(cfg.train, topo)
+    ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, cfg.train.runtime,
+                                      cfg.train.schedule)
     run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
     snaps = (snapshot.Snapshots(root, state, snapshot.copies(
         topo, cfg.train.distributed_optimizer, cfg.train.comm_timeout_s), first_step)
@@ -425,9 +426,3 @@ def _replica_mean(value: torch.Tensor, state) -> torch.Tensor:
         value /= dp
     return value
 
-
-def uses_ldt_runtime(train: TrainConfig, topo) -> bool:
-    """The U-shape and per-stage DP always run on ldt's runtime; a plain pipeline when
-    train.runtime=ldt or train.schedule=zb."""
-    return runs_on_ldt_runtime(topo.u_shape, topo.is_vdp,
-                               "ldt" if train.schedule == "zb" else train.runtime)
