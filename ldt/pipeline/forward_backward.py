@@ -20,6 +20,7 @@ from ldt.boundary.lanes import LaneCommunicator, lane_of
 from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 from ldt.pipeline.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
+from ldt.schedule.routing import Lanes
 from ldt.schedule.vdp import vdp_schedule
 from ldt.schedule.zerobubble import Priced, zb_h1, zb_u_shape
 
