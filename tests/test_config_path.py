@@ -28,8 +28,10 @@ ENTRY = ("ldt.training.loop", "train_worker", "cfg")
 # own follower, which also followed values derived from the config, counted 44), 20 after
 # #44, 24 once a zero-bubble run priced its own plan in every rank (ldt.plan's convert, cost,
 # evaluate, zerobubble) and snapshots its state (ldt.training.snapshot), 21 since the launcher
-# prices it once and hands the prices to the ranks.
-MAX_FILES = 21
+# prices it once and hands the prices to the ranks, 22 since validate's schedule checks
+# (train.schedule, runtime, chunks per stage) are a file of their own
+# (ldt.topology.schedule_checks: validate.py had grown to 477 lines).
+MAX_FILES = 22
 WHOLE = ("ldt.training", "ldt.data", "ldt.config")  # where the whole LdtConfig may go
 
 
