@@ -196,8 +196,8 @@ class TrainConfig:
     """float16 only: a constant loss scale; None: dynamic loss scaling (megatron's)."""
     initial_loss_scale: Optional[float] = None
     """float16 with dynamic loss scaling: the scale of the first step (megatron's
-    ``--initial-loss-scale``; None: 65536). A step whose gradients overflow is skipped and the scale backs
-    off (halves after megatron's hysteresis of 2 overflows); the run goes on."""
+    ``--initial-loss-scale``; None: 65536). A step whose gradients overflow is skipped and the
+    scale backs off (halves after megatron's hysteresis of 2 overflows); the run goes on."""
     seed: int = 1234
     verify: bool = False
     """Also run the same steps in a single-process reference and report the loss difference."""

@@ -125,9 +125,7 @@ def choose(held: Sequence[Held], after: int, steps: int) -> Optional[Choice]:
     from; -1: none) that leaves a step of the run's ``steps`` to train and whose every stage
     can be joined from the parts ``held``; None when there is none. Every rank computes it
     from the same list, so all agree without another message."""
-    candidates = sorted({(h.step, h.layout) for h in held if after < h.step < steps - 1},
-                        reverse=True)
-    for step, layout in candidates:
+    for step, layout in _candidates(held, after, steps):
         here = [h for h in held if (h.step, h.layout) == (step, layout)]
         joins = _joins(here)
         if not isinstance(joins, str):
@@ -139,13 +137,19 @@ def unjoinable(held: Sequence[Held], after: int, steps: int) -> Optional[str]:
     """Why the newest snapshot :func:`choose` passed over cannot be joined (one line), None
     when there is none newer than step ``after``: what a run that starts from an older
     checkpoint, or from the start, says it leaves behind."""
-    candidates = sorted({(h.step, h.layout) for h in held if after < h.step < steps - 1},
-                        reverse=True)
+    candidates = _candidates(held, after, steps)
     if not candidates:
         return None
     step, layout = candidates[0]
     return (f"the snapshot of step {step} in host memory (layout {layout_name(layout)}) "
             f"cannot be joined: {_joins([h for h in held if (h.step, h.layout) == (step, layout)])}")
+
+
+def _candidates(held: Sequence[Held], after: int, steps: int) -> list[tuple[int, int]]:
+    """(step, layout) of the snapshots after step ``after`` that leave a step to train, newest
+    first."""
+    return sorted({(h.step, h.layout) for h in held if after < h.step < steps - 1},
+                  reverse=True)
 
 
 def _joins(here: list[Held]) -> tuple[StageJoin, ...] | str:
