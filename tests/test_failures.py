@@ -82,8 +82,8 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
     """Rank 1 (cloud0's leader) is SIGKILLed, bare and under torchrun; both end within
     comm_timeout_s + 15 s, leave no process and print no traceback. Bare: one line naming the
     rank that failed first. Under torchrun no launcher of ldt's sees the whole world: each
-    rank left says in one line who it is, where it was and why it stopped, and torchrun's own
-    summary shows rank 1's SIGKILL and the others' lines."""
+    rank left says in one line who it is, where it was and why it stopped, and ends with its
+    own exit status; torchrun's summary shows rank 1's SIGKILL and the others' lines."""
     import socket
 
     with socket.socket() as s:
@@ -117,6 +117,11 @@ def test_a_rank_lost_under_torchrun_reads_like_the_bare_launcher(tmp_path):
         assert re.search(r"\): (boundary \d->\d: rank \d .*failed [\d.]+ s after|lost a peer)",
                          mine[0]), mine[0]
         assert f"traceback : {mine[0]}" in summary  # torchrun's summary shows it (error file)
+        # it ended by its own report, not by torchrun's SIGTERM (which arrives while the rank
+        # fails too: were it not held, the rank could die before it says why)
+        number = label.split()[1]
+        assert re.search(rf"rank      : {number} \(local_rank: {number}\)\n  exitcode  : 1 ",
+                         summary), summary
     # rank 1 said nothing: torchrun's summary has its SIGKILL (as its root cause, unless a
     # rank left wrote its line in an earlier second: torchrun dates failures to the second)
     assert re.search(r"rank      : 1 \(local_rank: 1\)\n  exitcode  : -9 .*\(SIGKILL\)",

@@ -74,6 +74,11 @@ class StopSignals:
             signal.signal(s, handler)
         self._old = {}
 
+    def hold_to_exit(self) -> None:
+        """Keep noting the signals after the block: a failing rank ends with its own exit
+        status, not by a stop signal that arrives while it reports and exits."""
+        self._old = {}
+
     def _on_signal(self, signum, frame) -> None:
         self.signum = self.signum or signum
 

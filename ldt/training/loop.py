@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -52,8 +53,8 @@ from ldt.training.stage import build_stage_models, make_forward_step
 
 def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
                  resume_verified: bool = False, observe: Optional[Callable] = None,
-                 topo: Optional[Topology] = None,
-                 priced: Optional[Priced] = None) -> Optional[dict]:
+                 topo: Optional[Topology] = None, priced: Optional[Priced] = None,
+                 signals: Optional[StopSignals] = None) -> Optional[dict]:
     """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
     ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
     ``cfg``: the launcher's :class:`~ldt.config.LdtConfig` (a plain dict, from tests and the
@@ -63,7 +64,9 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
     boundary observers (ldt-audit's). ``priced``: with ``train.schedule=zb``, the plan's prices
     its order is generated from (:func:`ldt.plan.zerobubble.run_prices`), priced once where
-    the config was checked and handed to every rank (a cost run's folder is read there only)."""
+    the config was checked and handed to every rank (a cost run's folder is read there only).
+    ``signals``: the caller's :class:`StopSignals` block, when it must outlast this call
+    (under torchrun a failing rank reports inside it: ``ldt.job.prepare.join_torchrun``)."""
     cfg = typed_config(cfg)
     set_log_level(cfg.train.log_level, rank)  # the same under torchrun as in a bare launch
     if topo is None:
@@ -74,7 +77,8 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
                           "cfg.train), as ldt-train's launchers do")
     _record_pid(run_dir, rank)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
-    with StopSignals() as signals:  # from here on a stop signal waits for a step boundary
+    block = StopSignals() if signals is None else nullcontext(signals)
+    with block as signals:  # from here on a stop signal waits for a step boundary
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
         guard = StepGuard(state, signals, StepGuard.world_group())
         observers = _observers(cfg.train, run_dir, rank)
