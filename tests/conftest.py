@@ -1,5 +1,6 @@
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,21 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in gpu:
         item.add_marker(pytest.mark.skip(reason=GPU_SKIP))
+
+
+@pytest.fixture
+def host_memory(tmp_path):
+    """An empty folder for snapshots in host memory, as in real use: on /dev/shm (tmpfs),
+    else under tmp_path; removed after the test. On a disk a snapshot's fsync can outlast a
+    step of a loaded machine, and the snapshots then fall behind what a test expects."""
+    import shutil
+    import tempfile
+
+    folder = (tempfile.mkdtemp(prefix="ldt-test-", dir="/dev/shm") if os.path.isdir("/dev/shm")
+              else str(tmp_path / "host-memory"))
+    os.makedirs(folder, exist_ok=True)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -108,7 +108,7 @@ def test_retention_keeps_the_last_checkpoints_with_checksums(full):
 
 
 @pytest.mark.timeout(600)
-def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
+def test_term_then_kill_then_resume_loses_nothing(tmp_path, full, host_memory):
     """SIGTERM: the ranks stop together after a step, save it, the launcher says where, in
     one line, and nothing of the run is left. SIGKILL of the launcher alone: nothing is left
     either, and the next start (under torchrun) continues from the newest step's snapshot
@@ -132,8 +132,7 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full):
     assert files.latest(str(run_dir)) == files.step_dir(str(run_dir), stop)  # not a multiple of 100
     assert [s for s, _ in metrics(run_dir)] == list(range(stop + 1))
 
-    shm = tmp_path / "shm"  # host memory in real use (/dev/shm)
-    shm.mkdir()
+    shm = host_memory
     snapshots = f"train.snapshot_dir={shm}"
     proc = subprocess.Popen(ldt_train(run_dir, f"train.resume={run_dir}", "train.save_every=100",
                                       snapshots),
@@ -302,14 +301,14 @@ def test_a_resumed_run_sends_the_noise_the_uninterrupted_one_sent(tmp_path):
 
 
 @pytest.mark.timeout(500)
-def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, full):
+def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, full,
+                                                                   host_memory):
     """Killed with no checkpoint but its snapshots (train.save_every=100), the run started
     again in another layout (cluster=cpu_vtp: other TP sizes, another rank map) cannot load
     its ranks' own parts: it joins the old layout's parts into a checkpoint of the run folder
     and continues from the newest step it could join, not from step 0, with the losses of the
     uninterrupted run."""
-    run_dir, shm = tmp_path / "run", tmp_path / "shm"
-    shm.mkdir()
+    run_dir, shm = tmp_path / "run", host_memory
     snapshots = f"train.snapshot_dir={shm}"
     proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100", snapshots),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

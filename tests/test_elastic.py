@@ -167,7 +167,8 @@ def drill_reference(tmp_path_factory):  # the snapshot folder aside (one process
 
 @needs_hosts
 @pytest.mark.timeout(900)
-def test_a_lost_host_costs_at_most_a_step_with_snapshots(drill_reference, tmp_path):
+def test_a_lost_host_costs_at_most_a_step_with_snapshots(drill_reference, tmp_path,
+                                                       host_memory):
     """train.snapshot_dir, a folder of host memory per host, and no disk checkpoint in reach
     (save_every=1000). Each cloud rank's snapshot part is also kept on the other cloud host,
     the edge's only on the edge. Host 2 dies (ldt.launch.drill) while its snapshot travels to
@@ -184,7 +185,7 @@ def test_a_lost_host_costs_at_most_a_step_with_snapshots(drill_reference, tmp_pa
 
     run_dir = str(tmp_path / "run")
     run = RunFolder(run_dir)
-    shm = [tmp_path / f"shm{h}" for h in range(len(NODES))]
+    shm = [host_memory / f"shm{h}" for h in range(len(NODES))]
     for folder in shm:
         folder.mkdir()
     points = POINTS

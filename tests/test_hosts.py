@@ -28,6 +28,7 @@ import time
 
 import pytest
 
+from ldt.storage.checkpoint_files import step_dir
 from ldt.testing import hosts
 
 pytestmark = pytest.mark.skipif(hosts.unavailable() is not None,
@@ -134,9 +135,10 @@ def test_cut_link_stops_every_host_and_the_checkpoint_resumes_exactly(net, undis
                      r"boundary (0->1|2->0): rank 0 \(stage 0 'edge'\) (receive of|send of) an? "
                      r"(activation|gradient) (from|to) stage (1 'cloud0'|2 'cloud1') \(rank \d\) "
                      r"failed \d+\.\d s after", results[0].stderr, re.M), results[0].stderr
-    # resume from the last complete checkpoint: exactly the undisturbed losses from there on
-    resumed = str(tmp_path / "resumed")
-    results = _train(net, resumed, f"train.steps={STEPS}", f"train.resume={run_dir}").wait(240)
+    # resume from the checkpoint of the warmup's end (a cut that came late on a loaded machine
+    # leaves a later one, of the 1000-step schedule): the undisturbed losses from there on
+    resumed, first = str(tmp_path / "resumed"), step_dir(run_dir, SAVE_EVERY - 1)
+    results = _train(net, resumed, f"train.steps={STEPS}", f"train.resume={first}").wait(240)
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     want, got = _losses(undisturbed[0]), _losses(resumed)
     assert got and min(got) >= SAVE_EVERY and max(got) == STEPS - 1
@@ -177,14 +179,15 @@ def test_harness_limits_bandwidth_and_removes_only_its_leftovers():
             names = subprocess.run(["ip", "netns", "list"], capture_output=True,
                                    text=True).stdout
             assert leftover not in names and foreign in names
-            server = net.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE)
-            time.sleep(0.3)
+            server = net.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE,
+                               text=True)
+            assert server.stdout.readline() == "listening\n"  # no connection refused
             client = net.popen(0, [sys.executable, "-c", _SOURCE, net.address(1), "4"],
                                stdout=subprocess.PIPE)
             seconds = float(client.communicate(timeout=60)[0])
             server.communicate(timeout=10)
         mbit = 4 * 2**20 * 8 / seconds / 1e6
-        assert 30 < mbit < 42, mbit
+        assert 25 < mbit < 42, mbit  # a loaded machine's stall only lowers it
     finally:
         subprocess.run(["ip", "netns", "del", foreign], check=False)
         subprocess.run(["ip", "netns", "del", leftover], check=False, capture_output=True)
@@ -193,7 +196,7 @@ def test_harness_limits_bandwidth_and_removes_only_its_leftovers():
 _SINK = """
 import socket
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", 5001)); s.listen(1); c, _ = s.accept()
+s.bind(("0.0.0.0", 5001)); s.listen(1); print("listening", flush=True); c, _ = s.accept()
 while c.recv(1 << 20): pass
 c.close()
 """

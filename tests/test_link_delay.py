@@ -23,7 +23,8 @@ from ldt.groups.parallel_state import StagePipelineGroup
 from ldt.topology.routes import rank_plan
 from ldt.topology.ranks import Topology
 
-DELAY = 0.15  # seconds; the tolerances below are a few ms of thread wake-up
+DELAY = 0.15  # seconds
+SLACK = DELAY / 2  # a pause of pytest's process (its GC) is no delay of the link's
 CONFIG = SimpleNamespace(pipeline_dtype=torch.float32, virtual_pipeline_model_parallel_size=None,
                          sequence_parallel=False, variable_seq_lengths=False)
 
@@ -92,7 +93,7 @@ def test_delivered_no_earlier_than_the_link_allows(net, arrive_after, expected):
     posted, tensor, work = _receive(comm, 2)  # edge <- cloud1: a delayed boundary
     work.wait()
     took = time.monotonic() - posted
-    assert expected <= took < expected + 0.03, took
+    assert expected <= took < expected + SLACK, took
     assert torch.all(tensor == 3.0) and net.waits == 1  # a gloo work is waited exactly once
 
 
@@ -101,13 +102,13 @@ def test_receiver_work_overlaps_the_delay_and_the_sender_never_waits(net):
     t0 = time.monotonic()
     work = comm.send(torch.ones(2, 1, 4), 1, p2p.FORWARD)
     work.wait()
-    assert time.monotonic() - t0 < 0.02  # sending is never delayed
+    assert time.monotonic() - t0 < SLACK  # sending is never delayed
     net.arrive_after = 0.01
     posted, _, work = _receive(comm, 2)
     time.sleep(3 * DELAY)  # the receiver computes meanwhile; the message is long due
     t1 = time.monotonic()
     work.wait()
-    assert time.monotonic() - t1 < 0.02
+    assert time.monotonic() - t1 < SLACK
 
 
 def test_undelayed_boundaries_start_no_thread(net):
@@ -117,7 +118,7 @@ def test_undelayed_boundaries_start_no_thread(net):
     assert work._delay is None and threading.active_count() == before
     t0 = time.monotonic()
     work.wait()
-    assert time.monotonic() - t0 < 0.02
+    assert time.monotonic() - t0 < SLACK
 
 
 @pytest.mark.parametrize("delay_ms", [0, 20])

@@ -157,21 +157,16 @@ def join_torchrun(cfg: LdtConfig, topo, auto: bool = False, complete: Optional[s
     # torch and megatron-core load here, once the config is accepted: ldt-train refuses a
     # config that cannot work in about a second
     from ldt.training import failure
-    from ldt.training.guard import StopSignals
 
     doing = failure.track_progress()
-    # torchrun SIGTERMs every rank left as soon as one dies, while the others are failing
-    # too: a failing rank only notes it, so it says why and ends with its own exit status
-    with StopSignals() as signals:
-        try:
-            return _train_in_torchrun_world(cfg, topo, auto, complete, memory, priced, signals)
-        except (Exception, KeyboardInterrupt) as exc:
-            signals.hold_to_exit()
-            return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
+    try:
+        return _train_in_torchrun_world(cfg, topo, auto, complete, memory, priced)
+    except (Exception, KeyboardInterrupt) as exc:
+        return failure.report(exc, failure.rank_label(topo, rank), seen=doing())
 
 
 def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optional[str],
-                             memory: str, priced: Optional[Priced], signals) -> int:
+                             memory: str = "", priced: Optional[Priced] = None) -> int:
     import torch.distributed as dist
 
     from ldt.training.loop import train_worker
@@ -195,7 +190,7 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
         print(f"ldt-train: run folder {holder[0]}\n{topo.rank_map()}{memory}", flush=True)
         save_config(cfg, holder[0])
     summary = train_worker(dist.get_rank(), dist.get_world_size(), cfg, holder[0], topo=topo,
-                           priced=priced, signals=signals)
+                           priced=priced, hold_signals_after_failure=True)
     code = 0
     if summary is not None and summary.get("stopped"):
         print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)

@@ -5,7 +5,8 @@ decides what must be recovered: in the forward or the backward (activations and 
 flight), in the optimizer step (weights half updated), while a snapshot travels to its copy's
 host. Killing a host from outside cannot aim at a phase of a 0.1 s step, so a torchrun worker
 started with ``LDT_FAULT_AT=<n>:<point>`` kills its agent and itself, which is all a host runs,
-when it reaches ``<point>`` of the ``n``-th step it trains (1: its world's first):
+when it first reaches ``<point>`` in or after the ``n``-th step it trains (1: its world's
+first):
 
 - ``forward``: its first forward action; ``backward``: its first backward action;
 - ``optimizer``: the gradient reduction and optimizer step;
@@ -46,7 +47,9 @@ class Drill:
         self.steps += 1
 
     def begin(self, label: str) -> None:
-        if self.steps == self.nth and self.pattern.match(label):
+        # at or after the nth step: a snapshot's copy can begin once the next step has
+        # (a writer slowed by a loaded machine), and the drill must still fire
+        if self.steps >= self.nth and self.pattern.match(label):
             print(f"ldt: drill: killing this host at {label!r} of its step {self.steps} "
                   f"(time {time.time():.3f})", file=sys.stderr, flush=True)
             os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent: the host's other process

@@ -58,10 +58,16 @@ class Stop:
 
 class StopSignals:
     """Notes SIGTERM / SIGINT / SIGHUP while the ``with`` block runs (main thread only; the
-    previous handlers come back after it), so a signal never interrupts a collective."""
+    previous handlers come back after it), so a signal never interrupts a collective.
 
-    def __init__(self):
+    ``hold_after_failure``: a block left by an exception keeps noting them, for a process
+    that then reports its failure and exits. torchrun SIGTERMs every rank left as soon as one
+    dies, while they are failing on the lost peer too: else one can die before it says why
+    (and end by the signal, not with its own exit status)."""
+
+    def __init__(self, hold_after_failure: bool = False):
         self.signum = 0
+        self.hold_after_failure = hold_after_failure
         self._old: dict = {}
 
     def __enter__(self) -> "StopSignals":
@@ -69,14 +75,11 @@ class StopSignals:
             self._old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.hold_after_failure:
+            return
         for s, handler in self._old.items():
             signal.signal(s, handler)
-        self._old = {}
-
-    def hold_to_exit(self) -> None:
-        """Keep noting the signals after the block: a failing rank ends with its own exit
-        status, not by a stop signal that arrives while it reports and exits."""
         self._old = {}
 
     def _on_signal(self, signum, frame) -> None:

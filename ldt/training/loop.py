@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -54,7 +53,7 @@ from ldt.training.stage import build_stage_models, make_forward_step
 def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
                  resume_verified: bool = False, observe: Optional[Callable] = None,
                  topo: Optional[Topology] = None, priced: Optional[Priced] = None,
-                 signals: Optional[StopSignals] = None) -> Optional[dict]:
+                 hold_signals_after_failure: bool = False) -> Optional[dict]:
     """Train on this rank; the loss stage's leader of replica 0 returns the summary (with
     ``stopped``, a :class:`~ldt.training.guard.Stop`, when the run ended early).
     ``cfg``: the launcher's :class:`~ldt.config.LdtConfig` (a plain dict, from tests and the
@@ -65,8 +64,8 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     boundary observers (ldt-audit's). ``priced``: with ``train.schedule=zb``, the plan's prices
     its order is generated from (:func:`ldt.plan.zerobubble.run_prices`), priced once where
     the config was checked and handed to every rank (a cost run's folder is read there only).
-    ``signals``: the caller's :class:`StopSignals` block, when it must outlast this call
-    (under torchrun a failing rank reports inside it: ``ldt.job.prepare.join_torchrun``)."""
+    ``hold_signals_after_failure``: a failure leaves the stop signals noted, not restored
+    (:class:`~ldt.training.guard.StopSignals`; under torchrun: ``ldt.job.prepare``)."""
     cfg = typed_config(cfg)
     set_log_level(cfg.train.log_level, rank)  # the same under torchrun as in a bare launch
     if topo is None:
