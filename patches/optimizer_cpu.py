@@ -14,6 +14,8 @@ Applied with ``cpu_shims`` on CPU stages (``ldt.patches.apply(["optimizer_cpu"])
   ``DistributedOptimizer.__init__`` and its ``_build_model_and_main_param_groups``), a CPU
   tensor's ``type()`` without arguments answers the CUDA name of its dtype; likewise in
   ``clip_grad_by_total_norm_fp32``, which asserts every gradient is ``'torch.cuda.FloatTensor'``.
+- ``DynamicGradScaler.load_state_dict`` moves the saved scale with ``Tensor.cuda()`` (a resume
+  of fp16's loss scale): on CPU the scale stays where it is.
 """
 
 from __future__ import annotations
@@ -61,10 +63,29 @@ def _cuda_type_names(fn):
     return call
 
 
+class _StaysOnCpu:
+    """A saved loss scale whose ``.cuda(device)`` is the CPU tensor itself."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def cuda(self, *args, **kwargs) -> torch.Tensor:
+        return self.tensor
+
+
+def _scale_stays_on_cpu(load):
+    @functools.wraps(load)
+    def call(self, state_dict):
+        return load(self, {**state_dict, "scale": _StaysOnCpu(state_dict["scale"])})
+
+    return call
+
+
 @register("optimizer_cpu", "megatron's optimizers, loss scaler and grad clipping on CPU "
                            "(CUDA scalars on the CPU; CPU params pass the CUDA type checks)")
 def install(ctx) -> Any:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
     undos = [swap_attr(importlib.import_module(name), "torch", TORCH_ON_CPU) for name in _MODULES]
@@ -79,6 +100,8 @@ def install(ctx) -> Any:
     clip = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     undos += [swap_attr(clip_grads, "clip_grad_by_total_norm_fp32", clip),
               swap_attr(optimizer, "clip_grad_by_total_norm_fp32", clip)]
+    undos.append(swap_attr(DynamicGradScaler, "load_state_dict",
+                           _scale_stays_on_cpu(DynamicGradScaler.load_state_dict)))
     build = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]  # classmethod
     undos.append(swap_attr(DistributedOptimizer, "_build_model_and_main_param_groups",
                            classmethod(_cuda_type_names(build.__func__))))

@@ -179,9 +179,8 @@ def test_harness_limits_bandwidth_and_removes_only_its_leftovers():
             names = subprocess.run(["ip", "netns", "list"], capture_output=True,
                                    text=True).stdout
             assert leftover not in names and foreign in names
-            server = net.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE,
-                               text=True)
-            assert server.stdout.readline() == "listening\n"  # no connection refused
+            server = net.popen(1, [sys.executable, "-c", _SINK], stdout=subprocess.PIPE)
+            assert server.stdout.readline() == b"listening\n"  # no connection refused
             client = net.popen(0, [sys.executable, "-c", _SOURCE, net.address(1), "4"],
                                stdout=subprocess.PIPE)
             seconds = float(client.communicate(timeout=60)[0])

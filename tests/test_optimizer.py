@@ -207,19 +207,29 @@ def test_16bit_ushape_follows_the_reference(dtype, tmp_path):
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(rows, ref, strict=True)) < BF16_TOL
 
 
+FP16 = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 16,
+        "params_dtype": "float16"}
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tmp_path_factory):
+    """A 6-step fp16 U-shape run from loss scale 2^20 (4 steps overflow), checkpointed after
+    step 2: (config, run folder, its metrics.csv rows)."""
+    cfg = _cfg([1, 2, 1], u_shape=True, model=FP16, steps=6, save_every=3,
+               initial_loss_scale=2.0 ** 20)
+    run_dir = tmp_path_factory.mktemp("fp16") / "run"
+    return cfg, run_dir, _metrics(cfg, run_dir)
+
+
 @pytest.mark.timeout(600)
-def test_fp16_steps_that_overflow_are_skipped_and_the_run_goes_on(tmp_path):
+def test_fp16_steps_that_overflow_are_skipped_and_the_run_goes_on(fp16_run, tmp_path):
     """float16's dynamic loss scale finds its level by overflowing: megatron skips such a step
     and halves the scale (after 2 overflows). ldt stopped the run at the first one ("non-finite
     gradient norm"). Now the run goes on: metrics.csv says which steps were skipped and at
     which scale, a skipped step leaves the lr where it was, and the losses follow the
     single-process reference, which skips the same steps (the found-inf flag spans every
     stage). A constant scale cannot back off: there an overflow stops the run."""
-    small = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "seq_length": 16,
-             "params_dtype": "float16"}
-    cfg = _cfg([1, 2, 1], u_shape=True, model=small, save_every=0, steps=6,
-               initial_loss_scale=2.0 ** 20)
-    rows = _metrics(cfg, tmp_path / "run")
+    cfg, _, rows = fp16_run
     ref = _metrics(reference_config(cfg), tmp_path / "ref")
     skipped = [int(r["skipped"]) for r in rows]
     assert skipped == [int(r["skipped"]) for r in ref] and 0 < sum(skipped) < len(rows)
@@ -228,6 +238,35 @@ def test_fp16_steps_that_overflow_are_skipped_and_the_run_goes_on(tmp_path):
     for before, after in zip(rows, rows[1:]):  # the lr schedule advances on applied steps only
         assert (float(after["lr"]) == float(before["lr"])) == bool(int(before["skipped"]))
     assert max(abs(float(a["loss"]) - float(b["loss"])) for a, b in zip(rows, ref)) < BF16_TOL
+
+
+@pytest.mark.timeout(600)
+def test_fp16_resumes_at_its_loss_scale_and_lr_from_a_checkpoint_and_a_snapshot(fp16_run,
+                                                                              tmp_path,
+                                                                              host_memory):
+    """A resumed fp16 run continues at the dynamic loss scale (and its growth and hysteresis
+    counts) and the lr schedule the run stood at: skipped steps did not advance the schedule.
+    Resumed from the checkpoint of step 2, and from the snapshot of step 2 in host memory,
+    steps 3-5 skip, scale and step as the uninterrupted run's (before, both restarted at the
+    initial scale 2^20 with the schedule at the step number)."""
+    shm = host_memory
+    cfg, whole_dir, whole = fp16_run
+    from_checkpoint = _metrics({**cfg, "train": {**cfg["train"], "resume": str(
+        whole_dir / "checkpoints" / "step_0000002")}}, tmp_path / "resumed")
+    cut = typed_config({**cfg, "train": {**cfg["train"], "steps": 3, "save_every": 100,
+                                         "snapshot_dir": str(shm)}})
+    run_local_world(4, _train_then_stop_keeping_snapshots, (cut, str(tmp_path / "run")),
+                    timeout_s=300, comm_timeout_s=60)
+    from_snapshot = _metrics({**cfg, "train": {**cfg["train"], "save_every": 100,
+                                               "snapshot_dir": str(shm)}}, tmp_path / "run")
+    later = [r for r in whole if int(r["step"]) >= 3]
+    assert 0 < sum(int(r["skipped"]) for r in later) < 3  # the scale still moves there
+    for rows in (from_checkpoint, from_snapshot):
+        rows = [r for r in rows if int(r["step"]) >= 3]
+        for key in ("step", "skipped", "loss_scale", "lr"):
+            assert [r[key] for r in rows] == [r[key] for r in later], (key, rows, later)
+        assert [float(r["loss"]) for r in rows] == pytest.approx(
+            [float(r["loss"]) for r in later], abs=1e-5)
 
 
 def test_only_an_overflow_the_scale_can_back_off_from_goes_on():
@@ -284,13 +323,13 @@ def _train_then_stop_keeping_snapshots(rank, world, cfg, run_dir):
 
 
 @pytest.mark.timeout(600)
-def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tmp_path):
+def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tmp_path,
+                                                                            host_memory):
     """Snapshots hold each rank's own state as it is (train.snapshot_dir): a bf16 run with fp32
     main params, the distributed optimizer over DP 2 and a tied U-shape edge, whose ranks stop
     after step 1 leaving their snapshots, continues from them with the uninterrupted run's
     losses, gradient norms and weights, bit for bit (the same ranks, the same state)."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
+    shm = host_memory
     cfg = _cfg([1, 1], dp=2, u_shape=True, steps=4, save_every=4, distributed_optimizer=True,
                model={"params_dtype": "bfloat16", "tie_embeddings": True},
                lr=1e-3, min_lr=1e-3, warmup_steps=0)  # the same lr in a run of 2 steps

@@ -186,3 +186,19 @@ def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
         read.update(sd["model"])
     assert torch.equal(read[PROJ], proj) and torch.equal(read[NORM], norm)
     assert torch.equal(read[first_layer], first)
+
+
+def test_the_run_counters_cross_the_join_as_the_part_holds_them():
+    """A joined checkpoint's run_state is what the parts hold, whichever rank joins a stage
+    (the all-reduce's MAX over ranks with and without a part): fp16's hysteresis count is
+    below 0 after repeated overflows, and a key no part holds stays absent."""
+    from ldt.training.snapshot import run_tensors
+    from ldt.training.snapshot_join import run_state_from, run_vector
+
+    counters = {"lr_steps": 3, "loss_scale": 131072.0, "growth_tracker": 0,
+                "hysteresis_tracker": -2}
+    holder = run_vector({1: [({}, {"step": torch.tensor(2), **run_tensors(counters)})]})
+    other = run_vector({})  # a rank that joins no stage (rank 0 seals the checkpoint)
+    assert run_state_from(torch.maximum(holder, other)) == counters
+    bf16 = run_vector({0: [({}, run_tensors({"lr_steps": 4}))]})  # no loss scale
+    assert run_state_from(torch.maximum(bf16, other)) == {"lr_steps": 4}

@@ -43,8 +43,8 @@ from ldt import patches
 from ldt.models.build import DTYPES
 from ldt.patches.wgrad_split import deferring, run_wgrad
 from ldt.training.flat_state import part_bytes
-from ldt.training.optim import build_stage_optimizer
-from ldt.training.snapshot import live_state
+from ldt.training.optim import RUN_STATE_KEYS, build_stage_optimizer
+from ldt.training.snapshot import taken_state
 from ldt.training.stage import build_stage_models, make_forward_step
 
 
@@ -190,8 +190,9 @@ def measure_stage(c, topo, state, device: str, attention: str = "auto") -> Stage
             optimizer, step_transient = _measure_step(tracker, inner, device)
     finally:
         patches.revert(applied)
-    # the part a snapshot writes: the state the run takes (live_state), as the run lays it out
-    snapshot = part_bytes(live_state(models, chunks, opt))
+    # the part a snapshot writes: the state the run takes, as the run lays it out (its
+    # counters by key only: the loss scale's are fp16's)
+    snapshot = part_bytes(taken_state(models, chunks, opt, 0, dict.fromkeys(RUN_STATE_KEYS, 0)))
     return StageMeasure(weights, grads, main_params, optimizer, measured, step_transient,
                         batch.boundary_bytes, attn, snapshot)
 

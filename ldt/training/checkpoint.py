@@ -223,6 +223,8 @@ def load_step(found: str, models, chunks, optimizer, state, *, verified: bool = 
         reload_main_params(optimizer)  # main params from the weights, then the saved ones
         for p, tensors in states.items():
             load_param_state(optimizer, p, tensors)
+    if optimizer is not None and not weights_only:  # the lr schedule and fp16's loss scale
+        optimizer.resume_at(int(step) + 1, files.read_info(found, field).get("run_state"))
     return int(step) + 1
 
 

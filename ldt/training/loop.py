@@ -45,7 +45,7 @@ from ldt.training import checkpoint, moe, snapshot, snapshot_join
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
-from ldt.training.optim import MIN_LOSS_SCALE, build_stage_optimizer, skip_to
+from ldt.training.optim import MIN_LOSS_SCALE, build_stage_optimizer
 from ldt.training.outputs import StepOutputs, gather_timings, mtp_keys, write_outputs
 from ldt.training.stage import build_stage_models, make_forward_step
 
@@ -76,8 +76,8 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
                           "cfg.train), as ldt-train's launchers do")
     _record_pid(run_dir, rank)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device
-    block = StopSignals() if signals is None else nullcontext(signals)
-    with block as signals:  # from here on a stop signal waits for a step boundary
+    # from here on a stop signal waits for a step boundary
+    with StopSignals(hold_after_failure=hold_signals_after_failure) as signals:
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
         guard = StepGuard(state, signals, StepGuard.world_group())
         observers = _observers(cfg.train, run_dir, rank)
@@ -194,17 +194,13 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
         step = snapshot_join.load_snapshot(root, t, run.run_dir, models, chunks, opt,
                                            run.state, run.cfg.model, run.guard.group)
         if step is not None:
-            skip_to(opt, step)
             return step
     if not (t.resume or t.load):
         return 0
     progress.current().begin("loading the checkpoint")
     step = checkpoint.load(t.resume or t.load, models, chunks, opt, run.state,
                            verified=run.resume_verified, weights_only=not t.resume)
-    if not t.resume:
-        return 0
-    skip_to(opt, step)  # learning rate of the first step
-    return step
+    return step if t.resume else 0
 
 
 def _schedule_pass(run: _Run, models: list, data, ldt_runtime: bool) -> Callable:
@@ -347,7 +343,8 @@ def _stop_or_save(run: _Run, stage: _Stage, step: int, row: dict,
         progress.current().begin("saving a checkpoint", waiting=True)
         result = checkpoint.save(run_dir, step, stage.opt.models, stage.chunks, stage.opt,
                                  run.state, info={"steps": t.steps,
-                                                  "optimizer": t.optimizer.name},
+                                                  "optimizer": t.optimizer.name,
+                                                  "run_state": stage.opt.run_state()},
                                  model=run.cfg.model,
                                  keep_last=t.keep_last, group=run.guard.group,
                                  origin=t.resume or t.load)

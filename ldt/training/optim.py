@@ -63,6 +63,38 @@ class StageOptimizer:
         scaler = getattr(_inner(self.optimizer), "grad_scaler", None)
         return None if scaler is None else float(scaler.scale)
 
+    def run_state(self) -> dict:
+        """What a resume needs beside the tensors, the same on every rank: the lr schedule's
+        steps (``lr_steps``: a step fp16 skipped did not advance it) and fp16's dynamic loss
+        scale (megatron's grad scaler: ``loss_scale``, ``growth_tracker``,
+        ``hysteresis_tracker``). Plain numbers: ``checkpoint.json`` holds them."""
+        out = {"lr_steps": int(self.scheduler.num_steps)}
+        scaler = getattr(_inner(self.optimizer), "grad_scaler", None)
+        saved = scaler.state_dict() if scaler is not None else {}
+        if "scale" in saved:  # a constant scale has no state
+            out.update(loss_scale=float(saved["scale"]),
+                       growth_tracker=int(saved["growth_tracker"]),
+                       hysteresis_tracker=int(saved["hysteresis_tracker"]))
+        return out
+
+    def resume_at(self, step: int, saved: Optional[dict] = None) -> None:
+        """Put the lr schedule and fp16's loss scale where the run stood before step ``step``
+        (a resume). ``saved``: :meth:`run_state` when that step's predecessor was saved; a
+        checkpoint written before ldt recorded it puts the schedule at the step number."""
+        saved = saved or {}
+        lr_steps = int(saved.get("lr_steps", step + 1))  # built at 1: the first step's lr
+        if lr_steps > 1:
+            self.scheduler.step(increment=lr_steps - 1)
+        if not {"loss_scale", "growth_tracker", "hysteresis_tracker"} <= saved.keys():
+            return
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            scaler = getattr(opt, "grad_scaler", None)
+            if scaler is not None and scaler.state_dict():  # dynamic: it has a state
+                scaler.load_state_dict({
+                    "scale": torch.tensor([saved["loss_scale"]], dtype=torch.float),
+                    "growth_tracker": int(saved["growth_tracker"]),
+                    "hysteresis_tracker": int(saved["hysteresis_tracker"])})
+
     def step(self) -> tuple[float, float, bool]:
         """Reduce the gradients (DP, tied embedding), clip, step; -> (lr used, global grad
         norm, whether the update was applied: fp16 skips a step with inf/nan gradients)."""
@@ -102,6 +134,10 @@ def main_params_in_fp32(model, train) -> bool:
         return False
     return True if train.fp32_main_params is None else bool(train.fp32_main_params)
 
+
+RUN_STATE_KEYS = ("lr_steps", "loss_scale", "growth_tracker", "hysteresis_tracker")
+"""What :meth:`StageOptimizer.run_state` may hold (the loss scale's three with fp16's dynamic
+scale only)."""
 
 MIN_LOSS_SCALE = 1.0
 """fp16's smallest dynamic loss scale (megatron's ``OptimizerConfig.min_loss_scale``, its
@@ -180,12 +216,6 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
     scheduler.step(increment=1)
     return StageOptimizer(chunks=run, ddp=ddp, models=models, optimizer=optimizer,
                           scheduler=scheduler, pg_collection=pgs, grad_factor=factor)
-
-
-def skip_to(stage_opt: StageOptimizer, step: int) -> None:
-    """Advance the lr schedule to ``step`` (a resume)."""
-    if step:
-        stage_opt.scheduler.step(increment=step)
 
 
 # ---- optimizer state as full (TP-local) tensors per parameter: checkpoints ----------------

@@ -85,8 +85,8 @@ class Snapshots:
             return
         if self._thread is not None:  # done (no writer was busy): its buffer is free
             self._thread.join()
-        tensors = live_state(models, chunks, optimizer)
-        tensors["step"] = torch.tensor(step)
+        tensors = taken_state(models, chunks, optimizer, step,
+                              optimizer.run_state() if optimizer is not None else {})
         if self._flat is None or not self._flat.fits(tensors):  # the first take
             self._flat = FlatState(tensors)
             self._meta = json.dumps({**part_meta(models, chunks, optimizer, self.state),
@@ -222,6 +222,25 @@ def live_state(models, chunks, optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
+def taken_state(models, chunks, optimizer, step: int, run_state: dict) -> dict[str, torch.Tensor]:
+    """What a snapshot part holds: :func:`live_state`, the step, and the optimizer's run
+    counters (:func:`run_tensors`)."""
+    return {**live_state(models, chunks, optimizer), "step": torch.tensor(step),
+            **run_tensors(run_state)}
+
+
+def run_tensors(run_state: dict) -> dict[str, torch.Tensor]:
+    """The optimizer's run counters (:meth:`ldt.training.optim.StageOptimizer.run_state`)
+    as ``run.<key>`` float64 scalars beside a part's tensors."""
+    return {f"run.{k}": torch.tensor(float(v), dtype=torch.float64) for k, v in run_state.items()}
+
+
+def run_state_of(tensors: dict[str, torch.Tensor]) -> dict:
+    """:func:`run_tensors` back as numbers (the loss scale a float, the counts ints)."""
+    return {k[len("run."):]: (float(v) if k == "run.loss_scale" else int(v))
+            for k, v in tensors.items() if k.startswith("run.")}
+
+
 def part_meta(models, chunks, optimizer, state) -> dict:
     """What a part says of the rank that wrote it (:data:`META_FILE`), so that a world of
     another layout can join it with the other parts of its stage into full tensors
@@ -246,7 +265,8 @@ def part_meta(models, chunks, optimizer, state) -> dict:
 
 def load_local(folder: str, models, chunks, optimizer) -> int:
     """Put this rank's part ``folder`` (:func:`live_state` of the same rank of the same
-    layout) back into its chunks and optimizer; returns the next step."""
+    layout) back into its chunks and optimizer (with its lr schedule and loss scale);
+    returns the next step."""
     tensors = read_part(folder)[1]
     optim: dict[str, dict] = {}  # name -> {kind: tensor}, grouped once (kinds have no dot)
     for key, value in tensors.items():
@@ -264,7 +284,10 @@ def load_local(folder: str, models, chunks, optimizer) -> int:
             p.copy_(saved)
             if optimizer is not None:
                 set_local_param_state(optimizer, p, optim.get(name, {}))
-    return int(tensors["step"]) + 1
+    step = int(tensors["step"]) + 1
+    if optimizer is not None:
+        optimizer.resume_at(step, run_state_of(tensors))
+    return step
 
 
 def read_part(folder: str) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -18,6 +18,7 @@ bytes of the parts, no pickled objects (they cross between the cloud and the dat
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -31,9 +32,9 @@ from ldt.storage.snapshot_parts import (META_FILE, Choice, Held, choose, held_he
                                         unjoinable)
 from ldt.training.checkpoint import load_step, write_and_seal
 from ldt.training import flat_state
-from ldt.training.optim import PARAM_STATE_KINDS
+from ldt.training.optim import PARAM_STATE_KINDS, RUN_STATE_KEYS
 from ldt.training.snapshot import (STATE_FILE, isend_buffer, load_newest, read_part,
-                                   recv_buffer, resumes_after)
+                                   recv_buffer, resumes_after, run_state_of)
 
 FIELDS = len(Held.__dataclass_fields__)
 
@@ -77,6 +78,7 @@ def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, mode
     dist.barrier(group=group)
     parts = _collect(choice, snapshot_dir, run_dir, group)
     joined = {j.stage: join_stage(parts[j.stage]) for j in choice.joins if j.stage in parts}
+    info = {**info, "run_state": _run_state(parts, group)}
     saved = write_and_seal(run_dir, choice.step, joined, info=info, model=model,
                            keep_last=keep_last, group=group, origin=origin)
     if saved.error:
@@ -100,6 +102,28 @@ def _exchange(mine: list[Held], group) -> list[Held]:
     every = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, rows, group=group)
     return [Held(*r) for t in every for r in t.tolist() if r[0] >= 0]
+
+
+def _run_state(parts: dict, group) -> dict:
+    """The optimizer's run counters, the same in every part, on every rank (rank 0 seals the
+    checkpoint and may join no stage): one all-reduce (MAX) of float64s, -inf where absent
+    (fp16's hysteresis count goes below 0 after repeated overflows)."""
+    vec = run_vector(parts)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    return run_state_from(vec)
+
+
+def run_vector(parts: dict) -> torch.Tensor:
+    """:data:`RUN_STATE_KEYS`' values in the first of ``parts`` ({stage: [(meta, tensors)]}),
+    -inf for a key it lacks or where there is no part."""
+    got = next((run_state_of(each[0][1]) for each in parts.values()), {})
+    return torch.tensor([float(got.get(k, -math.inf)) for k in RUN_STATE_KEYS],
+                        dtype=torch.float64)
+
+
+def run_state_from(vec: torch.Tensor) -> dict:
+    """:func:`run_vector` back as the counters it holds."""
+    return run_state_of({f"run.{k}": v for k, v in zip(RUN_STATE_KEYS, vec) if v > -math.inf})
 
 
 def _collect(choice: Choice, snapshot_dir: str, run_dir: str, group) -> dict:
