@@ -213,7 +213,7 @@ FP16 = {"num_layers": 4, "hidden_size": 32, "ffn_hidden_size": 64, "seq_length":
 
 @pytest.fixture(scope="module")
 def fp16_run(tmp_path_factory):
-    """A 6-step fp16 U-shape run from loss scale 2^20 (4 steps overflow), checkpointed after
+    """A 6-step fp16 U-shape run from loss scale 2^20 (3-4 steps overflow), checkpointed after
     step 2: (config, run folder, its metrics.csv rows)."""
     cfg = _cfg([1, 2, 1], u_shape=True, model=FP16, steps=6, save_every=3,
                initial_loss_scale=2.0 ** 20)
@@ -260,7 +260,10 @@ def test_fp16_resumes_at_its_loss_scale_and_lr_from_a_checkpoint_and_a_snapshot(
     from_snapshot = _metrics({**cfg, "train": {**cfg["train"], "save_every": 100,
                                                "snapshot_dir": str(shm)}}, tmp_path / "run")
     later = [r for r in whole if int(r["step"]) >= 3]
-    assert 0 < sum(int(r["skipped"]) for r in later) < 3  # the scale still moves there
+    # what the checkpoint must carry: the scale moved and the schedule stands behind the step
+    # number (megatron 0.16 skips steps 0-3 here, 0.17+ steps 0-2)
+    assert float(later[0]["loss_scale"]) < 2.0 ** 20
+    assert any(int(r["skipped"]) for r in whole if int(r["step"]) < 3)
     for rows in (from_checkpoint, from_snapshot):
         rows = [r for r in rows if int(r["step"]) >= 3]
         for key in ("step", "skipped", "loss_scale", "lr"):
