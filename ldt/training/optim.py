@@ -69,9 +69,9 @@ class StageOptimizer:
         scale (megatron's grad scaler: ``loss_scale``, ``growth_tracker``,
         ``hysteresis_tracker``). Plain numbers: ``checkpoint.json`` holds them."""
         out = {"lr_steps": int(self.scheduler.num_steps)}
-        scaler = getattr(_inner(self.optimizer), "grad_scaler", None)
-        saved = scaler.state_dict() if scaler is not None else {}
-        if "scale" in saved:  # a constant scale has no state
+        scalers = _dynamic_scalers(self.optimizer)
+        if scalers:  # chained optimizers step together: the first one's state is theirs
+            saved = scalers[0].state_dict()
             out.update(loss_scale=float(saved["scale"]),
                        growth_tracker=int(saved["growth_tracker"]),
                        hysteresis_tracker=int(saved["hysteresis_tracker"]))
@@ -85,15 +85,13 @@ class StageOptimizer:
         lr_steps = int(saved.get("lr_steps", step + 1))  # built at 1: the first step's lr
         if lr_steps > 1:
             self.scheduler.step(increment=lr_steps - 1)
-        if not {"loss_scale", "growth_tracker", "hysteresis_tracker"} <= saved.keys():
+        if not set(LOSS_SCALE_KEYS) <= saved.keys():
             return
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            scaler = getattr(opt, "grad_scaler", None)
-            if scaler is not None and scaler.state_dict():  # dynamic: it has a state
-                scaler.load_state_dict({
-                    "scale": torch.tensor([saved["loss_scale"]], dtype=torch.float),
-                    "growth_tracker": int(saved["growth_tracker"]),
-                    "hysteresis_tracker": int(saved["hysteresis_tracker"])})
+        for scaler in _dynamic_scalers(self.optimizer):
+            scaler.load_state_dict({
+                "scale": torch.tensor([saved["loss_scale"]], dtype=torch.float),
+                "growth_tracker": int(saved["growth_tracker"]),
+                "hysteresis_tracker": int(saved["hysteresis_tracker"])})
 
     def step(self) -> tuple[float, float, bool]:
         """Reduce the gradients (DP, tied embedding), clip, step; -> (lr used, global grad
@@ -135,9 +133,11 @@ def main_params_in_fp32(model, train) -> bool:
     return True if train.fp32_main_params is None else bool(train.fp32_main_params)
 
 
-RUN_STATE_KEYS = ("lr_steps", "loss_scale", "growth_tracker", "hysteresis_tracker")
-"""What :meth:`StageOptimizer.run_state` may hold (the loss scale's three with fp16's dynamic
-scale only)."""
+LOSS_SCALE_KEYS = ("loss_scale", "growth_tracker", "hysteresis_tracker")
+"""fp16's dynamic loss scale in :meth:`StageOptimizer.run_state` (absent with any other
+scale)."""
+RUN_STATE_KEYS = ("lr_steps", *LOSS_SCALE_KEYS)
+"""What :meth:`StageOptimizer.run_state` may hold."""
 
 MIN_LOSS_SCALE = 1.0
 """fp16's smallest dynamic loss scale (megatron's ``OptimizerConfig.min_loss_scale``, its
@@ -219,6 +219,15 @@ def build_stage_optimizer(c, topo, state, models: list, shared_chunks: bool) -> 
 
 
 # ---- optimizer state as full (TP-local) tensors per parameter: checkpoints ----------------
+def _dynamic_scalers(optimizer) -> list:
+    """fp16's dynamic grad scalers, one per chained optimizer (a constant scale has no state,
+    bf16 and fp32 no scaler): the one rule for what :meth:`StageOptimizer.run_state` saves and
+    :meth:`StageOptimizer.resume_at` restores."""
+    scalers = (getattr(opt, "grad_scaler", None)
+               for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [s for s in scalers if s is not None and s.state_dict()]
+
+
 def _inner(optimizer, param=None):
     """The megatron optimizer stepping ``param`` (None: the first; all share one config).
     megatron chains a second optimizer for the experts of an expert-parallel stage (ep > 1);
