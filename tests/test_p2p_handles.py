@@ -357,6 +357,39 @@ def test_between_two_tp2_stages_each_rank_sends_its_own_copy_with_the_same_noise
     assert rec.calls == [("irecv", 0, FORWARD_TAG)]  # from the leader
 
 
+def test_a_tp2_edge_draws_the_same_noise_after_messages_only_its_leader_sent(rec):
+    """U-shape TP [2, 2, 1], every rank on a node of its own, fan-out ``auto``: the edge's two
+    ranks each send a copy of a small activation to cloud0's two ranks, but only its leader
+    sends the gradient back to the TP 1 stage, and a large activation goes to cloud0's
+    leader alone (relayed there). The rank beside the leader must draw each later copy's noise
+    as the leader does: else cloud0's TP ranks train on different inputs, without an error."""
+    from ldt.boundary.noise import send_transforms
+
+    train = SimpleNamespace(boundary_noise=1.0, seed=3)
+    small, large = torch.arange(12.0).view(3, 1, 4), torch.ones(64, 1, 512)  # 128 KiB
+    messages = ((small, 1, p2p.FORWARD), (small, 2, p2p.BACKWARD), (large, 1, p2p.FORWARD),
+                (small, 1, p2p.FORWARD))
+    copies = {}
+    for rank in (0, 1):
+        state = _state(rank, tps=(2, 2, 1), fanout="auto", same_node=False)
+        (noise,) = send_transforms(train, state.topology, state.stage)
+        noise.start(step=0)
+        comm = p2p.VtpCommunicator(CONFIG, state, send_transforms=[noise])
+        sent = []
+        for tensor, peer, direction in messages:
+            before = len(rec.calls)
+            comm.send(tensor, peer, direction)
+            sent.append([(call[1], payload) for call, payload
+                         in zip(rec.calls[before:], rec.tensors[before:]) if call[0] == "isend"])
+        copies[rank] = sent
+    assert [[dst for dst, _ in m] for m in copies[0]] == [[2], [4], [2], [2]]
+    assert [[dst for dst, _ in m] for m in copies[1]] == [[3], [], [], [3]]
+    for message in (0, 3):
+        (_, leader), (_, beside) = copies[0][message][0], copies[1][message][0]
+        assert torch.equal(leader, beside) and not torch.equal(leader, small)
+    assert not torch.equal(copies[0][0][0][1], copies[0][3][0][1])  # a fresh draw per message
+
+
 def test_a_message_whose_shape_crosses_first_never_fans_out(rec):
     """With variable sequence lengths the receiver learns the shape from the sender's first
     message, so the sender cannot fan out: `always` is overruled by one copy and the relay."""

@@ -72,8 +72,10 @@ class VtpCommunicator(P2PCommunicator):
         self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
         self.device = rank_device(topo, state.info.rank)  # this node's accelerator index
         self.observers = list(observers or [])
-        # (tensor, src, dst, direction) -> tensor, applied by the leader before sending, so
-        # observers and the peer see what actually crossed (e.g. ldt.boundary.noise's noise)
+        # (tensor, src, dst, direction) -> tensor, applied by each rank that sends a message
+        # before it sends, so observers and the peer see what actually crossed (e.g.
+        # ldt.boundary.noise's noise); a transform with a ``skip(src, dst, direction)`` is
+        # told of each message of the stage that this rank does not send
         self.send_transforms = list(send_transforms or [])
 
     # ---- the one hook megatron's public methods call ---------------------------------------
@@ -121,11 +123,14 @@ class VtpCommunicator(P2PCommunicator):
             tensor, state.tp_group, state.stage_ranks[0], state.is_leader)
         targets = self._targets(route, how)
         if not targets:
+            for transform in self.send_transforms:  # a stateful one counts every message
+                getattr(transform, "skip", _no_skip)(route.src_stage, route.dst_stage,
+                                                     direction)
             return None
         group = state.named_groups[route.group] if state.is_leader else None
         # a fan-out copy from a rank beside the leader: its own replica of the whole tensor,
-        # through the same transforms (the noise's generator is seeded per stage and pass, so
-        # every rank of the stage draws the same noise)
+        # through the same transforms (the noise is seeded per pass, channel and message, so
+        # every rank of the stage draws the same noise for it)
         payload = (tensor if whole is None else whole).detach()
         for transform in self.send_transforms:
             payload = transform(payload, route.src_stage, route.dst_stage, direction)
@@ -333,6 +338,10 @@ class VtpCommunicator(P2PCommunicator):
         return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
                 f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "
                 f"'{stages[peer].name}' (rank {peer_rank})")
+
+
+def _no_skip(src: int, dst: int, direction: str) -> None:
+    """A stateless send transform's :meth:`ldt.boundary.noise.BoundaryNoise.skip`."""
 
 
 def check_boundary_config(config) -> None:
