@@ -38,6 +38,20 @@ def _run_cfg(cluster: str, m: int, **train):
                          "train": {"num_microbatches": m, "schedule": "zb", **train}})
 
 
+def test_the_verify_reference_of_a_priced_zb_run_is_a_run_ldt_accepts():
+    """ldt-plan's train file for a zero-bubble pick names train.cost_inventory; with
+    train.verify the single-process reference (schedule auto) must drop it too, else its own
+    check refuses it after the whole run has trained."""
+    from ldt.job.prepare import reference_config
+    from ldt.topology.validate import validate
+
+    cfg = _run_cfg("cpu_demo", 4, cost_inventory="cpu_local", verify=True)
+    validate(cfg.cluster, cfg.model, world_size=4, train=cfg.train)  # the run itself
+    ref = reference_config(cfg)
+    assert ref.train.schedule == "auto" and ref.train.cost_inventory is None
+    validate(ref.cluster, ref.model, world_size=1, train=ref.train)
+
+
 def test_w_is_the_linear_layers_weight_gradient_by_hand():
     """gpt_tiny (h 64, 4 heads, f 4h, V 256, s 64), b 2: per layer the linear layers' forward
     is 24 b s h^2 FLOPs (QKV 6, projection 2, fc1 8, fc2 8), the head's 2 b s h V; W repeats

@@ -274,6 +274,6 @@ def reference_config(cfg: LdtConfig | dict) -> LdtConfig:
     cluster = to_cluster({"stages": [{"name": "reference", "device": "cpu", "tp": 1}],
                           "u_shape": False, "layout": None, "dp": 1})
     train = replace(cfg.train, num_microbatches=dp * cfg.train.num_microbatches,
-                    audit_comm=False, schedule="auto", cost_run=None, overlap_p2p_comm=False,
-                    prefetch=0)
+                    audit_comm=False, schedule="auto", cost_run=None, cost_inventory=None,
+                    overlap_p2p_comm=False, prefetch=0)
     return replace(cfg, cluster=cluster, train=train)
