@@ -190,8 +190,8 @@ class TrainConfig:
     """Start each gradient bucket's data-parallel reduce during the backward pass, as soon as
     the bucket's last micro-batch gradients are in."""
     ddp_bucket_size: Optional[int] = None
-    """Elements per gradient bucket of megatron's DDP (None: its default, at least 40M, or
-    one bucket when not overlapping)."""
+    """Elements per gradient bucket of megatron's DDP, with ``overlap_grad_reduce`` only
+    (None: its default, at least 40M; without overlap one bucket)."""
     loss_scale: Optional[float] = None
     """float16 only: a constant loss scale; None: dynamic loss scaling (megatron's)."""
     initial_loss_scale: Optional[float] = None
@@ -271,6 +271,11 @@ class TrainConfig:
         at_least("train", self, "log_interval", 1, "1 reports every step")
         at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
         at_least("train", self, "ddp_bucket_size", 1, "None leaves it to megatron's DDP")
+        if self.ddp_bucket_size is not None and self.overlap_grad_reduce is False:
+            raise ConfigError(  # megatron's DDP reduces in one bucket then, whatever the size
+                f"train.ddp_bucket_size={self.ddp_bucket_size} sizes the buckets of an "
+                "overlapped gradient reduce, and train.overlap_grad_reduce=false; give "
+                "train.overlap_grad_reduce=true, or leave train.ddp_bucket_size out")
         if given(self.loss_scale) and self.loss_scale is not None and not (
                 math.isfinite(self.loss_scale) and self.loss_scale > 0):
             raise ConfigError(f"train.loss_scale={self.loss_scale} must be a finite number > 0, "

@@ -40,11 +40,16 @@ def check_schedule(topo: Topology, train: TrainConfig) -> None:
     if train.runtime == "ldt" and train.schedule == "interleaved":
         raise ConfigError("train.runtime=ldt runs 1F1B action lists; use train.schedule=1f1b "
                           "or train.runtime=megatron for the interleaved schedule")
-    if topo.u_shape and train.schedule == "interleaved":
+    if topo.u_shape and train.schedule in ("interleaved", "1f1b"):
         raise ConfigError(
-            "train.schedule='interleaved' with cluster.u_shape=true: the U-shape has its own "
-            "schedule; use train.schedule=auto"
+            f"train.schedule={train.schedule!r} with cluster.u_shape=true: the U-shape has its "
+            "own schedule; use train.schedule=auto (or zb)"
         )
+    if topo.u_shape and train.runtime == "megatron":
+        raise ConfigError(
+            "train.runtime=megatron with cluster.u_shape=true: the U-shape runs its own "
+            "schedule on ldt's runtime (megatron's schedules never return to the edge); give "
+            "train.runtime=auto or ldt")
     _check_schedule_size(topo, train)
     _check_chunks_per_stage(topo, train)
 
