@@ -162,6 +162,23 @@ def test_the_planned_cluster_keeps_what_was_configured(inventory, model):
     assert [s.name for s in planned.stages][0] == "edge"
 
 
+@pytest.mark.parametrize("run", ["megatron's runtime", "tied embeddings"])
+def test_a_world_plans_only_what_its_run_can_train(run, inventory, model):
+    """A plain pipeline on megatron's runtime, or with the embedding tied to a head on another
+    stage, cannot give stages their own dp (validate refuses it): the planner must not pick
+    such a plan for any set of nodes, else the run dies at the start after a host is lost or
+    comes back, instead of training on."""
+    from ldt.topology.validate import validate
+
+    cluster = to_cluster({**CLUSTER, "u_shape": False})
+    train = {**TRAIN, "runtime": "megatron"} if run == "megatron's runtime" else TRAIN
+    tied = dataclasses.replace(model, tie_embeddings=run == "tied embeddings")
+    for name, world in sorted(WORLDS.items()):
+        plan = plan_world(world, inventory, tied, cluster, train)
+        validate(plan.cluster, tied, world_size=plan.world_size, check_devices=False,
+                 train={**train, "num_microbatches": plan.num_microbatches})
+
+
 def test_a_world_without_the_data_owner_is_refused(inventory, model):
     with pytest.raises(ElasticError) as err:
         plan_world(nodes(("cloud_cpu", 2), ("cloud_cpu", 1)), inventory, model, CONFIGURED, TRAIN)

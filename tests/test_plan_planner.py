@@ -1,5 +1,6 @@
 """The planner's search: valid output, better than naive, equal to brute force on tiny cases."""
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -78,6 +79,13 @@ def test_nothing_fits_is_a_clear_error():
 def test_ushape_without_edge_is_refused():
     with pytest.raises(ConfigError, match="inventory.edge"):
         plan(synthetic_inventory({"a100": 4}), small_model(), Workload(1, 8, u_shape=True))
+
+
+def test_a_model_with_mtp_layers_is_refused_not_planned_without_them():
+    """The planner's layouts have no 'm': ldt-train would refuse every plan it wrote."""
+    mtp = dataclasses.replace(small_model(), mtp_num_layers=1)
+    with pytest.raises(ConfigError, match=r"model.mtp_num_layers=1: the planner does not place"):
+        plan(synthetic_inventory({"a100": 4}), mtp, Workload(1, 8))
 
 
 def test_plans_256_devices():

@@ -30,9 +30,11 @@ from typing import Optional, Sequence
 
 from ldt.config import ClusterConfig, ConfigError, ModelConfig
 from ldt.config.load import config_dict
+from ldt.config.schema import to_train
 from ldt.elastic.nodes import KIND_VAR, ElasticError, Node
 from ldt.plan import Inventory, Link, PlannerOptions, Workload, plan, planned_cluster
 from ldt.topology.ranks import Topology
+from ldt.topology.validate import per_stage_dp_refusal
 
 # A smaller search than ldt-plan's, as it runs at every start; the planner's budgets count
 # simulated actions, not seconds, so every rank plans the same plan whatever its speed.
@@ -120,8 +122,11 @@ def plan_world(nodes: Sequence[Node], inventory: Inventory, model: ModelConfig,
     groups, inv = _planner_inventory(nodes, inventory, u_shape)
     mbs, batch = int(train["micro_batch_size"]), global_batch(cluster, train)
     try:
-        # priced on the schedule the world will run: its prediction and prefetch are that one's
-        opts = replace(PLANNER, zero_bubble=train.get("schedule") == "zb")
+        # priced on the schedule the world will run: its prediction and prefetch are that one's;
+        # only plans this run can train (validate refuses the rest, at a start after a loss)
+        vdp_refused = per_stage_dp_refusal(model, to_train(train), u_shape)
+        opts = replace(PLANNER, zero_bubble=train.get("schedule") == "zb",
+                       per_stage_dp=vdp_refused is None)
         result = plan(inv, model, Workload(mbs, batch, u_shape=u_shape), opts)
     except ConfigError as exc:
         raise ElasticError(f"no plan fits the nodes there are ({_nodes(nodes)}): "

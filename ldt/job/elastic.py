@@ -76,16 +76,37 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
 
 
 def _check_replannable(plain: dict) -> None:
-    """What a re-planned world could not keep: ``train.cost_run``, one cluster's measured op
-    times, would price another world's stages with them (refused there, after a host was
-    lost, instead of here)."""
-    cost_run = plain["train"].get("cost_run")
+    """What a re-planned world could not keep, refused before the world forms instead of
+    dropped without a word at a start (or refused there, after a host was lost): the planner
+    chooses the stages, layout and schedule at every start."""
+    cluster, train = plain["cluster"], plain["train"]
+    elastic = f"an elastic run (cluster.inventory={cluster.get('inventory')!r}) plans"
+    if cluster.get("stages"):
+        names = [st.get("name") for st in cluster["stages"]]
+        raise ConfigError(f"cluster.stages={names}: {elastic} its stages anew at every start; "
+                          "leave cluster.stages empty (as cluster=cpu_elastic does), or drop "
+                          "cluster.inventory to train these stages")
+    if cluster.get("layout"):
+        raise ConfigError(f"cluster.layout={cluster['layout']!r}: {elastic} the layer split "
+                          "anew at every start; leave cluster.layout out")
+    if isinstance(cluster.get("link_delay_ms"), (list, tuple)):
+        raise ConfigError(f"cluster.link_delay_ms={list(cluster['link_delay_ms'])}: one number "
+                          f"per boundary, and {elastic} the number of boundaries anew at every "
+                          "start; give one number for every boundary")
+    if train.get("schedule") not in ("auto", "zb"):
+        raise ConfigError(f"train.schedule={train.get('schedule')!r}: {elastic} the schedule "
+                          "of each world; give train.schedule=auto (or zb, the zero-bubble "
+                          "order where it fits)")
+    if plain["model"].get("mtp_num_layers"):
+        raise ConfigError(f"model.mtp_num_layers={plain['model']['mtp_num_layers']}: the "
+                          "planner does not place MTP layers yet; set model.mtp_num_layers=0, "
+                          "or give the stages and a layout with 'm' without cluster.inventory")
+    cost_run = train.get("cost_run")
     if cost_run:
         raise ConfigError(
             f"train.cost_run={cost_run!r} prices the zero-bubble order with one cluster's "
-            f"measured ops, and an elastic run (cluster.inventory="
-            f"{plain['cluster'].get('inventory')!r}) plans its stages anew at every start: "
-            "leave train.cost_run out (the order is then priced by the inventory's figures)")
+            f"measured ops, and {elastic} its stages anew at every start: leave train.cost_run "
+            "out (the order is then priced by the inventory's figures)")
 
 
 def _continued_run(plain: dict, lock, env) -> dict:

@@ -114,10 +114,11 @@ def _thin(options: list[Group], keep: int) -> list[Group]:
 
 
 def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int,
-               max_stages: int | None = None, edge_min: int = 1) -> tuple[list[StageSet], int]:
+               max_stages: int | None = None, edge_min: int = 1,
+               per_stage_dp: bool = True) -> tuple[list[StageSet], int]:
     """(dp, per-kind group) combinations worth splitting, best estimate first: per dp size the
     best by estimated time, the best by estimated cost and the estimated front between; and how
-    many combinations were scored."""
+    many combinations were scored. ``per_stage_dp``: kinds may run fewer replicas than dp."""
     inv, b = cost.inventory, cost.b
     if ushape and inv.edge is None:
         raise ConfigError(f"u_shape planning needs inventory.edge (a kind name) in {inv.name!r}; "
@@ -132,8 +133,8 @@ def stage_sets(cost: CostModel, ushape: bool, global_batch: int, num_layers: int
         if (global_batch // b) % dp:
             continue
         m = global_batch // (b * dp)
-        mixes = (_replica_shares(dp, len(kinds)) if inv.total_devices <= SHARED_UP_TO
-                 else [(1,) * len(kinds)])
+        mixes = (_replica_shares(dp, len(kinds))
+                 if per_stage_dp and inv.total_devices <= SHARED_UP_TO else [(1,) * len(kinds)])
         for shares in mixes:
             kind_dp = [dp // r for r in shares]
             per = {name: inv.kind(name).count // d for name, d in zip(kinds, kind_dp)}

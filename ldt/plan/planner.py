@@ -89,6 +89,9 @@ class PlannerOptions:
     zero_bubble: bool = True
     """Step 8: time the pick on its zero-bubble schedule too and keep the objective's choice
     (False: today's schedule only, for a world that will not run ``train.schedule=zb``)."""
+    per_stage_dp: bool = True
+    """Plans whose stages have their own dp (docs/vdp.md) are candidates (False: one dp for
+    all, for a run that cannot train them: :func:`ldt.topology.validate.per_stage_dp_refusal`)."""
 
 
 @dataclass
@@ -123,12 +126,17 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     """Search stage formation, order, layer split and dp; return the plan the objective picks
     among the simulated ones, with the time/cost front they form."""
     opts, objective = options or PlannerOptions(), objective or Objective()
+    if model.mtp_num_layers:  # its layout would have no 'm', which ldt-train then refuses
+        raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers}: the planner does not "
+                          "place MTP layers yet; plan with model.mtp_num_layers=0 and add 'm' "
+                          "before the written cluster.layout's 'L' (e.g. 'Et|tt|tt|tmL'), or "
+                          "set it to 0")
     t0 = time.perf_counter()
     cost = make_cost(inventory, model, workload)
     ushape = wants_ushape(inventory, workload)
     edge_min = workload.edge_min_layers
     sets, scored = stage_sets(cost, ushape, workload.global_batch_size, model.num_layers,
-                              opts.max_stages, edge_min)
+                              opts.max_stages, edge_min, opts.per_stage_dp)
     plans, used = _split_sets(sets, cost, ushape, model.num_layers, opts, objective, edge_min)
     if not plans:
         raise ConfigError(_nothing_fits(inventory, model, workload, scored))
@@ -154,7 +162,7 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     fastest = min(fits, key=lambda e: e.iteration_time) if fits else None
     # per-stage DP: more cloud replicas behind the same edge, if devices allow; the edge keeps
     # its work, so no such plan beats the edge's busy time: skip when that is within tolerance
-    if ushape and fastest and (fastest.iteration_time
+    if ushape and opts.per_stage_dp and fastest and (fastest.iteration_time
                                > fastest.stages[0].busy * (1 + objective.tolerance)):
         vdp, _, note = _try_vdp(fastest, cost, inventory, workload, opts, edge_min, sim)
         pool.append(vdp)

@@ -298,23 +298,32 @@ def _check_mtp(topo: Topology, model: ModelConfig) -> None:
 
 def _check_vdp(topo: Topology, model: ModelConfig, train: Optional[TrainConfig]) -> None:
     """Per-stage DP runs on ldt's runtime over lane schedules (ldt.schedule.vdp)."""
-    sizes = f"cluster.stages[*].dp = {topo.dp_sizes}"
-    if model.tie_embeddings and not topo.u_shape and topo.num_stages > 1:
-        raise ConfigError(
-            f"model.tie_embeddings=true on a plain pipeline with per-stage dp ({sizes}): the "
-            "embedding and the head sit on stages with their own replicas and ldt does not "
-            "sum the tied gradient across them yet; set model.tie_embeddings=false, use "
-            "cluster.u_shape=true (embedding and head both on the edge), or one dp for all")
-    if train is None:
-        return
-    if train.runtime == "megatron":
-        raise ConfigError(
-            f"train.runtime=megatron with per-stage dp ({sizes}): megatron's schedules pair "
-            "each stage with one neighbour; set train.runtime=auto or ldt (ldt's runtime runs "
-            "the fan-in / fan-out), or give every stage the same dp")
-    if train.schedule == "interleaved":
-        raise ConfigError(f"train.schedule=interleaved with per-stage dp ({sizes}); use "
-                          "train.schedule=auto or 1f1b, or give every stage the same dp")
+    refusal = per_stage_dp_refusal(model, train, topo.u_shape, topo.num_stages)
+    if refusal is not None:
+        what, why = refusal
+        raise ConfigError(f"{what} with per-stage dp (cluster.stages[*].dp = {topo.dp_sizes}): "
+                          f"{why}")
+
+
+def per_stage_dp_refusal(model: ModelConfig, train: Optional[TrainConfig], u_shape: bool,
+                         num_stages: int = 2) -> Optional[tuple[str, str]]:
+    """(the setting, why and the fix) that rules out stages with their own dp for this model
+    and run; None where they may have it. The planner asks it too, so that it never writes
+    (or an elastic world never trains) a plan that would be refused here."""
+    if model.tie_embeddings and not u_shape and num_stages > 1:
+        return ("model.tie_embeddings=true on a plain pipeline",
+                "the embedding and the head sit on stages with their own replicas and ldt does "
+                "not sum the tied gradient across them yet; set model.tie_embeddings=false, use "
+                "cluster.u_shape=true (embedding and head both on the edge), or one dp for all")
+    if train is not None and train.runtime == "megatron":
+        return ("train.runtime=megatron",
+                "megatron's schedules pair each stage with one neighbour; set train.runtime="
+                "auto or ldt (ldt's runtime runs the fan-in / fan-out), or give every stage "
+                "the same dp")
+    if train is not None and train.schedule == "interleaved":
+        return ("train.schedule=interleaved",
+                "use train.schedule=auto or 1f1b, or give every stage the same dp")
+    return None
 
 
 def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
