@@ -53,6 +53,7 @@ from ldt.plan.objective import (Objective, choose, hourly_price, ms, pareto_fron
 from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
 from ldt.plan.zerobubble import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
+from ldt.topology.validate import per_stage_dp_refusal
 
 T = TypeVar("T")
 _END = object()
@@ -90,8 +91,9 @@ class PlannerOptions:
     """Step 8: time the pick on its zero-bubble schedule too and keep the objective's choice
     (False: today's schedule only, for a world that will not run ``train.schedule=zb``)."""
     per_stage_dp: bool = True
-    """Plans whose stages have their own dp (docs/vdp.md) are candidates (False: one dp for
-    all, for a run that cannot train them: :func:`ldt.topology.validate.per_stage_dp_refusal`)."""
+    """Plans whose stages have their own dp (docs/vdp.md) are candidates where the model allows
+    them (False: one dp for all, for a run that cannot train them:
+    :func:`ldt.topology.validate.per_stage_dp_refusal`)."""
 
 
 @dataclass
@@ -135,8 +137,10 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     cost = make_cost(inventory, model, workload)
     ushape = wants_ushape(inventory, workload)
     edge_min = workload.edge_min_layers
+    # only plans ldt-train accepts for this model (e.g. no tied embeddings across replicas)
+    per_stage_dp = opts.per_stage_dp and per_stage_dp_refusal(model, None, ushape) is None
     sets, scored = stage_sets(cost, ushape, workload.global_batch_size, model.num_layers,
-                              opts.max_stages, edge_min, opts.per_stage_dp)
+                              opts.max_stages, edge_min, per_stage_dp)
     plans, used = _split_sets(sets, cost, ushape, model.num_layers, opts, objective, edge_min)
     if not plans:
         raise ConfigError(_nothing_fits(inventory, model, workload, scored))
@@ -162,7 +166,7 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     fastest = min(fits, key=lambda e: e.iteration_time) if fits else None
     # per-stage DP: more cloud replicas behind the same edge, if devices allow; the edge keeps
     # its work, so no such plan beats the edge's busy time: skip when that is within tolerance
-    if ushape and opts.per_stage_dp and fastest and (fastest.iteration_time
+    if ushape and per_stage_dp and fastest and (fastest.iteration_time
                                > fastest.stages[0].busy * (1 + objective.tolerance)):
         vdp, _, note = _try_vdp(fastest, cost, inventory, workload, opts, edge_min, sim)
         pool.append(vdp)
