@@ -65,6 +65,29 @@ def test_tokenizers_are_local_only(corpus, tmp_path):
     assert folder.encode([text]) == [hf.encode(text, add_special_tokens=False).ids]
 
 
+def test_a_tokenizer_json_saved_with_truncation_or_padding_encodes_whole_documents(corpus,
+                                                                                    tmp_path):
+    """A tokenizer.json saved after a call with truncation (or padding) keeps those settings:
+    the tokenizers library would cut (or pad) every document, as transformers does not."""
+    from tokenizers import Tokenizer as HF
+
+    from ldt.data.tokenizer import load
+
+    text = open(corpus["text"]).read()[:4000]
+    plain = HF.from_file(corpus["tok"]).encode(text, add_special_tokens=False).ids
+    assert len(plain) > 64
+    for setting in ("truncation", "padding"):
+        hf = HF.from_file(corpus["tok"])
+        if setting == "truncation":
+            hf.enable_truncation(16)
+        else:
+            hf.enable_padding(pad_id=0, length=2 * len(plain))
+        path = tmp_path / setting / "tokenizer.json"
+        path.parent.mkdir()
+        hf.save(str(path))
+        assert load(str(path)).encode([text, text[:50]])[0] == plain, setting
+
+
 def _documents(prefix: str) -> list[np.ndarray]:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

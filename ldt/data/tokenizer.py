@@ -114,6 +114,10 @@ class Tokenizer:
             raise ConfigError(f"tokenizer {source.path} cannot be loaded by the tokenizers "
                               f"library ({str(exc).splitlines()[0]}); give a Hugging Face "
                               "tokenizer.json (or its folder)") from None
+        # a tokenizer.json saved after a call with truncation or padding keeps those settings,
+        # which the library then applies to every document (transformers resets them per call)
+        self._hf.no_truncation()
+        self._hf.no_padding()
         vocab = self._hf.get_vocab(with_added_tokens=True)
         self.vocab_size = max(self._hf.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
