@@ -301,6 +301,50 @@ def test_llama3_rope_frequencies_are_transformers():
         assert not torch.allclose(emb.inv_freq, plain)  # the scaling changed something
 
 
+def test_a_tied_checkpoint_with_a_head_of_its_own_imports_both_as_transformers_runs_them(
+        tmp_path):
+    """config.json ties the head, the file still holds an lm_head.weight of other values:
+    transformers computes with each tensor in its own role, and so must the import (not the
+    embedding overwritten by the head, or two copies trained as one)."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from ldt.models.hf import import_hf
+    from ldt.models.tensor_files import read_tensors, tensor_index
+
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    for name, head in (("same", embed.clone()), ("own", torch.randn_like(embed))):
+        save_file({**weights, "lm_head.weight": head}, tmp_path / "hf" / "model.safetensors",
+                  metadata={"format": "pt"})
+        cfg = import_hf(str(tmp_path / "hf"), str(tmp_path / name), log=lambda *_: None)
+        assert cfg.tie_embeddings == (name == "same"), name
+        got = read_tensors(tensor_index(str(tmp_path / name)),
+                           ["embedding.word_embeddings.weight", "output_layer.weight"])
+        assert torch.equal(got["embedding.word_embeddings.weight"], embed)
+        assert torch.equal(got["output_layer.weight"], head)
+
+
+def test_llama3_rope_scaling_is_imported_for_llama_only():
+    """docs/models.md: RoPE scaling is refused for Qwen2 and Qwen3 (export could not write
+    it back), at import, not after training."""
+    import transformers
+
+    from ldt.config import ConfigError
+    from ldt.models.hf.families import FAMILIES
+
+    rope = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    hf = transformers.Qwen2Config(hidden_size=32, num_attention_heads=4,
+                                  num_key_value_heads=2, rope_parameters=rope)
+    with pytest.raises(ConfigError, match="rope_type 'llama3'.*LlamaForCausalLM only"):
+        FAMILIES["Qwen2ForCausalLM"].model_fields(hf)
+
+
 def test_the_command_lines_import_passes_the_load_checks(hf, tmp_path, capsys):
     """``ldt-convert import`` writes ``OUT/conf/model/NAME.yaml`` next to the parts: the
     checks of ``train.load=OUT`` take the parts (``stage_*``) and leave ``conf/`` alone, and a

@@ -20,6 +20,7 @@ transformers would not load is refused at export, not found later by the user.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -186,6 +187,15 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
     return model
 
 
+def _own_head(folder: "SafetensorsFolder") -> bool:
+    """Whether a checkpoint whose config.json ties the head to the embedding stores a head
+    of other values (``lm_head.weight`` beside ``model.embed_tokens.weight``)."""
+    if "lm_head.weight" not in folder.names():
+        return False
+    read = folder.read(("model.embed_tokens.weight", "lm_head.weight"))
+    return not torch.equal(read["model.embed_tokens.weight"], read["lm_head.weight"])
+
+
 @dataclass
 class _HfSource:
     """A Hugging Face folder being imported: its family and model, its tensors, and the shape
@@ -203,6 +213,9 @@ class _HfSource:
     def open(cls, hf_dir: str) -> "_HfSource":
         family, model = model_config_of(hf_dir)
         folder = SafetensorsFolder(hf_dir)
+        if model.tie_embeddings and _own_head(folder):
+            # transformers computes with each tensor in its own role: so does the import
+            model = dataclasses.replace(model, tie_embeddings=False)
         shapes = full_shapes(model)
         try:  # each source tensor's shape, checked before any arithmetic
             hf_expected = hf_shapes(read_hf_config(hf_dir))

@@ -222,7 +222,7 @@ def _no_sliding_window(arch: str, hf) -> None:
 
 def _llama_extra(hf) -> dict:
     if hf is not None:
-        _no_bias("LlamaForCausalLM", hf, "attention_bias", "mlp_bias")
+        _no_bias(LLAMA_ARCHITECTURE, hf, "attention_bias", "mlp_bias")
     return {"add_qkv_bias": False, "qk_layernorm": False, "num_moe_experts": None}
 
 
@@ -280,6 +280,9 @@ _LLAMA3_KEYS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fr
                 "original_max_position_embeddings": "rope_original_max_position_embeddings"}
 
 
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+
+
 def _rope(hf, arch: str) -> dict:
     """The RoPE fields: base, rotated fraction and Llama 3.1's scaling (``rope_type: llama3``,
     megatron's ``rope_scaling``); other RoPE scalings are refused, naming the type."""
@@ -289,6 +292,11 @@ def _rope(hf, arch: str) -> dict:
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
     out = dict(rotary_base=float(theta), rotary_percent=float(partial or 1.0))
+    if kind == "llama3" and arch != LLAMA_ARCHITECTURE:  # as docs/models.md says: export
+        # could not write it back (ldt's model families carry it for Llama only)
+        raise ConfigError(f"{arch}: rope_type 'llama3' (Llama 3.1's RoPE scaling) is "
+                          f"imported for {LLAMA_ARCHITECTURE} only; ldt imports plain RoPE "
+                          f"(rope_type 'default') for {arch}")
     if kind == "llama3":
         values = {**scaling, **params}
         missing = [k for k in _LLAMA3_KEYS if values.get(k) is None]
@@ -318,7 +326,7 @@ def _rope_parameters(model) -> dict:
 
 _DEFAULT_MODEL = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
 _DENSE = {**_LLAMA_WEIGHTS, **_QK_NORM}
-LLAMA = Family("llama", "LlamaForCausalLM", "LlamaConfig", _LLAMA_WEIGHTS,
+LLAMA = Family("llama", LLAMA_ARCHITECTURE, "LlamaConfig", _LLAMA_WEIGHTS,
                {**_QKV, **_GATE_UP}, extra_config=_llama_extra,
                extra_hf=lambda model: {"attention_bias": False, "mlp_bias": False})
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "Qwen2Config", _LLAMA_WEIGHTS,
