@@ -1,9 +1,9 @@
 """Checkpoints and stops: nothing lost, nothing orphaned, nothing damaged loads.
 
-One uninterrupted 24-step run (saving every 6 steps, keeping the last 2) is the yardstick:
-a run stopped by SIGTERM, resumed, killed with SIGKILL, and resumed again into the same run
-folder (from its snapshot in host memory, newer than its checkpoint) must end with the same
-losses and one metrics.csv row per step; so must a resume from
+One uninterrupted 24-step run (saving every 5 steps and after the last one, keeping the last
+2) is the yardstick: a run stopped by SIGTERM, resumed, killed with SIGKILL, and resumed again
+into the same run folder (from its snapshot in host memory, newer than its checkpoint) must end
+with the same losses and one metrics.csv row per step; so must a resume from
 the checkpoint before a save that found the disk full, and a resume into another layout
 (checkpoints hold full tensors under global names). A damaged, truncated, mismatched or
 finished checkpoint is refused on the launcher (exit 2, one line naming the file or the
@@ -92,14 +92,15 @@ def wait_for(predicate, proc, what: str, timeout: float = 180) -> None:
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("full")
-    summary = run(run_dir, "train.save_every=6", "train.keep_last=2")
+    summary = run(run_dir, "train.save_every=5", "train.keep_last=2")
     summary["dir"] = run_dir
     return summary
 
 
 def test_retention_keeps_the_last_checkpoints_with_checksums(full):
     kept = [os.path.basename(d) for d in files.complete_steps(full["dir"])]
-    assert kept == ["step_0000017", "step_0000023"]  # saved 5, 11, 17, 23; keep_last=2
+    # saved 4, 9, 14, 19 and, after the last step, 23; keep_last=2
+    assert kept == ["step_0000019", "step_0000023"]
     assert sorted(os.listdir(full["dir"] / "checkpoints")) == kept  # no leftovers
     for step_dir in files.complete_steps(full["dir"]):
         assert files.verify(step_dir)["step"] == int(step_dir[-7:])
@@ -177,10 +178,10 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full, host_memory):
 
 @pytest.mark.timeout(400)
 def test_resume_into_another_layout(tmp_path, full):
-    step_dir = full["dir"] / "checkpoints" / "step_0000017"
+    step_dir = full["dir"] / "checkpoints" / "step_0000019"
     other = run(tmp_path / "b", "cluster=cpu_vtp", f"train.resume={step_dir}")
-    assert other["first_step"] == 18
-    assert other["losses"] == pytest.approx(full["losses"][18:], abs=1e-5)
+    assert other["first_step"] == 20
+    assert other["losses"] == pytest.approx(full["losses"][20:], abs=1e-5)
     assert "Warning" not in other["stderr"], other["stderr"]  # #39: torch's, once per rank
 
 

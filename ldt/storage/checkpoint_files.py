@@ -6,7 +6,9 @@ and sha256 of every file in it). A part is written into ``<part>.tmp`` and renam
 with its manifest, so a part either exists whole or not at all. ``checkpoint.json`` (the step,
 the run's length, and the size and sha256 of every other top-level file: ``model.json``, an
 import's ``hf_config.json`` and tokenizer files) and then the ``COMPLETE`` marker seal the
-folder; a folder without the marker is never loaded.
+folder; a folder without the marker is never loaded, and a part written into a sealed folder
+removes the marker first. A roll-back in a run's own folder sets the later steps aside
+(:func:`set_aside_later`).
 
 What goes *into* a checkpoint is :mod:`ldt.training.checkpoint`'s business (the training
 state, gathered collectively) or a converter's (a model imported from elsewhere); both write
@@ -31,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from ldt.config import ConfigError
 from ldt.config.userfiles import not_a
-from ldt.storage.atomic import fsync_tree, move_into_place, replace_file
+from ldt.storage.atomic import fsync_dir, fsync_tree, move_into_place, replace_file
 from ldt.storage.atomic import run_files
 from ldt.storage.commit import out_of_space
 
@@ -110,6 +112,7 @@ def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int
     tmp = final + ".tmp"
     try:
         os.makedirs(folder, exist_ok=True)
+        _unseal(folder)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         save(tmp)
@@ -122,6 +125,21 @@ def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int
             raise DiskFullError(folder) from None
         raise
     return final
+
+
+def _unseal(folder: str) -> None:
+    """A step folder that is written into again (a step saved a second time) stops being
+    complete before anything in it changes: its ``COMPLETE`` marker goes first, so a crash
+    part-way leaves a folder that is never loaded, not a "complete" one holding parts of two
+    histories. :func:`seal` marks it again once every part is in place."""
+    marker = os.path.join(folder, COMPLETE)
+    if not os.path.lexists(marker):
+        return
+    try:
+        os.remove(marker)
+    except FileNotFoundError:  # another writer of the step removed it first
+        pass
+    fsync_dir(folder)  # gone on disk before a part of the new history replaces an old one
 
 
 def seal(folder: str, info: dict) -> None:
@@ -146,11 +164,14 @@ def disk_full_at(folder: str) -> Iterator[None]:
 
 
 def carry_companions(origin: Optional[str], target: str, own: tuple = ()) -> list[str]:
-    """Copy the top-level files of checkpoint ``origin`` that describe where its weights came
-    from (an import's ``hf_config.json`` and tokenizer files) into step folder ``target``
-    before it is sealed, so a run started from an import saves checkpoints that export with
-    them. ``own``: the files the writer makes itself (``model.json``); never the seal's."""
-    found = latest(origin) if origin else None
+    """Copy the top-level files of a checkpoint that describe where its weights came from (an
+    import's ``hf_config.json`` and tokenizer files) into step folder ``target`` before it is
+    sealed, so a run started from an import saves checkpoints that export with them. They
+    come from the run's own previous checkpoint (the newest complete one beside ``target``)
+    when it has one, else from ``origin`` (``train.resume`` / ``train.load``): ``keep_last``
+    may have removed the origin since, when it was one of the run's own steps. ``own``: the
+    files the writer makes itself (``model.json``); never the seal's."""
+    found = _previous(target) or (latest(origin) if origin else None)
     if found is None:
         return []
     names = [n for n in sorted(os.listdir(found)) if n not in (INFO, COMPLETE, *own)
@@ -160,6 +181,14 @@ def carry_companions(origin: Optional[str], target: str, own: tuple = ()) -> lis
         for name in names:
             shutil.copyfile(os.path.join(found, name), os.path.join(target, name))
     return names
+
+
+def _previous(target: str) -> Optional[str]:
+    """The newest complete step folder before step folder ``target`` beside it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(target)))
+    name = os.path.basename(os.path.normpath(target))
+    done = [d for d in complete_steps(root) if os.path.basename(d) < name]
+    return done[-1] if done else None
 
 
 def discard(folder: str) -> None:
@@ -182,6 +211,60 @@ def prune(root: str, keep_last: int) -> list[str]:
     for d in gone:
         shutil.rmtree(os.path.join(folder, os.path.basename(d)), ignore_errors=True)
     return gone
+
+
+ABANDONED = "abandoned"
+"""``<run>/checkpoints/abandoned/``: the step folders of a history the run rolled back from
+(:func:`set_aside_later`). Not a ``step_*`` name: :func:`latest`, :func:`prune` and
+:func:`resume_auto` never see what is in it."""
+
+
+def set_aside_later(run_dir: str, first_step: int, source: str,
+                    field: str = "train.resume") -> Optional[str]:
+    """A run in ``run_dir`` that starts at ``first_step`` from ``source`` (``field``), e.g.
+    ``train.resume=RUN/checkpoints/step_0000010`` while step_0000030 exists (a roll-back),
+    writes a new history from there, and its step folders from ``first_step`` on are the old
+    history's: retention (by name) would keep them and remove the new ones,
+    ``train.resume=auto`` would continue them, a save would write into them. The complete
+    ones move to ``checkpoints/abandoned/`` (the user may want them back), the unfinished
+    ones are removed (nothing loads them), ``source`` stays. Returns the line saying so, or
+    None when there was nothing. Rank 0 alone, before the run's first save."""
+    folder = os.path.join(run_dir, "checkpoints")
+    later = [d for d in (sorted(os.listdir(folder)) if os.path.isdir(folder) else [])
+             if _step_of(d) is not None and _step_of(d) >= first_step
+             and os.path.realpath(os.path.join(folder, d)) != os.path.realpath(source)]
+    if not later:
+        return None
+    moved, removed = [], []
+    for name in later:
+        path = os.path.join(folder, name)
+        if not os.path.exists(os.path.join(path, COMPLETE)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+            continue
+        os.makedirs(os.path.join(folder, ABANDONED), exist_ok=True)
+        os.rename(path, _free_name(os.path.join(folder, ABANDONED, name)))
+        moved.append(name)
+    said = [f"{', '.join(moved)} moved to {os.path.join(folder, ABANDONED)} (another "
+            "history: kept there, never loaded or pruned)"] if moved else []
+    said += [f"the unfinished {', '.join(removed)} removed"] if removed else []
+    return (f"{field}={source} continues the run in {run_dir} at step {first_step}, before "
+            f"its later checkpoints: {'; '.join(said)}")
+
+
+def _step_of(name: str) -> Optional[int]:
+    """N of a step folder's name ``step_N``; None for any other name."""
+    digits = name[len("step_"):]
+    return int(digits) if name.startswith("step_") and digits.isdigit() else None
+
+
+def _free_name(path: str) -> str:
+    """``path``, or ``path.1``, ``path.2``... when it is taken (a second roll-back)."""
+    candidate, n = path, 0
+    while os.path.lexists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate
 
 
 # ---- finding and checking -------------------------------------------------------------------

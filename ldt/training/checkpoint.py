@@ -172,7 +172,7 @@ def _all_errors(error: Optional[str], group) -> list[str]:
 
 
 def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
-         weights_only: bool = False) -> int:
+         weights_only: bool = False, run_dir: Optional[str] = None) -> int:
     """Fill this rank's chunks and optimizer state (a :class:`~ldt.training.optim.StageOptimizer`:
     fp32 main params and moments, sliced to this rank's TP shard and, with the distributed
     optimizer, to its DP shard) from a checkpoint; returns the next step. ``weights_only``
@@ -180,15 +180,22 @@ def load(path: str, models, chunks, optimizer, state, *, verified: bool = False,
     it holds; ``optimizer=None``: weights alone.
     Vocabulary rows are refitted to this run's padding (:func:`ldt.models.vocab.fit_rows`).
     The files this rank reads are checked against their checksums unless ``verified`` (the
-    launcher checked the whole checkpoint already)."""
+    launcher checked the whole checkpoint already). ``run_dir``: the folder the run saves
+    into; rank 0 sets aside its step folders the run starts before (a roll-back:
+    :func:`ldt.storage.checkpoint_files.set_aside_later`) and says so in one line."""
     field = "train.load" if weights_only else "train.resume"  # what the user gave
     found = latest(path)
     if found is None:
         raise CheckpointError(
             f"{field}={path!r} holds no complete checkpoint (no {files.COMPLETE} marker); "
             "give a run folder with checkpoints/ or a checkpoints/step_N folder")
-    return load_step(found, models, chunks, optimizer, state, verified=verified,
-                     weights_only=weights_only, field=field)
+    next_step = load_step(found, models, chunks, optimizer, state, verified=verified,
+                          weights_only=weights_only, field=field)
+    if run_dir is not None and dist.get_rank() == 0:  # the one rank that seals and prunes
+        said = files.set_aside_later(run_dir, 0 if weights_only else next_step, found, field)
+        if said:
+            print(f"ldt-train: {said}", flush=True)
+    return next_step
 
 
 def load_step(found: str, models, chunks, optimizer, state, *, verified: bool = False,

@@ -199,7 +199,8 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
         return 0
     progress.current().begin("loading the checkpoint")
     step = checkpoint.load(t.resume or t.load, models, chunks, opt, run.state,
-                           verified=run.resume_verified, weights_only=not t.resume)
+                           verified=run.resume_verified, weights_only=not t.resume,
+                           run_dir=run.run_dir)
     return step if t.resume else 0
 
 
@@ -339,7 +340,10 @@ def _stop_or_save(run: _Run, stage: _Stage, step: int, row: dict,
         return nonfinite_stop(decision, step, row["loss"], row["grad_norm"], where,
                               checkpoint.latest(run_dir))
     saved = None
-    if t.save_every and ((step + 1) % t.save_every == 0 or decision.signum):
+    # the last step too (as megatron's pretrain): the run's end is never trained again, and
+    # ldt-convert export RUN exports it
+    if t.save_every and ((step + 1) % t.save_every == 0 or step + 1 == t.steps
+                         or decision.signum):
         progress.current().begin("saving a checkpoint", waiting=True)
         result = checkpoint.save(run_dir, step, stage.opt.models, stage.chunks, stage.opt,
                                  run.state, info={"steps": t.steps,
