@@ -347,3 +347,83 @@ def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tm
     assert rows[2:] == whole[2:], (rows, whole)
     weights, want = _weights(tmp_path / "run"), _weights(tmp_path / "whole")
     assert all(torch.equal(weights[n], want[n]) for n in want)
+
+
+# ---- Adam's step count through a save and a load (one process, no world) --------------------
+class GroupStepAdam(torch.optim.Optimizer):
+    """Adam that counts its steps as Transformer Engine's FusedAdam does (megatron-core's
+    ``Adam`` where TE is installed; apex's FusedAdam alike): one Python int per param group,
+    ``group["step"] += 1`` when present, else 1 (TE's
+    ``transformer_engine/pytorch/optimizers/fused_adam.py``, ``step()``), and per parameter only
+    ``exp_avg`` and ``exp_avg_sq``, no step. The update is plain Adam in Python, so the test
+    runs where neither TE nor apex is installed."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            if not group["params"]:
+                continue  # TE skips an empty group: its step stays where it is
+            group["step"] = group["step"] + 1 if "step" in group else 1
+            (b1, b2), t = group["betas"], group["step"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (st["exp_avg_sq"] / (1 - b2 ** t)).sqrt().add_(group["eps"])
+                p.addcdiv_(st["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
+
+
+def _adam_stage(adam_class, params):
+    """A StageOptimizer over ``params`` whose megatron optimizer is a stand-in holding
+    ``adam_class`` (what ldt.training.optim reads of megatron's: ``.optimizer``, ``.config``)."""
+    from types import SimpleNamespace
+
+    from ldt.training.optim import StageOptimizer
+
+    inner = SimpleNamespace(optimizer=adam_class([{"params": params[:1]},
+                                                  {"params": params[1:]}], lr=1e-2),
+                            config=SimpleNamespace(optimizer="adam"))
+    return StageOptimizer(chunks=[], ddp=[], models=[], optimizer=inner, scheduler=None,
+                          pg_collection=None)
+
+
+def _adam_steps(stage, params, steps: range):
+    for k in steps:
+        for i, p in enumerate(params):
+            p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (k + 1) + i) \
+                .view(p.shape)
+        stage.optimizer.optimizer.step()
+
+
+@pytest.mark.parametrize("adam_class", [GroupStepAdam, torch.optim.AdamW])
+@pytest.mark.parametrize("path", ["checkpoint", "snapshot"])
+def test_adams_step_count_survives_a_save_and_a_load(adam_class, path):
+    """A checkpoint (param_state -> load_param_state) and a snapshot (local_param_state ->
+    set_local_param_state) carry Adam's step whether the optimizer counts it per parameter
+    (torch's AdamW) or per param group (TE's and apex's FusedAdam): saved as 3 after 3 steps,
+    and the resumed optimizer's next step is the uninterrupted one's, bit for bit (a step
+    lost restarts bias correction at t=1 on top of the restored moments)."""
+    from ldt.training.optim import (load_param_state, local_param_state, param_state,
+                                    set_local_param_state)
+
+    save, load = ((lambda s, p: param_state(s, p, None), load_param_state)
+                  if path == "checkpoint" else (local_param_state, set_local_param_state))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 4, generator=gen)),
+              torch.nn.Parameter(torch.randn(4, generator=gen))]
+    whole = _adam_stage(adam_class, params)
+    _adam_steps(whole, params, range(3))
+    saved = [save(whole, p) for p in params]
+    assert [float(s["step"]) for s in saved] == [3.0, 3.0]
+    again = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = _adam_stage(adam_class, again)
+    for p, tensors in zip(again, saved):
+        load(resumed, p, tensors)
+    _adam_steps(whole, params, range(3, 4))
+    _adam_steps(resumed, again, range(3, 4))
+    assert all(torch.equal(a, b) for a, b in zip(params, again))

@@ -191,7 +191,7 @@ def test_a_parts_files_take_no_more_than_the_memory_estimate_counts(root):
     flat = FlatState(live)
     flat.fill(live)
     meta = {"rank": 3, "world": 8, "stages": 3, "stage": 1, "tp": 2, "tp_rank": 1, "dp": 2,
-            "dp_rank": 1, "ep": 1, "sharded": 1, "gated": 0,
+            "dp_rank": 1, "ep": 1, "sharded": 1, "gated": 0, "optimizer": "adam",
             "spans": {n: [123456, 234567] for n in names}, "aliases": {}, "index": flat.index}
     part = snap.write(root, 0, "rank_3", {"state.bin": flat.bytes(),
                                           "meta.json": json.dumps(meta).encode()})
@@ -228,3 +228,33 @@ def test_a_roll_back_to_an_older_checkpoint_is_not_replaced_by_a_snapshot(tmp_pa
     assert continues(files.step_dir(str(run), 45), str(run))
     assert not continues(files.step_dir(str(run), 40), str(run))
     assert not continues(str(other), str(run))
+
+
+@pytest.mark.parametrize("written_by,refused", [("adam", True), ("sgd", False), (None, False)])
+def test_a_snapshot_of_another_optimizer_is_refused(root, written_by, refused):
+    """ldt.training.snapshot.load_local refuses a part whose meta names another optimizer than
+    the run's (SGD would drop Adam's moments without a word, as train.resume of such a
+    checkpoint is refused); a part of an earlier ldt, which names none, is accepted."""
+    from types import SimpleNamespace
+
+    from ldt.training.flat_state import FlatState
+    from ldt.training.snapshot import load_local
+
+    tensors = {"step": torch.tensor(4)}
+    flat = FlatState(tensors)
+    flat.fill(tensors)
+    meta = {"index": flat.index} | ({"optimizer": written_by} if written_by else {})
+    part = snap.write(root, 4, "rank_0", {"state.bin": flat.bytes(),
+                                          "meta.json": json.dumps(meta).encode()})
+    sgd_run = SimpleNamespace(optimizer=SimpleNamespace(config=SimpleNamespace(optimizer="sgd")),
+                              resume_at=lambda step, saved: None)
+    if refused:
+        with pytest.raises(files.CheckpointError) as got:
+            load_local(part, [], [], sgd_run)
+        assert str(got.value) == (
+            f"snapshot {part} was written by a train/optimizer=adam run, and this run's "
+            "train.optimizer is sgd, which keeps other state: resume with train/optimizer=adam, "
+            "or remove the run's snapshots (or set train.snapshot_dir=null) and start from a "
+            "checkpoint's weights alone with train.load")
+    else:
+        assert load_local(part, [], [], sgd_run) == 5

@@ -16,6 +16,7 @@ import torch
 
 from ldt.launch.local import run_local_world
 from ldt.storage import snapshot_files
+from ldt.storage.checkpoint_files import CheckpointError
 from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here, unjoinable
 from ldt.training.flat_state import FlatState
 from ldt.training.snapshot import STATE_FILE
@@ -167,7 +168,7 @@ def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
     proj, norm = torch.randn(4, 6, generator=gen), torch.randn(4, generator=gen)
     first = torch.randn(3, 3, generator=gen)
     base = {"world": 3, "stages": 2, "dp": 1, "dp_rank": 0, "ep": 1, "sharded": 0,
-            "gated": 0, "spans": {}, "aliases": {}}
+            "gated": 0, "spans": {}, "aliases": {}, "optimizer": "sgd"}
     first_layer = "decoder.layers.1.self_attention.linear_proj.weight"
     _write_part(dirs[0], run_dir, "old", 5, {**base, "rank": 0, "stage": 0, "tp": 1,
                                              "tp_rank": 0}, {f"model.{first_layer}": first})
@@ -179,6 +180,7 @@ def test_a_part_on_another_host_is_sent_to_the_rank_that_joins(tmp_path):
     found = files.step_dir(run_dir, 5)
     assert results == [(found, 2), (found, 1)]
     files.verify(found)  # sealed, every checksum right
+    assert files.read_info(found)["optimizer"] == "sgd"  # its parts' state is SGD's
     read = {}
     for part in files.parts(found):
         sd = _read_part(found, part, {PROJ: None, NORM: None, first_layer: None}, (), True,
@@ -202,3 +204,55 @@ def test_the_run_counters_cross_the_join_as_the_part_holds_them():
     assert run_state_from(torch.maximum(holder, other)) == counters
     bf16 = run_vector({0: [({}, run_tensors({"lr_steps": 4}))]})  # no loss scale
     assert run_state_from(torch.maximum(bf16, other)) == {"lr_steps": 4}
+
+
+# ---- the optimizer that wrote a snapshot ---------------------------------------------------
+ONE_RANK = {"rank": 0, "world": 1, "stages": 1, "stage": 0, "tp": 1, "tp_rank": 0, "dp": 1,
+            "dp_rank": 0, "ep": 1, "sharded": 0, "gated": 0, "spans": {}, "aliases": {}}
+"""The meta of the one part of a one-rank layout's snapshot (no optimizer named)."""
+
+
+def test_a_snapshot_names_the_optimizer_that_wrote_it(tmp_path):
+    """A part's meta names its optimizer; it crosses between ranks as a number in Held, and
+    the choice says it (None for parts of an earlier ldt, which name none)."""
+    from ldt.storage.snapshot_parts import OPTIMIZERS, check_optimizer
+
+    run_dir, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(run_dir)
+    _write_part(shm, run_dir, "sgd run", 5, {**ONE_RANK, "optimizer": "sgd"},
+                {f"model.{NORM}": torch.ones(4)})
+    _write_part(shm, run_dir, "older ldt", 6, ONE_RANK, {f"model.{NORM}": torch.ones(4)})
+    found = held_here(shm, run_dir, 0)
+    assert sorted(h.optimizer for h in found) == [-1, OPTIMIZERS.index("sgd")]
+    assert choose(found, after=-1, steps=100).optimizer is None  # step 6's: unknown
+    assert choose(found, after=-1, steps=7).optimizer == "sgd"  # step 5's
+    check_optimizer(None, "adam", "an older snapshot")  # unknown: accepted
+    check_optimizer("sgd", "sgd", "a snapshot")
+    with pytest.raises(CheckpointError, match="train.optimizer is adam, which keeps other state: "
+                                              "resume with train/optimizer=sgd"):
+        check_optimizer("sgd", "adam", "a snapshot")
+
+
+def test_a_snapshot_of_another_optimizer_is_not_joined(tmp_path):
+    """join_newest (a world of one rank, in this process) refuses to join an Adam run's
+    snapshot into a checkpoint of an SGD run, which would drop its moments without a word,
+    and writes nothing."""
+    import torch.distributed as dist
+
+    from ldt.storage import checkpoint_files as files
+    from ldt.training.snapshot_join import join_newest
+
+    run_dir, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(run_dir)
+    _write_part(shm, run_dir, "adam run", 5, {**ONE_RANK, "optimizer": "adam"},
+                {f"model.{NORM}": torch.ones(4)})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(CheckpointError, match=r"the snapshot of step 5 in host memory "
+                           r"\(layout \w+, under .*\) was written by a train/optimizer=adam run, "
+                           "and this run's train.optimizer is sgd"):
+            join_newest(shm, run_dir, after=-1, steps=100, model=None,
+                        info={"steps": 100, "optimizer": "sgd"}, keep_last=0, origin=None)
+    finally:
+        dist.destroy_process_group()
+    assert not os.path.exists(files.step_dir(run_dir, 5))

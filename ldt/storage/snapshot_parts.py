@@ -24,7 +24,11 @@ from typing import Optional, Sequence
 from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, step_dir, verify_part
 
-META_FILE = "meta.json"  # in each part: Held's fields but holder, layout and step
+META_FILE = "meta.json"  # in each part: Held's fields (optimizer by name) but holder, layout, step
+
+OPTIMIZERS = ("adam", "sgd")
+"""``train.optimizer.name``'s values (:class:`ldt.config.schema.OptimizerSettings`), numbered:
+a part's optimizer crosses between ranks as its index here (:attr:`Held.optimizer`)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Held:
     dp_rank: int
     ep: int
     sharded: int     # 1: its optimizer state is a span of the stage's (distributed optimizer)
+    optimizer: int = -1  # the index of the optimizer that wrote it in OPTIMIZERS; -1: unknown
 
     def row(self) -> list[int]:
         return list(astuple(self))
@@ -65,6 +70,7 @@ class Choice:
     layout: int
     step: int
     joins: tuple[StageJoin, ...]
+    optimizer: Optional[str] = None  # the parts' train.optimizer.name; None: not recorded
 
 
 def layout_name(layout: int) -> str:
@@ -114,8 +120,10 @@ def _meta(part: str) -> Optional[dict]:
             meta = json.load(f)
         if not isinstance(meta.get("index"), list):  # an older ldt's part (torch.save)
             return None
-        return {k: int(meta[k]) for k in ("rank", "world", "stages", "stage", "tp", "tp_rank",
-                                          "dp", "dp_rank", "ep", "sharded")}
+        fields = {k: int(meta[k]) for k in ("rank", "world", "stages", "stage", "tp",
+                                            "tp_rank", "dp", "dp_rank", "ep", "sharded")}
+        name = meta.get("optimizer")  # absent in a part of an earlier ldt: unknown, accepted
+        return {**fields, "optimizer": OPTIMIZERS.index(name) if name in OPTIMIZERS else -1}
     except (CheckpointError, OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -129,8 +137,24 @@ def choose(held: Sequence[Held], after: int, steps: int) -> Optional[Choice]:
         here = [h for h in held if (h.step, h.layout) == (step, layout)]
         joins = _joins(here)
         if not isinstance(joins, str):
-            return Choice(layout, step, joins)
+            name = next((OPTIMIZERS[h.optimizer] for h in here if h.optimizer >= 0), None)
+            return Choice(layout, step, joins, name)
     return None
+
+
+def check_optimizer(theirs: Optional[str], ours: str, snapshot: str) -> None:
+    """Refuse to resume from ``snapshot`` (what to call it in the message) written by a run
+    of optimizer ``theirs`` into one of ``ours`` (``train.optimizer.name``): its state (Adam's
+    moments, SGD's momentum) would be dropped without a word, as a checkpoint's would
+    (``ldt.topology.validate`` refuses that resume). ``theirs`` None: a part written before
+    ldt recorded its optimizer, unknown, accepted."""
+    if theirs is not None and theirs != ours:
+        raise CheckpointError(
+            f"{snapshot} was written by a train/optimizer={theirs} run, and this run's "
+            f"train.optimizer is {ours}, which keeps other state: resume with "
+            f"train/optimizer={theirs}, or remove the run's snapshots (or set "
+            "train.snapshot_dir=null) and start from a checkpoint's weights alone with "
+            "train.load")
 
 
 def unjoinable(held: Sequence[Held], after: int, steps: int) -> Optional[str]:

@@ -288,6 +288,22 @@ def has_main_params(stage_opt: StageOptimizer) -> bool:
     return not isinstance(_inner(stage_opt.optimizer), FP32Optimizer)
 
 
+def _step_holder(opt, main, st: dict) -> dict:
+    """The dict whose ``"step"`` is Adam's step count for ``main`` (megatron optimizer
+    ``opt``, ``main``'s optimizer state ``st``): ``st`` itself with torch's Adam/AdamW (the
+    ``Adam`` megatron-core picks without Transformer Engine or apex), which count per
+    parameter; else ``main``'s param group: Transformer Engine's and apex's FusedAdam count
+    once per group (``group["step"]``, a Python int) and keep no step per parameter. Read
+    from ``st`` alone, a fused Adam's step would be saved as 0 and a resume would restart
+    bias correction on top of restored moments. {} when this rank keeps none of ``main``."""
+    if main is None:
+        return {}
+    if "step" in st or isinstance(opt.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return st
+    return next((g for g in opt.optimizer.param_groups if any(p is main for p in g["params"])),
+                st)
+
+
 def param_state(stage_opt: StageOptimizer, param, dp_group) -> Optional[dict]:
     """This TP rank's full tensors (``main_param`` when the optimizer keeps one, and the
     optimizer's moments, fp32) and ``step`` of ``param``, gathered over the data-parallel
@@ -296,8 +312,8 @@ def param_state(stage_opt: StageOptimizer, param, dp_group) -> Optional[dict]:
     main, st, span = _locate(opt, param)
     keys = state_keys(stage_opt)
     names = (("main_param",) if has_main_params(stage_opt) else ()) + keys
-    present = torch.tensor([1.0 if keys[0] in st else 0.0, float(st.get("step", 0))],
-                           dtype=torch.float64)
+    step = _step_holder(opt, main, st).get("step", 0)
+    present = torch.tensor([1.0 if keys[0] in st else 0.0, float(step)], dtype=torch.float64)
     if span is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=dp_group)
     if not present[0]:
@@ -337,7 +353,9 @@ def load_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
             if k in tensors:
                 st[k] = local(tensors[k]).to(main.dtype).view(main.shape)
         if "step" in tensors and "exp_avg" in st:
-            st["step"] = torch.as_tensor(float(tensors["step"]))
+            holder = _step_holder(opt, main, st)
+            holder["step"] = (torch.as_tensor(float(tensors["step"])) if holder is st
+                              else int(tensors["step"]))  # a group's: a fused Adam's int
 
 
 def local_param_state(stage_opt: StageOptimizer, param) -> dict:
@@ -346,14 +364,16 @@ def local_param_state(stage_opt: StageOptimizer, param) -> dict:
     ``step``; with the distributed optimizer only this rank's flat span ({} when it keeps none
     of it). For a snapshot that the same rank of the same layout loads back
     (:func:`set_local_param_state`)."""
-    main, st, _ = _locate(_inner(stage_opt.optimizer, param), param)
+    opt = _inner(stage_opt.optimizer, param)
+    main, st, _ = _locate(opt, param)
     if main is None:
         return {}
     out = {k: st[k] for k in state_keys(stage_opt) if k in st}
     if main is not param:
         out["main_param"] = main
-    if "step" in st:
-        out["step"] = torch.as_tensor(st["step"])
+    holder = _step_holder(opt, main, st)
+    if "step" in holder:
+        out["step"] = torch.as_tensor(holder["step"])
     return out
 
 
@@ -365,7 +385,8 @@ def local_span(stage_opt: StageOptimizer, param) -> Optional[tuple[int, int]]:
 
 def set_local_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> None:
     """Put back what :func:`local_param_state` gave on this rank of the same layout."""
-    main, st, _ = _locate(_inner(stage_opt.optimizer, param), param)
+    opt = _inner(stage_opt.optimizer, param)
+    main, st, _ = _locate(opt, param)
     if main is None:
         return
     with torch.no_grad():
@@ -375,7 +396,8 @@ def set_local_param_state(stage_opt: StageOptimizer, param, tensors: dict) -> No
             if k in tensors:
                 st[k] = tensors[k].to(device=main.device, copy=True)
         if "step" in tensors:
-            st["step"] = tensors["step"].clone()
+            holder = _step_holder(opt, main, st)
+            holder["step"] = tensors["step"].clone() if holder is st else int(tensors["step"])
 
 
 def reload_main_params(stage_opt: StageOptimizer) -> None:

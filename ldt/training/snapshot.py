@@ -38,7 +38,7 @@ from ldt.launch import progress
 from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
-from ldt.storage.snapshot_parts import META_FILE
+from ldt.storage.snapshot_parts import META_FILE, check_optimizer
 from ldt.topology.buddies import copy_holders
 from ldt.training import flat_state
 from ldt.training.checkpoint import named_params
@@ -245,8 +245,10 @@ def part_meta(models, chunks, optimizer, state) -> dict:
     """What a part says of the rank that wrote it (:data:`META_FILE`), so that a world of
     another layout can join it with the other parts of its stage into full tensors
     (:mod:`ldt.training.snapshot_join`): where the rank sits in its layout, which flat span of
-    each parameter its optimizer state covers (the distributed optimizer), and the
-    parameters it holds under another name (the U-shape edge's tied head)."""
+    each parameter its optimizer state covers (the distributed optimizer), the parameters it
+    holds under another name (the U-shape edge's tied head), and which optimizer's state it
+    holds (a run of another one refuses it:
+    :func:`ldt.storage.snapshot_parts.check_optimizer`)."""
     topo, info = state.topology, state.info
     unique = dict((id(p), name) for name, p in reversed(list(named_params(models, chunks))))
     spans = {}
@@ -259,15 +261,25 @@ def part_meta(models, chunks, optimizer, state) -> dict:
             "stage": state.stage, "tp": len(state.stage_ranks), "tp_rank": info.tp_rank,
             "dp": topo.dp_of(state.stage), "dp_rank": info.dp_rank,
             "ep": topo.stages[state.stage].ep, "sharded": int(bool(spans)), "gated": int(is_gated(models[0])), "spans": spans,
+            "optimizer": optimizer_name(optimizer),
             "aliases": {name: unique[id(p)] for name, p in named_params(models, chunks)
                         if unique[id(p)] != name}}
+
+
+def optimizer_name(optimizer) -> Optional[str]:
+    """``train.optimizer.name`` of the run stepping :class:`~ldt.training.optim.StageOptimizer`
+    ``optimizer`` (megatron's ``OptimizerConfig.optimizer``: adam or sgd); None without one."""
+    return None if optimizer is None else optimizer.optimizer.config.optimizer
 
 
 def load_local(folder: str, models, chunks, optimizer) -> int:
     """Put this rank's part ``folder`` (:func:`live_state` of the same rank of the same
     layout) back into its chunks and optimizer (with its lr schedule and loss scale);
-    returns the next step."""
-    tensors = read_part(folder)[1]
+    returns the next step. A part of another optimizer is refused (every rank alike: the
+    parts of one snapshot name one optimizer)."""
+    meta, tensors = read_part(folder)
+    if optimizer is not None:
+        check_optimizer(meta.get("optimizer"), optimizer_name(optimizer), f"snapshot {folder}")
     optim: dict[str, dict] = {}  # name -> {kind: tensor}, grouped once (kinds have no dot)
     for key, value in tensors.items():
         if key.startswith("optim."):

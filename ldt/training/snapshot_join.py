@@ -28,8 +28,8 @@ import torch.distributed as dist
 from ldt.launch import progress
 from ldt.models.sharding import unshard
 from ldt.storage import checkpoint_files as files
-from ldt.storage.snapshot_parts import (META_FILE, Choice, Held, choose, held_here, part_folder,
-                                        unjoinable)
+from ldt.storage.snapshot_parts import (META_FILE, Choice, Held, check_optimizer, choose,
+                                        held_here, layout_name, part_folder, unjoinable)
 from ldt.training.checkpoint import load_step, write_and_seal
 from ldt.training import flat_state
 from ldt.training.optim import PARAM_STATE_KINDS, RUN_STATE_KEYS
@@ -61,7 +61,10 @@ def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, mode
                 keep_last: int, origin: Optional[str], group=None) -> Optional[str]:
     """The step folder of a checkpoint in ``run_dir`` joined from the newest snapshot that
     the world's hosts hold between them and that is newer than step ``after``, or None
-    (collective over ``group``, all ranks)."""
+    (collective over ``group``, all ranks). ``info``: the checkpoint's (``checkpoint.json``),
+    with ``optimizer`` this run's ``train.optimizer.name``: a snapshot of another optimizer is
+    refused (on every rank alike), and the checkpoint names the optimizer whose state its
+    parts hold."""
     held = _exchange(held_here(snapshot_dir, run_dir, dist.get_rank()), group)
     choice = choose(held, after, steps)
     if choice is None:
@@ -71,6 +74,10 @@ def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, mode
                   + (f"after its checkpoint of step {after}" if after >= 0 else "from step 0")
                   + " and trains the steps up to that snapshot again", flush=True)
         return None
+    if "optimizer" in info:
+        check_optimizer(choice.optimizer, info["optimizer"],
+                        f"the snapshot of step {choice.step} in host memory (layout "
+                        f"{layout_name(choice.layout)}, under {snapshot_dir})")
     progress.current().begin(f"joining the snapshot of step {choice.step} of another layout")
     target = files.step_dir(run_dir, choice.step)
     if dist.get_rank() == 0 and os.path.isdir(target):
@@ -79,6 +86,8 @@ def join_newest(snapshot_dir: str, run_dir: str, after: int, steps: int, *, mode
     parts = _collect(choice, snapshot_dir, run_dir, group)
     joined = {j.stage: join_stage(parts[j.stage]) for j in choice.joins if j.stage in parts}
     info = {**info, "run_state": _run_state(parts, group)}
+    if choice.optimizer is not None:  # its parts' state is this optimizer's
+        info["optimizer"] = choice.optimizer
     saved = write_and_seal(run_dir, choice.step, joined, info=info, model=model,
                            keep_last=keep_last, group=group, origin=origin)
     if saved.error:
