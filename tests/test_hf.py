@@ -329,6 +329,30 @@ def test_a_tied_checkpoint_with_a_head_of_its_own_imports_both_as_transformers_r
         assert torch.equal(got["output_layer.weight"], head)
 
 
+def test_an_export_of_a_run_trained_from_scratch_names_no_special_tokens(hf, tmp_path):
+    """Without an import's config.json, transformers' default ids (Llama: bos 1, eos 2) would
+    name tokens the run never trained as such (generate would stop at a random token): the
+    export leaves them null and says so."""
+    from ldt.models.arch import read_model_json, write_model_json
+    from ldt.models.hf import export_hf
+    from ldt.models.hf.convert import parts
+    from ldt.models.tensor_files import mark_complete, read_tensors, tensor_index, write_tensors
+
+    imported = str(hf["llama"][1])
+    model, index = read_model_json(imported), tensor_index(imported)
+    step = tmp_path / "run" / "checkpoints" / "step_0000001"  # as ldt-train writes one
+    for k, names in enumerate(parts(model)):
+        write_tensors(str(step), k, read_tensors(index, names), 1)
+    write_model_json(str(step), model)
+    mark_complete(str(step), 1)
+    said = []
+    export_hf(str(tmp_path / "run"), str(tmp_path / "out"), log=said.append)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert [config.get(k, "absent") for k in ("bos_token_id", "eos_token_id", "pad_token_id")] \
+        == [None, None, None]
+    assert "trained from scratch" in said[0] and "set eos_token_id" in said[0]
+
+
 def test_llama3_rope_scaling_is_imported_for_llama_only():
     """docs/models.md: RoPE scaling is refused for Qwen2 and Qwen3 (export could not write
     it back), at import, not after training."""

@@ -303,6 +303,11 @@ def export_hf(ldt_path: str, out_dir: str, *, model: Optional[ModelConfig] = Non
     family = family_of_model(model)
     index = tensor_index(found)
     hf_config = _hf_config_of(found, model, family, index)
+    if not os.path.exists(os.path.join(found, HF_CONFIG)):
+        log(f"ldt-convert: {found} was trained from scratch, not from an import: the export "
+            "names no special tokens (config.json's bos/eos/pad_token_id are null, not "
+            "transformers' defaults) and holds no tokenizer; copy the run's tokenizer files "
+            "into OUT and set eos_token_id to its end-of-document id")
     expected = hf_shapes(hf_config)
     groups = list(parts(model))
     weight_map, total = {}, 0
@@ -366,7 +371,9 @@ def _hf_config_of(found: str, model: ModelConfig, family: Family, index: dict):
     """transformers' config of the export, in the checkpoint's dtype, on top of the imported
     config.json where the checkpoint came from an import."""
     dtype = index["embedding.word_embeddings.weight"][1].properties.dtype
-    base = None
+    # without an import's config.json, transformers' default ids (Llama's bos 1, eos 2) would
+    # name tokens the run never trained as such
+    base = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if os.path.exists(os.path.join(found, HF_CONFIG)):
         base = load_json_object(os.path.join(found, HF_CONFIG), "the import's config.json")
     return family.hf_config(model, dtype, base)
