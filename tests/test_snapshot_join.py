@@ -141,6 +141,27 @@ def _write_part(snapshot_dir, run_dir, layout_text, step, meta, tensors, copy=Fa
                           META_FILE: json.dumps({**meta, "index": flat.index}).encode()})
 
 
+def test_a_damaged_own_part_is_passed_over_for_its_whole_copy(tmp_path):
+    """A host may keep a rank's own part and a copy of it (a shared snapshot_dir): the part
+    the join reads is one that verifies, as held_here counted, not a damaged own one."""
+    from ldt.storage.snapshot_parts import part_folder
+
+    run_dir, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(run_dir)
+    for copy in (False, True):
+        _write_part(shm, run_dir, "layout", 5, ONE_RANK, {f"model.{NORM}": torch.ones(4)},
+                    copy=copy)
+    (held,) = {(h.layout, h.step) for h in held_here(shm, run_dir, 0)}
+    own = part_folder(shm, run_dir, *held, rank=0)
+    assert "copies" not in own
+    with open(os.path.join(own, STATE_FILE), "r+b") as f:  # one byte changed
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    assert len(held_here(shm, run_dir, 0)) == 1  # the copy alone verifies
+    assert part_folder(shm, run_dir, *held, rank=0) != own
+
+
 def _join_world(rank, world_size, run_dir, dirs):
     import torch.distributed as dist
 

@@ -78,11 +78,12 @@ def layout_name(layout: int) -> str:
 
 
 def part_folder(snapshot_dir: str, run_dir: str, layout: int, step: int, rank: int) -> str:
-    """Where this host holds rank ``rank``'s part of a step: its own, else a copy."""
+    """Where this host holds rank ``rank``'s part of a step whole: its own, else a copy (one
+    of them verified, :func:`held_here`; an own part that does not is passed over, as there)."""
     root = os.path.join(snapshot_dir, snapshot_files.PREFIX + snapshot_files.run_key(run_dir),
                         layout_name(layout))
     own = os.path.join(step_dir(root, step), snapshot_files.part_name(rank))
-    if os.path.isdir(own):
+    if _meta(own) is not None:
         return own
     return os.path.join(step_dir(snapshot_files.copies_root(root), step),
                         snapshot_files.part_name(rank))
