@@ -54,8 +54,9 @@ def _flip(path, offset=64, n=100):
 def _reseal(folder):
     from ldt.models.tensor_files import mark_complete
 
-    for name in ("COMPLETE", "checkpoint.json"):
-        os.remove(os.path.join(folder, name))
+    for name in ("COMPLETE", "checkpoint.json"):  # (a part written into it unsealed it)
+        if os.path.exists(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
     mark_complete(folder, -1)
 
 
