@@ -114,6 +114,10 @@ class ClusterConfig:
     keeping the global batch. ``stages`` is then left empty (``[]``)."""
 
 
+OPTIMIZER_NAMES = ("adam", "sgd")
+"""``train.optimizer.name``'s values (conf/train/optimizer/)."""
+
+
 @dataclass
 class OptimizerSettings:
     """``train.optimizer`` (conf/train/optimizer/{adam,sgd}.yaml): which megatron-core optimizer
@@ -127,7 +131,7 @@ class OptimizerSettings:
     sgd_momentum: float = 0.9
 
     def __post_init__(self) -> None:
-        if given(self.name) and self.name not in ("adam", "sgd"):
+        if given(self.name) and self.name not in OPTIMIZER_NAMES:
             raise ConfigError(f"train.optimizer.name={self.name!r} is not supported; use "
                               "train/optimizer=adam or train/optimizer=sgd")
         for key in ("adam_beta1", "adam_beta2", "sgd_momentum"):
@@ -206,8 +210,8 @@ class TrainConfig:
     check_finite: Optional[bool] = None
     """Check received boundary tensors for NaN/Inf; None means on when ``verify`` is on."""
     save_every: int = 0
-    """Write a checkpoint every N steps (0: never). When set, a run stopped by SIGTERM, SIGINT
-    or SIGHUP also writes one at the step it stops after."""
+    """Write a checkpoint every N steps and after the last step (0: never). When set, a run
+    stopped by SIGTERM, SIGINT or SIGHUP also writes one at the step it stops after."""
     keep_last: int = 0
     """Keep only the newest N complete checkpoints of the run folder (0: keep all)."""
     snapshot_dir: Optional[str] = None

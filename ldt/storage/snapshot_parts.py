@@ -21,14 +21,15 @@ import os
 from dataclasses import astuple, dataclass
 from typing import Optional, Sequence
 
+from ldt.config.schema import OPTIMIZER_NAMES
 from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, step_dir, verify_part
 
 META_FILE = "meta.json"  # in each part: Held's fields (optimizer by name) but holder, layout, step
 
-OPTIMIZERS = ("adam", "sgd")
-"""``train.optimizer.name``'s values (:class:`ldt.config.schema.OptimizerSettings`), numbered:
-a part's optimizer crosses between ranks as its index here (:attr:`Held.optimizer`)."""
+OPTIMIZERS = OPTIMIZER_NAMES
+"""``train.optimizer.name``'s values, numbered: a part's optimizer crosses between ranks as
+its index here (:attr:`Held.optimizer`)."""
 
 
 @dataclass(frozen=True)
