@@ -166,9 +166,10 @@ class TrainConfig:
     cost model splits it, and each boundary's transfer), not from an inventory's
     (docs/zero_bubble.md). Read on every rank: on several hosts, copy it to each."""
     runtime: str = "auto"
-    """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved; the
-    default) or ``ldt`` (ldt's runtime over the same 1F1B action lists the simulator uses; it
-    records per-action times). The U-shape always runs on ldt's runtime."""
+    """Who runs a plain pipeline's schedule: ``megatron`` (its own 1F1B / interleaved), ``ldt``
+    (ldt's runtime over the same 1F1B action lists the simulator uses; it records per-action
+    times) or ``auto`` (megatron's, except where only ldt's runs the schedule: per-stage dp,
+    ``zb``). The U-shape always runs on ldt's runtime (``megatron`` is refused there)."""
     overlap_p2p_comm: bool = False
     prefetch: int = 0
     """U-shape only: extra micro-batches in flight per slow edge <-> cloud link, so that link
