@@ -105,7 +105,8 @@ def _run(args) -> int:
         tmp = {flag: t for (_, flag), t in zip(outputs, tmps)}
         if args.out:
             _write_validated(tmp["--out"], cluster_yaml(result.best, inventory, model.name,
-                                                        args.mbs, result.reason), model)
+                                                        args.mbs, result.reason,
+                                                        _cost_inventory(args.inventory)), model)
         if TRAIN_FLAG in tmp:
             with open(tmp[TRAIN_FLAG], "w") as f:
                 f.write(_train_text(args.out, result.best, model.name, args.mbs,
@@ -131,7 +132,7 @@ def _run(args) -> int:
         for note in result.notes:
             print(note)
         if written:
-            print(_how_to_train(written, model.name, result.best, args.mbs))
+            print(_how_to_train(written, model.name, result.best, args.mbs, args.inventory))
     return 0
 
 
@@ -192,15 +193,18 @@ def _shown(cluster_path: str, path: str) -> str:
     return path if os.path.isabs(cluster_path) else os.path.relpath(path)
 
 
+def _cost_inventory(inventory: str) -> str:
+    """The inventory a zero-bubble run prices its order with (``train.cost_inventory``): as
+    given (a conf/inventory name), or a file's absolute path."""
+    return os.path.abspath(inventory) if os.path.isfile(inventory) else inventory
+
+
 def _train_text(cluster_path: str, best, model_name: str, mbs: int, inventory: str) -> str:
     stem = os.path.splitext(os.path.basename(cluster_path))[0]
-    # the inventory the run prices its zero-bubble order with: as given (a conf/inventory
-    # name), or a file's absolute path
-    given = os.path.abspath(inventory) if os.path.isfile(inventory) else inventory
-    return train_yaml(best, model_name, mbs, stem, given)
+    return train_yaml(best, model_name, mbs, stem, _cost_inventory(inventory))
 
 
-def _how_to_train(written: list[str], model_name: str, best, mbs: int) -> str:
+def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory: str) -> str:
     plan, cluster = best.plan, written[0]
     stem = os.path.splitext(os.path.basename(cluster))[0]
     if len(written) == 2:
@@ -210,7 +214,9 @@ def _how_to_train(written: list[str], model_name: str, best, mbs: int) -> str:
         return "train it: " + shlex.join(["ldt-train", "--config-dir", root, f"cluster={stem}",
                                           f"train={stem}", f"model={model_name}"])
     prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
-    prefetch += "train.schedule=zb " if best.schedule == "zb" else ""
+    # a zb run orders its W by the plan's prices: the inventory's, not cpu_local's defaults
+    prefetch += (f"train.schedule=zb train.cost_inventory={_cost_inventory(inventory)} "
+                 if best.schedule == "zb" else "")
     return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
             f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "
             "folder to get a train/ file with these too)")

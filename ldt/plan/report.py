@@ -53,15 +53,17 @@ def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
 
 
 def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int,
-                 reason: str = "") -> str:
+                 reason: str = "", cost_inventory: Optional[str] = None) -> str:
     """A cluster file for ``conf/cluster/`` with the prediction (and ``reason``, why the planner
-    picked it) as header comments."""
+    picked it) as header comments; ``cost_inventory``: how a run names the inventory
+    (``train.cost_inventory`` of a zero-bubble pick; default its name)."""
     p = ev.plan
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
         f"# Train with train.num_microbatches={p.num_microbatches} "
         + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
-        + ("train.schedule=zb " if ev.schedule == "zb" else "")
+        + (f"train.schedule=zb train.cost_inventory={cost_inventory or inventory.name} "
+           if ev.schedule == "zb" else "")
         + f"train.micro_batch_size={micro_batch_size} (global batch "
         f"{p.dp * p.num_microbatches * micro_batch_size}).",
         f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
