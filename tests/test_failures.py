@@ -364,3 +364,20 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
     monkeypatch.setattr(sys, "stderr", Writes())
     report(wrapped, "rank 0 (stage 0 'edge', TP rank 0)")
     assert sys.stderr == [line + "\n"]
+
+
+def test_the_step_agreement_group_of_an_accelerator_run_times_out_as_every_group(monkeypatch):
+    """On an all-CUDA world (nccl default group) the step agreement runs on a gloo group of
+    its own: with train.comm_timeout_s like every group ldt makes, not torch's default of
+    30 minutes for a new group (a stalled rank would hold every other at each step)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ldt.training.guard import StepGuard
+
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "group")
+    assert StepGuard.world_group(42.0) == "group"
+    assert made == [{"backend": "gloo", "timeout": timedelta(seconds=42.0)}]

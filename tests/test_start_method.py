@@ -47,6 +47,40 @@ def test_a_spawned_world_runs_over_gloo_and_its_failures_name_the_rank():
     assert err.value.rank == 1
 
 
+def _outlasts_its_comm_timeout(rank: int, world: int) -> float:
+    import time
+
+    import torch.distributed as dist
+
+    time.sleep(3.0)  # longer than the groups' 1 s: only a collective may wait that long
+    dist.barrier()
+    return 3.0
+
+
+@pytest.mark.timeout(120)
+def test_a_world_without_a_time_limit_runs_as_long_as_it_works(monkeypatch):
+    """ldt-train and ldt-megatron give their world no wall-clock limit (a healthy run of slow
+    steps ran into one: max(600 s, 30 s per step), 20 minutes for a Megatron script): a hang
+    is what the groups' comm_timeout_s ends, and a rank busy past it is no hang."""
+    out = run_local_world(2, _outlasts_its_comm_timeout, timeout_s=None, comm_timeout_s=1.0)
+    assert out == [3.0, 3.0]
+    import ldt.job.megatron
+    import ldt.job.train
+
+    seen = []
+
+    def recorded(world_size, fn, args=(), **kwargs):
+        seen.append(kwargs["timeout_s"])
+        raise WorldError("stop here", None)
+
+    for module in (ldt.job.train, ldt.job.megatron):
+        monkeypatch.setattr(module, "run_local_world", recorded, raising=False)
+    monkeypatch.setattr(local, "run_local_world", recorded)
+    ldt.job.megatron.main(["--cluster", os.path.join(os.path.dirname(__file__), "..", "conf",
+                                                     "cluster", "cpu_demo.yaml"), "script.py"])
+    assert seen == [None]
+
+
 def test_a_machine_with_an_accelerator_spawns_its_ranks(monkeypatch):
     monkeypatch.delenv("LDT_START_METHOD", raising=False)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)

@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_local_world(topo.world_size, _run_script,
                         (cluster, ns.u_shape, ns.timeout, ns.script, ns.args, ns.log_level),
-                        timeout_s=max(ns.timeout, 60.0) * 4, comm_timeout_s=ns.timeout,
+                        timeout_s=None, comm_timeout_s=ns.timeout,
                         env=env, init_dist=False)
     except WorldError as exc:
         print(f"ldt.job.megatron: {exc}", file=sys.stderr)

@@ -216,7 +216,7 @@ def _launch_local(cfg: LdtConfig, topo, priced: Optional[Priced]) -> int:
     try:
         results = run_local_world(topo.world_size, _rank,
                                   (cfg, run_dir, verified, None, topo, priced),
-                                  timeout_s=_job_timeout(cfg), comm_timeout_s=timeout,
+                                  timeout_s=None, comm_timeout_s=timeout,
                                   stop_grace_s=max(120.0, 2 * timeout))
     except WorldError as exc:
         if exc.stopped_by:
@@ -230,7 +230,7 @@ def _launch_local(cfg: LdtConfig, topo, priced: Optional[Priced]) -> int:
     if cfg.train.verify:
         ref = run_local_world(1, _rank, (reference_config(cfg),
                                                 os.path.join(run_dir, "reference")),
-                              timeout_s=_job_timeout(cfg), comm_timeout_s=timeout)[0]
+                              timeout_s=None, comm_timeout_s=timeout)[0]
         try:
             summary["parity_max_abs_diff"] = parity_max_abs_diff(summary, ref)
         except ValueError as exc:
@@ -257,11 +257,6 @@ def _stopped_early(exc, run_dir: str) -> int:
     print(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
           f"the last complete checkpoint is {last or 'none'}", file=sys.stderr)
     return 128 + exc.stopped_by
-
-
-def _job_timeout(cfg: LdtConfig) -> float:
-    """A generous whole-job limit for bare launches (the comm timeout catches hangs first)."""
-    return max(600.0, 30.0 * cfg.train.steps)
 
 
 def _describe(exc, topo, run_dir: str = "") -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -169,7 +170,8 @@ def _watch_lifeline(lifeline, record: _progress.Progress) -> None:
 
 
 def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = (), *,
-                    timeout_s: float = 300.0, comm_timeout_s: Optional[float] = None,
+                    timeout_s: Optional[float] = 300.0,
+                    comm_timeout_s: Optional[float] = None,
                     env: Optional[dict] = None, grace_s: float = 3.0,
                     init_dist: bool = True, stop_grace_s: float = 120.0,
                     start: Optional[str] = None) -> list[Any]:
@@ -178,21 +180,25 @@ def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = 
     ``fn`` must be importable (module-level), or named ``"module:function"`` (imported in the
     ranks only, :func:`entry`). Raises :class:`WorldError` on the first failure,
     after ``timeout_s``, or when a stop signal did not end the world within ``stop_grace_s``;
-    whatever happens, no child is left running. ``start``: ``forkserver`` or ``spawn``
-    (default: :func:`start_method`).
+    whatever happens, no child is left running. ``timeout_s=None``: no limit on the whole
+    world (a training run: a hang is what ``comm_timeout_s``, every group's timeout, ends, and
+    a healthy run may take any time). ``start``: ``forkserver`` or ``spawn`` (default:
+    :func:`start_method`).
     """
     import torch.distributed as dist
 
     ctx = _context(start or start_method())
+    comm_timeout_s = comm_timeout_s or timeout_s or 300.0
+    store_timeout_s = timeout_s if timeout_s is not None else max(300.0, comm_timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=store_timeout_s))
     lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
     slots = ctx.RawArray(_progress.ProgressSlot, world_size)
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(target=_child, name=f"ldt-rank{r}",
                     args=(r, world_size, store.port, fn, tuple(args), dict(env or {}),
-                          pipes[r][1], comm_timeout_s or timeout_s, init_dist, lifeline_r, slots))
+                          pipes[r][1], comm_timeout_s, init_dist, lifeline_r, slots))
         for r in range(world_size)
     ]
     stop = _StopSignals(procs, stop_grace_s)
@@ -211,11 +217,12 @@ def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = 
             reader.close()
 
 
-def _wait(procs, pipes, slots, stop: "_StopSignals", timeout_s: float, grace_s: float):
+def _wait(procs, pipes, slots, stop: "_StopSignals", timeout_s: Optional[float],
+          grace_s: float):
     world_size = len(procs)
     readers = {pipes[r][0]: r for r in range(world_size)}
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s if timeout_s is not None else math.inf
     while len(out) < world_size:
         failures = _poll(readers, procs, out, timeout=0.2)
         if failures:

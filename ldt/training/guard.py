@@ -22,6 +22,7 @@ import math
 import signal
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -93,12 +94,13 @@ class StepGuard:
         self.state, self.signals, self.group = state, signals, group
 
     @staticmethod
-    def world_group():
-        """A gloo group of every rank: the default group when it is gloo, else a new one
-        (collective: call on every rank, in the same place)."""
+    def world_group(timeout_s: float):
+        """A gloo group of every rank: the default group when it is gloo, else a new one with
+        ``timeout_s`` (``train.comm_timeout_s``; torch's default for a new group is 30
+        minutes) (collective: call on every rank, in the same place)."""
         if dist.get_backend() == "gloo":
             return None
-        return dist.new_group(backend="gloo")
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def agree(self, *, loss: Optional[float], grad_norm: float, peak_gib: float,
               snapshot_busy: bool = False) -> Decision:

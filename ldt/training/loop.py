@@ -79,7 +79,7 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     # from here on a stop signal waits for a step boundary
     with StopSignals(hold_after_failure=hold_signals_after_failure) as signals:
         state = initialize_vtp(topo, timeout_s=cfg.train.comm_timeout_s)
-        guard = StepGuard(state, signals, StepGuard.world_group())
+        guard = StepGuard(state, signals, StepGuard.world_group(cfg.train.comm_timeout_s))
         observers = _observers(cfg.train, run_dir, rank)
         if observe is not None:
             observers += observe(rank, topo, run_dir)
