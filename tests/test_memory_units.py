@@ -501,3 +501,11 @@ def test_a_failed_estimate_says_why_and_the_run_starts(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("ldt: warning: the memory estimate failed (ValueError: the stage's chunk "
                    "could not be built); starting without it\n"), err
+
+    def stopped(*_):  # Ctrl-C while the helper world ran: the user stops the launch
+        raise WorldError("stopped", None, stopped_by=2)
+
+    monkeypatch.setattr(prepare.memory_report, "check", stopped)
+    with pytest.raises(WorldError) as caught:
+        prepare.memory_estimate(plain, None)
+    assert caught.value.stopped_by == 2 and capsys.readouterr().err == ""

@@ -257,6 +257,8 @@ def memory_estimate(plain: dict, topo, hosts=None) -> tuple[str, Optional[str]]:
     try:
         text, refused = memory_report.check(plain, topo, hosts)
     except Exception as exc:
+        if getattr(exc, "stopped_by", None):  # Ctrl-C / SIGTERM: the user stops the launch
+            raise
         # a failed helper world's first line is "rank 0 failed": its traceback's last says why
         tb = getattr(exc, "tb", "").strip()
         why = tb.splitlines()[-1] if tb else str(exc).splitlines()[0]

@@ -95,6 +95,12 @@ def _job(cfg, save_hydra_files=None) -> int:
     except _Unwritable as exc:  # config.yaml, before the world starts
         print(f"ldt: {_cannot_write(exc.__cause__, out)}", file=sys.stderr)
         return refused(1)
+    except WorldError as exc:  # a stop signal during the memory estimate's own world
+        if not exc.stopped_by:
+            raise
+        print(f"ldt: stopped by {signal.Signals(exc.stopped_by).name} before the run started",
+              file=sys.stderr)
+        return refused(128 + exc.stopped_by)
     finally:
         lock.release()
 
