@@ -1,5 +1,6 @@
 """ldt-plan / ldt-sim command lines (called in-process; one subprocess for ``python -m``)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -170,3 +171,18 @@ def test_sim_ambiguous_kind_asks_for_kinds(capsys):
                         "a100_910b", "-m", "4", "--kinds", "a100,a100,ascend910b"])
     assert rc == 2
     assert "--kinds[1]='a100'" in capsys.readouterr().err
+
+
+def test_a_per_stage_dp_timeline_names_each_lane_it_draws():
+    """With per-stage dp the simulated timeline has a row per lane the plan prices (one
+    group of replicas): each named by its stage and replica, not the stages' names in turn
+    (the second a100 lane was drawn as ascend910b_0, the last lane unnamed)."""
+    from ldt.plan.convert import timeline_rows
+    from ldt.plan.evaluate import Plan, StageSpec
+
+    plan = Plan((StageSpec("a100", 1), StageSpec("ascend910b", 2), StageSpec("ascend910b", 2)),
+                (4, 14, 14), False, 8, 16, stage_dp=(8, 4, 4))
+    assert timeline_rows(plan) == ["a100_0 r0", "a100_0 r1", "ascend910b_0 r0",
+                                   "ascend910b_1 r0"]
+    assert timeline_rows(dataclasses.replace(plan, stage_dp=())) == [
+        "a100_0", "ascend910b_0", "ascend910b_1"]

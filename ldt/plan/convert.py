@@ -15,9 +15,10 @@ from ldt.config.layout import split_layers
 from ldt.config.load import load_group
 from ldt.models.recompute import stage_recompute
 from ldt.plan.cost import Recompute
-from ldt.plan.evaluate import Evaluation, Plan, StageSpec
+from ldt.plan.evaluate import Evaluation, Plan, StageSpec, lane_groups
 from ldt.plan.inventory import Inventory
 from ldt.schedule import to_chrome_trace, to_png
+from ldt.schedule.routing import Lanes
 
 
 def load_cluster(name_or_path: str) -> ClusterConfig:
@@ -76,8 +77,19 @@ def export_timeline(ev: Evaluation, trace: Optional[str] = None, png: Optional[s
     """Chrome trace (seconds -> microseconds) and/or PNG of a simulated evaluation."""
     if ev.sim is None:
         raise ValueError("this evaluation was not simulated; use simulate_plan() to get a timeline")
-    names = ev.plan.stage_names()
+    names = timeline_rows(ev.plan)
     if trace:
         to_chrome_trace(ev.sim, trace, us_per_unit=1e6, stage_names=names)
     if png:
         to_png(ev.sim, png, title or ev.plan.describe(), stage_names=names)
+
+
+def timeline_rows(plan) -> list[str]:
+    """A name per row of a plan's simulated timeline: its stages, or with per-stage dp the
+    lanes it prices (:func:`ldt.plan.evaluate.lane_groups`), each ``NAME rJ`` for replica J."""
+    names = plan.stage_names()
+    if not plan.stage_dp:
+        return names
+    lanes = Lanes(lane_groups(plan))
+    return [f"{names[stage]} r{replica}"
+            for stage, replica in (lanes.of(lane) for lane in range(len(lanes)))]
