@@ -186,3 +186,21 @@ def test_a_per_stage_dp_timeline_names_each_lane_it_draws():
                                    "ascend910b_1 r0"]
     assert timeline_rows(dataclasses.replace(plan, stage_dp=())) == [
         "a100_0", "ascend910b_0", "ascend910b_1"]
+
+
+def test_the_kinds_of_a_planned_clusters_stages_come_from_their_names():
+    """Two kinds of one device type (the edge's A100 and the cloud's): a cluster ldt-plan
+    wrote names its stages KIND_n, so ldt-sim prices them as planned without --kinds; a
+    hand-written one is refused with an example of one kind per stage."""
+    from ldt.config import ConfigError, to_cluster
+    from ldt.plan import load_inventory
+    from ldt.plan.convert import stage_kinds
+
+    inventory = load_inventory("edge_one_card")
+    stages = [{"name": n, "device": "cuda", "tp": 1} for n in ("edge", "a100_0", "a100_1")]
+    planned = to_cluster({"stages": stages, "u_shape": True})
+    assert stage_kinds(planned, inventory) == ["edge_gpu", "a100", "a100"]
+    by_hand = to_cluster({"stages": [dict(s, name=f"s{i}") for i, s in enumerate(stages)],
+                          "u_shape": False})
+    with pytest.raises(ConfigError, match=r"--kinds edge_gpu,edge_gpu,edge_gpu\)"):
+        stage_kinds(by_hand, inventory)

@@ -37,6 +37,10 @@ def stage_kinds(cluster: ClusterConfig, inventory: Inventory,
                 raise ConfigError(f"--kinds[{i}]={k!r} is a {inventory.kind(k).device} kind but "
                                   f"cluster.stages[{i}].device={st.device!r}; pick a {st.device} kind")
         return list(kinds)
+    named = planned_kinds(cluster, inventory)  # ldt-plan's KIND_n names say it
+    if named is not None and all(inventory.kind(k).device == st.device
+                                 for k, st in zip(named, cluster.stages)):
+        return named
     out = []
     for i, st in enumerate(cluster.stages):
         if cluster.u_shape and i == 0 and inventory.edge is not None \
@@ -48,8 +52,31 @@ def stage_kinds(cluster: ClusterConfig, inventory: Inventory,
             raise ConfigError(
                 f"cluster.stages[{i}].device={st.device!r} matches kinds {match} of inventory "
                 f"{inventory.name!r}; pass --kinds with one kind per stage (e.g. --kinds "
-                f"{','.join(k.name for k in inventory.kinds[:2])})")
+                f"{_example_kinds(cluster, inventory)})")
         out.append(match[0])
+    return out
+
+
+def _example_kinds(cluster: ClusterConfig, inventory: Inventory) -> str:
+    """One kind per stage of its device type, comma-separated (an --kinds example)."""
+    return ",".join(next((k.name for k in inventory.kinds if k.device == st.device), "?")
+                    for st in cluster.stages)
+
+
+def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
+    """Each stage's kind as the planner named the stage (``KIND_n``, an elastic world's too;
+    ``KIND.j_n`` for the planner's j-th node group of a kind; a U-shape's stage 0 the
+    inventory's edge kind), or None where a stage's name
+    names no kind of ``inventory`` (a hand-written cluster: kinds by device type then)."""
+    names, out = {k.name for k in inventory.kinds}, []
+    for i, st in enumerate(cluster.stages):
+        if cluster.u_shape and i == 0 and inventory.edge is not None:
+            out.append(inventory.edge)
+            continue
+        kind = st.name.rpartition("_")[0].split(".")[0]
+        if kind not in names:
+            return None
+        out.append(kind)
     return out
 
 

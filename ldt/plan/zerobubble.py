@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig, typed_config
 from ldt.config.load import load_plain
 from ldt.plan.calibrate import calibrate, read_action_times, steady
-from ldt.plan.convert import cluster_to_plan
+from ldt.plan.convert import cluster_to_plan, planned_kinds
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
                                lane_groups, op_table, simulate_lanes)
@@ -161,23 +161,6 @@ def run_inventory(cluster: ClusterConfig, train: TrainConfig) -> Inventory:
     except ConfigError as exc:
         key = "train.cost_inventory" if train.cost_inventory else "cluster.inventory"
         raise ConfigError(f"{key}={name!r}: {exc}") from None
-
-
-def planned_kinds(cluster, inventory: Inventory) -> Optional[list[str]]:
-    """Each stage's kind as the planner named the stage (``KIND_n``, an elastic world's too;
-    ``KIND.j_n`` for the planner's j-th node group of a kind; a U-shape's stage 0 the
-    inventory's edge kind), or None where a stage's name
-    names no kind of ``inventory`` (a hand-written cluster: kinds by device type then)."""
-    names, out = {k.name for k in inventory.kinds}, []
-    for i, st in enumerate(cluster.stages):
-        if cluster.u_shape and i == 0 and inventory.edge is not None:
-            out.append(inventory.edge)
-            continue
-        kind = st.name.rpartition("_")[0].split(".")[0]
-        if kind not in names:
-            return None
-        out.append(kind)
-    return out
 
 
 def run_prices(cluster: ClusterConfig, model: ModelConfig, train: TrainConfig) -> Priced:
