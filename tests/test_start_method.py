@@ -94,3 +94,21 @@ def test_a_machine_with_an_accelerator_spawns_its_ranks(monkeypatch):
         start_method()
     assert local._context("spawn").get_start_method() == "spawn"
     assert local._context("forkserver").get_start_method() == "forkserver"
+
+
+def test_a_stop_signal_while_the_world_starts_reaches_the_ranks_started_after_it(monkeypatch):
+    """A SIGTERM before a rank has a pid went to nobody: that rank trained on until the stop
+    grace ran out, then was killed without a checkpoint. Each rank gets it once."""
+    import signal
+    from types import SimpleNamespace
+
+    sent = []
+    monkeypatch.setattr(local.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    ranks = [SimpleNamespace(pid=11), SimpleNamespace(pid=None)]
+    stop = local._StopSignals(ranks, grace_s=5.0)
+    stop._on_signal(signal.SIGTERM, None)
+    assert sent == [(11, signal.SIGTERM)]
+    ranks[1].pid = 12  # started after the signal
+    stop.forward()
+    stop.forward()
+    assert sent == [(11, signal.SIGTERM), (12, signal.SIGTERM)]

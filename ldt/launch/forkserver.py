@@ -30,6 +30,8 @@ def _in_forkserver() -> bool:
 
 
 if _in_forkserver():
-    for _sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: CPython's forkserver ignores it only after its preload (~5 s of imports), and
+    # a Ctrl-C then killed it with a traceback while the launcher was starting the ranks
+    for _sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(_sig, signal.SIG_IGN)
     atexit.register(os._exit, 0)

@@ -118,6 +118,7 @@ def _child(rank: int, world_size: int, port: int, fn: Union[Callable, str], args
     # whose atexit handlers a script runner (ldt.job.megatron) calls before the rank reports
     for sig in (signal.SIGTERM, signal.SIGHUP):  # the forkserver ignores them (ldt.launch.forkserver)
         signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # and SIGINT: a rank's Ctrl-C
     record = _progress.attach(slots[rank])
     record.start(os.getpid())
     threading.Thread(target=_watch_lifeline, args=(lifeline, record), daemon=True,
@@ -206,6 +207,7 @@ def run_local_world(world_size: int, fn: Union[Callable, str], args: Sequence = 
         with stop:
             for p in procs:
                 p.start()
+            stop.forward()
             lifeline_r.close()
             for _, writer in pipes:
                 writer.close()  # the child holds its own end; EOF then means the child is gone
@@ -255,6 +257,7 @@ class _StopSignals:
         self.deadline: Optional[float] = None
         self.again = False
         self._old: dict = {}
+        self._told: set[int] = set()  # the ranks' pids the signal went to
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -270,10 +273,18 @@ class _StopSignals:
             self.again = True
             return
         self.signum, self.deadline = signum, time.monotonic() + self.grace_s
+        self.forward()
+
+    def forward(self) -> None:
+        """Pass the stop signal on to every rank started and not told yet (a signal while the
+        world starts reaches the ranks that start after it too)."""
+        if self.signum is None:
+            return
         for p in self.procs:
-            if p.pid is not None:
+            if p.pid is not None and p.pid not in self._told:
+                self._told.add(p.pid)
                 try:
-                    os.kill(p.pid, signum)
+                    os.kill(p.pid, self.signum)
                 except ProcessLookupError:
                     pass
 
