@@ -381,3 +381,23 @@ def test_the_step_agreement_group_of_an_accelerator_run_times_out_as_every_group
     monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "group")
     assert StepGuard.world_group(42.0) == "group"
     assert made == [{"backend": "gloo", "timeout": timedelta(seconds=42.0)}]
+
+
+def _slow_writer(rank: int, world: int, group_kind: str):
+    from ldt.training import checkpoint
+
+    group = checkpoint.save_group() if group_kind == "save" else None
+    if rank == 1:
+        time.sleep(4.0)  # its part's write: longer than the groups' 2 s
+    return checkpoint._all_errors(None, group)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_slower_than_the_comm_timeout_is_waited_for():
+    """A save's agreement waits for the slowest writer's disk on a group of its own
+    (checkpoint.save_group), not with train.comm_timeout_s: on the default group a healthy
+    slow save failed the run at its first checkpoint."""
+    assert run_local_world(2, _slow_writer, ("save",), timeout_s=60,
+                           comm_timeout_s=2.0) == [[], []]
+    with pytest.raises(WorldError):
+        run_local_world(2, _slow_writer, ("default",), timeout_s=60, comm_timeout_s=2.0)

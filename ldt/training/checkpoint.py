@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -121,6 +122,18 @@ def save(root: str, step: int, models, chunks, optimizer, state, *, info: dict, 
     return write_and_seal(root, step, {state.stage: (model_sd, optim_sd)} if writes(state)
                           else {}, info=info, model=model, keep_last=keep_last, group=group,
                           origin=origin)
+
+
+SAVE_WAIT_S = 1800.0
+"""How long a save's agreement waits for its slowest writer (:func:`save_group`): what it waits
+for is a disk (a large part written over a network file system), not a peer's message, so not
+``train.comm_timeout_s``: a healthy save longer than that failed the run at its first save."""
+
+
+def save_group():
+    """A gloo group of every rank whose collectives wait :data:`SAVE_WAIT_S` (collective:
+    every rank calls it, in one place)."""
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=SAVE_WAIT_S))
 
 
 def write_and_seal(root: str, step: int, parts: dict, *, info: dict, model=None,

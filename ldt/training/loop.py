@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
         patches.apply(names, ctx=MegatronHooks(tuple(observers)))
         try:
             return _train(_Run(rank, cfg, topo, state, observers, run_dir, guard,
-                               resume_verified, priced))
+                               resume_verified, priced, checkpoint.save_group()))
         finally:
             for obs in observers:  # the audit's message tap unwraps torch.distributed
                 getattr(obs, "close", lambda: None)()
@@ -133,6 +133,8 @@ class _Run:
     resume_verified: bool = False
     priced: Optional[Priced] = None
     """``train.schedule=zb``: the plan's prices its order is generated from."""
+    save_group: Any = None
+    """Every rank, waiting as long as a save may take (:func:`ldt.training.checkpoint.save_group`)."""
 
     @property
     def on_loss_stage(self) -> bool:
@@ -192,7 +194,7 @@ def _load_checkpoint(run: _Run, models, chunks, opt, root: Optional[str] = None)
     t = run.cfg.train
     if root and snapshot.continues(t.resume, run.run_dir):
         step = snapshot_join.load_snapshot(root, t, run.run_dir, models, chunks, opt,
-                                           run.state, run.cfg.model, run.guard.group)
+                                           run.state, run.cfg.model, run.save_group)
         if step is not None:
             return step
     if not (t.resume or t.load):
@@ -344,13 +346,15 @@ def _stop_or_save(run: _Run, stage: _Stage, step: int, row: dict,
     # ldt-convert export RUN exports it
     if t.save_every and ((step + 1) % t.save_every == 0 or step + 1 == t.steps
                          or decision.signum):
-        progress.current().begin("saving a checkpoint", waiting=True)
+        # a writer works (its disk), the others wait for it: the launcher blames a stall so
+        progress.current().begin("saving a checkpoint",
+                                 waiting=not checkpoint.writes(run.state))
         result = checkpoint.save(run_dir, step, stage.opt.models, stage.chunks, stage.opt,
                                  run.state, info={"steps": t.steps,
                                                   "optimizer": t.optimizer.name,
                                                   "run_state": stage.opt.run_state()},
                                  model=run.cfg.model,
-                                 keep_last=t.keep_last, group=run.guard.group,
+                                 keep_last=t.keep_last, group=run.save_group,
                                  origin=t.resume or t.load)
         if result.error:
             return save_failed_stop(result.error, step, checkpoint.latest(run_dir), run_dir)
