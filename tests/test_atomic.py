@@ -302,3 +302,24 @@ def test_an_output_another_command_wrote_meanwhile_is_not_replaced(home):
         assert (target / "theirs" if make == "folder" else target).read_text() == "theirs"
         assert not (home / "other").exists()
         assert not [n for n in os.listdir(home) if ".ldt-" in n]
+
+
+def test_a_run_folder_that_cannot_be_locked_says_so_or_is_refused(tmp_path, monkeypatch, capsys):
+    """flock's errors: a filesystem without locks is a warning (nothing stops a second run
+    there), any other error (EIO, ...) refuses the folder; the lock was silently off before."""
+    import errno
+
+    from ldt.storage import runlock
+    from ldt.storage.runlock import RunFolderInUse, RunLock
+
+    def fails(code):
+        def flock(fd, op):
+            raise OSError(code, os.strerror(code))
+        return flock
+
+    monkeypatch.setattr(runlock.fcntl, "flock", fails(errno.EOPNOTSUPP))
+    RunLock(str(tmp_path)).acquire()
+    assert "cannot be locked" in capsys.readouterr().err
+    monkeypatch.setattr(runlock.fcntl, "flock", fails(errno.EIO))
+    with pytest.raises(RunFolderInUse, match="its lock cannot be taken .*a local disk"):
+        RunLock(str(tmp_path)).acquire()

@@ -16,6 +16,7 @@ still the one at the path, and otherwise tries again.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import shlex
@@ -27,6 +28,11 @@ from ldt.config.errors import ConfigError
 from ldt.storage.commit import host
 
 LOCK_NAME = ".ldt-lock"
+
+
+NO_LOCKS = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.ENOLCK)
+"""flock's errors on a filesystem that has no locks (or no lock manager): the run goes on
+unlocked with a warning; any other error refuses the run folder."""
 
 
 class RunFolderInUse(ConfigError):
@@ -105,9 +111,19 @@ class RunLock:
                     f"{text or 'a process that has not written its name yet'}); a run folder "
                     f"has one owner: wait for that run to end (or stop it), or give a new "
                     f"{self.flag}") from None
-            except OSError:  # no locks on this filesystem: go on unlocked, as before
+            except OSError as exc:
                 os.close(fd)
-                return self
+                if exc.errno == errno.ESTALE:  # its holder removed the file as we opened it
+                    continue
+                if exc.errno in NO_LOCKS:  # a filesystem without locks: say it, go on unlocked
+                    print(f"ldt: warning: {self.flag}={self.run_dir} cannot be locked "
+                          f"({os.strerror(exc.errno)}): nothing stops a second run from "
+                          "writing there", file=sys.stderr)
+                    return self
+                raise RunFolderInUse(
+                    f"{self.flag}={self.run_dir}: its lock cannot be taken ({exc.strerror or "
+                    f"exc}), so a second run could write there unseen; fix the file system's "
+                    f"locking (e.g. NFS's lockd), or give a {self.flag} on a local disk") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
