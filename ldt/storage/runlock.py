@@ -120,10 +120,11 @@ class RunLock:
                           f"({os.strerror(exc.errno)}): nothing stops a second run from "
                           "writing there", file=sys.stderr)
                     return self
+                why = exc.strerror or str(exc)
                 raise RunFolderInUse(
-                    f"{self.flag}={self.run_dir}: its lock cannot be taken ({exc.strerror or "
-                    f"exc}), so a second run could write there unseen; fix the file system's "
-                    f"locking (e.g. NFS's lockd), or give a {self.flag} on a local disk") from None
+                    f"{self.flag}={self.run_dir}: its lock cannot be taken ({why}), so a "
+                    "second run could write there unseen; fix the file system's locking "
+                    f"(e.g. NFS's lockd), or give a {self.flag} on a local disk") from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
