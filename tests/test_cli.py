@@ -129,3 +129,25 @@ def test_multirun_runs_each_job_in_its_own_folder(tmp_path):
         assert yaml.safe_load((folder / "config.yaml").read_text())["run_dir"] == str(folder)
     assert (sweep / "multirun.yaml").exists()
     assert "world 5" in "\n".join(lines)  # cpu_vtp's rank map
+
+
+def test_a_stop_signal_ends_a_multirun_not_only_its_job(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) during a multirun: the job it stopped exits 130 and no later job
+    starts (Hydra's launcher started the next one, a Ctrl-C per job); a KeyboardInterrupt
+    before a job's world is one line and 130, not a traceback."""
+    from ldt.job.hydra import run_app
+
+    monkeypatch.chdir(tmp_path)
+    ran = []
+
+    def stopped(cfg):
+        ran.append(cfg.train.steps)
+        return 130
+
+    assert run_app(stopped, ["-m", "train.steps=1,2,3"], run_folder=False) == 130
+    assert ran == [1]
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    assert run_app(interrupted, ["train.steps=1"], run_folder=False) == 130

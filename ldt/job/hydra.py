@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Callable, Optional, Sequence
@@ -77,6 +78,11 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     sys.stderr = held
     try:
         app()
+    except _Stopped as stop:
+        return stop.code
+    except KeyboardInterrupt:  # Ctrl-C before a job's world started (it says its own)
+        print("ldt: interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
     except SystemExit as exc:  # --help, --version, or Hydra refusing the command line
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 1 and not codes:
@@ -134,9 +140,24 @@ def _hydra_job(task: Callable[..., int], hydra_subdir: Optional[str], codes: lis
         else:
             codes[-1] = int(task(cfg, functools.partial(save_hydra_files, cfg, hydra_subdir))
                             or 0)
+        if codes[-1] in STOPPED:  # a multirun's later jobs do not start either
+            raise _Stopped(codes[-1])
         return codes[-1]
 
     return job
+
+
+STOPPED = {128 + signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGHUP}
+"""A job's status when a stop signal ended it."""
+
+
+class _Stopped(BaseException):
+    """A job ended by a stop signal: the app stops (Hydra's launcher would start the next
+    multirun job; it catches Exception only)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
 
 
 _FLAGS_WITH_VALUE = ("-cd", "--config-dir", "-cn", "--config-name", "-cp", "--config-path",
