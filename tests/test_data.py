@@ -372,29 +372,3 @@ def test_bad_input_exits_2_with_one_line(corpus, prefixes):
         lines = _one_line(proc.stderr)
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
         assert not any(f.startswith("x.") for f in os.listdir(root))
-
-
-def test_the_byte_corpus_reads_every_window_once_per_epoch_whatever_the_layout():
-    """The built-in byte data (``data.path``): a run of one epoch's samples reads each
-    training window exactly once (no window twice in a step, none left out), the same windows
-    in the same global order for dp 1 x 8 micro-batches as for dp 2 x 4, and never a held-out
-    one; the next epoch reads them all again in another order."""
-    from ldt.data.bytes import TextData
-
-    def read(dp, m, steps):
-        out = []
-        for step in range(steps):
-            for rank in range(dp):
-                data = TextData(None, 32, 2, m, dp_rank=rank, dp=dp, seed=7, max_bytes=20_000)
-                out += [[row.tolist() for row in b["tokens"]] for b in data.step_iterator(step)]
-        return [row for batch in out for row in batch]
-
-    data = TextData(None, 32, 2, 8, seed=7, max_bytes=20_000)
-    per_step = 16
-    steps = -(-data.num_windows // per_step) * 2  # two epochs and a bit
-    one = read(1, 8, steps)
-    assert one == read(2, 4, steps)
-    windows = sorted(data.tokens[w * 32:w * 32 + 32].tolist() for w in range(data.num_windows))
-    epoch, second = one[:data.num_windows], one[data.num_windows:2 * data.num_windows]
-    assert sorted(epoch) == sorted(second) == windows  # (a text may repeat a window's bytes)
-    assert epoch != second

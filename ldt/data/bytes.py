@@ -65,7 +65,7 @@ def min_corpus_bytes(seq_length: int, micro_batch_size: int) -> int:
 
 
 class TextData:
-    """Fixed-length windows of a byte stream, in a seeded order per epoch, sharded by DP rank.
+    """Fixed-length windows of a byte stream, in a seeded order, sharded by DP rank.
 
     ``batch(step, mb)`` is a pure function of (seed, step, micro-batch, dp rank), so a resumed
     run and a single-process reference see exactly the same samples. The last
@@ -87,19 +87,17 @@ class TextData:
         self.seq, self.mbs, self.m = seq_length, micro_batch_size, num_microbatches
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
         self.num_windows, self.num_eval_windows = split_windows(len(self.tokens), seq_length)
-        self._orders: dict = {}  # (stream, epoch) -> that epoch's order of the windows
         if min(self.num_windows, self.num_eval_windows) < micro_batch_size:
             raise ValueError(f"corpus of {len(raw)} bytes is too small for sequences of "
                              f"{seq_length} (1/{self.EVAL_SHARE} is held out for evaluation); "
                              "use a larger data.path or data.max_bytes")
 
     def batch(self, step: int, mb: int) -> dict:
-        per_step = self.dp * self.m * self.mbs
-        return self._windows(self.seed, step * per_step, mb, 0, self.num_windows)
+        return self._windows(self.seed * 1_000_003 + step, mb, 0, self.num_windows)
 
     def eval_batch(self, mb: int) -> dict:
-        # the first samples of an order of its own over the held-out windows: every eval compares
-        return self._windows(self.seed * 1_000_003 - 1, 0, mb, self.num_windows,
+        # one fixed draw (the seed of "step -1") from the held-out windows: every eval compares
+        return self._windows(self.seed * 1_000_003 - 1, mb, self.num_windows,
                              self.num_eval_windows)
 
     def step_iterator(self, step: int) -> Iterator[dict]:
@@ -108,17 +106,14 @@ class TextData:
     def eval_iterator(self) -> Iterator[dict]:
         return (self.eval_batch(mb) for mb in range(self.m))
 
-    def _windows(self, stream: int, first_sample: int, mb: int, first_window: int,
-                 num_windows: int) -> dict:
+    def _windows(self, seed: int, mb: int, first_window: int, num_windows: int) -> dict:
         import torch
 
-        # sample k of the run is window order[k % n] of epoch k // n: each epoch reads every
-        # window once, in an order of its own (as megatron's GPTDataset shuffles)
-        first = first_sample + (self.dp_rank * self.m + mb) * self.mbs
-        windows = [first_window + int(self._epoch_order(stream, k // num_windows,
-                                                        num_windows)[k % num_windows])
-                   for k in range(first, first + self.mbs)]
-        starts = torch.tensor(windows) * self.seq
+        g = torch.Generator().manual_seed(seed)
+        per_step = self.dp * self.m * self.mbs
+        order = first_window + torch.randint(0, num_windows, (per_step,), generator=g)
+        first = (self.dp_rank * self.m + mb) * self.mbs
+        starts = order[first:first + self.mbs] * self.seq
         rows = torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()])
         return {
             "tokens": rows[:, :-1].contiguous(),
@@ -126,14 +121,3 @@ class TextData:
             "loss_mask": torch.ones(self.mbs, self.seq),
             "position_ids": torch.arange(self.seq).repeat(self.mbs, 1),
         }
-
-    def _epoch_order(self, stream: int, epoch: int, num_windows: int):
-        import torch
-
-        key = (stream, epoch)
-        if key not in self._orders:
-            if len(self._orders) > 4:  # a run moves through its epochs in order
-                self._orders.clear()
-            g = torch.Generator().manual_seed(stream * 1_000_003 + epoch)
-            self._orders[key] = torch.randperm(num_windows, generator=g)
-        return self._orders[key]
