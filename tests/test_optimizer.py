@@ -143,9 +143,13 @@ def test_fp32_equals_single_process_reference(name, reference, tmp_path):
 def test_resume_from_a_sharded_optimizer_into_another_layout_and_dp(reference, tmp_path):
     """A dp 2 distributed-optimizer run saves after step 2 (main params and Adam moments
     gathered over DP and TP); a dp 1 U-shape resumes and its step 3 is the reference's."""
+    from ldt.storage.checkpoint_files import step_dir
+
     _train(_cfg([1, 2], dp=2, steps=STEPS, save_every=2, distributed_optimizer=True),
            tmp_path / "first")
-    resumed = _cfg([1, 2, 1], u_shape=True, steps=STEPS, resume=str(tmp_path / "first"))
+    # its step 2 (index 1); the run saved its last step too
+    resumed = _cfg([1, 2, 1], u_shape=True, steps=STEPS,
+                   resume=step_dir(str(tmp_path / "first"), 1))
     rows = _train(resumed, tmp_path / "second")
     ref_rows, _ = reference
     assert len(rows) == 1
