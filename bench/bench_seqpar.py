@@ -214,7 +214,7 @@ def _planner_tp2_activations() -> dict:
     plain = ModelConfig(**MODEL)
     chunk = [ChunkLoad(MODEL["num_layers"] // 2, embedding=True, inflight=len(TPS))]
     return {name: CostModel(model, None, MBS, flash_attention=False)
-            .stage_memory(TPS[0], chunk).activations / MIB
+            .stage_memory("cpu", TPS[0], chunk).activations / MIB
             for name, model in (("off", plain),
                                 ("on", dataclasses.replace(plain, sequence_parallel=True)))}
 

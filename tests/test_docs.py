@@ -405,7 +405,7 @@ def check_front_pick(result, scratch: Scratch):
     check_shown_output("docs/planner.md", ".venv/bin/ldt-plan --inventory edge_cloud --model "
                        "qwen2.5_7b --out plans/cluster/qwen.yaml")(result, scratch)
     picked = _planner_doc_line("picked ")
-    assert picked.startswith("picked 3 stages on 10 devices"), picked
+    assert picked.startswith("picked the fastest plan (3 stages on 10 devices"), picked
 
 
 def check_sim_of_front_pick(result, scratch: Scratch):

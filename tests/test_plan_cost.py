@@ -49,7 +49,7 @@ def test_llama_7b_tp8_stage_memory_by_hand():
     """4 layers of llama_7b (Llama-2: SwiGLU, RMSNorm, no biases) on a TP-8 middle stage,
     3 micro-batches in flight, bf16, flash."""
     cost = CostModel(load_model("llama_7b"), synthetic_inventory({"a100": 8}), 1)
-    mem = cost.stage_memory(8, [ChunkLoad(4, inflight=3)])
+    mem = cost.stage_memory("a100", 8, [ChunkLoad(4, inflight=3)])
     # QKV, output projection, fc1 (gate and up: 2f), fc2, split over TP 8; no biases:
     split = 4096 * 12288 + 4096 * 4096 + 4096 * 2 * 11008 + 11008 * 4096
     assert split == 202_375_168
@@ -63,7 +63,7 @@ def test_llama_7b_tp8_stage_memory_by_hand():
     # the estimator measured megatron-core's own layers (ldt.memory, fake tensors, flash
     # attention; tests/test_memory.py re-measures it); each chunk also keeps its received
     # input, s*b*h bf16. The model is within 0.01% of that measurement.
-    layer = cost.layer_activation_bytes(8)
+    layer = cost.layer_activation_bytes("a100", 8)
     assert layer == pytest.approx(421_363_712, rel=1e-3)
     assert mem.activations == pytest.approx(3 * (4 * 421_363_712 + 4096 * 4096 * 2), rel=1e-3)
 
@@ -133,7 +133,7 @@ def test_activation_model_matches_megatrons_measured_layers(key):
                      flash_attention=attention == "flash")
     rc = (None if recompute is None else Recompute("full", "uniform", 1) if recompute == "full"
           else Recompute("selective", modules=recompute))
-    got = cost.decoder_activation_bytes(tp, 2, rc) - cost.decoder_activation_bytes(tp, 1, rc)
+    got = cost.decoder_activation_bytes("a100", tp, 2, rc) - cost.decoder_activation_bytes("a100", tp, 1, rc)
     assert got == pytest.approx(MEASURED_LAYER_BYTES[key], rel=0.01)
 
 
@@ -155,8 +155,8 @@ def test_full_attention_adds_score_matrices():
     s 4096, b 1) against 421_363_712 with flash."""
     model = load_model("llama_7b")
     inv = synthetic_inventory({"a100": 8})
-    flash = CostModel(model, inv, 1).layer_activation_bytes(8)
-    full = CostModel(model, inv, 1, flash_attention=False).layer_activation_bytes(8)
+    flash = CostModel(model, inv, 1).layer_activation_bytes("a100", 8)
+    full = CostModel(model, inv, 1, flash_attention=False).layer_activation_bytes("a100", 8)
     assert full == pytest.approx(823_951_360, rel=0.01)
     assert full - flash == pytest.approx(823_951_360 - 421_363_712, rel=0.01)
 
@@ -340,9 +340,9 @@ def test_selective_mlp_recompute_spares_only_the_dense_layers_of_a_moe_model():
     rc = Recompute("selective", modules=("mlp",))
     inv = synthetic_inventory({"a100": 8})
     cost, plain = CostModel(moe, inv, 1), CostModel(dense, inv, 1)
-    saved = cost.layer_activation_bytes(1) - cost.layer_activation_bytes(1, rc)
+    saved = cost.layer_activation_bytes("a100", 1) - cost.layer_activation_bytes("a100", 1, rc)
     assert saved == pytest.approx(64 * 4 * (2 * 128 + 128 + 2 * 128) * 2 / 6)
-    assert plain.layer_activation_bytes(1) - plain.layer_activation_bytes(1, rc) == \
+    assert plain.layer_activation_bytes("a100", 1) - plain.layer_activation_bytes("a100", 1, rc) == \
         pytest.approx(64 * 4 * (2 * 128 + 128 + 2 * 128))
     assert cost.recompute_time("a100", 1, 6, rc) == \
         pytest.approx(plain.recompute_time("a100", 1, 6, rc) * 2 / 6)

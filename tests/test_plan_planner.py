@@ -116,7 +116,9 @@ def test_planner_picks_prefetch_from_the_edge_link_latency():
 
     from ldt.plan import choose_prefetch
 
-    model, wl, latency = load_model("llama_7b"), Workload(1, 64), 0.120
+    # fused attention on the Ascend stages too: the scenario this was built on (see
+    # tests/test_zb_prices.py's FUSED)
+    model, wl, latency = load_model("llama_7b"), Workload(1, 64, flash_attention=True), 0.120
     fast = plan(_edge_link(0.0), model, wl)
     slow_inventory = _edge_link(latency * 1e3)
     slow = plan(slow_inventory, model, wl)

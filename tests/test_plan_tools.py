@@ -84,15 +84,22 @@ def test_sim_of_a_plan_takes_the_planned_micro_batches(tmp_path, capsys):
 
 
 def test_sim_of_a_zero_bubble_plan_takes_the_planned_schedule(tmp_path, capsys):
-    """A plan ldt-plan picked on its zero-bubble schedule (llama_7b on edge_cloud): ldt-sim
-    reads ``schedule: zb`` from its train file and prices the same iteration; ``--schedule
-    auto`` prices today's schedule, slower."""
+    """A plan ldt-plan picked on its zero-bubble schedule (llama_7b on edge_cloud with its
+    cloud cards on cuda, fused attention there): ldt-sim reads ``schedule: zb`` from its train
+    file and prices the same iteration; ``--schedule auto`` prices today's schedule, slower."""
+    from ldt.config.load import conf_path
+
+    inventory = tmp_path / "edge_cloud_cuda.yaml"
+    with open(conf_path("edge_cloud", "inventory")) as f:
+        text = f.read()
+    inventory.write_text(text.replace("device: npu", "device: cuda"))
     out = tmp_path / "plans" / "cluster" / "zb.yaml"
-    planning = ["--inventory", "edge_cloud", "--model", "llama_7b"]
+    planning = ["--inventory", str(inventory), "--model", "llama_7b"]
     assert plan_tool.main([*planning, "--out", str(out), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)
     assert planned["schedule"] == "zb"
-    args = ["--cluster", str(out), "--model", "llama_7b", "--inventory", "edge_cloud", "--json"]
+    args = ["--cluster", str(out), "--model", "llama_7b", "--inventory", str(inventory),
+            "--json"]
     assert sim_tool.main(args) == 0
     captured = capsys.readouterr()
     assert "schedule=zb" in captured.err
@@ -204,3 +211,29 @@ def test_the_kinds_of_a_planned_clusters_stages_come_from_their_names():
                           "u_shape": False})
     with pytest.raises(ConfigError, match=r"--kinds edge_gpu,edge_gpu,edge_gpu\)"):
         stage_kinds(by_hand, inventory)
+
+
+def test_the_train_line_carries_what_the_plan_was_priced_with(tmp_path, capsys):
+    """--dtype and --sequence-parallel change what a plan needs; ldt-train must run that same
+    model, so the printed command (and the files' headers) carry them as model overrides, and
+    they compose to the priced model. (They were priced, then dropped: the run trained
+    llama_7b in its file's bfloat16 without sequence parallelism.)"""
+    import shlex
+
+    from ldt.job.hydra import compose
+
+    out = tmp_path / "plans" / "cluster" / "fp32.yaml"
+    rc = plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--dtype",
+                         "float32", "--sequence-parallel", "--out", str(out)])
+    assert rc == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("train it: "))
+    words = shlex.split(line[len("train it: "):])
+    assert words[-2:] == ["model.params_dtype=float32", "model.sequence_parallel=true"]
+    cfg = compose([f"hydra.searchpath=[file://{tmp_path / 'plans'}]", *words[3:]])
+    assert cfg.model.params_dtype == "float32" and cfg.model.sequence_parallel is True
+    assert "model.params_dtype=float32 model.sequence_parallel=true" in out.read_text()
+    train = (tmp_path / "plans" / "train" / "fp32.yaml").read_text()
+    assert "# Priced with model.params_dtype=float32 model.sequence_parallel=true" in train
+    assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--dtype",
+                           "bfloat16"]) == 0  # the model's own dtype: nothing to add
+    assert "model.params_dtype" not in capsys.readouterr().out

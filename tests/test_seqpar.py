@@ -136,14 +136,14 @@ def test_planner_divides_the_activations_by_tp_with_sequence_parallelism():
     model, inv = load_model("llama_7b"), synthetic_inventory({"a100": 8})
     plain = CostModel(model, inv, 1)
     sp = CostModel(dataclasses.replace(model, sequence_parallel=True), inv, 1)
-    assert sp.layer_activation_bytes(1) == plain.layer_activation_bytes(1)
+    assert sp.layer_activation_bytes("a100", 1) == plain.layer_activation_bytes("a100", 1)
     for tp in (2, 4, 8):
         tables = 4 * 128 * 2 * 4096  # per layer, s * 4 tables of head_dim bf16 values
-        assert sp.layer_activation_bytes(tp) - tables == pytest.approx(
-            (plain.layer_activation_bytes(1) - tables) / tp)
-        assert sp.layer_activation_bytes(tp) < plain.layer_activation_bytes(tp)
+        assert sp.layer_activation_bytes("a100", tp) - tables == pytest.approx(
+            (plain.layer_activation_bytes("a100", 1) - tables) / tp)
+        assert sp.layer_activation_bytes("a100", tp) < plain.layer_activation_bytes("a100", tp)
     chunks = [ChunkLoad(4, embedding=True, inflight=3), ChunkLoad(4, head=True)]
-    a, b = plain.stage_memory(2, chunks), sp.stage_memory(2, chunks)
+    a, b = plain.stage_memory("a100", 2, chunks), sp.stage_memory("a100", 2, chunks)
     assert (a.weights, a.optimizer) == (b.weights, b.optimizer)
     assert b.activations < a.activations
 

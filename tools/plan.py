@@ -55,7 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-min-layers", type=count(0), default=1,
                    help="decoder layers the edge keeps in each chunk (default 1)")
     p.add_argument("--no-flash", action="store_true",
-                   help="price materialised attention scores (no flash / fused attention)")
+                   help="price megatron's local attention (scores kept) on every stage, cuda "
+                        "too (a cuda host without Transformer Engine); default: fused "
+                        "attention on cuda stages, local on npu and cpu, as training runs")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price megatron's sequence parallelism on stages of TP > 1 (train with "
                         "model.sequence_parallel=true)")
@@ -92,9 +94,10 @@ def _run(args) -> int:
     for path, flag in outputs:
         check_output(path, flag=flag, overwrite=args.overwrite, inputs=inputs, file=True)
     inventory, model = load_inventory(args.inventory), load_model(args.model)
+    overrides = _model_overrides(args, model)
     if args.sequence_parallel:
         model = dataclasses.replace(model, sequence_parallel=True)
-    workload = Workload(args.mbs, args.global_batch, args.dtype, not args.no_flash,
+    workload = Workload(args.mbs, args.global_batch, args.dtype, False if args.no_flash else None,
                         args.u_shape, args.edge_min_layers, args.recompute)
     _check_size(args, inventory, model)
     _check_shape(args, inventory, model)
@@ -106,11 +109,12 @@ def _run(args) -> int:
         if args.out:
             _write_validated(tmp["--out"], cluster_yaml(result.best, inventory, model.name,
                                                         args.mbs, result.reason,
-                                                        _cost_inventory(args.inventory)), model)
+                                                        _cost_inventory(args.inventory),
+                                                        overrides), model)
         if TRAIN_FLAG in tmp:
             with open(tmp[TRAIN_FLAG], "w") as f:
                 f.write(_train_text(args.out, result.best, model.name, args.mbs,
-                                    args.inventory))
+                                    args.inventory, overrides))
         export_timeline(result.best, tmp.get("--trace"), tmp.get("--png"))
     written = [_shown(args.out, p) for p, f in outputs if f in ("--out", TRAIN_FLAG)]
     if args.json:
@@ -132,11 +136,23 @@ def _run(args) -> int:
         for note in result.notes:
             print(note)
         if written:
-            print(_how_to_train(written, model.name, result.best, args.mbs, args.inventory))
+            print(_how_to_train(written, model.name, result.best, args.mbs, args.inventory,
+                                overrides))
     return 0
 
 
 TRAIN_FLAG = "--out (its train/ file)"
+
+
+def _model_overrides(args, model) -> list[str]:
+    """What the plan is priced with beyond the model's file: ldt-train must be told too, else
+    it trains (and estimates) another run than the one planned."""
+    out = []
+    if args.dtype and args.dtype != model.params_dtype:
+        out.append(f"model.params_dtype={args.dtype}")
+    if args.sequence_parallel and not model.sequence_parallel:
+        out.append("model.sequence_parallel=true")
+    return out
 
 
 def _objective(args):
@@ -199,12 +215,14 @@ def _cost_inventory(inventory: str) -> str:
     return os.path.abspath(inventory) if os.path.isfile(inventory) else inventory
 
 
-def _train_text(cluster_path: str, best, model_name: str, mbs: int, inventory: str) -> str:
+def _train_text(cluster_path: str, best, model_name: str, mbs: int, inventory: str,
+                overrides: list[str]) -> str:
     stem = os.path.splitext(os.path.basename(cluster_path))[0]
-    return train_yaml(best, model_name, mbs, stem, _cost_inventory(inventory))
+    return train_yaml(best, model_name, mbs, stem, _cost_inventory(inventory), overrides)
 
 
-def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory: str) -> str:
+def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory: str,
+                  overrides: list[str]) -> str:
     plan, cluster = best.plan, written[0]
     stem = os.path.splitext(os.path.basename(cluster))[0]
     if len(written) == 2:
@@ -212,13 +230,14 @@ def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory
         import shlex
 
         return "train it: " + shlex.join(["ldt-train", "--config-dir", root, f"cluster={stem}",
-                                          f"train={stem}", f"model={model_name}"])
+                                          f"train={stem}", f"model={model_name}", *overrides])
     prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
     # a zb run orders its W by the plan's prices: the inventory's, not cpu_local's defaults
     prefetch += (f"train.schedule=zb train.cost_inventory={_cost_inventory(inventory)} "
                  if best.schedule == "zb" else "")
     return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
-            f"train.micro_batch_size={mbs} model={model_name} (put the file in a cluster/ "
+            f"train.micro_batch_size={mbs} model={model_name} "
+            + "".join(f"{o} " for o in overrides) + "(put the file in a cluster/ "
             "folder to get a train/ file with these too)")
 
 

@@ -52,7 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mbs", type=count(1), default=None,
                    help="micro-batch size (default: the planned one, as -m; else 1)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--no-flash", action="store_true", help="price materialised attention scores")
+    p.add_argument("--no-flash", action="store_true",
+                   help="price local attention (scores kept) on every stage; default: fused on "
+                        "cuda stages, local on npu and cpu, as training runs")
     p.add_argument("--kinds", help="inventory kind per stage, comma-separated")
     p.add_argument("--prefetch", type=count(0), default=None,
                    help="U-shape prefetch depth (train.prefetch; default: the planned one, "
@@ -116,7 +118,8 @@ def _simulate(args) -> int:
     try:
         plan = replace(cluster_to_plan(cluster, model, inventory, args.num_microbatches,
                                        kinds), prefetch=args.prefetch)
-        cost = CostModel(model, inventory, args.mbs, args.dtype, not args.no_flash)
+        cost = CostModel(model, inventory, args.mbs, args.dtype,
+                         False if args.no_flash else None)
         if args.schedule == "zb":
             if not runs_zb(plan):
                 raise ConfigError(f"--schedule zb needs two stages at least (one has no "

@@ -226,3 +226,11 @@ class ModelConfig:
         if not any(self.moe_layers()):
             raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq!r} makes no layer a "
                               "MoE layer; unset model.num_moe_experts for a dense model")
+
+
+def fused_attention(model, device: str) -> bool:
+    """Whether a stage on ``device`` runs fused (flash) attention, which keeps no ``s x s``
+    scores: a cuda stage with Transformer Engine (``transformer_impl`` other than ``local``;
+    assumed installed on cuda hosts). npu and cpu stages run megatron's local attention (ldt's
+    layer spec there). The memory estimate and the planner both ask this."""
+    return device == "cuda" and model.transformer_impl != "local"

@@ -40,6 +40,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ldt import patches
+from ldt.config.model import fused_attention
 from ldt.models.build import DTYPES
 from ldt.patches.wgrad_split import deferring, run_wgrad
 from ldt.training.flat_state import part_bytes
@@ -146,7 +147,7 @@ def attention_of(model, device: str, attention: str = "auto") -> str:
     ``local``; ``attention`` forces one for every stage."""
     if attention != "auto":
         return attention
-    return "flash" if device == "cuda" and model.transformer_impl != "local" else "local"
+    return "flash" if fused_attention(model, device) else "local"
 
 
 def measure_stage(c, topo, state, device: str, attention: str = "auto") -> StageMeasure:

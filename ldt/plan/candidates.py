@@ -29,7 +29,7 @@ import numpy as np
 
 from ldt.config import ConfigError
 from ldt.plan.cost import ChunkLoad, CostModel, ring_allreduce_time
-from ldt.plan.evaluate import StageSpec, recompute_levels
+from ldt.plan.evaluate import KEEPS_LEAST, StageSpec
 from ldt.plan.inventory import valid_tp_sizes
 from ldt.plan.split import layers_that_fit
 
@@ -98,7 +98,7 @@ def _layer_capacity(cost: CostModel, kind: str, tp: int, fixed: list[ChunkLoad])
     """Decoder layers one stage can hold next to ``fixed`` with a single micro-batch in flight:
     an optimistic bound (the split's real caps count the schedule's in-flight micro-batches)."""
     # with recomputation allowed, a layer costs what it costs fully recomputed (as in the split)
-    rc = recompute_levels(cost)[-1] if cost.recompute else None
+    rc = KEEPS_LEAST if cost.recompute else None
     chunks = list(fixed) or [ChunkLoad(0)]
     return layers_that_fit(cost, StageSpec(kind, tp), chunks, len(chunks) - 1, rc,
                            cost.model.num_layers)

@@ -59,6 +59,7 @@ from typing import Optional
 
 from ldt.config import ModelConfig, RecomputeConfig
 from ldt.config.load import config_dict
+from ldt.config.model import fused_attention
 from ldt.plan.inventory import DTYPE_BYTES, DeviceKind, Inventory
 from ldt.topology.device import plan_boundary
 from ldt.topology.transport import FANOUT, carry, fanout_boundary
@@ -152,12 +153,15 @@ class CostModel:
     """Prices layers, chunks and boundaries of one model/workload on an inventory's kinds."""
 
     def __init__(self, model: ModelConfig, inventory: Inventory, micro_batch_size: int,
-                 dtype: str | None = None, flash_attention: bool = True,
+                 dtype: str | None = None, flash_attention: bool | None = None,
                  recompute: bool = False) -> None:
         self.model, self.inventory, self.b = model, inventory, micro_batch_size
         self.dtype = dtype or model.params_dtype
         self.d = DTYPE_BYTES[self.dtype]
         self.flash_attention = flash_attention
+        """True / False: price fused (flash) or local attention on every stage; None: each
+        stage as training runs it there (:func:`ldt.config.model.fused_attention` of its
+        kind's device: flash on cuda, local on npu and cpu), as the memory estimate does."""
         self.recompute = recompute
         """Whether plans may recompute activations on stages that would not fit otherwise."""
         m = model
@@ -255,7 +259,13 @@ class CostModel:
     def _rope(self) -> bool:
         return self.model.position_embedding_type == "rope"
 
-    def layer_parts(self, tp: int) -> dict[str, float]:
+    def flash(self, kind: str) -> bool:
+        """Whether a stage of ``kind`` runs fused (flash) attention (:attr:`flash_attention`)."""
+        if self.flash_attention is not None:
+            return self.flash_attention
+        return fused_attention(self.model, self.inventory.kind(kind).device)
+
+    def layer_parts(self, kind: str, tp: int) -> dict[str, float]:
         """Bytes per token one decoder layer keeps for backward, by part (what megatron-core's
         local layers save with dropout 0, as the estimator measures them: ``ldt.memory``).
 
@@ -279,7 +289,7 @@ class CostModel:
         if self._rope():
             qkv += q_width + k_width
         rope_tables = 4 * int(head_dim * self.model.rotary_percent) * d if self._rope() else 0
-        if self.flash_attention:
+        if self.flash(kind):
             core = 4 * a / tp  # log-sum-exp, fp32
         else:
             core = (self._upcast() * a + 1) * s / tp
@@ -302,10 +312,10 @@ class CostModel:
         dense layer's MLP, never a MoE layer's experts (``recompute_mlp`` is off there)."""
         return 1.0 if self.moe is None else 1.0 - self.moe.share
 
-    def layer_activation_bytes(self, tp: int, recompute=None) -> float:
+    def layer_activation_bytes(self, kind: str, tp: int, recompute=None) -> float:
         """One decoder layer, one micro-batch: without recomputation, or with a selective one
         (the recomputed modules keep only their inputs, which other parts keep anyway)."""
-        parts = self.layer_parts(tp)
+        parts = self.layer_parts(kind, tp)
         for module in _selective_modules(recompute):
             if module == "core_attn":
                 parts["core_attn"] = 0.0
@@ -330,29 +340,30 @@ class CostModel:
         norm = (self.d * self.h + self._norm_bytes()) / self.sequence_shards(tp)
         return self.s * self.b * (norm + self.d * self.h + 4 * self.V / tp)
 
-    def decoder_activation_bytes(self, tp: int, layers: int, recompute=None) -> float:
+    def decoder_activation_bytes(self, kind: str, tp: int, layers: int, recompute=None
+                                 ) -> float:
         """``layers`` decoder layers of one chunk under megatron's recomputation: full keeps
         only each group's input (uniform: every ``num_layers`` layers; block: the first
         ``num_layers`` layers one by one, the rest whole)."""
         granularity = getattr(recompute, "granularity", None)
         if granularity != "full":
-            return layers * self.layer_activation_bytes(tp, recompute)
+            return layers * self.layer_activation_bytes(kind, tp, recompute)
         n = recompute.num_layers
         if recompute.method == "uniform":
             return math.ceil(layers / n) * self.boundary_activation_bytes(tp)
         kept = min(n, layers)
         return (kept * self.boundary_activation_bytes(tp)
-                + (layers - kept) * self.layer_activation_bytes(tp))
+                + (layers - kept) * self.layer_activation_bytes(kind, tp))
 
-    def chunk_activation_bytes(self, tp: int, chunk: ChunkLoad) -> float:
-        act = self.decoder_activation_bytes(tp, chunk.layers, chunk.recompute)
+    def chunk_activation_bytes(self, kind: str, tp: int, chunk: ChunkLoad) -> float:
+        act = self.decoder_activation_bytes(kind, tp, chunk.layers, chunk.recompute)
         act += (self.embedding_activation_bytes(tp) if chunk.embedding
                 else self.boundary_activation_bytes(tp))  # the received input
         if chunk.head:
             act += self.head_activation_bytes(tp)
         return act * chunk.inflight
 
-    def recompute_transient(self, tp: int, chunk: ChunkLoad) -> float:
+    def recompute_transient(self, kind: str, tp: int, chunk: ChunkLoad) -> float:
         """What a chunk's recomputation makes again during one micro-batch's backward, on top
         of what it keeps (measured with the estimator on megatron's layers, h 16, two layers:
         tests/test_plan_cost_oracles.py): a full ``uniform`` group's ``n`` layers, rebuilt at
@@ -362,22 +373,34 @@ class CostModel:
         rc = chunk.recompute
         if rc is None or chunk.layers == 0:
             return 0.0
-        layer = self.layer_activation_bytes(tp)
+        layer = self.layer_activation_bytes(kind, tp)
         if rc.granularity == "full":
             if rc.method == "uniform":
                 return min(rc.num_layers, chunk.layers) * layer
             return layer if rc.num_layers >= chunk.layers else 0.0
-        return layer - self.layer_activation_bytes(tp, rc)
+        return layer - self.layer_activation_bytes(kind, tp, rc)
 
-    def stage_memory(self, tp: int, chunks: list[ChunkLoad], recv_buffers: int = 0) -> Memory:
+    def attention_backward_bytes(self, kind: str, tp: int) -> float:
+        """What megatron's local attention makes during one layer's backward: the gradients of
+        the probabilities and the scores and the fp32 softmax's work, about ``4 d`` bytes per
+        score (the estimator on megatron's layers, llama_tiny at s 1024 / 2048, TP 1 / 2: 15.1
+        - 15.3 bytes in fp32, 7.6 - 7.9 in bf16; tests/test_plan_cost_oracles.py). Fused
+        attention recomputes its blocks: nothing of ``s x s``."""
+        if self.flash(kind):
+            return 0.0
+        return 4 * self.d * self.a / tp * self.s * self.s * self.b
+
+    def stage_memory(self, kind: str, tp: int, chunks: list[ChunkLoad], recv_buffers: int = 0
+                     ) -> Memory:
         """Per rank, as ldt configures megatron-core: 16-bit weights with fp32 gradients
         (DDP reduces in fp32), fp32 main params and Adam's two moments; fp32 training keeps no
         copy. ``recv_buffers``: received ``[s, b, h]`` tensors waiting at once. The backward
         transient: two ``[s, b, h]`` tensors, two more that sends may still hold (ldt's
         runtime lets a send go once it completed, ldt.memory.inflight), with the head the
-        logits' gradient (``s*b*V/t``), and what recomputation rebuilds
-        (:meth:`recompute_transient`)."""
-        key = (tp, tuple(chunks), recv_buffers)
+        logits' gradient (``s*b*V/t``), what recomputation rebuilds
+        (:meth:`recompute_transient`), and local attention's backward
+        (:meth:`attention_backward_bytes`)."""
+        key = (self.flash(kind), tp, tuple(chunks), recv_buffers)
         if key in self._memories:
             return self._memories[key]
         shares = self.model.tie_embeddings and any(c.embedding for c in chunks)
@@ -386,13 +409,14 @@ class CostModel:
         for c in chunks:
             own = self.chunk_params(tp, c, shares)
             params += own
-            act += self.chunk_activation_bytes(tp, c)
+            act += self.chunk_activation_bytes(kind, tp, c)
             logits = self.d * self.s * self.b * self.V / tp if c.head else 0.0
             # both: the head's backward runs first, but its end overlaps the last layer's
             # (llama3_8b's edge, end chunk with selective layernorm + mlp: the estimate's
             # transient 2.59 GiB, the logits' gradient alone 1.96, the recomputed part 1.60)
-            transient = max(transient,
-                            4 * boundary + logits + self.recompute_transient(tp, c))
+            attention = self.attention_backward_bytes(kind, tp) if c.layers else 0.0
+            transient = max(transient, 4 * boundary + logits
+                            + self.recompute_transient(kind, tp, c) + attention)
         memory = Memory(params * self.d, params * GRAD_BYTES, params * OPTIMIZER_BYTES[self.d],
                         act, recv_buffers * boundary, transient)
         self._memories[key] = memory

@@ -260,11 +260,12 @@ def _price_stage(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
         rc = None
         plan = replace(plan, recompute=_with(plan, i, None))
         limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
-        if cost.stage_memory(st.tp, plan.stage_chunks(i), buffers).total > limit:
+        if cost.stage_memory(st.kind, st.tp, plan.stage_chunks(i), buffers).total > limit:
             layers = [c.layers for c in plan.stage_chunks(i)]
             for rc in recompute_levels(cost, st.kind, st.tp, layers):  # the first that fits
                 trial = replace(plan, recompute=_with(plan, i, rc))
-                if cost.stage_memory(st.tp, trial.stage_chunks(i), buffers).total <= limit:
+                trial_memory = cost.stage_memory(st.kind, st.tp, trial.stage_chunks(i), buffers)
+                if trial_memory.total <= limit:
                     break
     chunks = replace(plan, recompute=_with(plan, i, rc)).stage_chunks(i)
     times = tuple(cost.chunk_time(st.kind, st.tp, c) for c in chunks)
@@ -281,27 +282,27 @@ def _with(plan: Plan, i: int, rc: Optional[Recompute]) -> tuple[Optional[Recompu
     chosen[i] = rc
     return tuple(chosen)
 
-def recompute_levels(cost: CostModel, kind: Optional[str] = None, tp: int = 1,
-                     layers: Optional[list[int]] = None) -> list[Recompute]:
+KEEPS_LEAST = Recompute("full", "uniform", 1)
+"""Full recomputation of every layer: the last of :func:`recompute_levels`, the one that keeps
+the least (the split's and the stage sets' memory caps take it)."""
+
+
+def recompute_levels(cost: CostModel, kind: str, tp: int, layers: list[int]) -> list[Recompute]:
     """What the planner tries on a stage that does not fit: megatron's selective
     recomputation of what is cheap to redo and worth keeping out (the norms' outputs and
     internals; the attention scores without flash attention), then also the MLP (a model
     without biases: megatron cannot recompute a biased MLP), full ``block`` recomputation of
     the first n layers of each chunk, n < its layers, and full recomputation of every layer
-    (``uniform``, 1 layer per group) last, the one that keeps the least. With the stage's
-    ``kind``, ``tp`` and chunks' ``layers``, ordered by the time they add (the first that
-    fits adds the least); without, the selective levels and the last (the split's and the
-    stage sets' memory caps take the last)."""
-    cheap = ("layernorm",) if cost.flash_attention else ("core_attn", "layernorm")
+    (``uniform``, 1 layer per group) last, the one that keeps the least (:data:`KEEPS_LEAST`).
+    Ordered by the time they add on a stage of ``kind`` and ``tp`` whose chunks have
+    ``layers``: the first that fits adds the least."""
+    cheap = ("layernorm",) if cost.flash(kind) else ("core_attn", "layernorm")
     levels = [Recompute("selective", modules=cheap)]
     if not cost.model.add_bias_linear:
         levels.append(Recompute("selective", modules=(*cheap, "mlp")))
-    last = Recompute("full", "uniform", 1)
-    if kind is None or not layers:
-        return levels + [last]
     levels += [Recompute("full", "block", n) for n in range(1, max(layers))]
     added = {rc: sum(cost.recompute_time(kind, tp, n, rc) for n in layers) for rc in levels}
-    return sorted(levels, key=added.__getitem__) + [last]
+    return sorted(levels, key=added.__getitem__) + [KEEPS_LEAST]
 
 
 def fit_recompute(plan: Plan, cost: CostModel) -> Plan:
@@ -392,7 +393,7 @@ def evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: di
     for i, st in enumerate(plan.stages):
         chunks = plan.stage_chunks(i, inflight[i])
         fb = [cost.chunk_time(st.kind, st.tp, c) for c in chunks]
-        memory = cost.stage_memory(st.tp, chunks, plan.recv_buffers(i))
+        memory = cost.stage_memory(st.kind, st.tp, chunks, plan.recv_buffers(i))
         if wstore:
             memory = replace(memory, wstore=wstore[i])
         reports.append(StageReport(

@@ -129,7 +129,7 @@ def _recomputation(plan: Plan, ev: Evaluation, cost: CostModel
         best = None
         for rc in recompute_options(cost, [c.layers for c in chunks]):
             stated = [replace(c, recompute=rc) for c in chunks]
-            if cost.stage_memory(st.tp, stated, buffers).total > limit:
+            if cost.stage_memory(st.kind, st.tp, stated, buffers).total > limit:
                 continue
             extra = sum(cost.recompute_time(st.kind, st.tp, c.layers, rc) for c in chunks)
             if best is None or extra < best[0]:

@@ -152,8 +152,11 @@ class Workload:
     """Sequences per optimizer step over all replicas: dp * num_microbatches * micro_batch_size."""
     dtype: Optional[str] = None
     """Training dtype (activations, weights); None takes model.params_dtype."""
-    flash_attention: bool = True
-    """Fused/flash attention keeps no s*s score matrices (TE, FlashAttention, NPU fused attn)."""
+    flash_attention: Optional[bool] = None
+    """None: price each stage's attention as training runs it there (fused on cuda stages, which
+    keeps no s x s scores; megatron's local attention on npu and cpu stages:
+    :func:`ldt.config.model.fused_attention`); False: local attention on every stage (a cuda
+    host without Transformer Engine); True: fused attention on every stage."""
     u_shape: Optional[bool] = None
     """Plan a U-shape (edge = stage 0); None: a U-shape exactly when the inventory names an edge."""
     edge_min_layers: int = 1

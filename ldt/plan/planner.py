@@ -406,7 +406,9 @@ def _nothing_fits(inventory: Inventory, model: ModelConfig, workload: Workload, 
     return (f"no plan fits: {n} stage sets of inventory {inventory.name!r} ({mem}) were tried for "
             f"model {model.name!r} ({model.num_layers} layers, hidden {model.hidden_size}) with "
             f"micro_batch_size={workload.micro_batch_size}, global_batch_size="
-            f"{workload.global_batch_size}; lower micro_batch_size, use flash_attention, "
+            f"{workload.global_batch_size}; lower micro_batch_size, "
+            + ("price fused attention on cuda stages (drop --no-flash), "
+               if workload.flash_attention is False else "")
             + ("" if workload.recompute else "let stages recompute (drop --no-recompute), ")
             + "or add devices / memory")
 

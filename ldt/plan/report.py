@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -53,14 +53,17 @@ def cluster_dict(plan: Plan, inventory: Inventory) -> dict[str, Any]:
 
 
 def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_batch_size: int,
-                 reason: str = "", cost_inventory: Optional[str] = None) -> str:
+                 reason: str = "", cost_inventory: Optional[str] = None,
+                 model_overrides: Sequence[str] = ()) -> str:
     """A cluster file for ``conf/cluster/`` with the prediction (and ``reason``, why the planner
     picked it) as header comments; ``cost_inventory``: how a run names the inventory
-    (``train.cost_inventory`` of a zero-bubble pick; default its name)."""
+    (``train.cost_inventory`` of a zero-bubble pick; default its name); ``model_overrides``:
+    what the plan was priced with beyond the model's file (e.g. ``model.params_dtype=...``)."""
     p = ev.plan
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
-        f"# Train with train.num_microbatches={p.num_microbatches} "
+        "# Train with " + "".join(f"{o} " for o in model_overrides)
+        + f"train.num_microbatches={p.num_microbatches} "
         + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
         + (f"train.schedule=zb train.cost_inventory={cost_inventory or inventory.name} "
            if ev.schedule == "zb" else "")
@@ -83,12 +86,12 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
 
 
 def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str,
-               inventory: Optional[str] = None) -> str:
+               inventory: Optional[str] = None, model_overrides: Sequence[str] = ()) -> str:
     """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
     ``train/default``, so ``ldt-train cluster=NAME train=NAME`` runs the plan as planned. With
     the zero-bubble schedule picked (``ev.schedule``): ``schedule: zb`` and, given, the
     ``inventory`` it was priced with as ``cost_inventory`` (the run generates its order from
-    the same prices)."""
+    the same prices). ``model_overrides`` (a train file cannot set them) go in its header."""
     p = ev.plan
     settings = {"defaults": ["default"], "num_microbatches": p.num_microbatches,
                 "micro_batch_size": micro_batch_size}
@@ -103,7 +106,9 @@ def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_n
             f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
             f"{p.num_microbatches} micro-batches x {micro_batch_size}"
             + (f", prefetch {p.prefetch}" if p.prefetch else "")
-            + (", the zero-bubble schedule" if ev.schedule == "zb" else "") + ".\n" + body)
+            + (", the zero-bubble schedule" if ev.schedule == "zb" else "") + ".\n"
+            + (f"# Priced with {' '.join(model_overrides)}: give them to ldt-train too.\n"
+               if model_overrides else "") + body)
 
 
 def planned_train_path(cluster_path: str) -> Optional[str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ldt.plan.cost import ChunkLoad, CostModel
-from ldt.plan.evaluate import StageSpec, recompute_levels
+from ldt.plan.evaluate import KEEPS_LEAST, StageSpec
 
 EPS = 1e-9
 
@@ -69,7 +69,7 @@ def stage_units(stages: tuple[StageSpec, ...], ushape: bool, m: int, cost: CostM
         inflight = 1 if edge else held  # edge: layers go to the end chunk first
         # with recomputation allowed, the layers cost what they cost fully recomputed (the
         # evaluation then recomputes only the stages that need it: evaluate.fit_recompute)
-        rc = recompute_levels(cost)[-1] if cost.recompute else None
+        rc = KEEPS_LEAST if cost.recompute else None
         cap = layers_that_fit(cost, st, fixed, len(fixed) - 1 if edge else 0, rc, num_layers)
         assert inflight == fixed[len(fixed) - 1 if edge else 0].inflight
         units.append(Unit(k * (lf + lb), overhead, 2 * edge_min if edge else 1, cap, k))
@@ -90,7 +90,7 @@ def layers_that_fit(cost: CostModel, stage: StageSpec, fixed: list[ChunkLoad], i
         c = chunks[into]
         chunks[into] = ChunkLoad(n, c.embedding, c.head, c.inflight,
                                  recompute if n else None)
-        return cost.stage_memory(stage.tp, chunks).total <= limit
+        return cost.stage_memory(stage.kind, stage.tp, chunks).total <= limit
 
     if not fits(0):
         return -1
@@ -257,11 +257,11 @@ def best_counts(units: list[Unit], num_layers: int, m: int, tries: int = 4) -> O
 def edge_chunks(stage: StageSpec, total: int, num_stages: int, m: int, cost: CostModel,
                 edge_min: int = 1) -> int:
     """Layers of the edge's start chunk: half of ``total`` if memory allows, else fewer."""
-    rc = recompute_levels(cost)[-1] if cost.recompute else None
+    rc = KEEPS_LEAST if cost.recompute else None
     for start in range(total // 2, edge_min - 1, -1):
         chunks = [ChunkLoad(start, embedding=True, inflight=min(num_stages + 1, m), recompute=rc),
                   ChunkLoad(total - start, head=True, inflight=1, recompute=rc)]
-        if cost.stage_memory(stage.tp, chunks).total <= cost.memory_limit(stage.kind):
+        if cost.stage_memory(stage.kind, stage.tp, chunks).total <= cost.memory_limit(stage.kind):
             return start
     return edge_min
 
