@@ -21,6 +21,12 @@ inode; :func:`cache_for`). megatron-core keys its files by the dataset's path an
 only, so a corpus preprocessed again under the same prefix (``ldt-preprocess --overwrite``)
 would otherwise read the old corpus's sample indices (an IndexError inside training).
 
+megatron-core writes each split's ``.npy`` files in place, one after another, and trusts a set
+whose files all exist; a run killed while it wrote the last one left a torn file that every
+later run would fail on (numpy: "mmap length is greater than file size"). Rank 0 removes a
+file numpy cannot map before building (:func:`drop_torn_indices`): megatron-core then builds
+that set again.
+
 Sample order: sample ``g = step * dp * m * mbs + (dp_rank * m + mb) * mbs + i`` of the train
 split (modulo its length), so a batch is a pure function of (seed, step, micro-batch, DP
 rank): ``train.verify``'s single-process reference, a resume and a resume into another layout
@@ -84,6 +90,8 @@ def build_indexed(data, model, train, topo, state) -> Optional[IndexedData]:
     if owns:
         tokens, cache = TokenIds.of(load(data.tokenizer)), cache_for(prefixes, data.cache_dir,
                                                                      state.rank)
+        if cache and state.rank == 0:  # megatron-core's writer; the others read after it
+            drop_torn_indices(cache)
         sizes = split_sizes(prefixes, weights, split_bookends(data.split), used,
                             model.seq_length)
     else:  # the cloud: the blend's shape only (see the module docstring)
@@ -144,6 +152,26 @@ def cache_for(prefixes, cache_dir: Optional[str], rank: int) -> str:
             h.update(f"{os.path.abspath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n"
                      .encode())
     return os.path.join(folder, h.hexdigest()[:16])
+
+
+def drop_torn_indices(folder: str) -> list[str]:
+    """Remove the ``.npy`` files of ``folder`` that numpy cannot map as megatron-core will
+    (cut short: a run killed while megatron-core wrote them in place); returns their paths.
+    Only global rank 0 may call it, before the build: megatron-core builds a set one of whose
+    files is missing again, on rank 0, and the other ranks read the set after its barrier."""
+    import numpy as np
+
+    torn = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+        path = os.path.join(folder, name)
+        if not name.endswith(".npy"):
+            continue
+        try:
+            np.load(path, allow_pickle=True, mmap_mode="r")  # megatron-core's own read
+        except (ValueError, EOFError):  # (an unreadable file is megatron-core's to report)
+            os.remove(path)
+            torn.append(path)
+    return torn
 
 
 def on_rank0_host() -> bool:

@@ -115,13 +115,13 @@ def _jsonl(f, path: str, key: str, bad: list) -> Iterator[tuple[str, int]]:
     size = 0  # bytes read since the last document (bad lines included: the progress bar)
     for number, raw in enumerate(f, 1):
         size += len(raw)
-        if not raw.strip():
-            continue  # a blank line holds no document
         try:
-            line = raw.decode("utf-8")
+            line = _decode(raw, number)
         except UnicodeDecodeError as exc:
             bad.append(BadLine(path, number, f"invalid UTF-8 at byte {exc.start}"))
             continue
+        if not line.strip():
+            continue  # a blank line holds no document (a byte-order mark alone neither)
         try:
             obj = json.loads(line)
         except ValueError as exc:
@@ -140,6 +140,13 @@ def _jsonl(f, path: str, key: str, bad: list) -> Iterator[tuple[str, int]]:
             size = 0
 
 
+def _decode(raw: bytes, number: int) -> str:
+    """A line as text. The first may start with a byte-order mark (Windows editors write one):
+    it is no part of the text (json.loads refuses it, and a text document would keep it)."""
+    line = raw.decode("utf-8")  # (not utf-8-sig: a bad byte's offset then skips the mark)
+    return line.removeprefix("\ufeff") if number == 1 else line
+
+
 def _text(f, path: str, mode: str, bad: list) -> Iterator[tuple[str, int]]:
     if mode not in TEXT_DOCUMENTS:
         raise ConfigError(f"--text-documents={mode!r}; use one of {', '.join(TEXT_DOCUMENTS)}")
@@ -147,7 +154,7 @@ def _text(f, path: str, mode: str, bad: list) -> Iterator[tuple[str, int]]:
     for number, raw in enumerate(f, 1):
         size += len(raw)
         try:
-            line = raw.decode("utf-8")
+            line = _decode(raw, number)
         except UnicodeDecodeError as exc:
             bad.append(BadLine(path, number, f"invalid UTF-8 at byte {exc.start}"))
             continue
