@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 from ldt.config import ConfigError, to_model
 from ldt.config.errors import one_line
@@ -19,7 +20,7 @@ from ldt.plan import load_inventory
 from ldt.plan.cost import message_time
 from ldt.job.prepare import (Checked, build_extensions, check, check_run_dir_given,
                              discard_run_folder, join_torchrun, memory_estimate, resolve,
-                             world_backend)
+                             torchrun_error_file, world_backend)
 import ldt.launch.quiet
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
@@ -63,16 +64,42 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
         checked = _planned(plain, world)
         memory = check_memory(plain, checked.topo, world)
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
-        if speak:
-            what = "" if isinstance(exc, ElasticError) else "invalid config: "
-            print(f"ldt: {what}{one_line(exc)}", file=sys.stderr, flush=True)
-        if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
-            lock.release()
-            discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
-        return EXIT_CONFIG
+        what = "" if isinstance(exc, ElasticError) else "invalid config: "
+        return _stop(f"ldt: {what}{one_line(exc)}", EXIT_CONFIG, hydra_cfg, lock, env)
+    except RuntimeError as exc:
+        line = _not_formed(exc, env)
+        if line is None:
+            raise
+        return _stop(line, 1, hydra_cfg, lock, env)
     for warning in checked.warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
     return _train_in(world, checked, memory, env)
+
+
+def _stop(line: str, code: int, hydra_cfg, lock, env) -> int:
+    """Stop before the world formed: the line once per node (its local rank 0 prints it), in
+    every worker's torchrun error file (its summary then names the cause on every rank)."""
+    if env.get("LOCAL_RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    torchrun_error_file(line)
+    if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
+        lock.release()
+        discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)
+    return code
+
+
+def _not_formed(exc: RuntimeError, env) -> Optional[str]:
+    """torch's store failing while the world forms (its waits time out when a node never
+    came, died, or cannot reach the store's host), as one line; None for any other error."""
+    dist = sys.modules.get("torch.distributed")  # (an error of its store: torch is loaded)
+    if dist is None or not isinstance(exc, (dist.DistStoreError, dist.DistNetworkError)):
+        return None
+    store = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return (f"ldt: the elastic world did not form: torchrun's store at {store}: "
+            f"{one_line(exc).rstrip('.')}; a rank did not get there in time (its node did not "
+            f"start, stopped, or cannot reach {store}): check that every node's torchrun has "
+            "the same --rdzv-endpoint, --rdzv-id and --nnodes, and that the hosts reach each "
+            "other")
 
 
 def _check_replannable(plain: dict) -> None:

@@ -27,7 +27,7 @@ from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (build_extensions, check, check_run_dir_given, discard_run_folder,
                              join_torchrun, memory_check, new_run_folder, reference_config,
-                             resolve, save_config, summary_line)
+                             resolve, save_config, summary_line, torchrun_error_file)
 from ldt.launch import drill
 from ldt.launch.lifetime import stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
@@ -43,7 +43,17 @@ from ldt.training.outputs import parity_max_abs_diff
 def main(argv: Sequence[str] | None = None) -> int:
     if stop_with_torchrun_agent():  # a worker of torchrun's agent never outlives it
         drill.arm()  # LDT_FAULT_AT: recovery drills kill this host at a point of a step
-    code = run_app(_job, argv)
+    said = _LastLine(sys.stderr) if "TORCHELASTIC_ERROR_FILE" in os.environ else None
+    if said is not None:
+        sys.stderr = said
+    try:
+        code = run_app(_job, argv)
+    finally:
+        if said is not None:
+            sys.stderr = said.real
+    if code and said is not None and said.line:
+        # a refusal before the world formed, or a stop: torchrun's summary names it too
+        torchrun_error_file(said.line)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
         # on a pair whose peer is gone, and their C++ destructors at interpreter exit can
@@ -53,6 +63,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+class _LastLine:
+    """stderr, keeping the last line ldt printed there to say why it stops ("ldt: ...",
+    warnings aside), whichever part said it (Hydra's refusals, the config's, the memory
+    check's): under torchrun that line also goes to the worker's error file."""
+
+    def __init__(self, real):
+        self.real, self.line = real, None
+
+    def write(self, text: str) -> int:
+        if text.startswith("ldt: ") and not text.startswith("ldt: warning: "):
+            self.line = text.split("\n", 1)[0]
+        return self.real.write(text)
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding...: the real stream's
+        return getattr(self.real, name)
 
 
 def _job(cfg, save_hydra_files=None) -> int:
