@@ -20,8 +20,9 @@ from ldt.plan import load_inventory
 from ldt.plan.cost import message_time
 from ldt.job.prepare import (Checked, build_extensions, check, check_run_dir_given,
                              discard_run_folder, join_torchrun, memory_estimate, resolve,
-                             torchrun_error_file, world_backend)
+                             world_backend)
 import ldt.launch.quiet
+from ldt.launch.lifetime import write_torchrun_error
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
 from ldt.storage.snapshot_files import held
@@ -81,7 +82,7 @@ def _stop(line: str, code: int, hydra_cfg, lock, env) -> int:
     every worker's torchrun error file (its summary then names the cause on every rank)."""
     if env.get("LOCAL_RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
-    torchrun_error_file(line)
+    write_torchrun_error(line, replace=False)
     if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
         lock.release()
         discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)

@@ -4,11 +4,9 @@ run folder named or discarded, joining torchrun's world and printing the summary
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import replace
 from datetime import timedelta
 
@@ -201,23 +199,6 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
         print(summary_line(summary), flush=True)
     dist.destroy_process_group()
     return code
-
-
-def torchrun_error_file(line: str) -> None:
-    """Under torchrun's agent: ``line`` in this worker's error file (``TORCHELASTIC_ERROR_FILE``),
-    so that the agent's summary names it as the cause (not "error_file: <N/A>"). A file written
-    first (a training failure's, :func:`ldt.training.failure.report`) is kept. The format is the
-    one torch's ``@record`` writes, without a traceback (torch has no function that writes a
-    given line; failure's writer imports torch and megatron-core: seconds a refusal skips)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    data = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the line is on stderr already
 
 
 def build_extensions(cfg: LdtConfig) -> bool:

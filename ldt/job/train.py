@@ -27,9 +27,9 @@ from ldt.job.elastic import elastic_job
 from ldt.job.hydra import run_app
 from ldt.job.prepare import (build_extensions, check, check_run_dir_given, discard_run_folder,
                              join_torchrun, memory_check, new_run_folder, reference_config,
-                             resolve, save_config, summary_line, torchrun_error_file)
+                             resolve, save_config, summary_line)
 from ldt.launch import drill
-from ldt.launch.lifetime import stop_with_torchrun_agent
+from ldt.launch.lifetime import stop_with_torchrun_agent, write_torchrun_error
 from ldt.launch.local import WorldError, run_local_world
 from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import check_run_folder
@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr = said.real
     if code and said is not None and said.line:
         # a refusal before the world formed, or a stop: torchrun's summary names it too
-        torchrun_error_file(said.line)
+        write_torchrun_error(said.line, replace=False)
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
         # on a pair whose peer is gone, and their C++ destructors at interpreter exit can

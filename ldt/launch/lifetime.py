@@ -12,8 +12,10 @@ main thread and stays their parent, so the kernel's parent-death signal
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 #: set by torchrun's agent in every worker's environment (torch.distributed.elastic)
 TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"
@@ -42,3 +44,20 @@ def stop_with_torchrun_agent() -> bool:
     Elsewhere (bare, another launcher that sets ``RANK``) nothing changes. Returns whether
     the tie was made."""
     return TORCHRUN_WORKER in os.environ and die_with_parent()
+
+
+def write_torchrun_error(line: str, replace: bool = True) -> None:
+    """Under torchrun's agent: ``line`` in this worker's error file (``TORCHELASTIC_ERROR_FILE``),
+    in the format torch's ``@record`` writes, so the agent's summary names it as the cause
+    instead of "error_file: <N/A>" (torch has no function that writes a given line; its
+    ``ErrorHandler`` adds a traceback the summary prefers). ``replace=False`` keeps a file a
+    rank wrote first (a training failure's, the first cause)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or (not replace and os.path.exists(path)):
+        return
+    data = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the line is on stderr already

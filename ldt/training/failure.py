@@ -18,10 +18,8 @@ says so and the traceback follows, once.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 import traceback
 from typing import Callable, Optional
 
@@ -33,6 +31,7 @@ from ldt.config import ConfigError
 from ldt.config.errors import EXIT_CONFIG
 from ldt.config.layout import LayoutError
 from ldt.launch import progress
+from ldt.launch.lifetime import write_torchrun_error
 from ldt.launch.local import is_peer_symptom
 from ldt.training.guard import EXIT_FAILED
 from ldt.training.observe import NonFiniteError
@@ -99,20 +98,6 @@ def report(exc: BaseException, label: str, prog: str = "ldt",
     sys.stderr.flush()
     write_torchrun_error(line)
     return code
-
-
-def write_torchrun_error(line: str) -> None:
-    """torchrun's error file, in the format its ``@record`` writes, with the line as the
-    message: its summary at exit then shows the line instead of "To enable traceback see"."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass  # the line is on stderr already
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
