@@ -231,3 +231,26 @@ def test_a_plan_written_as_a_cluster_reads_back_as_the_plan(tmp_path, plan_of):
     for i in range(planned.num_stages):
         assert [(c.layers, c.embedding, c.head) for c in planned.stage_chunks(i)] == [
             (c.num_layers, c.has_embedding, c.has_head) for c in topo.split.stage_chunks(i)]
+
+
+def test_the_table_s_memory_columns_add_up_to_the_total():
+    """ldt-plan's per-stage table shows every term of a stage's memory (buffers, the backward's
+    transient and a zero-bubble W store too): the columns add up to ``mem GiB``, within the
+    rounding of the printed figures. (It showed four of seven terms.)"""
+    from ldt.plan.report import table
+
+    inventory, model = load_inventory("a100_910b"), load_model("llama_7b")
+    for sp in (False, True):  # today's schedule, then a zero-bubble pick with its W store
+        m = dataclasses.replace(model, sequence_parallel=sp)
+        best = plan(inventory, m, Workload(1, 64)).best
+        assert (best.schedule == "zb") == sp
+        lines = table(best).splitlines()
+        head = lines[0].split("  ")
+        head = [h.strip() for h in head if h.strip()]
+        first, last = head.index("weights"), head.index("mem GiB")
+        assert ("W store" in head) == sp
+        for row, stage in zip(lines[2:], best.stages):
+            cells = row.split()[-(len(head) - first):]
+            terms = [float(c) for c in cells[:last - first]]
+            assert abs(sum(terms) - float(cells[last - first])) <= 0.005 * len(terms), row
+            assert float(cells[last - first]) == round(stage.memory.total / 2**30, 2)

@@ -230,18 +230,22 @@ def front_table(front: list[Evaluation], inventory: Inventory, pick: Evaluation,
 
 
 def table(ev: Evaluation) -> str:
-    """Per-stage table plus a summary line."""
+    """Per-stage table plus a summary line. The memory columns are every term of the stage's
+    total (GiB per rank; the W store only where a zero-bubble schedule keeps one)."""
+    wstore = any(s.memory.wstore for s in ev.stages)
     head = ("stage", "kind", "dev", "tp", "layers", "fwd ms", "bwd ms", "busy ms", "inflight",
-            "recompute", "weights", "grads", "optim", "act", "mem GiB", "limit")
+            "recompute", "weights", "grads", "optim", "act", "buffers", "transient",
+            *(("W store",) if wstore else ()), "mem GiB", "limit")
     rows = [head]
     for s in ev.stages:
         rc = ev.plan.recompute_of(s.index)
         mem = s.memory
+        terms = (mem.weights, mem.grads, mem.optimizer, mem.activations, mem.buffers,
+                 mem.transient, *((mem.wstore,) if wstore else ()))
         rows.append((f"{s.index}:{s.name}", s.kind, s.device, str(s.tp), s.layers,
                      f"{s.fwd * 1e3:.2f}", f"{s.bwd * 1e3:.2f}", f"{s.busy * 1e3:.1f}",
                      "/".join(map(str, s.inflight)), rc.describe() if rc else "-",
-                     *(f"{v / GIB:.2f}" for v in (mem.weights, mem.grads, mem.optimizer,
-                                                    mem.activations)),
+                     *(f"{v / GIB:.2f}" for v in terms),
                      f"{mem.total / GIB:.2f}" + ("" if s.fits else " !"),
                      f"{s.memory_limit / GIB:.1f}"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
