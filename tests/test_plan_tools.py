@@ -237,3 +237,16 @@ def test_the_train_line_carries_what_the_plan_was_priced_with(tmp_path, capsys):
     assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--dtype",
                            "bfloat16"]) == 0  # the model's own dtype: nothing to add
     assert "model.params_dtype" not in capsys.readouterr().out
+
+
+def test_a_reader_that_stops_reading_gets_no_error_message():
+    """``ldt-plan ... | head -1``: the reader closes the pipe; the tool stops quietly (exit
+    128 + SIGPIPE, like a shell tool) instead of blaming a path it never opened."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "ldt.tools.plan", "--inventory", "cpu_local",
+                             "--model", "gpt_tiny"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the tool prints its first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == "", err

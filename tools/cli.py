@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Callable, Optional
 
@@ -116,6 +117,11 @@ def _report(prog: str, exc: BaseException) -> int:
             return 128 + e.signum
     if isinstance(exc, SystemExit):
         raise exc
+    if isinstance(exc, BrokenPipeError) and not exc.filename:
+        # the reader of stdout is gone (``ldt-plan ... | head``): nothing to say, and no one
+        # to say it to; stdout goes to /dev/null so the exit's flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     for e in chain:
         if isinstance(e, (ConfigError, LayoutError)):
             print(f"{prog}: {one_line(e)}", file=sys.stderr)
