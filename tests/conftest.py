@@ -80,6 +80,18 @@ def host_memory(tmp_path):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture
+def one_process_world():
+    """A gloo world of this process alone (what megatron-core's dataset builders expect to
+    find: ``torch.distributed`` initialised, rank 0); destroyed after the test."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_files(tmp_path_factory):
     """A tiny Llama (``hf/``), its ldt import (``ckpt/``), ``corpus.txt`` and its indexed

@@ -19,16 +19,6 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_s
                     seq_length=32)
 
 
-@pytest.fixture
-def one_process_world():
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _build(blend, cache_dir):
     """build_indexed as global rank 0 (the data stage's) calls it."""
     from ldt.data.indexed import build_indexed
