@@ -176,16 +176,6 @@ def test_blend_and_split_parse_as_megatron_does():
     assert split_bookends("90/10/0") == split_bookends("90,10,0")
 
 
-@pytest.fixture
-def one_process_world():
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _build(blend, tokenizer, topo, stage, dp_rank=0, m=2, cache_dir=None):
     """build_indexed as rank 0 of ``stage`` would call it (eval on: both splits)."""
     from types import SimpleNamespace
@@ -372,3 +362,71 @@ def test_bad_input_exits_2_with_one_line(corpus, prefixes):
         lines = _one_line(proc.stderr)
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
         assert not any(f.startswith("x.") for f in os.listdir(root))
+
+
+def test_the_byte_corpus_reads_every_window_once_per_epoch_whatever_the_layout():
+    """The built-in byte data (``data.path``): a run of one epoch's samples reads each
+    training window exactly once (no window twice in a step, none left out), the same windows
+    in the same global order for dp 1 x 8 micro-batches as for dp 2 x 4 (and per-stage DP's
+    lanes), and never a held-out one; the next epoch reads them all again in another order.
+    (It drew each step's windows with replacement: 38% of an epoch's went unread.)"""
+    from ldt.data.bytes import TextData
+    from ldt.data.lanes import LaneData
+
+    def read(dp, m, steps):
+        out = []
+        for step in range(steps):
+            for rank in range(dp):
+                data = TextData(None, 32, 2, m, dp_rank=rank, dp=dp, seed=7, max_bytes=20_000)
+                windows = [data.window_indices(step, mb) for mb in range(m)]
+                for mb, ws in enumerate(windows):
+                    rows = data.batch(step, mb)["tokens"]
+                    assert [r.tolist() for r in rows] == [
+                        data.tokens[w * 32:w * 32 + 32].tolist() for w in ws]
+                    out += ws
+        return out
+
+    data = TextData(None, 32, 2, 8, seed=7, max_bytes=20_000)
+    n, per_step = data.num_windows, 16
+    steps = -(-n // per_step) * 2 + 1  # two epochs and a bit
+    one = read(1, 8, steps)
+    assert one == read(2, 4, steps)
+    epoch, second = one[:n], one[n:2 * n]
+    assert sorted(epoch) == sorted(second) == list(range(n))  # every window once, none held out
+    assert epoch != second
+    for step in range(n // per_step):  # no window twice in a step within an epoch
+        assert len(set(one[step * per_step:(step + 1) * per_step])) == per_step
+    lane = LaneData(TextData(None, 32, 2, 4, dp=2, seed=7, max_bytes=20_000), list(range(8)), 2)
+    for step in range(steps):  # per-stage DP: a replica reading every micro-batch of the step
+        rows = sorted(r.tolist() for b in lane.step_iterator(step) for r in b["tokens"])
+        assert rows == sorted(data.tokens[w * 32:w * 32 + 32].tolist()
+                              for w in one[step * per_step:(step + 1) * per_step])
+    other_seed = TextData(None, 32, 2, 8, seed=8, max_bytes=20_000)
+    assert [w for mb in range(8) for w in other_seed.window_indices(0, mb)] != one[:per_step]
+
+
+def test_the_byte_corpus_resumes_mid_epoch_in_the_same_order():
+    """A resumed run builds its data afresh and reads from the checkpoint's step on: the same
+    windows as the run that went on, mid-epoch and across the epoch's end, also into another
+    layout of the same global batch (dp 2 x 2 micro-batches of 2 from dp 1 x 4)."""
+    from ldt.data.bytes import TextData
+
+    def windows(data, steps):
+        return [w for step in steps for mb in range(data.m) for w in data.window_indices(step,
+                                                                                         mb)]
+
+    whole = TextData(None, 32, 2, 4, seed=3, max_bytes=20_000)
+    n, per_step = whole.num_windows, 8
+    steps = range(2 * n // per_step + 2)
+    uninterrupted = windows(whole, steps)
+    for cut in (1, n // per_step // 2, n // per_step):  # early, mid-epoch, at the epoch's end
+        fresh = TextData(None, 32, 2, 4, seed=3, max_bytes=20_000)
+        assert windows(fresh, steps[cut:]) == uninterrupted[cut * per_step:], cut
+        per_rank = [windows(TextData(None, 32, 2, 2, dp_rank=r, dp=2, seed=3, max_bytes=20_000),
+                            [s]) for s in steps[cut:] for r in range(2)]
+        assert [w for ws in per_rank for w in ws] == uninterrupted[cut * per_step:], cut
+    for step in steps:  # the batches themselves, not only their indices
+        for mb in range(4):
+            a, b = whole.batch(step, mb), TextData(None, 32, 2, 4, seed=3,
+                                                  max_bytes=20_000).batch(step, mb)
+            assert all(a[k].equal(b[k]) for k in a)

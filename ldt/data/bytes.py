@@ -65,12 +65,19 @@ def min_corpus_bytes(seq_length: int, micro_batch_size: int) -> int:
 
 
 class TextData:
-    """Fixed-length windows of a byte stream, in a seeded order, sharded by DP rank.
+    """Fixed-length windows of a byte stream, each epoch every window once in a seeded order of
+    its own, sharded by DP rank.
 
-    ``batch(step, mb)`` is a pure function of (seed, step, micro-batch, dp rank), so a resumed
-    run and a single-process reference see exactly the same samples. The last
-    ``1/EVAL_SHARE`` of the windows is held out: training never reads it, and
-    :meth:`eval_iterator` always reads the same micro-batches of it (a comparable eval loss).
+    Sample ``k = step * dp * m * mbs + (dp_rank * m + mb) * mbs + i`` of the run is window
+    ``order_e[k % n]`` of epoch ``e = k // n`` (``n`` training windows, ``order_e`` a seeded
+    permutation per epoch, as megatron's ``GPTDataset`` shuffles). So ``batch(step, mb)`` is a
+    pure function of (seed, step, micro-batch, dp rank) and of the global batch alone: a
+    resumed run (the checkpoint's step is the data position), a resume into another layout of
+    the same global batch and a single-process reference read exactly the same samples, and
+    every window is read once per epoch (no window twice in a step of fewer than ``n``
+    samples). The last ``1/EVAL_SHARE`` of the windows is held out: training never reads it,
+    and :meth:`eval_iterator` always reads the same micro-batches of it (a comparable eval
+    loss).
     """
 
     EVAL_SHARE = EVAL_SHARE
@@ -87,17 +94,19 @@ class TextData:
         self.seq, self.mbs, self.m = seq_length, micro_batch_size, num_microbatches
         self.dp_rank, self.dp, self.seed = dp_rank, dp, seed
         self.num_windows, self.num_eval_windows = split_windows(len(self.tokens), seq_length)
+        self._orders: dict = {}  # (stream, epoch) -> that epoch's order of the windows
         if min(self.num_windows, self.num_eval_windows) < micro_batch_size:
             raise ValueError(f"corpus of {len(raw)} bytes is too small for sequences of "
                              f"{seq_length} (1/{self.EVAL_SHARE} is held out for evaluation); "
                              "use a larger data.path or data.max_bytes")
 
     def batch(self, step: int, mb: int) -> dict:
-        return self._windows(self.seed * 1_000_003 + step, mb, 0, self.num_windows)
+        per_step = self.dp * self.m * self.mbs
+        return self._windows(self.seed, step * per_step, mb, 0, self.num_windows)
 
     def eval_batch(self, mb: int) -> dict:
-        # one fixed draw (the seed of "step -1") from the held-out windows: every eval compares
-        return self._windows(self.seed * 1_000_003 - 1, mb, self.num_windows,
+        # the first samples of an order of its own over the held-out windows: every eval compares
+        return self._windows(self.seed * 1_000_003 - 1, 0, mb, self.num_windows,
                              self.num_eval_windows)
 
     def step_iterator(self, step: int) -> Iterator[dict]:
@@ -106,18 +115,40 @@ class TextData:
     def eval_iterator(self) -> Iterator[dict]:
         return (self.eval_batch(mb) for mb in range(self.m))
 
-    def _windows(self, seed: int, mb: int, first_window: int, num_windows: int) -> dict:
+    def window_indices(self, step: int, mb: int) -> list[int]:
+        """The training windows ``batch(step, mb)`` reads, in its rows' order."""
+        return self._indices(self.seed, step * self.dp * self.m * self.mbs, mb,
+                             self.num_windows)
+
+    def _indices(self, stream: int, first_sample: int, mb: int, num_windows: int) -> list[int]:
+        # sample k of the stream is window order[k % n] of epoch k // n (see the class docstring)
+        first = first_sample + (self.dp_rank * self.m + mb) * self.mbs
+        return [int(self._epoch_order(stream, k // num_windows, num_windows)[k % num_windows])
+                for k in range(first, first + self.mbs)]
+
+    def _windows(self, stream: int, first_sample: int, mb: int, first_window: int,
+                 num_windows: int) -> dict:
         import torch
 
-        g = torch.Generator().manual_seed(seed)
-        per_step = self.dp * self.m * self.mbs
-        order = first_window + torch.randint(0, num_windows, (per_step,), generator=g)
-        first = (self.dp_rank * self.m + mb) * self.mbs
-        starts = order[first:first + self.mbs] * self.seq
-        rows = torch.stack([self.tokens[s:s + self.seq + 1] for s in starts.tolist()])
+        starts = [(first_window + w) * self.seq
+                  for w in self._indices(stream, first_sample, mb, num_windows)]
+        rows = torch.stack([self.tokens[s:s + self.seq + 1] for s in starts])
         return {
             "tokens": rows[:, :-1].contiguous(),
             "labels": rows[:, 1:].contiguous(),
             "loss_mask": torch.ones(self.mbs, self.seq),
             "position_ids": torch.arange(self.seq).repeat(self.mbs, 1),
         }
+
+    def _epoch_order(self, stream: int, epoch: int, num_windows: int):
+        """Epoch ``epoch``'s permutation of the stream's windows: a pure function of (stream,
+        epoch), cached (a run moves through its epochs in order, so a few are kept)."""
+        import torch
+
+        key = (stream, epoch)
+        if key not in self._orders:
+            if len(self._orders) > 4:
+                self._orders.clear()
+            g = torch.Generator().manual_seed(stream * 1_000_003 + epoch)
+            self._orders[key] = torch.randperm(num_windows, generator=g)
+        return self._orders[key]
