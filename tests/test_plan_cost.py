@@ -301,7 +301,8 @@ def test_planner_recomputes_only_the_stage_that_does_not_fit_otherwise():
             assert not simulate_plan(without, cost).stages[i].fits, i
     stages = yaml.safe_load(cluster_yaml(best, inventory, model.name, 1))["stages"]
     for st, r in zip(stages, rc):
-        assert st.get("recompute") == (r.config() if r is not None else None)
+        # none said explicitly: unset, the stage would take the model's recompute setting
+        assert st.get("recompute") == (r.config() if r is not None else {"granularity": "none"})
     assert all(s["memory_gib"] == (37.0 if i == 0 else 77.0) for i, s in enumerate(stages))
 
 

@@ -161,7 +161,7 @@ def test_edge_min_layers_keeps_that_many_layers_on_each_edge_chunk():
 # micro-batch, global batch, memory per kind in GiB or None, what the reference's pick must
 # show so the instance exercises it)
 WHOLE_SPACE = [
-    ({"a100": 2, "ascend910b": 4}, None, 8, 1, 16, None, "per-stage dp"),
+    ({"a100": 2, "ascend910b": 4}, None, 8, 1, 32, None, "per-stage dp"),
     ({"edge_gpu": 2, "ascend910b": 6}, "edge_gpu", 6, 1, 16, None, "per-stage dp"),
     ({"v100": 4, "a100": 2}, None, 6, 4, 16, {"v100": 6, "a100": 7}, "recompute"),
     ({"edge_gpu": 1, "v100": 4}, "edge_gpu", 6, 4, 16, {"edge_gpu": 8, "v100": 6},

@@ -237,6 +237,11 @@ def test_the_train_line_carries_what_the_plan_was_priced_with(tmp_path, capsys):
     assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--dtype",
                            "bfloat16"]) == 0  # the model's own dtype: nothing to add
     assert "model.params_dtype" not in capsys.readouterr().out
+    # --no-flash prices local attention everywhere: the run is told to build local layers
+    local = tmp_path / "plans" / "cluster" / "local.yaml"
+    assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", "--no-flash",
+                           "--out", str(local)]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("model=llama_7b model.transformer_impl=local")
 
 
 def test_a_reader_that_stops_reading_gets_no_error_message():

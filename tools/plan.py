@@ -31,6 +31,7 @@ from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, f
                       front_table, load_inventory, load_model, plan, summary, table)
 from ldt.plan import planned_train_path
 from ldt.plan import train_yaml
+from ldt.plan.report import train_overrides, train_settings
 from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
 from ldt.storage.atomic import check_output, new_files
 from ldt.tools.cli import Parser, count, number
@@ -152,6 +153,10 @@ def _model_overrides(args, model) -> list[str]:
         out.append(f"model.params_dtype={args.dtype}")
     if args.sequence_parallel and not model.sequence_parallel:
         out.append("model.sequence_parallel=true")
+    if args.no_flash and model.transformer_impl != "local":
+        # megatron's local layers on every stage: local attention, as priced (the memory
+        # check before a start then prices it too)
+        out.append("model.transformer_impl=local")
     return out
 
 
@@ -223,7 +228,7 @@ def _train_text(cluster_path: str, best, model_name: str, mbs: int, inventory: s
 
 def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory: str,
                   overrides: list[str]) -> str:
-    plan, cluster = best.plan, written[0]
+    cluster = written[0]
     stem = os.path.splitext(os.path.basename(cluster))[0]
     if len(written) == 2:
         root = os.path.dirname(os.path.dirname(cluster)) or "."
@@ -231,12 +236,8 @@ def _how_to_train(written: list[str], model_name: str, best, mbs: int, inventory
 
         return "train it: " + shlex.join(["ldt-train", "--config-dir", root, f"cluster={stem}",
                                           f"train={stem}", f"model={model_name}", *overrides])
-    prefetch = f"train.prefetch={plan.prefetch} " if plan.prefetch else ""
-    # a zb run orders its W by the plan's prices: the inventory's, not cpu_local's defaults
-    prefetch += (f"train.schedule=zb train.cost_inventory={_cost_inventory(inventory)} "
-                 if best.schedule == "zb" else "")
-    return (f"train it with: train.num_microbatches={plan.num_microbatches} {prefetch}"
-            f"train.micro_batch_size={mbs} model={model_name} "
+    settings = train_overrides(train_settings(best, mbs, _cost_inventory(inventory)))
+    return (f"train it with: {settings} model={model_name} "
             + "".join(f"{o} " for o in overrides) + "(put the file in a cluster/ "
             "folder to get a train/ file with these too)")
 

@@ -509,6 +509,23 @@ class CostModel:
             per_token += h + self.V / t
         return self.s * self.b * self.d * per_token
 
+    def wgrad_transient(self, tp: int, chunk: ChunkLoad) -> float:
+        """A zero-bubble W's own peak on a rank: the chunk's split linear layers' weight
+        gradients made at once, in the weights' dtype, before DDP's hooks take them, and one
+        more of the largest while autograd hands them over (the estimator on megatron's
+        layers: llama_tiny h 256, TP 1 / 2, fp32 / bf16, the head's chunk too, exactly;
+        llama_7b's edge end chunk 0.87 GiB; ``patches/wgrad_split.run_wgrad``). A MoE
+        layer's linear weights are priced as its parameters less the norms."""
+        h, t = self.h, tp
+        weights = (h * self.qkv, self.hd * h, h * self.fc1, self.f * h)
+        per_layer = self.layer_params(t) - 2 * self.norm if self.moe else sum(weights) / t
+        largest = max(weights) / t if chunk.layers else 0.0
+        out = chunk.layers * per_layer
+        if chunk.head:
+            out += self.V * h / t
+            largest = max(largest, self.V * h / t)
+        return self.d * (out + largest)
+
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
 
@@ -539,8 +556,10 @@ class CostModel:
         return t
 
     def dp_allreduce_time(self, kind: str, params_per_rank: float, dp: int) -> float:
-        """Gradient all-reduce across replicas (not overlapped with the pipeline: conservative)."""
-        return ring_allreduce_time(params_per_rank * self.d, dp,
+        """Gradient all-reduce across replicas (not overlapped with the pipeline: conservative),
+        in fp32 whatever the dtype: megatron's DDP reduces the fp32 gradient buffer
+        (``grad_reduce_in_fp32`` with fp32 main params, ldt.training.optim)."""
+        return ring_allreduce_time(params_per_rank * GRAD_BYTES, dp,
                                    self.inventory.link(kind, kind).bandwidth_gbps)
 
 

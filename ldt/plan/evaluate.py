@@ -394,8 +394,9 @@ def evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: di
         chunks = plan.stage_chunks(i, inflight[i])
         fb = [cost.chunk_time(st.kind, st.tp, c) for c in chunks]
         memory = cost.stage_memory(st.kind, st.tp, chunks, plan.recv_buffers(i))
-        if wstore:
-            memory = replace(memory, wstore=wstore[i])
+        if wstore:  # a zero-bubble schedule: its W store, and a W's own peak where larger
+            memory = replace(memory, wstore=wstore[i], transient=max(
+                memory.transient, max(cost.wgrad_transient(st.tp, c) for c in chunks)))
         reports.append(StageReport(
             i, names[i], st.kind, cost.inventory.kind(st.kind).device, st.tp, split.describe(i),
             sum(f for f, _ in fb), sum(b for _, b in fb), busy[i],

@@ -18,6 +18,7 @@ from ldt.config.load import config_dict
 from ldt.config.userfiles import load_yaml
 from ldt.plan.cost import GIB
 from ldt.plan.evaluate import Evaluation, Plan
+from ldt.schedule.size import runs_on_ldt_runtime
 from ldt.plan.inventory import Inventory
 from ldt.plan.objective import devices, hourly_price, ms, spread, step_cost
 
@@ -36,11 +37,13 @@ def planned_cluster(plan: Plan, inventory: Inventory,
                     base: Optional[ClusterConfig] = None) -> ClusterConfig:
     """The plan as a cluster config: ``base`` (the configured cluster: an elastic run's
     inventory, host staging, fan-out, link delays; None: the schema's defaults) with the
-    planned stages, U-shape, layout and dp."""
+    planned stages, U-shape, layout and dp. A stage planned without recomputation says
+    ``granularity: none``: unset, it would take the model's ``recompute_granularity``, which
+    the plan was not priced with."""
     stages = [StageConfig(name, inventory.kind(s.kind).device, s.tp,
                           dp=plan.dp_of(i) if plan.stage_dp else None,
                           recompute=plan.recompute_of(i).to_config() if plan.recompute_of(i)
-                          else RecomputeConfig(),
+                          else RecomputeConfig(granularity="none"),
                           memory_gib=_usable_gib(inventory, s.kind))
               for i, (name, s) in enumerate(zip(plan.stage_names(), plan.stages))]
     return replace(base or ClusterConfig(), stages=stages, u_shape=plan.u_shape,
@@ -60,14 +63,11 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     (``train.cost_inventory`` of a zero-bubble pick; default its name); ``model_overrides``:
     what the plan was priced with beyond the model's file (e.g. ``model.params_dtype=...``)."""
     p = ev.plan
+    settings = train_settings(ev, micro_batch_size, cost_inventory or inventory.name)
     head = [
         f"# Planned by ldt-plan for model {model_name} on inventory {inventory.name}.",
         "# Train with " + "".join(f"{o} " for o in model_overrides)
-        + f"train.num_microbatches={p.num_microbatches} "
-        + (f"train.prefetch={p.prefetch} " if p.prefetch else "")
-        + (f"train.schedule=zb train.cost_inventory={cost_inventory or inventory.name} "
-           if ev.schedule == "zb" else "")
-        + f"train.micro_batch_size={micro_batch_size} (global batch "
+        + train_overrides(settings) + " (global batch "
         f"{p.dp * p.num_microbatches * micro_batch_size}).",
         f"# Predicted iteration {ev.iteration_time * 1e3:.1f} ms (pipeline "
         f"{ev.pipeline_time * 1e3:.1f} ms + dp all-reduce {ev.dp_allreduce_time * 1e3:.1f} ms), "
@@ -85,6 +85,32 @@ def cluster_yaml(ev: Evaluation, inventory: Inventory, model_name: str, micro_ba
     return "\n".join(head) + "\n" + body
 
 
+def train_settings(ev: Evaluation, micro_batch_size: int, inventory: Optional[str] = None
+                   ) -> dict[str, Any]:
+    """The ``train.*`` settings the plan was priced with (one source for the train file, the
+    cluster file's header and ldt-plan's printed command): its micro-batches, the U-shape's
+    prefetch depth, the zero-bubble schedule with the ``inventory`` its order is priced by,
+    and ``runtime: ldt`` for a plain pipeline (priced on ldt's runtime's action lists, where
+    ``train.runtime=auto`` would run megatron's 1F1B, which blocks on each exchange)."""
+    p = ev.plan
+    out: dict[str, Any] = {"num_microbatches": p.num_microbatches}
+    if p.prefetch:
+        out["prefetch"] = p.prefetch
+    if ev.schedule == "zb":
+        out["schedule"] = "zb"
+        if inventory:
+            out["cost_inventory"] = inventory
+    if not runs_on_ldt_runtime(p.u_shape, bool(p.stage_dp), "auto", ev.schedule):
+        out["runtime"] = "ldt"
+    out["micro_batch_size"] = micro_batch_size
+    return out
+
+
+def train_overrides(settings: dict[str, Any]) -> str:
+    """:func:`train_settings` as ldt-train's command-line overrides."""
+    return " ".join(f"train.{k}={v}" for k, v in settings.items())
+
+
 def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_name: str,
                inventory: Optional[str] = None, model_overrides: Sequence[str] = ()) -> str:
     """A ``conf/train/`` file with the micro-batch settings the plan was priced with: on top of
@@ -93,14 +119,7 @@ def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_n
     ``inventory`` it was priced with as ``cost_inventory`` (the run generates its order from
     the same prices). ``model_overrides`` (a train file cannot set them) go in its header."""
     p = ev.plan
-    settings = {"defaults": ["default"], "num_microbatches": p.num_microbatches,
-                "micro_batch_size": micro_batch_size}
-    if p.prefetch:  # the U-shape's prefetch depth it was priced with
-        settings["prefetch"] = p.prefetch
-    if ev.schedule == "zb":
-        settings["schedule"] = "zb"
-        if inventory:
-            settings["cost_inventory"] = inventory
+    settings = {"defaults": ["default"], **train_settings(ev, micro_batch_size, inventory)}
     body = OmegaConf.to_yaml(OmegaConf.create(settings))
     return (f"# Planned by ldt-plan for model {model_name} with cluster={cluster_name}: global "
             f"batch {p.dp * p.num_microbatches * micro_batch_size} = dp {p.dp} x "
