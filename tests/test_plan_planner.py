@@ -254,3 +254,20 @@ def test_the_table_s_memory_columns_add_up_to_the_total():
             terms = [float(c) for c in cells[:last - first]]
             assert abs(sum(terms) - float(cells[last - first])) <= 0.005 * len(terms), row
             assert float(cells[last - first]) == round(stage.memory.total / 2**30, 2)
+
+
+def test_the_train_settings_run_the_plan_on_the_runtime_it_was_priced_on():
+    """A plain pipeline of uniform dp is priced on ldt's runtime's action lists, and
+    ``train.runtime=auto`` would train it on megatron's 1F1B (which blocks on each exchange):
+    the train settings say ``runtime: ldt``. The U-shape, per-stage dp and zb run there anyway."""
+    from ldt.plan.report import train_settings, train_yaml
+
+    inventory, model = synthetic_inventory({"a100": 4}), small_model(8)
+    best = plan(inventory, model, Workload(1, 16, u_shape=False)).best
+    plain = dataclasses.replace(best, schedule="auto", plan=dataclasses.replace(
+        best.plan, stage_dp=(), u_shape=False))
+    assert train_settings(plain, 1)["runtime"] == "ldt"
+    assert "runtime: ldt" in train_yaml(plain, model.name, 1, "c")
+    for other in (dataclasses.replace(plain, schedule="zb"),
+                  dataclasses.replace(plain, plan=dataclasses.replace(plain.plan, u_shape=True))):
+        assert "runtime" not in train_settings(other, 1)
