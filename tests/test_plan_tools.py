@@ -255,3 +255,24 @@ def test_a_reader_that_stops_reading_gets_no_error_message():
     proc.stdout.close()  # before the tool prints its first line
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGPIPE and err == "", err
+
+
+def test_sim_prices_a_plan_with_plan_s_dtype_and_sequence_parallelism(tmp_path, capsys):
+    """ldt-plan --dtype --sequence-parallel, then ldt-sim with the same two flags on its files:
+    the same memory per stage and the same iteration (without them ldt-sim priced the model
+    file's: a100_910b llama_7b's first stage 45.53 GiB planned, 51.67 simulated)."""
+    out = tmp_path / "plans" / "cluster" / "sp.yaml"
+    flags = ["--dtype", "float32", "--sequence-parallel"]
+    assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", *flags,
+                           "--out", str(out), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    args = ["--cluster", str(out), "--model", "llama_7b", "--inventory", "a100_910b", "--json"]
+    assert sim_tool.main([*args, *flags]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert [s["memory_gib"] for s in simulated["stages"]] == \
+        [s["memory_gib"] for s in planned["stages"]]
+    assert simulated["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
+    assert sim_tool.main(args) == 0  # the model file's bf16, no sequence parallelism
+    other = json.loads(capsys.readouterr().out)
+    assert [s["memory_gib"] for s in other["stages"]] != \
+        [s["memory_gib"] for s in planned["stages"]]

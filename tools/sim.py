@@ -51,7 +51,12 @@ def parser() -> argparse.ArgumentParser:
                    help="with --measured: warm-up steps to leave out (default 3)")
     p.add_argument("--mbs", type=count(1), default=None,
                    help="micro-batch size (default: the planned one, as -m; else 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="training dtype (default: the model's params_dtype)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="price megatron's sequence parallelism on stages of TP > 1 (give "
+                        "ldt-plan's --dtype / --sequence-parallel again: its train file's "
+                        "header names them)")
     p.add_argument("--no-flash", action="store_true",
                    help="price local attention (scores kept) on every stage; default: fused on "
                         "cuda stages, local on npu and cpu, as training runs")
@@ -103,6 +108,8 @@ def _simulate(args) -> int:
               if os.path.exists(getattr(args, k))]
     outputs = _outputs(args, inputs)
     inventory, model = load_inventory(args.inventory), load_model(args.model)
+    if args.sequence_parallel:
+        model = replace(model, sequence_parallel=True)
     cluster = load_cluster(args.cluster)
     topo = validate(cluster, model, check_devices=False)
     check_schedule_size("-m", args.num_microbatches, topo.num_stages,  # before it is built
