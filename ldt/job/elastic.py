@@ -26,6 +26,7 @@ from ldt.launch.lifetime import write_torchrun_error
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
 from ldt.storage.snapshot_files import held
+from ldt.topology.validate import planner_mtp_refusal
 
 
 def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
@@ -125,10 +126,9 @@ def _check_replannable(plain: dict) -> None:
         raise ConfigError(f"train.schedule={train.get('schedule')!r}: {elastic} the schedule "
                           "of each world; give train.schedule=auto (or zb, the zero-bubble "
                           "order where it fits)")
-    if plain["model"].get("mtp_num_layers"):
-        raise ConfigError(f"model.mtp_num_layers={plain['model']['mtp_num_layers']}: the "
-                          "planner does not place MTP layers yet; set model.mtp_num_layers=0, "
-                          "or give the stages and a layout with 'm' without cluster.inventory")
+    mtp_refusal = planner_mtp_refusal(plain["model"].get("mtp_num_layers"))
+    if mtp_refusal is not None:
+        raise ConfigError(mtp_refusal)
     cost_run = train.get("cost_run")
     if cost_run:
         raise ConfigError(

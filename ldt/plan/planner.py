@@ -53,7 +53,7 @@ from ldt.plan.objective import (Objective, choose, hourly_price, ms, pareto_fron
 from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
 from ldt.plan.zerobubble import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
-from ldt.topology.validate import per_stage_dp_refusal
+from ldt.topology.validate import per_stage_dp_refusal, planner_mtp_refusal
 
 T = TypeVar("T")
 _END = object()
@@ -128,11 +128,9 @@ def plan(inventory: Inventory, model: ModelConfig, workload: Workload,
     """Search stage formation, order, layer split and dp; return the plan the objective picks
     among the simulated ones, with the time/cost front they form."""
     opts, objective = options or PlannerOptions(), objective or Objective()
-    if model.mtp_num_layers:  # its layout would have no 'm', which ldt-train then refuses
-        raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers}: the planner does not "
-                          "place MTP layers yet; plan with model.mtp_num_layers=0 and add 'm' "
-                          "before the written cluster.layout's 'L' (e.g. 'Et|tt|tt|tmL'), or "
-                          "set it to 0")
+    mtp_refusal = planner_mtp_refusal(model.mtp_num_layers)
+    if mtp_refusal is not None:
+        raise ConfigError(mtp_refusal)
     t0 = time.perf_counter()
     cost = make_cost(inventory, model, workload)
     ushape = wants_ushape(inventory, workload)

@@ -326,6 +326,18 @@ def per_stage_dp_refusal(model: ModelConfig, train: Optional[TrainConfig], u_sha
     return None
 
 
+def planner_mtp_refusal(mtp_num_layers: Optional[int]) -> Optional[str]:
+    """Why the planner refuses a model with MTP layers (field, value and fix); None where it
+    has none. The planner and an elastic run (which plans every world) both refuse with it."""
+    if not mtp_num_layers:
+        return None
+    # a planned layout has no 'm', which validate() then refuses
+    return (f"model.mtp_num_layers={mtp_num_layers}: the planner does not place MTP layers "
+            "yet; set model.mtp_num_layers=0, or give cluster.stages (e.g. a plan's, written "
+            "with it 0) and a cluster.layout with 'm' before its 'L' (e.g. 'Et|tt|tt|tmL'), "
+            "without cluster.inventory")
+
+
 def _check_host_memory(topo: Topology, model: ModelConfig) -> None:
     """A world of cpu stages that ldt-train starts on this host holds the whole model in its
     memory: refuse a model whose weights and fp32 gradients alone (a lower bound: no optimizer
