@@ -21,7 +21,7 @@ from ldt.boundary import communicator as comm_mod
 from ldt.boundary import functional
 from ldt.boundary import sequence as layout_mod
 from ldt.boundary import work as work_mod
-from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
+from ldt.boundary.communicator import BACKWARD, FORWARD, SendTransform, VtpCommunicator
 from ldt.boundary.lanes import LaneCommunicator, lane_of
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.groups.parallel_state import StagePipelineGroup
@@ -249,8 +249,13 @@ def test_transforms_change_what_crosses_and_observers_see_it(wire):
             seen.append(("recv", src, dst, direction, tensor.clone()))
 
     noise = []
-    comm = VtpCommunicator(config(), state(0), observers=[Observer()], send_transforms=[
-        lambda t, src, dst, d: (noise.append((src, dst, d)), t + 0.5)[1]])
+
+    class Shift(SendTransform):
+        def __call__(self, tensor, src, dst, direction):
+            noise.append((src, dst, direction))
+            return tensor + 0.5
+
+    comm = VtpCommunicator(config(), state(0), observers=[Observer()], send_transforms=[Shift()])
     comm.send(torch.zeros(3), 1, FORWARD)
     assert noise == [(0, 1, FORWARD)]
     assert torch.all(wire.calls[0][4] == 0.5)  # the peer gets the transformed tensor
@@ -259,6 +264,13 @@ def test_transforms_change_what_crosses_and_observers_see_it(wire):
     assert len(seen) == 1  # nothing is seen before the receive completes
     work.wait()
     assert seen[1][:4] == ("recv", 2, 0, FORWARD) and torch.all(seen[1][4] == 301.0)
+
+
+def test_a_transform_without_skip_is_refused_when_the_communicator_is_made(wire):
+    """Not later, on only the ranks that skip a message (those beside a stage's leader)."""
+    with pytest.raises(TypeError, match=r"send_transforms: .*has no skip.*subclass of "
+                                        r"ldt.boundary.communicator.SendTransform"):
+        VtpCommunicator(config(), state(0), send_transforms=[lambda t, src, dst, d: t])
 
 
 def test_variable_sequence_lengths_send_the_shape_first(wire):

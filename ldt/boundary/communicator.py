@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,8 @@ from ldt.topology.device import rank_device
 from ldt.topology.routes import BACKWARD, FORWARD, Route
 from ldt.topology.transport import FANOUT, PIECE_UNIT_BYTES, PIECES, WHOLE, Carry
 
-__all__ = ["BACKWARD", "FORWARD", "BoundaryError", "BoundaryObserver", "VtpCommunicator"]
+__all__ = ["BACKWARD", "FORWARD", "BoundaryError", "BoundaryObserver", "SendTransform",
+           "VtpCommunicator"]
 
 
 class BoundaryObserver(Protocol):
@@ -43,6 +44,20 @@ class BoundaryObserver(Protocol):
     def on_send(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
 
     def on_recv(self, src: int, dst: int, direction: str, tensor: torch.Tensor) -> None: ...
+
+
+@runtime_checkable
+class SendTransform(Protocol):
+    """Changes what a rank sends across a boundary, before it sends it (e.g.
+    :class:`ldt.boundary.noise.BoundaryNoise`). Subclass it: a stateless transform then
+    inherits the no-op :meth:`skip`."""
+
+    def __call__(self, tensor: torch.Tensor, src: int, dst: int,
+                 direction: str) -> torch.Tensor: ...
+
+    def skip(self, src: int, dst: int, direction: str) -> None:
+        """A message of this rank's stage that another rank of it sends: a stateful transform
+        counts it (so the ranks that send copies of one message transform it alike)."""
 
 
 class VtpCommunicator(P2PCommunicator):
@@ -56,7 +71,8 @@ class VtpCommunicator(P2PCommunicator):
     boundary_fanout: Optional[str] = None
 
     def __init__(self, config, state: Optional[VtpState] = None,
-                 observers: Optional[list[BoundaryObserver]] = None, send_transforms=None):
+                 observers: Optional[list[BoundaryObserver]] = None,
+                 send_transforms: Optional[list[SendTransform]] = None):
         # Not calling super().__init__: it derives next/prev ranks from pp_group's members,
         # and a VTP pipeline "group" has none; the attributes the schedules read are set here.
         state = state or get_vtp_state()
@@ -72,11 +88,15 @@ class VtpCommunicator(P2PCommunicator):
         self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
         self.device = rank_device(topo, state.info.rank)  # this node's accelerator index
         self.observers = list(observers or [])
-        # (tensor, src, dst, direction) -> tensor, applied by each rank that sends a message
-        # before it sends, so observers and the peer see what actually crossed (e.g.
-        # ldt.boundary.noise's noise); a transform with a ``skip(src, dst, direction)`` is
-        # told of each message of the stage that this rank does not send
+        # applied by each rank that sends a message before it sends, so observers and the
+        # peer see what actually crossed; told (skip) of each message of the stage that this
+        # rank does not send
         self.send_transforms = list(send_transforms or [])
+        for transform in self.send_transforms:  # refused here, not on a rank that skips
+            if not isinstance(transform, SendTransform):
+                raise TypeError(f"send_transforms: {transform!r} has no skip(src, dst, "
+                                "direction); make it a subclass of ldt.boundary.communicator."
+                                "SendTransform (a stateless one inherits a no-op skip)")
 
     # ---- the one hook megatron's public methods call ---------------------------------------
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
@@ -124,8 +144,7 @@ class VtpCommunicator(P2PCommunicator):
         targets = self._targets(route, how)
         if not targets:
             for transform in self.send_transforms:  # a stateful one counts every message
-                getattr(transform, "skip", _no_skip)(route.src_stage, route.dst_stage,
-                                                     direction)
+                transform.skip(route.src_stage, route.dst_stage, direction)
             return None
         group = state.named_groups[route.group] if state.is_leader else None
         # a fan-out copy from a rank beside the leader: its own replica of the whole tensor,
@@ -338,10 +357,6 @@ class VtpCommunicator(P2PCommunicator):
         return (f"boundary {key[0]}->{key[1]}: rank {self.state.info.rank} (stage {me} "
                 f"'{stages[me].name}') {verb} of {what} {prep} stage {peer} "
                 f"'{stages[peer].name}' (rank {peer_rank})")
-
-
-def _no_skip(src: int, dst: int, direction: str) -> None:
-    """A stateless send transform's :meth:`ldt.boundary.noise.BoundaryNoise.skip`."""
 
 
 def check_boundary_config(config) -> None:

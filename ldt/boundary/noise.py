@@ -14,8 +14,10 @@ import hashlib
 
 import torch
 
+from ldt.boundary.communicator import SendTransform
 
-class BoundaryNoise:
+
+class BoundaryNoise(SendTransform):
     """A send transform of :class:`ldt.boundary.communicator.VtpCommunicator`:
     ``x + N(0, (scale * rms(x))^2)``.
 
