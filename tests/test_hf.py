@@ -329,6 +329,35 @@ def test_a_tied_checkpoint_with_a_head_of_its_own_imports_both_as_transformers_r
         assert torch.equal(got["output_layer.weight"], head)
 
 
+def test_a_tied_head_is_compared_with_the_embedding_a_slice_at_a_time(tmp_path, monkeypatch):
+    """Not both read whole (about 1 GB each for a 7B model): at most HEAD_COMPARE_BYTES of
+    each at a time, and a difference in the last row is still found."""
+    from safetensors.torch import save_file
+
+    from ldt.models.hf import convert
+
+    budget = 3 * 8 * 4  # three rows of 4 elements at the widest dtype's 8 bytes
+    monkeypatch.setattr(convert, "HEAD_COMPARE_BYTES", budget)
+    reads = []
+    read_rows = convert.SafetensorsFolder.read_rows
+
+    def counted(self, name, start, stop):
+        rows = read_rows(self, name, start, stop)
+        reads.append(rows.numel() * rows.element_size())
+        return rows
+
+    monkeypatch.setattr(convert.SafetensorsFolder, "read_rows", counted)
+    embed = torch.randn(10, 4)
+    last_row_differs = embed.clone()
+    last_row_differs[-1, -1] += 1
+    for head, own in ((embed.clone(), False), (last_row_differs, True)):
+        save_file({"model.embed_tokens.weight": embed, "lm_head.weight": head},
+                  tmp_path / "model.safetensors")
+        reads.clear()
+        assert convert._own_head(convert.SafetensorsFolder(str(tmp_path))) == own
+        assert len(reads) == 2 * 4 and max(reads) <= budget  # 4 slices of each, every row
+
+
 def test_an_export_of_a_run_trained_from_scratch_names_no_special_tokens(hf, tmp_path):
     """Without an import's config.json, transformers' default ids (Llama: bos 1, eos 2) would
     name tokens the run never trained as such (generate would stop at a random token): the

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from math import prod
 from typing import Iterator, Optional
 
 import torch
@@ -94,14 +95,29 @@ class SafetensorsFolder:
         for name, group in by_file.items():
             with self._open(name) as f:
                 for n in group:
-                    try:
-                        out[n] = f.get_tensor(n)
-                    except SafetensorError as exc:
-                        raise ConfigError(f"{os.path.join(self.folder, name)}: tensor {n} "
-                                          f"cannot be read ({exc}); restore the file from the "
-                                          "model's source") from None
+                    out[n] = self._reading(name, n, lambda: f.get_tensor(n))
                     check_finite(out[n], n, os.path.join(self.folder, name))
         return out
+
+    def shape(self, name: str) -> list[int]:
+        with self._open(self.file_of[name]) as f:
+            return self._reading(self.file_of[name], name,
+                                 lambda: f.get_slice(name).get_shape())
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (the first dimension) of tensor ``name``, without the rest; not
+        checked finite (:meth:`read` of the whole tensor is, and counts what is not)."""
+        with self._open(self.file_of[name]) as f:
+            return self._reading(self.file_of[name], name,
+                                 lambda: f.get_slice(name)[start:stop])
+
+    def _reading(self, file: str, name: str, read):
+        """``read()`` of tensor ``name`` in ``file``, a damaged file refused."""
+        try:
+            return read()
+        except SafetensorError as exc:
+            raise ConfigError(f"{os.path.join(self.folder, file)}: tensor {name} cannot be "
+                              f"read ({exc}); restore the file from the model's source") from None
 
 
 def check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
@@ -187,13 +203,27 @@ def import_hf(hf_dir: str, out_dir: str, *, overwrite: bool = False,
     return model
 
 
+# what _own_head reads of each tensor at a time (not the whole, ~1 GB each for a 7B model)
+HEAD_COMPARE_BYTES = 64 << 20
+
+
 def _own_head(folder: "SafetensorsFolder") -> bool:
     """Whether a checkpoint whose config.json ties the head to the embedding stores a head
     of other values (``lm_head.weight`` beside ``model.embed_tokens.weight``)."""
     if "lm_head.weight" not in folder.names():
         return False
-    read = folder.read(("model.embed_tokens.weight", "lm_head.weight"))
-    return not torch.equal(read["model.embed_tokens.weight"], read["lm_head.weight"])
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    shape = folder.shape(embed)
+    if folder.shape(head) != shape:
+        return True
+    if not shape:  # a scalar: no rows to slice (the shape checks refuse it later)
+        return not torch.equal(*folder.read((embed, head)).values())
+    # rows of at most HEAD_COMPARE_BYTES at 8 bytes an element, the widest dtype
+    row_elements = max(1, prod(shape[1:]))
+    step = max(1, HEAD_COMPARE_BYTES // (8 * row_elements))
+    return any(not torch.equal(folder.read_rows(embed, start, start + step),
+                               folder.read_rows(head, start, start + step))
+               for start in range(0, shape[0], step))
 
 
 @dataclass
