@@ -276,3 +276,22 @@ def test_sim_prices_a_plan_with_plan_s_dtype_and_sequence_parallelism(tmp_path, 
     other = json.loads(capsys.readouterr().out)
     assert [s["memory_gib"] for s in other["stages"]] != \
         [s["memory_gib"] for s in planned["stages"]]
+
+
+def test_sim_refuses_mtp_layers_it_would_price_as_free(tmp_path, capsys):
+    """The cost model has no MTP layers: ldt-sim priced a layout with 'm' exactly as the same
+    layout without it (gpt_tiny, one MTP layer: the same time and memory either way). Refused in one line."""
+    import yaml
+
+    from ldt.config.load import conf_path, config_dict
+
+    model = tmp_path / "gpt_mtp.yaml"
+    model.write_text(yaml.safe_dump({**config_dict(load_model("gpt_tiny")), "name": "gpt_mtp",
+                                     "mtp_num_layers": 1}))
+    cluster = tmp_path / "mtp.yaml"
+    demo = config_dict(load_cluster_yaml(conf_path("cpu_demo", "cluster")))
+    cluster.write_text(yaml.safe_dump({**demo, "layout": "Et|tt|tt|tmL"}))
+    rc = sim_tool.main(["--cluster", str(cluster), "--model", str(model), "--inventory",
+                        "cpu_local", "-m", "4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.mtp_num_layers=1: ldt-sim does not price MTP layers" in err, err

@@ -110,6 +110,11 @@ def _simulate(args) -> int:
     inventory, model = load_inventory(args.inventory), load_model(args.model)
     if args.sequence_parallel:
         model = replace(model, sequence_parallel=True)
+    if model.mtp_num_layers:  # the cost model has no MTP layers: they would cost nothing
+        raise ConfigError(f"model.mtp_num_layers={model.mtp_num_layers}: ldt-sim does not "
+                          "price MTP layers yet (their time and memory would be left out); "
+                          "simulate the model without them (model.mtp_num_layers=0, no 'm' "
+                          "in cluster.layout)")
     cluster = load_cluster(args.cluster)
     topo = validate(cluster, model, check_devices=False)
     check_schedule_size("-m", args.num_microbatches, topo.num_stages,  # before it is built
