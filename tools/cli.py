@@ -64,6 +64,22 @@ def number(low: float = 0.0, *, strict: bool = False):
     return parse
 
 
+def add_pricing_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ldt-plan and ldt-sim price alike: give ldt-sim the ones ldt-plan planned with
+    (the train file's header names them; ldt-plan's printed command carries them to
+    ldt-train as model overrides)."""
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="training dtype (default: the model's params_dtype)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="price megatron's sequence parallelism on stages of TP > 1 "
+                        "(model.sequence_parallel=true)")
+    p.add_argument("--no-flash", action="store_true",
+                   help="price megatron's local attention (scores kept) on every stage, cuda "
+                        "too (a cuda host without Transformer Engine: "
+                        "model.transformer_impl=local); default: fused attention on cuda "
+                        "stages, local on npu and cpu, as training runs")
+
+
 class Stopped(BaseException):
     """SIGTERM or SIGHUP: unwinds like Ctrl-C, so every temporary output is removed."""
 

@@ -34,7 +34,7 @@ from ldt.plan import train_yaml
 from ldt.plan.report import train_overrides, train_settings
 from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
 from ldt.storage.atomic import check_output, new_files
-from ldt.tools.cli import Parser, count, number
+from ldt.tools.cli import Parser, add_pricing_flags, count, number
 from ldt.tools.cli import guarded
 from ldt.topology.validate import validate
 
@@ -46,8 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mbs", type=count(1), default=1, help="micro-batch size (default 1)")
     p.add_argument("--global-batch", type=count(1), default=64,
                    help="sequences per step (default 64)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="training dtype (default: the model's params_dtype)")
+    add_pricing_flags(p)
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--u-shape", dest="u_shape", action="store_true", default=None,
                        help="plan a U-shape (needs inventory.edge)")
@@ -55,13 +54,6 @@ def parser() -> argparse.ArgumentParser:
                        help="plan a plain pipeline even if the inventory names an edge")
     p.add_argument("--edge-min-layers", type=count(0), default=1,
                    help="decoder layers the edge keeps in each chunk (default 1)")
-    p.add_argument("--no-flash", action="store_true",
-                   help="price megatron's local attention (scores kept) on every stage, cuda "
-                        "too (a cuda host without Transformer Engine); default: fused "
-                        "attention on cuda stages, local on npu and cpu, as training runs")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="price megatron's sequence parallelism on stages of TP > 1 (train with "
-                        "model.sequence_parallel=true)")
     p.add_argument("--no-recompute", dest="recompute", action="store_false",
                    help="plan without activation recomputation (by default a stage that does "
                         "not fit otherwise recomputes, priced as the extra forward)")

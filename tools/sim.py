@@ -32,7 +32,7 @@ from ldt.schedule.size import check_schedule_size
 from ldt.schedule.timeline import to_chrome_trace, to_png
 from ldt.storage.atomic import check_output
 from ldt.storage.atomic import new_files
-from ldt.tools.cli import Parser, count
+from ldt.tools.cli import Parser, add_pricing_flags, count
 from ldt.tools.cli import guarded
 from ldt.topology.validate import validate
 
@@ -51,15 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help="with --measured: warm-up steps to leave out (default 3)")
     p.add_argument("--mbs", type=count(1), default=None,
                    help="micro-batch size (default: the planned one, as -m; else 1)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="training dtype (default: the model's params_dtype)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="price megatron's sequence parallelism on stages of TP > 1 (give "
-                        "ldt-plan's --dtype / --sequence-parallel again: its train file's "
-                        "header names them)")
-    p.add_argument("--no-flash", action="store_true",
-                   help="price local attention (scores kept) on every stage; default: fused on "
-                        "cuda stages, local on npu and cpu, as training runs")
+    add_pricing_flags(p)
     p.add_argument("--kinds", help="inventory kind per stage, comma-separated")
     p.add_argument("--prefetch", type=count(0), default=None,
                    help="U-shape prefetch depth (train.prefetch; default: the planned one, "
