@@ -303,35 +303,39 @@ def variant_topology(topo, v: dict):
 
 
 def assert_ran_priced_order(topo, variants, out):
-    """The zero-bubble variant ran the order generated from its prices (``priced``), which is
-    not the equal-cost one (else its parity would not cover an order generated from costs)."""
+    """Every zero-bubble variant ran the order generated from its prices (``priced``), which
+    is not the equal-cost one (else its parity would not cover an order generated from costs)."""
     from ldt.schedule import lower
     from ldt.schedule.zerobubble import zb_h1, zb_u_shape
 
-    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
     p, kind = topo.num_stages, "ushape" if topo.u_shape else "1f1b"
     generate = zb_u_shape if topo.u_shape else zb_h1
-    m = variants[i].get("m") or next(len(r[i]["losses"]) for r in out if r[i]["losses"])
-    priced = lower(generate(p, m, *variants[i]["priced"].tables()), kind)
-    assert priced != lower(generate(p, m), kind)
-    for rank_results in out:
-        r = rank_results[i]
-        assert r["ran"] == [str(a) for a in priced[r["stage"]]], r["stage"]
+    for i in (j for j, v in enumerate(variants) if v.get("zero_bubble")):
+        m = variants[i].get("m") or next(len(r[i]["losses"]) for r in out if r[i]["losses"])
+        priced = lower(generate(p, m, *variants[i]["priced"].tables()), kind)
+        assert priced != lower(generate(p, m), kind), variants[i].get("name")
+        for rank_results in out:
+            r = rank_results[i]
+            assert r["ran"] == [str(a) for a in priced[r["stage"]]], (variants[i].get("name"),
+                                                                      r["stage"])
 
 
 def assert_w_ran_after_each_backward(variants, out, m):
-    """The zero-bubble variant's weight gradients really were deferred: one W store run per
-    micro-batch and chunk on every rank, in each chunk's backward order (its gradients are
-    compared with the reference by the caller); no other variant ran a W."""
-    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
-    for rank_results in out:
-        runs = rank_results[i]["w_runs"]
-        u_edge = {"start", "end"} & {name for _, name in runs}
-        chunks = ["start", "end"] if u_edge else ["stage"]
-        assert sorted(runs) == sorted((mb, c) for mb in range(m) for c in chunks), runs
-        for c in chunks:
-            assert [mb for mb, name in runs if name == c] == list(range(m)), runs
-    assert all(r[j]["w_runs"] == [] for r in out for j in range(len(variants)) if j != i)
+    """Every zero-bubble variant's weight gradients really were deferred: one W store run per
+    micro-batch (``m``, or the variant's own) and chunk on every rank, in each chunk's
+    backward order (its gradients are compared with the reference by the caller); no other
+    variant ran a W."""
+    zb = [j for j, v in enumerate(variants) if v.get("zero_bubble")]
+    for i in zb:
+        n = variants[i].get("m", m)
+        for rank_results in out:
+            runs = rank_results[i]["w_runs"]
+            u_edge = {"start", "end"} & {name for _, name in runs}
+            chunks = ["start", "end"] if u_edge else ["stage"]
+            assert sorted(runs) == sorted((mb, c) for mb in range(n) for c in chunks), runs
+            for c in chunks:
+                assert [mb for mb, name in runs if name == c] == list(range(n)), runs
+    assert all(r[j]["w_runs"] == [] for r in out for j in range(len(variants)) if j not in zb)
 
 
 def vtp_run(rank, world, topo, full_state, m, variants):

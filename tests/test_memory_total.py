@@ -180,12 +180,27 @@ WGRAD_LAYER = FP32 * (H * 3 * H + H * H + H * F + F * H)
 WGRAD_HEAD = FP32 * V * H
 
 
-def test_a_zero_bubble_run_counts_its_w_store(monkeypatch):
+# recomputation per stage (docs/memory.md) beside zb: whole layers on the first stage, the
+# attention on the middle one, a block on the last. A recomputing B re-runs the forward inside
+# the W store's capture, so the entry (the linear layers' inputs and output gradients) is
+# the same; what shrinks is what the forward keeps
+RECOMPUTE_PER_STAGE = ["cluster.stages.0.recompute.granularity=full",
+                       "cluster.stages.0.recompute.method=uniform",
+                       "cluster.stages.0.recompute.num_layers=1",
+                       "cluster.stages.1.recompute.granularity=selective",
+                       "cluster.stages.2.recompute.granularity=full",
+                       "cluster.stages.2.recompute.method=block",
+                       "cluster.stages.2.recompute.num_layers=1"]
+
+
+@pytest.mark.parametrize("recompute", [[], RECOMPUTE_PER_STAGE], ids=["none", "per_stage"])
+def test_a_zero_bubble_run_counts_its_w_store(monkeypatch, recompute):
     """Under train.schedule=zb each stage's W store entry is the hand count above (8192 and
     16896 bytes, measured on megatron's layers through the wgrad_split patch); the peak adds
     the entries the run's own order (generated from its prices) holds at that moment, never
     more than the simulator's ``peak_wstore``; the planner's cost model prices the same
-    entry."""
+    entry. With recomputation per stage the entry is the same and the middle stage keeps
+    less than ``ACTIVATIONS`` (the estimate did recompute)."""
     from omegaconf import OmegaConf
 
     from ldt.config import typed_config
@@ -197,9 +212,11 @@ def test_a_zero_bubble_run_counts_its_w_store(monkeypatch):
     from ldt.schedule import lower, simulate
     from ldt.schedule.zerobubble import zb_h1
 
-    cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb"]), resolve=True)
+    cfg = OmegaConf.to_container(compose(OVERRIDES + ["train.schedule=zb", *recompute]),
+                                 resolve=True)
     measured = _recorded(monkeypatch, stages)
     got = estimate_here(cfg)
+    assert (got[1].activations[0] < ACTIVATIONS) == bool(recompute), got[1].activations
     for s, m, least in zip(got, measured, (WGRAD_LAYER, WGRAD_LAYER, WGRAD_LAYER + WGRAD_HEAD)):
         (chunk,) = m.chunks
         assert least <= chunk.wgrad_transient <= s.weights + chunk.wstore, (s.index, chunk)

@@ -285,6 +285,9 @@ def imported(tmp_path_factory):
 LLAMA31 = ("model=llama_tiny", "model.rope_scaling=true", "model.rope_scaling_factor=4",
            "model.rope_high_freq_factor=8", "model.rope_original_max_position_embeddings=32")
 MOE = ("model=qwen3_moe_tiny",)  # sequence parallel: its TP 2 stages hold MoE layers
+# plain SGD at a constant lr, no clipping: the step is the gradient times 0.1
+SGD = ("train/optimizer=sgd", "train.lr=0.1", "train.min_lr=0.1", "train.warmup_steps=0",
+       "train.clip_grad=0")
 FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
     "llama-ushape": ("cpu_demo", ("model=llama_tiny",), 4),
     "llama-vtp": ("cpu_vtp", ("model=llama_tiny",), 4),
@@ -295,9 +298,19 @@ FAMILY_RUNS = {  # id -> (cluster, model overrides, steps)
     "qwen3-vtp": ("cpu_vtp", ("model=qwen3_tiny",), 3),
     "qwen3_moe-vtp": ("cpu_vtp", MOE, 3),  # the U-shape: test_moe_expert_parallel_...
     # per-stage DP: the cloud's 2 replicas hold the MoE layers, the edge's 1 the loss (each
-    # lane's load-balancing loss weighed as the loss stage's micro-batches are)
-    "qwen3_moe-vdp": ("cpu_vdp", MOE, 3),
+    # lane's load-balancing loss weighed as the loss stage's micro-batches are); each replica
+    # TP 2 under sequence parallelism with its experts spread (ep 2: four whole experts per
+    # rank), so the expert gradients average over the stage's own DP group and take its
+    # gradient factor (5 processes). On SGD: a wrong gradient moves SGD's step, where Adam's
+    # normalized one would hide a wrong scale; the grad norms are compared too
+    "qwen3_moe-vdp": ("cpu_vdp", (*MOE, "cluster.stages.1.tp=2", "cluster.stages.1.ep=2",
+                                  *SGD), 3),
 }
+# |grad_norm(run) / grad_norm(reference) - 1| per step, fp32, for the SGD runs: measured
+# 1.7e-7 on qwen3_moe-vdp; its expert gradients left unaveraged over the cloud's two
+# replicas (megatron's expert DP group the rank alone) move it by 1.4e-4 to 4.7e-4, while
+# the losses move by 2.9e-6 only, within PARITY: the loss parity alone would pass it
+NORM_RTOL = 1e-5
 
 
 @pytest.mark.timeout(400)
@@ -308,6 +321,14 @@ def test_families_train_with_verify_parity(tmp_path, run):
                         "train.verify=true")
     assert summary["parity_max_abs_diff"] < PARITY, summary
     assert summary["final_loss"] < summary["first_loss"]
+    if SGD[0] in overrides:  # the reference's run folder: run_dir/reference
+        norms = []
+        for folder in (tmp_path, tmp_path / "reference"):
+            with open(folder / "metrics.csv") as f:
+                norms.append([float(r["grad_norm"]) for r in csv.DictReader(f)])
+        assert len(norms[0]) == len(norms[1]) == steps, norms
+        for got, want in zip(*norms):
+            assert abs(got / want - 1) <= NORM_RTOL, (run, norms)
 
 
 @pytest.mark.timeout(400)

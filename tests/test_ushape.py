@@ -2,7 +2,9 @@
 
 Loss within 1e-6 relative, every gradient within 1e-5 absolute, for TP lists [1,2,1],
 [2,1] (a two-stage ring) and [1,1,1,1], with fewer and more micro-batches than stages; and
-the zero-bubble schedule (each backward split, its weight gradients run by W actions); and
+the zero-bubble schedule (each backward split, its weight gradients run by W actions), also
+with recomputation chosen per stage (full on the edge's both chunks, selective or a full
+block on the cloud stages); and
 evaluation (``forward_only=True``): the same losses, no gradient anywhere. The same worlds
 record every boundary tensor (the audit) and whether a cloud rank read data. Into a TP 2
 stage the messages go by fan-out (``auto``, one machine) and, in variants of their own, by
@@ -15,7 +17,8 @@ import pytest
 from gpt_worlds import ROUTES, TRANSPORTS, reference, vtp_run, zb_prices
 from ldt.launch.local import run_local_world
 from ldt.topology.ranks import Stage, Topology
-from test_p2p_parity import FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, _assemble, expected_recomputes
+from test_p2p_parity import (FULL_BLOCK, FULL_UNIFORM, GRAD_ATOL, LOSS_RTOL, SELECTIVE_ALL,
+                             _assemble, expected_recomputes)
 
 CASES = {"tp121": [1, 2, 1], "ring_tp21": [2, 1], "tp1111": [1, 1, 1, 1]}
 # the relay under ldt's runtime: whole and in pieces into the cloud's TP 2 stage, in pieces
@@ -40,9 +43,16 @@ def case(request, ref):
     # the edge (both chunks) recomputes everything, the cloud only its attention, then none
     variants.append({"name": "recompute", "m": MS[1], "recompute": {
         **{s: {"granularity": "selective"} for s in range(1, len(tps))}, 0: FULL_UNIFORM}})
-    # train.schedule=zb, its order generated from this world's prices (as ldt-train does)
+    # train.schedule=zb, its order generated from this world's prices (as ldt-train does);
+    # then with recomputation per stage (the edge's both chunks whole layers, the cloud
+    # stages their attention and norms or a block; the B re-runs the forward in the W store's
+    # capture), priced with it as ldt-train prices it
     variants.append({"name": "zb", "m": MS[1], "zero_bubble": True,
                      "priced": zb_prices(topo, MS[1])})
+    recompute = {s: FULL_UNIFORM if s == 0 else SELECTIVE_ALL if s % 2 else FULL_BLOCK
+                 for s in range(len(tps))}
+    variants.append({"name": "zb_recompute", "m": MS[1], "zero_bubble": True,
+                     "recompute": recompute, "priced": zb_prices(topo, MS[1], recompute)})
     variants.append({"name": "eval", "m": MS[1], "forward_only": True})  # last: see test_eval
     out = run_local_world(topo.world_size, vtp_run, (topo, ref["full"], MS[0], variants),
                           timeout_s=240)
@@ -122,30 +132,39 @@ def test_each_variant_ran_the_transport_it_names(case):
 
 
 def test_zero_bubble_ran_every_w_after_its_backward(case):
-    """The zb variant's gradients are checked above; here: its weight gradients really were
-    deferred, one W store run per micro-batch and chunk, in each chunk's backward order; the
-    order that ran is the one generated from the world's prices."""
+    """The zb variants' gradients are checked above (without and with recomputation); here:
+    their weight gradients really were deferred, one W store run per micro-batch and chunk,
+    in each chunk's backward order; the order that ran is the one generated from the world's
+    prices."""
     from gpt_worlds import assert_w_ran_after_each_backward
 
     from gpt_worlds import assert_ran_priced_order
 
     topo, variants, out = case
-    i = next(j for j, v in enumerate(variants) if v.get("zero_bubble"))
+    zb = [j for j, v in enumerate(variants) if v.get("zero_bubble")]
+    assert [variants[i]["name"] for i in zb] == ["zb", "zb_recompute"]
     assert_ran_priced_order(topo, variants, out)  # generated from this world's prices
-    for rank_results in out:  # the edge runs both chunks' W's
-        if rank_results[i]["stage"] == 0:
-            assert {name for _, name in rank_results[i]["w_runs"]} == {"start", "end"}
-    assert_w_ran_after_each_backward(variants, out, variants[i]["m"])
+    for i in zb:
+        for rank_results in out:  # the edge runs both chunks' W's
+            if rank_results[i]["stage"] == 0:
+                assert {name for _, name in rank_results[i]["w_runs"]} == {"start", "end"}
+    assert_w_ran_after_each_backward(variants, out, MS[1])
 
 
 def test_recompute_ran_on_both_edge_chunks_and_the_cloud(case):
+    """Each recomputing variant (today's schedule, and zb) entered exactly the checkpoints its
+    settings ask for, on both edge chunks and every cloud stage."""
     from gpt_worlds import variant_topology
 
     topo, variants, out = case
-    i = next(j for j, v in enumerate(variants) if v.get("recompute"))
-    split = variant_topology(topo, variants[i]).split
-    for rank_results in out:
-        r = rank_results[i]
-        layers = [c.num_layers for c in split.stage_chunks(r["stage"])]
-        want = expected_recomputes(variants[i]["recompute"], r["stage"], layers, variants[i]["m"])
-        assert want > 0 and r["recomputed"] == want, (r["stage"], r["recomputed"], want)
+    recomputing = [j for j, v in enumerate(variants) if v.get("recompute")]
+    assert [variants[i]["name"] for i in recomputing] == ["recompute", "zb_recompute"]
+    for i in recomputing:
+        split = variant_topology(topo, variants[i]).split
+        for rank_results in out:
+            r = rank_results[i]
+            layers = [c.num_layers for c in split.stage_chunks(r["stage"])]
+            want = expected_recomputes(variants[i]["recompute"], r["stage"], layers,
+                                       variants[i]["m"])
+            assert want > 0 and r["recomputed"] == want, (variants[i]["name"], r["stage"],
+                                                          r["recomputed"], want)
