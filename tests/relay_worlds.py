@@ -35,13 +35,17 @@ class Seen:
 
 
 def _case(state, shape, sp: bool, transform: bool, staged: bool) -> list[str]:
-    from ldt.boundary.communicator import BACKWARD, FORWARD, VtpCommunicator
+    from ldt.boundary.communicator import BACKWARD, FORWARD, SendTransform, VtpCommunicator
+
+    class PlusOne(SendTransform):
+        def __call__(self, t, src, dst, d):
+            return t + 1.0
 
     tp = TPS[state.stage]
     config = SimpleNamespace(pipeline_dtype=torch.float32, sequence_parallel=sp and tp > 1,
                              variable_seq_lengths=False, virtual_pipeline_model_parallel_size=None)
     seen = Seen()
-    plus_one = [lambda t, src, dst, d: t + 1.0] if transform and state.stage == 1 else []
+    plus_one = [PlusOne()] if transform and state.stage == 1 else []
     comm = VtpCommunicator(config, state, [seen], plus_one)
     case = f"{shape} sp={sp} transform={transform} staged={staged}"
     # values of this case only: a receive buffer that reuses a freed one of an earlier case
