@@ -1,7 +1,7 @@
 """Recovery of an elastic run: from a lost host to the first step of the new world, and the work lost.
 
 Three hosts (network namespaces, ``ldt.testing.hosts``), a torchrun elastic agent each
-(``ldt.testing.elastic``: the edge with the rendezvous, two 1-process cloud hosts),
+(``ldt.testing.elastic_agents``: the edge with the rendezvous, two 1-process cloud hosts),
 ``cluster=cpu_elastic`` with ``train.resume=auto``. Mid-interval after the first checkpoint
 (``save_every - 1 + save_every // 2`` steps done) host 2 is lost, killed (every process) or cut
 off (its link down: found only by ``train.comm_timeout_s``), and the run goes on without a
@@ -71,7 +71,7 @@ QUOTES = [
 
 def _case(how: str, save_every: int, port: int) -> dict:
     from ldt.plan.calibrate import read_action_times
-    from ldt.testing.elastic import (ElasticAgents, RunFolder, resume_step, wait_first_step,
+    from ldt.testing.elastic_agents import (ElasticAgents, RunFolder, resume_step, wait_first_step,
                                      wait_until)
     from ldt.testing.hosts import Hosts
 

@@ -330,7 +330,7 @@ def recompute_cost(reps: int = 2) -> list[dict]:
     from ldt.launch.local import run_local_world
     from ldt.memory import estimate
     from ldt.plan import load_inventory, simulate_plan
-    from ldt.plan.convert import cluster_to_plan
+    from ldt.plan.clusters import cluster_to_plan
     from ldt.plan.cost import CostModel, Recompute
     from ldt.topology.validate import validate
     from dataclasses import replace

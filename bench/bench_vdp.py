@@ -157,7 +157,7 @@ def predict_lanes(run_dir: str, costs: dict[int, dict], posting: dict) -> dict:
     from omegaconf import OmegaConf
 
     from ldt.config import typed_config
-    from ldt.plan.zerobubble import run_prices
+    from ldt.plan.zb_prices import run_prices
     from ldt.schedule import simulate
     from ldt.schedule.routing import Lanes
     from ldt.schedule.vdp import lane_cost, vdp_schedule

@@ -114,9 +114,9 @@ def recompute_kwargs(recompute, stage: int) -> dict:
 def zb_prices(topo, m: int, recompute=None):
     """The prices ``train.schedule=zb`` generates a world's order from: :func:`MODEL`'s plan
     on ``topo``'s stages (even layers, ``recompute`` as :func:`recompute_kwargs` takes it),
-    as ``ldt.plan.zerobubble.run_prices`` prices a run."""
+    as ``ldt.plan.zb_prices.run_prices`` prices a run."""
     from ldt.config import typed_config
-    from ldt.plan.zerobubble import run_prices
+    from ldt.plan.zb_prices import run_prices
 
     def rc(stage):
         one = recompute.get(stage) if recompute and all(isinstance(k, int) for k in recompute) \

@@ -22,7 +22,7 @@ from ldt.boundary import functional
 from ldt.boundary import sequence as layout_mod
 from ldt.boundary import work as work_mod
 from ldt.boundary.communicator import BACKWARD, FORWARD, SendTransform, VtpCommunicator
-from ldt.boundary.lanes import LaneCommunicator, lane_of
+from ldt.boundary.lane_communicator import LaneCommunicator, lane_of
 from ldt.config import ClusterConfig, ConfigError, StageConfig
 from ldt.groups.parallel_state import StagePipelineGroup
 from ldt.topology.routes import rank_plan

@@ -371,7 +371,7 @@ def test_the_byte_corpus_reads_every_window_once_per_epoch_whatever_the_layout()
     lanes), and never a held-out one; the next epoch reads them all again in another order.
     (It drew each step's windows with replacement: 38% of an epoch's went unread.)"""
     from ldt.data.bytes import TextData
-    from ldt.data.lanes import LaneData
+    from ldt.data.lane_data import LaneData
 
     def read(dp, m, steps):
         out = []

@@ -34,7 +34,7 @@ import time
 import pytest
 
 from ldt.testing import hosts
-from ldt.testing.elastic import (ElasticAgents, RunFolder, resume_step,
+from ldt.testing.elastic_agents import (ElasticAgents, RunFolder, resume_step,
                                  wait_until)
 
 needs_hosts = pytest.mark.skipif(hosts.unavailable() is not None,

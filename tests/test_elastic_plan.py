@@ -60,7 +60,7 @@ def test_a_planned_world_prices_its_zero_bubble_order_by_its_nodes_kinds(name, i
     kinds, so the order is priced by each one's (the edge by edge_cpu's figures)."""
     from ldt.config import typed_config
     from ldt.config.load import config_dict
-    from ldt.plan.zerobubble import planned_kinds, run_prices
+    from ldt.plan.zb_prices import planned_kinds, run_prices
 
     plan = plan_world(WORLDS[name], inventory, model, CONFIGURED, TRAIN)
     cfg = typed_config({"cluster": plan.cluster, "model": config_dict(model),

@@ -208,7 +208,7 @@ def test_a_zero_bubble_run_counts_its_w_store(monkeypatch, recompute):
     from ldt.memory import stages
     from ldt.memory.stages import estimate_here
     from ldt.plan.cost import ChunkLoad, CostModel
-    from ldt.plan.zerobubble import nominal_inventory, run_prices
+    from ldt.plan.zb_prices import nominal_inventory, run_prices
     from ldt.schedule import lower, simulate
     from ldt.schedule.zerobubble import zb_h1
 

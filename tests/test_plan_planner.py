@@ -237,7 +237,7 @@ def test_the_table_s_memory_columns_add_up_to_the_total():
     """ldt-plan's per-stage table shows every term of a stage's memory (buffers, the backward's
     transient and a zero-bubble W store too): the columns add up to ``mem GiB``, within the
     rounding of the printed figures. (It showed four of seven terms.)"""
-    from ldt.plan.report import table
+    from ldt.plan.results import table
 
     inventory, model = load_inventory("a100_910b"), load_model("llama_7b")
     for sp in (False, True):  # today's schedule, then a zero-bubble pick with its W store
@@ -260,7 +260,7 @@ def test_the_train_settings_run_the_plan_on_the_runtime_it_was_priced_on():
     """A plain pipeline of uniform dp is priced on ldt's runtime's action lists, and
     ``train.runtime=auto`` would train it on megatron's 1F1B (which blocks on each exchange):
     the train settings say ``runtime: ldt``. The U-shape, per-stage dp and zb run there anyway."""
-    from ldt.plan.report import train_settings, train_yaml
+    from ldt.plan.results import train_settings, train_yaml
 
     inventory, model = synthetic_inventory({"a100": 4}), small_model(8)
     best = plan(inventory, model, Workload(1, 16, u_shape=False)).best

@@ -184,7 +184,7 @@ def test_a_per_stage_dp_timeline_names_each_lane_it_draws():
     """With per-stage dp the simulated timeline has a row per lane the plan prices (one
     group of replicas): each named by its stage and replica, not the stages' names in turn
     (the second a100 lane was drawn as ascend910b_0, the last lane unnamed)."""
-    from ldt.plan.convert import timeline_rows
+    from ldt.plan.clusters import timeline_rows
     from ldt.plan.evaluate import Plan, StageSpec
 
     plan = Plan((StageSpec("a100", 1), StageSpec("ascend910b", 2), StageSpec("ascend910b", 2)),
@@ -201,7 +201,7 @@ def test_the_kinds_of_a_planned_clusters_stages_come_from_their_names():
     hand-written one is refused with an example of one kind per stage."""
     from ldt.config import ConfigError, to_cluster
     from ldt.plan import load_inventory
-    from ldt.plan.convert import stage_kinds
+    from ldt.plan.clusters import stage_kinds
 
     inventory = load_inventory("edge_one_card")
     stages = [{"name": n, "device": "cuda", "tp": 1} for n in ("edge", "a100_0", "a100_1")]

@@ -182,7 +182,7 @@ def vdp_worker(rank, world, topo, full_state, prefetch=0, recompute=None, priced
     from ldt.schedule.routing import virtual_of
     from ldt.training.loop import _mean_loss
     from ldt.testing.grads import average_dp_grads
-    from ldt.data.lanes import LaneData
+    from ldt.data.lane_data import LaneData
 
     audit = AuditLog()
     state = _setup(topo, observers=[audit])
@@ -410,7 +410,7 @@ def _ran_its_lane_lists(run_dir) -> None:
 def test_ldt_sim_prices_per_stage_dp():
     """The planner's simulator runs the lane schedule: an edge serving two cloud replicas
     takes longer than two edges (same global batch); its all-reduce spans only the cloud."""
-    from ldt.plan.convert import cluster_to_plan
+    from ldt.plan.clusters import cluster_to_plan
     from ldt.plan.evaluate import simulate_plan
     from ldt.plan.inventory import Workload, load_inventory, load_model
     from ldt.plan.planner import make_cost

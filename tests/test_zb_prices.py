@@ -1,5 +1,5 @@
 """train.schedule=zb generates its order from the run's own plan, priced by the cost model
-(ldt/plan/zerobubble.py): each backward split into B and W by the linear layers' weight
+(ldt/plan/zb_prices.py): each backward split into B and W by the linear layers' weight
 gradient, figures derived here by hand from the shapes; the priced order differs from the
 equal-cost one on a heterogeneous U-shape and the simulator times it faster with those prices.
 Pure: no processes (the parity worlds that run the priced orders are test_ushape.py and
@@ -14,14 +14,14 @@ import pytest
 
 from ldt.config import ConfigError, typed_config
 from ldt.config.load import config_dict
-from ldt.plan.convert import cluster_to_plan, load_cluster
+from ldt.plan.clusters import cluster_to_plan, load_cluster
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import op_table
 from ldt.plan.inventory import DeviceKind, Inventory, Link, load_inventory, load_model
 from ldt.plan import Workload, make_cost, planned_cluster, simulate_plan, train_yaml
 from ldt.plan.evaluate import Plan, StageSpec
 from ldt.plan.objective import Objective, choose
-from ldt.plan.zerobubble import (choose_schedule, nominal_inventory, planned_kinds, prices,
+from ldt.plan.zb_prices import (choose_schedule, nominal_inventory, planned_kinds, prices,
                                  run_prices, split_op_table)
 from ldt.schedule import Op, lower, simulate
 from ldt.schedule.zerobubble import zb_h1, zb_u_shape
@@ -168,7 +168,7 @@ def test_the_zero_bubble_order_is_timed_at_every_prefetch_depth_up_to_the_pick_s
     """The edge-cloud pick runs today's U-shape at prefetch 3. Its zero-bubble order, timed at
     depths 0-3 one by one here: 1 is the fastest that fits (2 and 3 pass the cloud's memory
     beside the W store, 0 is slower), and that is what the planner's choice keeps."""
-    from ldt.plan.zerobubble import simulate_zb
+    from ldt.plan.zb_prices import simulate_zb
 
     inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
     cost = make_cost(inventory, model, FUSED)
@@ -205,7 +205,7 @@ def test_a_per_stage_dp_plan_is_priced_on_its_zero_bubble_lane_lists():
     stage's W store is counted in its memory, and the lists are exactly what a run with those
     prices generates (``ldt.schedule.vdp.vdp_schedule``, one group of lanes)."""
     from ldt.plan.evaluate import lane_groups, simulate_lanes
-    from ldt.plan.zerobubble import simulate_zb
+    from ldt.plan.zb_prices import simulate_zb
     from ldt.schedule.vdp import vdp_schedule
 
     inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")
@@ -356,7 +356,7 @@ def test_a_run_of_other_ops_does_not_price_the_order(tmp_path):
 
 def test_a_measured_zero_bubble_run_gives_its_own_w(tmp_path):
     """A run of train.schedule=zb timed B and W apart: those are the prices, no shares."""
-    from ldt.plan.zerobubble import measured_prices
+    from ldt.plan.zb_prices import measured_prices
 
     cfg = _run_cfg("cpu_demo", 4)
     nominal = run_prices(cfg.cluster, cfg.model, cfg.train)
@@ -376,7 +376,7 @@ def test_a_measured_zero_bubble_run_gives_its_own_w(tmp_path):
 
 
 def test_a_run_that_cannot_price_the_order_is_refused(tmp_path):
-    from ldt.plan.zerobubble import measured_prices
+    from ldt.plan.zb_prices import measured_prices
 
     cfg = _run_cfg("cpu_demo", 4)
     nominal = run_prices(cfg.cluster, cfg.model, cfg.train)

@@ -31,7 +31,7 @@ from ldt.plan import (PlannerOptions, Workload, cluster_yaml, export_timeline, f
                       front_table, load_inventory, load_model, plan, summary, table)
 from ldt.plan import planned_train_path
 from ldt.plan import train_yaml
-from ldt.plan.report import train_overrides, train_settings
+from ldt.plan.results import train_overrides, train_settings
 from ldt.schedule.size import BYTES_PER_ACTION, actions_per_step, check_fits
 from ldt.storage.atomic import check_output, new_files
 from ldt.tools.cli import Parser, add_pricing_flags, count, number

@@ -4,7 +4,7 @@
     python -m ldt.tools.sim --cluster my.yaml --model llama_7b --inventory edge_cloud -m 16 --json
 
 Runs the real schedule (1F1B or U-shape, lowered with communication; with ``--schedule zb``
-the zero-bubble one generated from the plan's prices, ``ldt.plan.zerobubble``) through
+the zero-bubble one generated from the plan's prices, ``ldt.plan.zb_prices``) through
 ``ldt.schedule.simulate``; prints the per-stage table (or ``--json``) and writes the timeline.
 Stages map to inventory kinds by device type, or explicitly with ``--kinds``.
 
@@ -27,7 +27,7 @@ from ldt.plan import (CostModel, cluster_to_plan, export_timeline, load_cluster,
                       load_model, simulate_plan, summary, table)
 from ldt.plan import calibrate
 from ldt.plan import read_planned_train
-from ldt.plan.zerobubble import runs_zb, simulate_zb
+from ldt.plan.zb_prices import runs_zb, simulate_zb
 from ldt.schedule.size import check_schedule_size
 from ldt.schedule.timeline import to_chrome_trace, to_png
 from ldt.storage.atomic import check_output

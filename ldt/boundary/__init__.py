@@ -17,7 +17,7 @@ A boundary transfer, in the order it happens:
    sequence-parallel sending one) piece by piece as they arrive: :mod:`ldt.boundary.relay`.
 3. :mod:`ldt.boundary.work`: the handles a transfer returns (``wait()`` = leader receive, then
    the broadcast or scatter), the emulated link delay, and the error that names the boundary.
-4. :mod:`ldt.boundary.lanes`: with per-stage data parallelism, which replica of the
+4. :mod:`ldt.boundary.lane_communicator`: with per-stage data parallelism, which replica of the
    neighbouring stage a message goes to or comes from (fan-in / fan-out).
 
 The groups these hops run on are built by :mod:`ldt.groups.parallel_state` (with the collectives

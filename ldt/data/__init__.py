@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ldt.data.bytes import TextData
 from ldt.data.indexed import build_indexed
-from ldt.data.lanes import LaneData
+from ldt.data.lane_data import LaneData
 from ldt.schedule.routing import microbatches_of
 
 
@@ -30,7 +30,7 @@ def build_training_data(c, topo, state):
 
 
 def _per_lane(data, c, topo, state):
-    """Per-stage DP: this replica's micro-batches as routing gives them (ldt.data.lanes)."""
+    """Per-stage DP: this replica's micro-batches as routing gives them (ldt.data.lane_data)."""
     if data is None or not topo.is_vdp:
         return data
 

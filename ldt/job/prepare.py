@@ -22,7 +22,7 @@ from ldt.launch.quiet import set_log_level
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
 from ldt.models.extensions import BuildError, build_for
-from ldt.plan.zerobubble import run_prices
+from ldt.plan.zb_prices import run_prices
 from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import replace_file
 from ldt.storage.checkpoint_files import AUTO

@@ -89,7 +89,7 @@ def stage_inflight(topo, train, sequence_parallel: bool = False,
     """Per stage, for ``topo`` trained with ``train`` (its micro-batches, runtime, prefetch,
     schedule); ``sequence_parallel``: the model's (a stage with TP > 1 then gathers what it
     sends); ``priced``: with ``train.schedule=zb``, the prices its order is generated from
-    (``ldt.plan.zerobubble.run_prices``)."""
+    (``ldt.plan.zb_prices.run_prices``)."""
     m = train.num_microbatches
     vpp = topo.split.vpp_size if topo.split is not None and not topo.u_shape else 1
     if vpp > 1:

@@ -13,7 +13,7 @@ from ldt.memory.fake import fake_rank
 from ldt.memory.inflight import stage_inflight
 from ldt.memory.measure import cpu_topology, measure_stage
 from ldt.models.recompute import describe, stage_recompute
-from ldt.plan.zerobubble import run_prices
+from ldt.plan.zb_prices import run_prices
 from ldt.topology.validate import validate
 from ldt.training import moe
 

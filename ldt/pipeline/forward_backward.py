@@ -16,7 +16,7 @@ from typing import Any, Optional
 from megatron.core.utils import get_model_config
 
 from ldt.boundary.communicator import VtpCommunicator
-from ldt.boundary.lanes import LaneCommunicator, lane_of
+from ldt.boundary.lane_communicator import LaneCommunicator, lane_of
 from ldt.groups.parallel_state import get_vtp_state, is_vtp_initialized
 from ldt.pipeline.runtime import StageRoles, StepResult, run_actions
 from ldt.schedule import check_schedule, forwards_of, lower, one_f_one_b, u_shape
@@ -32,7 +32,7 @@ def stage_schedules(kind: str, num_stages: int, num_microbatches: int,
     """The lowered, deadlock-checked action lists of every stage (``forward_only``: the
     training schedule's forwards only, for evaluation; ``prefetch``: the U-shape's depth;
     ``zero_bubble``: the backwards split into B and W, :mod:`ldt.schedule.zerobubble`,
-    generated from ``priced``, the run's per-stage costs (``ldt.plan.zerobubble.run_prices``;
+    generated from ``priced``, the run's per-stage costs (``ldt.plan.zb_prices.run_prices``;
     None: all equal))."""
     if zero_bubble:
         tables = priced.tables() if priced is not None else (None, None)

@@ -11,7 +11,7 @@ Typical use::
 See ``docs/planner.md`` for what is modelled, what is assumed and how a plan is picked.
 """
 
-from ldt.plan.convert import cluster_to_plan, export_timeline, load_cluster
+from ldt.plan.clusters import cluster_to_plan, export_timeline, load_cluster
 from ldt.plan.cost import ChunkLoad, CostModel, Memory
 from ldt.plan.evaluate import (Evaluation, Plan, StageReport, StageSpec, choose_prefetch,
                                closed_form, estimate_plan, simulate_plan, simulate_times)
@@ -20,7 +20,7 @@ from ldt.plan.inventory import (DeviceKind, Inventory, Link, Workload, load_inve
                                 valid_tp_sizes)
 from ldt.plan.objective import Objective, choose, devices, hourly_price, pareto_front, step_cost
 from ldt.plan.planner import PlannerOptions, PlanResult, make_cost, plan
-from ldt.plan.report import (cluster_dict, cluster_yaml, front_rows, front_table,
+from ldt.plan.results import (cluster_dict, cluster_yaml, front_rows, front_table,
                              planned_cluster, planned_train_path, read_planned_train, summary,
                              table, train_yaml)
 

@@ -157,7 +157,7 @@ class Evaluation:
     sim: Optional[SimResult] = field(default=None, repr=False)
     schedule: str = "auto"
     """The schedule it was timed on, as ``train.schedule``: ``auto`` (1F1B / the U-shape) or
-    ``zb`` (zero-bubble, :mod:`ldt.plan.zerobubble`)."""
+    ``zb`` (zero-bubble, :mod:`ldt.plan.zb_prices`)."""
 
     @property
     def fits(self) -> bool:
@@ -387,7 +387,7 @@ def evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: di
                 inflight: dict[int, tuple[int, ...]], sim: Optional[SimResult],
                 wstore: Optional[dict[int, float]] = None, schedule: str = "auto") -> Evaluation:
     """An :class:`Evaluation` of ``plan`` from its simulated (or estimated) figures; ``wstore``:
-    per stage, a zero-bubble schedule's W store bytes at its peak (:mod:`ldt.plan.zerobubble`)."""
+    per stage, a zero-bubble schedule's W store bytes at its peak (:mod:`ldt.plan.zb_prices`)."""
     split = plan.split
     names, reports = plan.stage_names(), []
     for i, st in enumerate(plan.stages):

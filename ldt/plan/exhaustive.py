@@ -6,7 +6,7 @@ action lists the runtime runs (:func:`ldt.plan.evaluate.simulate_plan`, under a 
 with ``recompute=False``, so the plan's recomputation is priced exactly as stated), and the
 objective's definition of the pick (:func:`ldt.plan.objective.choose`) and, as the planner's
 last step, the pick's schedule: today's or its zero-bubble one, whichever the objective picks
-(:func:`ldt.plan.zerobubble.choose_schedule`; zero-bubble is priced for the pick only, on both
+(:func:`ldt.plan.zb_prices.choose_schedule`; zero-bubble is priced for the pick only, on both
 sides). It enumerates:
 
 - every largest data-parallel size ``D`` that divides the step's micro-batches, and every
@@ -48,7 +48,7 @@ from ldt.plan.cost import CostModel, Recompute
 from ldt.plan.evaluate import MAX_PREFETCH, Evaluation, Plan, StageSpec, dp_allreduce, simulate_plan
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
-from ldt.plan.zerobubble import choose_schedule
+from ldt.plan.zb_prices import choose_schedule
 
 
 @dataclass

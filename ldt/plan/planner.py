@@ -27,10 +27,10 @@ cost list leads:
    tried when the edge's busy time already bounds the step);
 7. every simulated plan joins the time/cost front, and the objective picks from them;
 8. the pick is timed on its zero-bubble schedule too (ZB-H1 or the zero-bubble U-shape,
-   generated from the plan's prices, its W store in memory: :mod:`ldt.plan.zerobubble`), and
+   generated from the plan's prices, its W store in memory: :mod:`ldt.plan.zb_prices`), and
    the objective picks between the two (``Evaluation.schedule``; ``ldt-plan`` writes
    ``schedule: zb`` into the plan's train file when that one wins); up to
-   :data:`ldt.plan.zerobubble.PLANNER_LIMIT` stage-micro-batches.
+   :data:`ldt.plan.zb_prices.PLANNER_LIMIT` stage-micro-batches.
 
 Simulated iteration time (pipeline + data-parallel all-reduce) and cost per step (its devices'
 hourly price times that time) are the numbers that are compared and reported.
@@ -52,7 +52,7 @@ from ldt.plan.objective import (Objective, choose, hourly_price, ms, pareto_fron
                                 step_cost)
 from ldt.plan.pricing import Simulator
 from ldt.plan.split import best_split
-from ldt.plan.zerobubble import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
+from ldt.plan.zb_prices import PLANNER_LIMIT, choose_schedule, runs_zb, too_long
 from ldt.topology.validate import per_stage_dp_refusal, planner_mtp_refusal
 
 T = TypeVar("T")
@@ -201,7 +201,7 @@ def _schedule(best: Evaluation, reason: str, pool: list[Evaluation], cost: CostM
               inventory: Inventory, objective: Objective, notes: list[str]
               ) -> tuple[Evaluation, str]:
     """Step 8: the pick on today's schedule or its zero-bubble one (``train.schedule=zb``,
-    :func:`ldt.plan.zerobubble.choose_schedule`), as the objective picks between them; the
+    :func:`ldt.plan.zb_prices.choose_schedule`), as the objective picks between them; the
     zero-bubble evaluation joins ``pool`` (the front)."""
     today = best
     best, zb = choose_schedule(today, cost, inventory, objective)

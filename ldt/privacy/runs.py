@@ -32,7 +32,7 @@ from ldt.data.bytes import TextData
 from ldt.data.bytes import default_corpus_files
 from ldt.data.bytes import load_bytes
 from ldt.launch import local
-from ldt.plan.zerobubble import run_prices
+from ldt.plan.zb_prices import run_prices
 from ldt.privacy.attacks import Vectors
 from ldt.privacy.capture import capture_observers, channel_name, load_channel
 from ldt.schedule.zerobubble import Priced

@@ -64,7 +64,7 @@ FILLS = ("idle", "fit")
 @dataclass(frozen=True)
 class Priced:
     """A ``costs`` and a ``comm`` table, frozen: hashable, so a generated schedule can be
-    cached by the prices it was generated from (``ldt.plan.zerobubble`` prices a run's plan)."""
+    cached by the prices it was generated from (``ldt.plan.zb_prices`` prices a run's plan)."""
 
     costs: tuple[tuple[tuple[int, str], float], ...]
     comm: tuple[tuple[tuple[int, int], float], ...]

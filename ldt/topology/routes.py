@@ -244,7 +244,7 @@ def _leader_groups(topo: Topology, emb: list[int], pos: list[int]) -> list[Group
 
 
 def _vdp_leader_groups(topo: Topology) -> list[GroupSpec]:
-    """Per-stage DP (ldt.boundary.lanes): every replica's leaders, replica 0's leaders (the
+    """Per-stage DP (ldt.boundary.lane_communicator): every replica's leaders, replica 0's leaders (the
     host leg of megatron's gradient statistics, each stage counted once), and one two-leader
     group per routed replica pair of a boundary, so each pair keeps its own FIFO channel."""
     every = sorted(topo.leader(s, r) for s in range(topo.num_stages) for r in range(topo.dp_of(s)))

@@ -62,7 +62,7 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
     ``resume_verified``: the launcher already checked the checkpoint's checksums
     (``train.resume`` / ``train.load``). ``observe(rank, topo, run_dir)`` (module-level) adds
     boundary observers (ldt-audit's). ``priced``: with ``train.schedule=zb``, the plan's prices
-    its order is generated from (:func:`ldt.plan.zerobubble.run_prices`), priced once where
+    its order is generated from (:func:`ldt.plan.zb_prices.run_prices`), priced once where
     the config was checked and handed to every rank (a cost run's folder is read there only).
     ``hold_signals_after_failure``: a failure leaves the stop signals noted, not restored
     (:class:`~ldt.training.guard.StopSignals`; under torchrun: ``ldt.job.prepare``)."""
@@ -72,7 +72,7 @@ def train_worker(rank: int, world: int, cfg: LdtConfig | dict, run_dir: str,
         topo = validate(cfg.cluster, cfg.model, world_size=world, train=cfg.train)
     if cfg.train.schedule == "zb" and priced is None:
         raise ConfigError("train.schedule=zb: train_worker needs the run's prices; pass "
-                          "priced=ldt.plan.zerobubble.run_prices(cfg.cluster, cfg.model, "
+                          "priced=ldt.plan.zb_prices.run_prices(cfg.cluster, cfg.model, "
                           "cfg.train), as ldt-train's launchers do")
     _record_pid(run_dir, rank)
     use_device(rank_device(topo, rank))  # before any group or tensor: megatron's current device

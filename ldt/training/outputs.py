@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
-from ldt.boundary.lanes import lane_of
+from ldt.boundary.lane_communicator import lane_of
 from ldt.plan.cost import CostModel
 from ldt.schedule.routing import Lanes
 from ldt.schedule.timeline import median_step, result_from_measurements, to_chrome_trace, to_png

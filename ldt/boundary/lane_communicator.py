@@ -7,7 +7,7 @@ changes is *which* leader: micro-batch ``g`` runs on replica ``g mod dp_s`` of e
 and receives from (fan-in) several replicas of its neighbour, in turn, each pair on its own
 two-leader group (so every pair keeps its own FIFO channel, as a uniform boundary does;
 :func:`ldt.groups.parallel_state.initialize_vtp` creates those groups). A data stage's replica reads
-its micro-batches through :class:`ldt.data.lanes.LaneData`.
+its micro-batches through :class:`ldt.data.lane_data.LaneData`.
 
 * :class:`LaneCommunicator` lets the runtime talk in lanes (the schedule's peers) and turns a
   peer lane into (stage, replica) for the VtpCommunicator.

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from ldt.config import ClusterConfig, ConfigError, ModelConfig, TrainConfig, typed_config
 from ldt.config.load import load_plain
 from ldt.plan.calibrate import calibrate, read_action_times, steady
-from ldt.plan.convert import cluster_to_plan, planned_kinds
+from ldt.plan.clusters import cluster_to_plan, planned_kinds
 from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, comm_table, evaluation, fit_recompute,
                                lane_groups, op_table, simulate_lanes)
