@@ -11,7 +11,6 @@ parameter) before any rank starts.
 """
 
 import csv
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ import time
 import pytest
 
 from ldt.storage import checkpoint_files as files
+from train_cli import run_train
 
 STEPS = 24
 
@@ -32,13 +32,14 @@ def ldt_train(run_dir, *overrides, steps=STEPS):
             *overrides]
 
 
-def run(run_dir, *overrides, timeout=240, steps=STEPS):
-    proc = subprocess.run(ldt_train(run_dir, *overrides, steps=steps), capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+def run(run_dir, *overrides, steps=STEPS, own_process=False):
+    """``ldt-train`` to its end (tests/train_cli.py; ``own_process`` where the test reads what
+    the ranks print): its summary, with every step's loss and what was printed."""
+    done = run_train(f"run_dir={run_dir}", f"train.steps={steps}", *overrides,
+                     own_process=own_process)
+    summary = done.summary()
     summary["losses"] = [loss for _, loss in metrics(run_dir)]  # one row per step of this run
-    summary["stderr"], summary["stdout"] = proc.stderr, proc.stdout
+    summary["stderr"], summary["stdout"] = done.stderr, done.stdout
     return summary
 
 
@@ -179,7 +180,7 @@ def test_term_then_kill_then_resume_loses_nothing(tmp_path, full, host_memory):
 @pytest.mark.timeout(400)
 def test_resume_into_another_layout(tmp_path, full):
     step_dir = full["dir"] / "checkpoints" / "step_0000019"
-    other = run(tmp_path / "b", "cluster=cpu_vtp", f"train.resume={step_dir}")
+    other = run(tmp_path / "b", "cluster=cpu_vtp", f"train.resume={step_dir}", own_process=True)
     assert other["first_step"] == 20
     assert other["losses"] == pytest.approx(full["losses"][20:], abs=1e-5)
     assert "Warning" not in other["stderr"], other["stderr"]  # #39: torch's, once per rank
@@ -323,7 +324,7 @@ def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, fu
     killed_at = len(metrics(run_dir))
     assert files.latest(str(run_dir)) is None  # nothing on disk but the snapshots
     other = run(run_dir, "cluster=cpu_vtp", "train.resume=auto", "train.save_every=100",
-                snapshots)
+                snapshots, own_process=True)
     joined = re.search(r"resuming from the snapshot of step (\d+) in host memory, joined from "
                        r"layout \w+ into (\S+)", other["stdout"])
     assert joined, other["stdout"][-3000:]

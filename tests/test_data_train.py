@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from data_corpus import sources, train_tokenizer, write_jsonl, write_text
+from train_cli import run_train
 
 PARITY = 1e-5
 STEPS = 4
@@ -61,7 +62,7 @@ def blend(tmp_path_factory):
 
 
 def train(run_dir, blend, *overrides):
-    summary = run("-m", "ldt.job.train", f"run_dir={run_dir}", *blend["overrides"], *overrides)
+    summary = run_train(f"run_dir={run_dir}", *blend["overrides"], *overrides).summary()
     with open(run_dir / "metrics.csv") as f:
         summary["losses"] = [float(r["loss"]) for r in csv.DictReader(f)]
     return summary

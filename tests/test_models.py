@@ -8,25 +8,21 @@ small rules (vocabulary padding, layer-spec choice, canonical names, MoE layers)
 """
 
 import csv
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from ldt.config import ConfigError, ModelConfig, to_model
+from train_cli import run_train
 
 PARITY = 1e-5
 
 
-def ldt_train(run_dir, *overrides, timeout=300, ok=True):
-    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides],
-                          capture_output=True, text=True, timeout=timeout)
-    if not ok:
-        return proc
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def ldt_train(run_dir, *overrides, ok=True):
+    """``ldt-train run_dir=RUN_DIR OVERRIDES...`` (in this process: tests/train_cli.py): its
+    summary, or with ``ok=False`` what it printed and returned."""
+    done = run_train(f"run_dir={run_dir}", *overrides)
+    return done if not ok else done.summary()
 
 
 # ---- the small rules -------------------------------------------------------------------------

@@ -1,15 +1,15 @@
 """ldt-audit and the defence knob (docs/privacy.md).
 
-One small audit of cpu_demo (3 steps, one defended run, small shadow runs) in a subprocess
-checks the report end to end: what crossed, the capture against what the edge sent, every
+One small audit of cpu_demo (3 steps, one defended run, small shadow runs) through ldt-audit's
+main checks the report end to end: what crossed, the capture against what the edge sent, every
 attack row, known-weights input recovery far above chance, and that train.boundary_noise is
 applied on the wire at its documented scale and lowers recovery. The attacks and the noise
 transform are checked on their own on synthetic data (no world).
 """
 
+import io
 import json
-import subprocess
-import sys
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
@@ -23,13 +23,17 @@ NOISE = 4.0
 
 @pytest.fixture(scope="module")
 def audit(tmp_path_factory):
+    """ldt-audit's main in this process (its runs fork from this process's forkserver, which
+    has torch and megatron-core loaded: tests/train_cli.py), what it printed captured."""
+    from ldt.tools.audit import main
+
     out = tmp_path_factory.mktemp("audit")
-    proc = subprocess.run(
-        [sys.executable, "-m", "ldt.tools.audit", "--out", str(out), "--steps", "3",
-         "--noise", f"{NOISE:g}", "--shadow-tokens", "2048", "--json", str(out / "a.json")],
-        capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return json.loads((out / "a.json").read_text()), proc.stdout, out
+    printed, said = io.StringIO(), io.StringIO()
+    with redirect_stdout(printed), redirect_stderr(said):
+        code = main(["--out", str(out), "--steps", "3", "--noise", f"{NOISE:g}",
+                     "--shadow-tokens", "2048", "--json", str(out / "a.json")])
+    assert code == 0, (printed.getvalue()[-3000:], said.getvalue()[-3000:])
+    return json.loads((out / "a.json").read_text()), printed.getvalue(), out
 
 
 def _row(report, run, tensor, attack):

@@ -16,9 +16,6 @@ per rank, its norms and row-parallel biases were marked, and the boundary carrie
 whole ``[s, b, h]``. One world per topology; the reference runs once per batch shape.
 """
 
-import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from ldt.launch.local import run_local_world
 from ldt.models.sharding import unshard
 from ldt.topology.ranks import Stage, Topology
 from seqpar_worlds import MBS, MODEL, functional_api, reference, vtp_run
+from train_cli import run_train
 from test_p2p_parity import FULL_BLOCK, FULL_UNIFORM, SELECTIVE_ALL, expected_recomputes
 
 M = 4
@@ -168,15 +166,12 @@ def test_ldt_train_verify_with_rmsnorm(tmp_path):
     of the marked gradients): 5 steps on TP 2/1/2 equal the single-process reference; with
     selective recomputation of every module a bias-free model allows (attention, MLP, norms:
     the same run) on every stage but the middle one, which recomputes whole layers."""
-    cmd = [sys.executable, "-m", "ldt.job.train", "cluster=cpu_vtp", "model=llama_tiny",
-           "model.sequence_parallel=true", "train.steps=5", "train.verify=true",
-           "model.recompute_granularity=selective",
-           "model.recompute_modules=[core_attn,mlp,layernorm]",
-           "cluster.stages.1.recompute={granularity:full,method:block,num_layers:1}",
-           f"run_dir={tmp_path}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = run_train("cluster=cpu_vtp", "model=llama_tiny",
+                        "model.sequence_parallel=true", "train.steps=5", "train.verify=true",
+                        "model.recompute_granularity=selective",
+                        "model.recompute_modules=[core_attn,mlp,layernorm]",
+                        "cluster.stages.1.recompute={granularity:full,method:block,num_layers:1}",
+                        f"run_dir={tmp_path}").summary()
     # losses only: a missing TP sum of the norm grads moved them by ~5e-6 after 3 steps
     assert summary["parity_max_abs_diff"] < 1e-6, summary
 

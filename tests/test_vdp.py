@@ -354,14 +354,11 @@ def test_ldt_train_vdp_checkpoints_and_resumes_into_uniform_dp(tmp_path):
     checkpoint resumes into uniform dp 2 (another world size and rank map) and continues with
     the VDP run's losses: the same state, the same semantics."""
     import csv
-    import subprocess
-    import sys
+
+    from train_cli import run_train
 
     def train(run_dir, *overrides):
-        proc = subprocess.run([sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}",
-                               "train.steps=4", *overrides], capture_output=True, text=True,
-                              timeout=240)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_train(f"run_dir={run_dir}", "train.steps=4", *overrides).summary()
         with open(run_dir / "metrics.csv") as f:
             return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
 
