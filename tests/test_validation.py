@@ -1,9 +1,10 @@
 """Every bad config is refused by `ldt-train` with the field, the value and the fix.
 
-Each case runs the real entry point in a subprocess (with a timeout: a hang fails fast) and
-checks the exit status, the message and that the answer came before any world started (within
-5 s: validation imports neither torch nor megatron-core). Expected texts are written here by
-hand; ``{tmp}`` in an override is a per-test folder holding the files below.
+Each case runs ldt-train's main (in this process, tests/train_cli.py; as a subprocess where it
+plays a torchrun rank) and checks the exit status, the message and that the answer came before
+any world started; a test of its own checks that a refusal imports neither torch nor
+megatron-core. Expected texts are written here by hand; ``{tmp}`` in an override is a
+per-test folder holding the files below.
 """
 
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from train_cli import run_train
 
 CASES = {
     "world_size": ([], {"WORLD_SIZE": "3", "RANK": "0"},
@@ -176,13 +178,19 @@ def files(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_config_is_refused(name, files, tmp_path):
+def test_bad_config_is_refused(name, files, tmp_path, monkeypatch):
     overrides, env, expected = CASES[name]
-    full_env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    full_env.update(env)
     args = [o.replace("{tmp}", str(files)) for o in overrides]
-    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *args], env=full_env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=90)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    if "RANK" in env:  # a torchrun rank: a refusal leaves by os._exit
+        proc = run_train(*args, own_process=True, timeout=90, cwd=tmp_path,
+                         env={**os.environ, **env})
+    else:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.chdir(tmp_path)
+        proc = run_train(*args)
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
     for text in expected:
         assert text in proc.stderr, (text, proc.stderr[-2000:])

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -35,12 +36,15 @@ class Finished:
         return json.loads(self.stdout.strip().splitlines()[-1])
 
 
-def run_train(*argv, own_process: bool = False, timeout: float = 240) -> Finished:
-    """``ldt-train ARGV...`` in this process; ``own_process``: as a subprocess, where the test
-    reads what the ranks print (a rank's warning, a snapshot join's line)."""
+def run_train(*argv, own_process: bool = False, timeout: float = 240,
+              env: Optional[dict] = None, cwd=None) -> Finished:
+    """``ldt-train ARGV...`` in this process; ``own_process``: as a subprocess (with ``env``
+    and ``cwd``), where the test reads what the ranks print (a rank's warning, a snapshot
+    join's line) or plays a torchrun rank (``RANK`` set: a failing rank leaves by
+    ``os._exit``)."""
     if own_process:
         proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *map(str, argv)],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
         return Finished(proc.returncode, proc.stdout, proc.stderr)
     from ldt.job.train import main
 
