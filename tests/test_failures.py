@@ -366,6 +366,40 @@ def test_a_rank_failure_is_one_line_and_torchruns_summary_shows_it(tmp_path, mon
     assert sys.stderr == [line + "\n"]
 
 
+def test_a_refusal_under_torchrun_fills_its_error_file_and_the_first_cause_wins(
+        tmp_path, monkeypatch, capsys):
+    """In process, with the environment torchrun gives a worker: ldt-train's refusals before
+    the world forms (ldt's config check, its command-line check, Hydra's own refusal) each
+    print one line and write it to the error file torchrun's summary reads; a line written
+    before (a training failure's, the first cause) stays."""
+    from ldt.job.hydra import run_app
+    from ldt.job.train import _job
+    from ldt.launch.lifetime import say_stop, write_torchrun_error
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.chdir(tmp_path)
+
+    def refused(args, rank: str, world: str, expect: str) -> None:
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        error_file.unlink(missing_ok=True)
+        assert run_app(_job, args) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("ldt: ")]
+        assert len(lines) == 1 and expect in lines[0], lines
+        assert json.loads(error_file.read_text())["message"]["message"] == lines[0]
+
+    refused(["run_dir=out"], "0", "3", "world size is 3")  # the world the cluster needs
+    refused(["train.stepz=3"], "1", "4", "train.stepz")  # before Hydra composes
+    refused(["cluster=no_such_cluster"], "1", "4", "no_such_cluster")  # Hydra's refusal
+
+    first = "ldt: rank 0 (stage 0 'edge', TP rank 0) failed: lost a peer"
+    write_torchrun_error(first)
+    say_stop("ldt: stopped by SIGTERM after step 3")
+    assert capsys.readouterr().err == "ldt: stopped by SIGTERM after step 3\n"
+    assert json.loads(error_file.read_text())["message"]["message"] == first
+
+
 def test_the_step_agreement_group_of_an_accelerator_run_times_out_as_every_group(monkeypatch):
     """On an all-CUDA world (nccl default group) the step agreement runs on a gloo group of
     its own: with train.comm_timeout_s like every group ldt makes, not torch's default of

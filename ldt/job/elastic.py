@@ -22,7 +22,7 @@ from ldt.job.prepare import (Checked, build_extensions, check, check_run_dir_giv
                              discard_run_folder, join_torchrun, memory_estimate, resolve,
                              world_backend)
 import ldt.launch.quiet
-from ldt.launch.lifetime import write_torchrun_error
+from ldt.launch.lifetime import say_stop
 from ldt.storage.checkpoint_files import resume_auto
 from ldt.storage.runlock import RunLock
 from ldt.storage.snapshot_files import held
@@ -81,9 +81,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
 def _stop(line: str, code: int, hydra_cfg, lock, env) -> int:
     """Stop before the world formed: the line once per node (its local rank 0 prints it), in
     every worker's torchrun error file (its summary then names the cause on every rank)."""
-    if env.get("LOCAL_RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-    write_torchrun_error(line, replace=False)
+    say_stop(line, printed=env.get("LOCAL_RANK", "0") == "0")
     if env.get("RANK", "0") == "0":  # the one rank (or bare) with Hydra's run folder
         lock.release()
         discard_run_folder(hydra_cfg.runtime.output_dir, hydra_cfg.runtime.cwd)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from ldt.config import register_configs, unknown_key
 from ldt.config.errors import EXIT_CONFIG
+from ldt.launch.lifetime import say_stop
 from ldt.job.hydra_guard import HeldStderr, save_hydra_files, sweep_folder_in_use, take_output_subdir
 
 CONFIG_MODULE = "ldt.conf"
@@ -67,7 +68,7 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     args = list(sys.argv[1:] if argv is None else argv)
     refused = _refused_command_line(args, run_folder)
     if refused:
-        print(f"ldt: {refused}", file=sys.stderr)
+        say_stop(f"ldt: {refused}")
         return EXIT_CONFIG
     args, hydra_subdir, scratch = _hydra_args(args, run_folder)
     codes: list[int] = []  # each job's status
@@ -81,7 +82,7 @@ def run_app(task: Callable[..., int], argv: Optional[Sequence[str]] = None, *,
     except _Stopped as stop:
         return stop.code
     except KeyboardInterrupt:  # Ctrl-C before a job's world started (it says its own)
-        print("ldt: interrupted (SIGINT)", file=sys.stderr)
+        say_stop("ldt: interrupted (SIGINT)")
         return 128 + signal.SIGINT
     except SystemExit as exc:  # --help, --version, or Hydra refusing the command line
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig
 
 from ldt.config.errors import ConfigError
+from ldt.launch.lifetime import say_stop
 from ldt.storage.atomic import holds_anything
 from ldt.storage.atomic import replace_file
 
@@ -111,7 +112,7 @@ class HeldStderr:
         self._passing = True
         text, self._held = "".join(self._held), []
         if text.strip():
-            print(f"ldt: invalid config: {refusal_line(text)}", file=self.real)
+            say_stop(f"ldt: invalid config: {refusal_line(text)}", self.real)
 
     def __getattr__(self, name):  # fileno, isatty, encoding...: the real stream's
         return getattr(self.real, name)

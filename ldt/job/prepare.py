@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ldt.config import ConfigError, LdtConfig, to_cluster, typed_config
 from ldt.data.files import format_blend, parse_blend
+from ldt.launch.lifetime import say_stop
 from ldt.launch.quiet import set_log_level
 from ldt.memory import needs_estimate
 from ldt.memory import report as memory_report
@@ -193,7 +194,7 @@ def _train_in_torchrun_world(cfg: LdtConfig, topo, auto: bool, complete: Optiona
                            priced=priced, hold_signals_after_failure=True)
     code = 0
     if summary is not None and summary.get("stopped"):
-        print(f"ldt: {summary['stopped'].message}", file=sys.stderr, flush=True)
+        say_stop(f"ldt: {summary['stopped'].message}")
         code = summary["stopped"].exit_code
     elif summary is not None:
         print(summary_line(summary), flush=True)
@@ -208,7 +209,7 @@ def build_extensions(cfg: LdtConfig) -> bool:
     try:
         build_for(cfg.model, cfg.cluster.stages, say=os.environ.get("LOCAL_RANK", "0") == "0")
     except BuildError as exc:
-        print(f"ldt: {exc}", file=sys.stderr, flush=True)
+        say_stop(f"ldt: {exc}")
         return False
     return True
 
@@ -242,7 +243,7 @@ def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     text, refused = memory_estimate(plain, topo)
     if refused is not None:
         where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: does not fit{where}: {refused}", file=sys.stderr)
+        say_stop(f"ldt: does not fit{where}: {refused}")
         return None
     return text
 

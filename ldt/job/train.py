@@ -29,7 +29,7 @@ from ldt.job.prepare import (build_extensions, check, check_run_dir_given, disca
                              join_torchrun, memory_check, new_run_folder, reference_config,
                              resolve, save_config, summary_line)
 from ldt.launch import drill
-from ldt.launch.lifetime import stop_with_torchrun_agent, write_torchrun_error
+from ldt.launch.lifetime import say_stop, stop_with_torchrun_agent
 from ldt.launch.local import WorldError, run_local_world
 from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import check_run_folder
@@ -43,17 +43,7 @@ from ldt.training.outputs import parity_max_abs_diff
 def main(argv: Sequence[str] | None = None) -> int:
     if stop_with_torchrun_agent():  # a worker of torchrun's agent never outlives it
         drill.arm()  # LDT_FAULT_AT: recovery drills kill this host at a point of a step
-    said = _LastLine(sys.stderr) if "TORCHELASTIC_ERROR_FILE" in os.environ else None
-    if said is not None:
-        sys.stderr = said
-    try:
-        code = run_app(_job, argv)
-    finally:
-        if said is not None:
-            sys.stderr = said.real
-    if code and said is not None and said.line:
-        # a refusal before the world formed, or a stop: torchrun's summary names it too
-        write_torchrun_error(said.line, replace=False)
+    code = run_app(_job, argv)  # a refusal or stop said its line (say_stop): torchrun's too
     if code and "RANK" in os.environ:
         # A failed torchrun rank has said why in one line. Its process groups may hold work
         # on a pair whose peer is gone, and their C++ destructors at interpreter exit can
@@ -63,23 +53,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
-
-
-class _LastLine:
-    """stderr, keeping the last line ldt printed there to say why it stops ("ldt: ...",
-    warnings aside), whichever part said it (Hydra's refusals, the config's, the memory
-    check's): under torchrun that line also goes to the worker's error file."""
-
-    def __init__(self, real):
-        self.real, self.line = real, None
-
-    def write(self, text: str) -> int:
-        if text.startswith("ldt: ") and not text.startswith("ldt: warning: "):
-            self.line = text.split("\n", 1)[0]
-        return self.real.write(text)
-
-    def __getattr__(self, name):  # flush, fileno, isatty, encoding...: the real stream's
-        return getattr(self.real, name)
 
 
 def _job(cfg, save_hydra_files=None) -> int:
@@ -120,13 +93,13 @@ def _job(cfg, save_hydra_files=None) -> int:
             return refused(1)
         return _start(checked, hydra_cfg.runtime.choices, rank)
     except _Unwritable as exc:  # config.yaml, before the world starts
-        print(f"ldt: {_cannot_write(exc.__cause__, out)}", file=sys.stderr)
+        say_stop(f"ldt: {_cannot_write(exc.__cause__, out)}")
         return refused(1)
     except WorldError as exc:  # a stop signal during the memory estimate's own world
         if not exc.stopped_by:
             raise
-        print(f"ldt: stopped by {signal.Signals(exc.stopped_by).name} before the run started",
-              file=sys.stderr)
+        say_stop(f"ldt: stopped by {signal.Signals(exc.stopped_by).name} before the run "
+                 "started")
         return refused(128 + exc.stopped_by)
     finally:
         lock.release()
@@ -136,10 +109,10 @@ def _say_refused(exc: Exception, run_dir: str, rank: Optional[int]) -> None:
     """One line on stderr for a launch refused before training (the memory check's refusal
     has said its own)."""
     if isinstance(exc, OSError):
-        print(f"ldt: {_cannot_write(exc, run_dir)}", file=sys.stderr)
+        say_stop(f"ldt: {_cannot_write(exc, run_dir)}")
     elif not isinstance(exc, _Refused):
         where = f" (rank {rank})" if rank is not None else ""
-        print(f"ldt: invalid config{where}: {one_line(exc)}", file=sys.stderr)
+        say_stop(f"ldt: invalid config{where}: {one_line(exc)}")
 
 
 def _start(checked, choices, rank: Optional[int]) -> int:
@@ -254,11 +227,11 @@ def _launch_local(cfg: LdtConfig, topo, priced: Optional[Priced]) -> int:
     except WorldError as exc:
         if exc.stopped_by:
             return _stopped_early(exc, run_dir)
-        print(f"ldt: training failed: {_describe(exc, topo, run_dir)}", file=sys.stderr)
+        say_stop(f"ldt: training failed: {_describe(exc, topo, run_dir)}")
         return 1
     summary = next(r for r in results if r is not None)
     if summary.get("stopped"):
-        print(f"ldt: {summary['stopped'].message}", file=sys.stderr)
+        say_stop(f"ldt: {summary['stopped'].message}")
         return summary["stopped"].exit_code
     if cfg.train.verify:
         ref = run_local_world(1, _rank, (reference_config(cfg),
@@ -267,7 +240,7 @@ def _launch_local(cfg: LdtConfig, topo, priced: Optional[Priced]) -> int:
         try:
             summary["parity_max_abs_diff"] = parity_max_abs_diff(summary, ref)
         except ValueError as exc:
-            print(f"ldt: {exc}", file=sys.stderr)
+            say_stop(f"ldt: {exc}")
             print(summary_line(summary))
             return 1
     print(summary_line(summary))
@@ -287,8 +260,8 @@ def _stopped_early(exc, run_dir: str) -> int:
     """A stop signal ended the world before the ranks reached a step boundary."""
     name = signal.Signals(exc.stopped_by).name
     last = latest(run_dir)
-    print(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
-          f"the last complete checkpoint is {last or 'none'}", file=sys.stderr)
+    say_stop(f"ldt: stopped by {name} before a step boundary ({exc.message.splitlines()[0]}); "
+             f"the last complete checkpoint is {last or 'none'}")
     return 128 + exc.stopped_by
 
 

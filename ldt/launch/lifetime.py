@@ -8,6 +8,8 @@ the worker: it would go on, holding its memory and device, training with the oth
 ranks until a transfer with a rank of its host failed. The agent starts its workers from its
 main thread and stays their parent, so the kernel's parent-death signal
 (``PR_SET_PDEATHSIG``, Linux) ends a worker the moment its agent is gone, however it died.
+Why a worker stops reaches its agent too: :func:`say_stop` prints the line and writes it to
+the worker's error file, which the agent's summary names as the cause.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 #: set by torchrun's agent in every worker's environment (torch.distributed.elastic)
@@ -61,3 +64,18 @@ def write_torchrun_error(line: str, replace: bool = True) -> None:
             json.dump(data, f)
     except OSError:
         pass  # the line is on stderr already
+
+
+def say_stop(line: str, stream=None, *, printed: bool = True) -> None:
+    """Why this process stops, as one line: printed on ``stream`` (default: stderr) in one
+    write, flushed (the ranks of a node share torchrun's stderr), and under torchrun's agent
+    written to this worker's error file, so the agent's summary names the cause.
+    ``printed=False``: the error file only (a rank whose node's line another rank prints)."""
+    if printed:
+        stream = sys.stderr if stream is None else stream
+        stream.write(f"{line}\n")
+        stream.flush()
+    # The first line wins: what a process says after its cause follows from it (the SIGTERM
+    # torchrun sends the ranks left once one failed), and a training failure's line
+    # (ldt.training.failure, replace=True) is the first cause.
+    write_torchrun_error(line, replace=False)
