@@ -44,7 +44,9 @@ assumptions live in one file (and in ``docs/planner.md``):
   ``topk`` dispatched copies of every token; its token dispatch (megatron's all-gather
   dispatcher: all-gather the stage's tokens, reduce-scatter the outputs over the TP group)
   takes the place of the dense MLP's TP collectives, with the same volume. A model with dense
-  and MoE layers is priced per layer as their average (the planner splits layer counts).
+  and MoE layers (``model.moe_layer_freq``) prices each chunk by the layers it holds
+  (:attr:`ChunkLoad.moe_layers`: a chunk of n layers, k of them MoE, costs k MoE layers and
+  n - k dense ones); where a chunk's place in the model is not known, at the model's average.
 * A stage boundary carries ``b*s*h`` elements: ``bytes / link_bw + latency``, plus a device->host
   and host->device copy where the device types differ (host-staged gloo), plus the receiving
   stage's TP broadcast (the leader receives and broadcasts, see DESIGN.md).
@@ -115,6 +117,10 @@ class ChunkLoad:
     inflight: int = 1
     recompute: Optional[Recompute] = None
     """This chunk's stage's recomputation (None: none)."""
+    moe_layers: Optional[int] = None
+    """How many of its decoder layers are MoE layers (:meth:`CostModel.moe_count` of where
+    it sits); None: not known, its layers priced at the model's average (one that mixes
+    dense and MoE layers, ``model.moe_layer_freq``), or every layer is alike."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,9 @@ class CostModel:
         self.norm = 2 * self.h if m.normalization == "LayerNorm" else self.h  # one norm's params
         self.sequence_parallel = bool(getattr(m, "sequence_parallel", False))
         self.moe = moe_shape(m)
+        self.moe_at = tuple(m.moe_layers()) if self.moe and 0 < self.moe.share < 1 else ()
+        """Per decoder layer, whether it is a MoE layer, where the model mixes dense and MoE
+        layers; empty where every layer is priced alike."""
         self._boundary_times: dict[tuple[str, str, int, int], float] = {}  # the planner asks ~40k
         self._memories: dict[tuple, Memory] = {}  # and ~28k stage memories, a few hundred distinct
         self._cache: dict[tuple, tuple[float, float]] = {}
@@ -181,37 +190,58 @@ class CostModel:
         """What callers derive from these prices and ask again (ldt.plan.evaluate's per-stage
         terms); a key starts with the caller's tag."""
 
+    # ---- which layers are MoE layers ----------------------------------------------------------
+    def moe_count(self, first: int, layers: int) -> Optional[int]:
+        """How many of the decoder layers ``first`` to ``first + layers - 1`` are MoE layers
+        (:attr:`ChunkLoad.moe_layers`); None where every layer is priced alike."""
+        return sum(self.moe_at[first:first + layers]) if self.moe_at else None
+
+    def moe_share(self, chunk: Optional[ChunkLoad] = None) -> float:
+        """The fraction of MoE layers among ``chunk``'s decoder layers, or where it does not
+        say (or no chunk is given) among the model's; 0.0 for a dense model."""
+        if chunk is None or chunk.moe_layers is None or chunk.layers == 0:
+            return self.moe.share if self.moe is not None else 0.0
+        return chunk.moe_layers / chunk.layers
+
+    def _share(self, share: Optional[float]) -> float:
+        """A per-layer price's ``share``: as given, or the model's."""
+        return self.moe_share() if share is None else share
+
     # ---- FLOPs (forward, one micro-batch) ---------------------------------------------------
-    def layer_flops(self) -> float:
+    def layer_flops(self, share: Optional[float] = None) -> float:
+        """One decoder layer's forward, one micro-batch: a dense layer's (``share`` 0.0), a
+        MoE layer's (1.0), or the average of layers of which ``share`` are MoE layers
+        (:meth:`moe_share`; None: the model's). The per-layer prices below take it alike."""
         b, s, h = self.b, self.s, self.h
         mlp = 2 * b * s * h * self.fc1 + 2 * b * s * self.f * h
         if self.moe is not None:
-            mlp = moe_mlp_flops(self, mlp)
+            mlp = _mix(mlp, moe_mlp_flops(self), self._share(share))
         return 2 * b * s * h * self.qkv + 2 * b * s * self.hd * h + mlp + 4 * b * s * s * self.hd
 
-    def layer_linear_flops(self) -> float:
+    def layer_linear_flops(self, share: Optional[float] = None) -> float:
         """The part of :meth:`layer_flops` in megatron's column- and row-parallel linear layers
         (QKV, projection, the MLP's or the active experts' fc1 and fc2): what their weight
         gradient costs again in the backward, the W of a zero-bubble schedule (the attention
         core has no weights; a MoE router's is not split, ``patches/wgrad_split.py``)."""
         b, s, h = self.b, self.s, self.h
-        out = self.layer_flops() - 4 * b * s * s * self.hd
-        return out - (self.moe.share * 2 * b * s * h * self.moe.experts if self.moe else 0.0)
+        share = self._share(share)
+        out = self.layer_flops(share) - 4 * b * s * s * self.hd
+        return out - (share * 2 * b * s * h * self.moe.experts if self.moe else 0.0)
 
     def head_flops(self) -> float:
         return 2 * self.b * self.s * self.h * self.V
 
     # ---- parameters per rank ----------------------------------------------------------------
-    def layer_params(self, tp: int) -> float:
+    def layer_params(self, tp: int, share: Optional[float] = None) -> float:
         """Column-parallel (QKV, fc1: weight + bias) and row-parallel weights split over TP;
-        row-parallel biases and the two norms are replicated."""
+        row-parallel biases and the two norms are replicated; ``share``: :meth:`layer_flops`'."""
         h, f, q, f1, m = self.h, self.f, self.qkv, self.fc1, self.model
         bias = m.add_bias_linear
         split = h * q + self.hd * h + h * f1 + f * h
         split += (q if bias or m.add_qkv_bias else 0) + (f1 if bias else 0)
         qk_norms = 2 * self.norm * self.hd // self.a // h if m.qk_layernorm else 0
         out = split / tp + (2 * h if bias else 0) + 2 * self.norm + qk_norms
-        return out if self.moe is None else moe_layer_params(self, out, tp)
+        return out if self.moe is None else moe_layer_params(self, out, tp, self._share(share))
 
     def embedding_params(self, tp: int) -> float:
         pos = self.model.max_position_embeddings or self.s
@@ -223,7 +253,7 @@ class CostModel:
         return out + self.norm  # + final norm
 
     def chunk_params(self, tp: int, chunk: ChunkLoad, shares_embedding: bool = False) -> float:
-        p = chunk.layers * self.layer_params(tp)
+        p = chunk.layers * self.layer_params(tp, self.moe_share(chunk))
         if chunk.embedding:
             p += self.embedding_params(tp)
         if chunk.head:
@@ -265,7 +295,8 @@ class CostModel:
             return self.flash_attention
         return fused_attention(self.model, self.inventory.kind(kind).device)
 
-    def layer_parts(self, kind: str, tp: int) -> dict[str, float]:
+    def layer_parts(self, kind: str, tp: int, share: Optional[float] = None
+                    ) -> dict[str, float]:
         """Bytes per token one decoder layer keeps for backward, by part (what megatron-core's
         local layers save with dropout 0, as the estimator measures them: ``ldt.memory``).
 
@@ -277,7 +308,8 @@ class CostModel:
         fc1's output, fc2's input, a gated MLP's activation and product. Korthikanti et al.
         (2022) count ``34 sbh + 5 as^2 b`` bytes with 16-bit activations: they add dropout
         masks (none at dropout 0) and a second copy of the attention probabilities (dropout's
-        output), and leave out RMSNorm's and RoPE's tensors and the fp32 softmax."""
+        output), and leave out RMSNorm's and RoPE's tensors and the fp32 softmax. ``share``:
+        :meth:`layer_flops`'."""
         h, d, a, s = self.h, self.d, self.a, self.s
         sp = self.sequence_shards(tp)
         head_dim = self.hd // a
@@ -297,7 +329,7 @@ class CostModel:
         if self.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
             qkv += self._qk_norm_bytes() / d
         if self.moe is not None:  # a MoE layer's router and dispatched tokens
-            mlp = moe_activation_per_token(self, mlp, tp)
+            mlp = moe_activation_per_token(self, mlp, tp, self._share(share))
         return {"norms": (d * 4 * h + 2 * self._norm_bytes()) / sp,
                 "qkv": d * qkv / tp + rope_tables, "core_attn": core,
                 "attn_out": d * self.hd / tp, "mlp": mlp}
@@ -307,20 +339,19 @@ class CostModel:
         return self.d * (self.fc1 + self.f + (2 * self.f if self.model.gated_linear_unit
                                               else 0)) / tp
 
-    def _dense_share(self) -> float:
-        """The layers whose MLP selective ``mlp`` recomputation repeats: megatron recomputes a
-        dense layer's MLP, never a MoE layer's experts (``recompute_mlp`` is off there)."""
-        return 1.0 if self.moe is None else 1.0 - self.moe.share
-
-    def layer_activation_bytes(self, kind: str, tp: int, recompute=None) -> float:
+    def layer_activation_bytes(self, kind: str, tp: int, recompute=None,
+                               share: Optional[float] = None) -> float:
         """One decoder layer, one micro-batch: without recomputation, or with a selective one
-        (the recomputed modules keep only their inputs, which other parts keep anyway)."""
-        parts = self.layer_parts(kind, tp)
+        (the recomputed modules keep only their inputs, which other parts keep anyway; a
+        selective ``mlp`` only a dense layer's: megatron's ``recompute_mlp`` is off in a MoE
+        layer). ``share``: :meth:`layer_flops`'."""
+        share = self._share(share)
+        parts = self.layer_parts(kind, tp, share)
         for module in _selective_modules(recompute):
             if module == "core_attn":
                 parts["core_attn"] = 0.0
             elif module == "mlp":  # the dense layers' (megatron leaves the experts' kept)
-                parts["mlp"] -= self._dense_share() * self._dense_mlp_bytes(tp)
+                parts["mlp"] -= (1.0 - share) * self._dense_mlp_bytes(tp)
             elif module == "layernorm":  # the norm outputs (QKV, fc1 inputs) and internals
                 parts["norms"] -= (2 * self.d * self.h + 2 * self._norm_bytes()) / \
                     self.sequence_shards(tp)
@@ -340,23 +371,24 @@ class CostModel:
         norm = (self.d * self.h + self._norm_bytes()) / self.sequence_shards(tp)
         return self.s * self.b * (norm + self.d * self.h + 4 * self.V / tp)
 
-    def decoder_activation_bytes(self, kind: str, tp: int, layers: int, recompute=None
-                                 ) -> float:
+    def decoder_activation_bytes(self, kind: str, tp: int, layers: int, recompute=None,
+                                 share: Optional[float] = None) -> float:
         """``layers`` decoder layers of one chunk under megatron's recomputation: full keeps
         only each group's input (uniform: every ``num_layers`` layers; block: the first
-        ``num_layers`` layers one by one, the rest whole)."""
+        ``num_layers`` layers one by one, the rest whole). ``share``: :meth:`layer_flops`'."""
         granularity = getattr(recompute, "granularity", None)
         if granularity != "full":
-            return layers * self.layer_activation_bytes(kind, tp, recompute)
+            return layers * self.layer_activation_bytes(kind, tp, recompute, share)
         n = recompute.num_layers
         if recompute.method == "uniform":
             return math.ceil(layers / n) * self.boundary_activation_bytes(tp)
         kept = min(n, layers)
         return (kept * self.boundary_activation_bytes(tp)
-                + (layers - kept) * self.layer_activation_bytes(kind, tp))
+                + (layers - kept) * self.layer_activation_bytes(kind, tp, share=share))
 
     def chunk_activation_bytes(self, kind: str, tp: int, chunk: ChunkLoad) -> float:
-        act = self.decoder_activation_bytes(kind, tp, chunk.layers, chunk.recompute)
+        act = self.decoder_activation_bytes(kind, tp, chunk.layers, chunk.recompute,
+                                            self.moe_share(chunk))
         act += (self.embedding_activation_bytes(tp) if chunk.embedding
                 else self.boundary_activation_bytes(tp))  # the received input
         if chunk.head:
@@ -373,12 +405,13 @@ class CostModel:
         rc = chunk.recompute
         if rc is None or chunk.layers == 0:
             return 0.0
-        layer = self.layer_activation_bytes(kind, tp)
+        share = self.moe_share(chunk)  # a layer of the chunk, on average
+        layer = self.layer_activation_bytes(kind, tp, share=share)
         if rc.granularity == "full":
             if rc.method == "uniform":
                 return min(rc.num_layers, chunk.layers) * layer
             return layer if rc.num_layers >= chunk.layers else 0.0
-        return layer - self.layer_activation_bytes(kind, tp, rc)
+        return layer - self.layer_activation_bytes(kind, tp, rc, share)
 
     def attention_backward_bytes(self, kind: str, tp: int) -> float:
         """What megatron's local attention makes during one layer's backward: the gradients of
@@ -434,14 +467,17 @@ class CostModel:
     def _tp_allreduce(self, k: DeviceKind, tp: int) -> float:
         return ring_allreduce_time(self.b * self.s * self.h * self.d, tp, k.intra_bw_gbps)
 
-    def layer_time(self, kind: str, tp: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one decoder layer for one micro-batch."""
-        key = ("layer", kind, tp)
+    def layer_time(self, kind: str, tp: int, share: Optional[float] = None
+                   ) -> tuple[float, float]:
+        """(forward, backward) seconds of one decoder layer for one micro-batch; ``share``:
+        :meth:`layer_flops`'."""
+        share = self._share(share)
+        key = ("layer", kind, tp, share)
         if key not in self._cache:
             k = self.inventory.kind(kind)
-            fwd = self.layer_flops() / self._speed(k, tp)
+            fwd = self.layer_flops(share) / self._speed(k, tp)
             mlp_comm = self._tp_allreduce(k, tp) if self.moe is None else \
-                moe_dispatch_time(self, k, tp)
+                _mix(self._tp_allreduce(k, tp), moe_dispatch_time(self, k, tp), share)
             ar = self._tp_allreduce(k, tp) + mlp_comm
             self._cache[key] = (fwd + ar, 2 * fwd + ar)
         return self._cache[key]
@@ -456,25 +492,29 @@ class CostModel:
         fwd = self.head_flops() / self._speed(k, tp)
         return fwd, 2 * fwd + self._tp_allreduce(k, tp)
 
-    def recompute_time(self, kind: str, tp: int, layers: int, recompute) -> float:
+    def recompute_time(self, kind: str, tp: int, layers: int, recompute,
+                       share: Optional[float] = None) -> float:
         """The forward a chunk's recomputation repeats during its backward, seconds: every
         recomputed layer (full), or the recomputed modules' FLOPs (selective: the attention
-        core's ``4bs^2h``, the MLP's; the norms are negligible)."""
+        core's ``4bs^2h``, the dense layers' MLP; the norms are negligible). ``share``: of
+        the chunk's layers, as :meth:`layer_flops`'."""
+        share = self._share(share)
         granularity = getattr(recompute, "granularity", None)
         if granularity == "full":
             n = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
-            return n * self.layer_time(kind, tp)[0]
+            return n * self.layer_time(kind, tp, share)[0]
         b, s, h = self.b, self.s, self.h
         flops = {"core_attn": 4 * b * s * s * h,
-                 "mlp": self._dense_share() * (2 * b * s * h * self.fc1 + 2 * b * s * self.f * h)}
+                 "mlp": (1.0 - share) * (2 * b * s * h * self.fc1 + 2 * b * s * self.f * h)}
         per_layer = sum(flops.get(m, 0.0) for m in _selective_modules(recompute))
         return layers * per_layer / self._speed(self.inventory.kind(kind), tp)
 
     def chunk_time(self, kind: str, tp: int, chunk: ChunkLoad) -> tuple[float, float]:
-        lf, lb = self.layer_time(kind, tp)
+        share = self.moe_share(chunk)
+        lf, lb = self.layer_time(kind, tp, share)
         f, b = chunk.layers * lf, chunk.layers * lb
         if chunk.recompute is not None:
-            b += self.recompute_time(kind, tp, chunk.layers, chunk.recompute)
+            b += self.recompute_time(kind, tp, chunk.layers, chunk.recompute, share)
         if chunk.embedding:
             ef, eb = self.embedding_time(kind, tp)
             f, b = f + ef, b + eb
@@ -487,7 +527,7 @@ class CostModel:
         """The part of :meth:`chunk_time`'s backward that is the weight gradient of the
         chunk's linear layers (the head's too): a zero-bubble schedule's W, one micro-batch;
         its B is the rest (input gradients, TP collectives, recomputation)."""
-        flops = chunk.layers * self.layer_linear_flops()
+        flops = chunk.layers * self.layer_linear_flops(self.moe_share(chunk))
         if chunk.head:
             flops += self.head_flops()
         return flops / self._speed(self.inventory.kind(kind), tp)
@@ -499,11 +539,10 @@ class CostModel:
         Per layer QKV ``h`` and ``qkv/t``, the projection ``hd/t`` and ``h``, fc1 ``h`` and
         ``fc1/t``, fc2 ``f/t`` and ``h`` (a MoE layer's ``topk`` expert MLPs in place of the
         MLP's); the head ``h`` and ``V/t``; per token, in the activations' dtype."""
-        h, t = self.h, tp
+        h, t, e = self.h, tp, self.moe
         mlp = h + self.fc1 / t + self.f / t + h
-        if self.moe is not None:
-            e = self.moe
-            mlp = e.share * e.topk * (h + (e.fc1 + e.ffn) / t + h) + (1 - e.share) * mlp
+        if e is not None:
+            mlp = _mix(mlp, e.topk * (h + (e.fc1 + e.ffn) / t + h), self.moe_share(chunk))
         per_token = chunk.layers * (h + self.qkv / t + self.hd / t + h + mlp)
         if chunk.head:
             per_token += h + self.V / t
@@ -518,7 +557,10 @@ class CostModel:
         layer's linear weights are priced as its parameters less the norms."""
         h, t = self.h, tp
         weights = (h * self.qkv, self.hd * h, h * self.fc1, self.f * h)
-        per_layer = self.layer_params(t) - 2 * self.norm if self.moe else sum(weights) / t
+        per_layer = sum(weights) / t
+        if self.moe is not None:
+            per_layer = _mix(per_layer, self.layer_params(t, 1.0) - 2 * self.norm,
+                             self.moe_share(chunk))
         largest = max(weights) / t if chunk.layers else 0.0
         out = chunk.layers * per_layer
         if chunk.head:
@@ -573,7 +615,8 @@ def _selective_modules(recompute) -> list[str]:
 @dataclass(frozen=True)
 class MoEShape:
     """A MoE model's experts: E per MoE layer, ``topk`` per token, each an MLP of width ``ffn``
-    (``fc1`` wide with a gate); ``share``: the fraction of the layers that are MoE layers."""
+    (``fc1`` wide with a gate); ``share``: the fraction of the model's layers that are MoE
+    layers (what a layer costs on average where a chunk's own are not known)."""
 
     experts: int
     topk: int
@@ -591,37 +634,41 @@ def moe_shape(model: ModelConfig) -> MoEShape | None:
                     2 * fm if model.gated_linear_unit else fm, sum(layers) / len(layers))
 
 
-def moe_mlp_flops(cost: CostModel, dense_mlp: float) -> float:
-    """Forward FLOPs of the MLP, per layer on average: a MoE layer's are the active ones, the
-    router over E experts plus ``topk`` expert MLPs per token."""
+def _mix(dense: float, moe: float, share: float) -> float:
+    """A layer's price where ``share`` of the layers it stands for are MoE layers."""
+    return share * moe + (1 - share) * dense
+
+
+def moe_mlp_flops(cost: CostModel) -> float:
+    """Forward FLOPs of a MoE layer's MLP: the active ones, the router over E experts plus
+    ``topk`` expert MLPs per token."""
     e, b, s, h = cost.moe, cost.b, cost.s, cost.h
-    moe = 2 * b * s * h * e.experts + e.topk * (2 * b * s * h * e.fc1 + 2 * b * s * e.ffn * h)
-    return e.share * moe + (1 - e.share) * dense_mlp
+    return 2 * b * s * h * e.experts + e.topk * (2 * b * s * h * e.fc1 + 2 * b * s * e.ffn * h)
 
 
-def moe_layer_params(cost: CostModel, dense_layer: float, tp: int) -> float:
-    """Parameters per rank, per layer on average: a MoE layer holds every expert (E * expert /
-    tp per rank: spread over ep and split over tp / ep of the stage's TP ranks) and the
-    router (replicated) in place of the dense MLP."""
+def moe_layer_params(cost: CostModel, dense_layer: float, tp: int, share: float) -> float:
+    """Parameters per rank of a layer, ``share`` of it a MoE layer: a MoE layer holds every
+    expert (E * expert / tp per rank: spread over ep and split over tp / ep of the stage's TP
+    ranks) and the router (replicated) in place of the dense MLP."""
     e, h = cost.moe, cost.h
     dense_mlp = (h * cost.fc1 + cost.f * h) / tp
     moe_mlp = e.experts * (h * e.fc1 + e.ffn * h) / tp + e.experts * h
-    return dense_layer - e.share * dense_mlp + e.share * moe_mlp
+    return dense_layer - share * dense_mlp + share * moe_mlp
 
 
-def moe_activation_per_token(cost: CostModel, dense: float, tp: int) -> float:
-    """Activation bytes per token, per layer on average: a MoE layer keeps the router's fp32
-    probabilities, the ``topk`` dispatched copies of the token (all-gathered over the TP
-    group) and their expert activations, in place of the dense MLP's."""
+def moe_activation_per_token(cost: CostModel, dense: float, tp: int, share: float) -> float:
+    """Activation bytes per token of a layer's MLP, ``share`` of it a MoE layer: a MoE layer
+    keeps the router's fp32 probabilities, the ``topk`` dispatched copies of the token
+    (all-gathered over the TP group) and their expert activations, in place of the dense
+    MLP's."""
     e, d, h = cost.moe, cost.d, cost.h
     dense_mlp = d * (cost.fc1 + cost.f) / tp
     moe_mlp = 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn) / tp)
-    return dense - e.share * dense_mlp + e.share * moe_mlp
+    return dense - share * dense_mlp + share * moe_mlp
 
 
 def moe_dispatch_time(cost: CostModel, k: DeviceKind, tp: int) -> float:
-    """The MLP's communication per layer and direction, on average: a MoE layer's token
-    dispatch all-gathers the stage's ``b*s*h`` tokens over its TP group and reduce-scatters
-    the expert outputs (megatron's all-gather dispatcher), a dense layer all-reduces."""
-    dispatch = ring_allreduce_time(cost.b * cost.s * cost.h * cost.d, tp, k.intra_bw_gbps)
-    return cost.moe.share * dispatch + (1 - cost.moe.share) * cost._tp_allreduce(k, tp)
+    """A MoE layer's MLP communication per direction: its token dispatch all-gathers the
+    stage's ``b*s*h`` tokens over its TP group and reduce-scatters the expert outputs
+    (megatron's all-gather dispatcher), where a dense layer all-reduces."""
+    return ring_allreduce_time(cost.b * cost.s * cost.h * cost.d, tp, k.intra_bw_gbps)

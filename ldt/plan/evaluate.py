@@ -66,10 +66,12 @@ class Plan:
         placement rule of every layout (a U-shape's stage 0: its first and last segment)."""
         return _split(self.layers, self.num_stages, self.u_shape)
 
-    def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None) -> list[ChunkLoad]:
+    def stage_chunks(self, stage: int, inflight: Optional[tuple[int, int]] = None,
+                     cost: Optional[CostModel] = None) -> list[ChunkLoad]:
         """The loads of a stage's chunks (``self.split``'s, with the micro-batches each holds in
         flight); ``inflight`` overrides the closed-form in-flight counts (edge: (start chunk,
-        end chunk)), e.g. with the simulator's peaks."""
+        end chunk)), e.g. with the simulator's peaks. With ``cost``, each says how many of its
+        layers are MoE layers (:meth:`CostModel.moe_count`), to be priced by them."""
         p, m = self.num_stages, self.num_microbatches
         d = self.prefetch if self.u_shape else 0
         # per-stage DP: a stage with 1/k of the replicas runs k micro-batches per uniform one
@@ -81,7 +83,8 @@ class Plan:
             held = inflight or (min((p + (1 if self.u_shape else 0) - stage + d - 1) * k + 1,
                                     m * k),)
         return [ChunkLoad(c.num_layers, embedding=c.has_embedding, head=c.has_head,
-                          inflight=n, recompute=self.recompute_of(stage))
+                          inflight=n, recompute=self.recompute_of(stage),
+                          moe_layers=cost.moe_count(c.first_layer, c.num_layers) if cost else None)
                 for c, n in zip(self.split.stage_chunks(stage), held)]
 
     def recv_buffers(self, stage: int) -> int:
@@ -174,7 +177,7 @@ def lowered_schedule(num_stages: int, num_microbatches: int, ushape: bool, prefe
 
 def chunk_times(plan: Plan, cost: CostModel) -> list[list[tuple[float, float]]]:
     """(fwd, bwd) per chunk per stage, one micro-batch."""
-    return [[cost.chunk_time(st.kind, st.tp, c) for c in plan.stage_chunks(i)]
+    return [[cost.chunk_time(st.kind, st.tp, c) for c in plan.stage_chunks(i, cost=cost)]
             for i, st in enumerate(plan.stages)]
 
 def op_table(plan: Plan, cost: CostModel) -> dict[int, dict[Op, float]]:
@@ -239,11 +242,13 @@ class _StageTerms:
 def _stage_terms(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
     """Stage ``i``'s terms, kept in ``cost.memo``: the planner prices ~1000 layer splits of
     ~20 stages at 1024 devices, and 7 of 8 of those stages repeat one already priced (the
-    orders of a stage set share stages, the splits share layer counts)."""
+    orders of a stage set share stages, the splits share layer counts; where the model mixes
+    dense and MoE layers, the stage's first layer too: which of them it holds)."""
     u, lay = plan.u_shape, plan.layers
     key = ("stage", plan.stages[i], i, len(plan.stages), plan.num_microbatches, u,
            plan.prefetch if u else 0, (lay[0], lay[-1]) if u and i == 0 else lay[i],
-           None if cost.recompute else plan.recompute_of(i), plan.dp_of(i))
+           None if cost.recompute else plan.recompute_of(i), plan.dp_of(i),
+           sum(lay[:i]) if cost.moe_at else None)
     terms = cost.memo.get(key)
     if terms is None:
         terms = cost.memo[key] = _price_stage(plan, i, cost)
@@ -260,14 +265,13 @@ def _price_stage(plan: Plan, i: int, cost: CostModel) -> _StageTerms:
         rc = None
         plan = replace(plan, recompute=_with(plan, i, None))
         limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
-        if cost.stage_memory(st.kind, st.tp, plan.stage_chunks(i), buffers).total > limit:
-            layers = [c.layers for c in plan.stage_chunks(i)]
-            for rc in recompute_levels(cost, st.kind, st.tp, layers):  # the first that fits
-                trial = replace(plan, recompute=_with(plan, i, rc))
-                trial_memory = cost.stage_memory(st.kind, st.tp, trial.stage_chunks(i), buffers)
-                if trial_memory.total <= limit:
+        chunks = plan.stage_chunks(i, cost=cost)
+        if cost.stage_memory(st.kind, st.tp, chunks, buffers).total > limit:
+            for rc in recompute_levels(cost, st.kind, st.tp, chunks):  # the first that fits
+                trial = [replace(c, recompute=rc) for c in chunks]
+                if cost.stage_memory(st.kind, st.tp, trial, buffers).total <= limit:
                     break
-    chunks = replace(plan, recompute=_with(plan, i, rc)).stage_chunks(i)
+    chunks = replace(plan, recompute=_with(plan, i, rc)).stage_chunks(i, cost=cost)
     times = tuple(cost.chunk_time(st.kind, st.tp, c) for c in chunks)
     allreduce = 0.0
     if plan.dp_of(i) > 1:
@@ -287,21 +291,23 @@ KEEPS_LEAST = Recompute("full", "uniform", 1)
 the least (the split's and the stage sets' memory caps take it)."""
 
 
-def recompute_levels(cost: CostModel, kind: str, tp: int, layers: list[int]) -> list[Recompute]:
+def recompute_levels(cost: CostModel, kind: str, tp: int, chunks: list[ChunkLoad]
+                     ) -> list[Recompute]:
     """What the planner tries on a stage that does not fit: megatron's selective
     recomputation of what is cheap to redo and worth keeping out (the norms' outputs and
     internals; the attention scores without flash attention), then also the MLP (a model
     without biases: megatron cannot recompute a biased MLP), full ``block`` recomputation of
     the first n layers of each chunk, n < its layers, and full recomputation of every layer
     (``uniform``, 1 layer per group) last, the one that keeps the least (:data:`KEEPS_LEAST`).
-    Ordered by the time they add on a stage of ``kind`` and ``tp`` whose chunks have
-    ``layers``: the first that fits adds the least."""
+    Ordered by the time they add on a stage of ``kind`` and ``tp`` with these ``chunks``: the
+    first that fits adds the least."""
     cheap = ("layernorm",) if cost.flash(kind) else ("core_attn", "layernorm")
     levels = [Recompute("selective", modules=cheap)]
     if not cost.model.add_bias_linear:
         levels.append(Recompute("selective", modules=(*cheap, "mlp")))
-    levels += [Recompute("full", "block", n) for n in range(1, max(layers))]
-    added = {rc: sum(cost.recompute_time(kind, tp, n, rc) for n in layers) for rc in levels}
+    levels += [Recompute("full", "block", n) for n in range(1, max(c.layers for c in chunks))]
+    added = {rc: sum(cost.recompute_time(kind, tp, c.layers, rc, cost.moe_share(c))
+                     for c in chunks) for rc in levels}
     return sorted(levels, key=added.__getitem__) + [KEEPS_LEAST]
 
 
@@ -391,7 +397,7 @@ def evaluation(plan: Plan, cost: CostModel, pipe: float, bubble: float, busy: di
     split = plan.split
     names, reports = plan.stage_names(), []
     for i, st in enumerate(plan.stages):
-        chunks = plan.stage_chunks(i, inflight[i])
+        chunks = plan.stage_chunks(i, inflight[i], cost)
         fb = [cost.chunk_time(st.kind, st.tp, c) for c in chunks]
         memory = cost.stage_memory(st.kind, st.tp, chunks, plan.recv_buffers(i))
         if wstore:  # a zero-bubble schedule: its W store, and a W's own peak where larger

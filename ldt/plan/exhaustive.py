@@ -124,14 +124,15 @@ def _recomputation(plan: Plan, ev: Evaluation, cost: CostModel
     none); None when some stage fits with none of them."""
     chosen = []
     for i, st in enumerate(plan.stages):
-        chunks = plan.stage_chunks(i, ev.stages[i].inflight)
+        chunks = plan.stage_chunks(i, ev.stages[i].inflight, cost)
         limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
         best = None
         for rc in recompute_options(cost, [c.layers for c in chunks]):
             stated = [replace(c, recompute=rc) for c in chunks]
             if cost.stage_memory(st.kind, st.tp, stated, buffers).total > limit:
                 continue
-            extra = sum(cost.recompute_time(st.kind, st.tp, c.layers, rc) for c in chunks)
+            extra = sum(cost.recompute_time(st.kind, st.tp, c.layers, rc, cost.moe_share(c))
+                        for c in chunks)
             if best is None or extra < best[0]:
                 best = (extra, rc)
         if best is None:
@@ -149,7 +150,7 @@ def _lower_bound(plan: Plan, cost: CostModel) -> float:
     m, top = plan.num_microbatches, plan.dp
     w, runs = [], []
     for i, st in enumerate(plan.stages):
-        times = [sum(cost.chunk_time(st.kind, st.tp, c)) for c in plan.stage_chunks(i)]
+        times = [sum(cost.chunk_time(st.kind, st.tp, c)) for c in plan.stage_chunks(i, cost=cost)]
         w.append(times)
         runs.append(m * top // plan.dp_of(i))
     if plan.u_shape:

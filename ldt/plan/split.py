@@ -256,11 +256,16 @@ def best_counts(units: list[Unit], num_layers: int, m: int, tries: int = 4) -> O
 
 def edge_chunks(stage: StageSpec, total: int, num_stages: int, m: int, cost: CostModel,
                 edge_min: int = 1) -> int:
-    """Layers of the edge's start chunk: half of ``total`` if memory allows, else fewer."""
+    """Layers of the edge's start chunk: half of ``total`` if memory allows, else fewer (its
+    chunks hold the model's first and last layers)."""
     rc = KEEPS_LEAST if cost.recompute else None
+    last = cost.model.num_layers
     for start in range(total // 2, edge_min - 1, -1):
-        chunks = [ChunkLoad(start, embedding=True, inflight=min(num_stages + 1, m), recompute=rc),
-                  ChunkLoad(total - start, head=True, inflight=1, recompute=rc)]
+        end = total - start
+        chunks = [ChunkLoad(start, embedding=True, inflight=min(num_stages + 1, m), recompute=rc,
+                            moe_layers=cost.moe_count(0, start)),
+                  ChunkLoad(end, head=True, inflight=1, recompute=rc,
+                            moe_layers=cost.moe_count(last - end, end))]
         if cost.stage_memory(stage.kind, stage.tp, chunks).total <= cost.memory_limit(stage.kind):
             return start
     return edge_min

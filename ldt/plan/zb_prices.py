@@ -45,7 +45,7 @@ def split_op_table(plan: Plan, cost: CostModel) -> dict[int, dict[Op, float]]:
     BE + WE for its start chunk, BS + WS for its end chunk)."""
     table = op_table(plan, cost)
     for i, st in enumerate(plan.stages):
-        w = [cost.wgrad_time(st.kind, st.tp, c) for c in plan.stage_chunks(i)]
+        w = [cost.wgrad_time(st.kind, st.tp, c) for c in plan.stage_chunks(i, cost=cost)]
         pairs = ([(Op.BE, Op.WE, w[0]), (Op.BS, Op.WS, w[1])] if plan.u_shape and i == 0
                  else [(Op.B, Op.W, w[0])])
         for b, wgt, t in pairs:
@@ -95,7 +95,7 @@ def simulate_zb(plan: Plan, cost: CostModel, prefetch: int = 0) -> Evaluation:
                     if plan.u_shape and i == 0 else (sim.peak_inflight[i],)
                     for i in range(plan.num_stages)}
     wstore = {i: entries.get(i, 0) * max(cost.wstore_bytes(st.tp, c)
-                                         for c in plan.stage_chunks(i))
+                                         for c in plan.stage_chunks(i, cost=cost))
               for i, st in enumerate(plan.stages)}
     return evaluation(plan, cost, sim.iteration_time, bubble, busy, inflight, sim, wstore, "zb")
 
