@@ -1,7 +1,7 @@
 """`ldt-train` end to end: bare launch on CPU, parity with the single-process reference.
 
-Every run is a subprocess with a timeout (a hang fails the test, never CI); the JSON summary
-must be the last line printed.
+Runs call ldt-train's main in this process (tests/train_cli.py), or as a subprocess where a
+test reads what the ranks print; the JSON summary must be the last line printed.
 """
 
 import csv
@@ -11,22 +11,21 @@ import subprocess
 import sys
 
 import pytest
+from train_cli import run_train
 
 PARITY = 1e-5
 
 
-def ldt_train(tmp_path, *overrides, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *overrides, f"run_dir={tmp_path}"],
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    last = proc.stdout.strip().splitlines()[-1]
-    return json.loads(last), proc
+def ldt_train(tmp_path, *overrides, own_process=False):
+    """``(summary, what was printed)`` of ``ldt-train OVERRIDES run_dir=TMP_PATH``."""
+    done = run_train(*overrides, f"run_dir={tmp_path}", own_process=own_process)
+    return done.summary(), done
 
 
 @pytest.mark.timeout(300)
 def test_default_job_trains_and_reports(tmp_path):
     summary, proc = ldt_train(tmp_path, "train.steps=15", "train.log_interval=5",
-                              "train.peak_tflops.cpu=0.087")
+                              "train.peak_tflops.cpu=0.087", own_process=True)
     assert "3 stages, TP [1, 2, 1], dp 1, world 4, U-shape" in proc.stdout  # rank map first
     assert summary["steps"] == 15
     assert summary["final_loss"] < summary["first_loss"] - 0.3  # it learns
@@ -197,7 +196,7 @@ def test_joins_a_torchrun_world(tmp_path):
     assert sorted(p.name for p in (cwd / "out").iterdir()) == ["rank0"]
     assert (cwd / "out" / "rank0" / ".hydra" / "config.yaml").exists()
     assert sorted(p.name for p in cwd.iterdir()) == ["out"]  # the other ranks wrote nothing
-    _, bare = ldt_train(tmp_path / "bare", "train.steps=3")
+    _, bare = ldt_train(tmp_path / "bare", "train.steps=3", own_process=True)
     assert len(proc.stdout.splitlines()) == len(bare.stdout.splitlines()) == 12, proc.stdout
     assert _shape(proc.stdout) == _shape(bare.stdout), proc.stdout
     ranks_stderr = [x for x in proc.stderr.splitlines() if not TORCHRUN_LOG.match(x)]
