@@ -42,7 +42,8 @@ from ldt.launch.lifetime import die_with_parent
 
 PRELOAD = ["ldt.launch.forkserver", "ldt.launch.quiet", "torch", "torch.distributed",
            "megatron.core.parallel_state", "megatron.core.models.gpt",
-           "megatron.core.pipeline_parallel.schedules", "ldt"]
+           "megatron.core.pipeline_parallel.schedules", "ldt",
+           "matplotlib.pyplot"]  # a run's timeline.png: 0.34 s of imports on its reporting rank
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 EXIT_ORPHANED = 70  # a child whose launcher is gone
 
