@@ -519,12 +519,16 @@ def _run(tool, argv, capsys):
 @pytest.fixture
 def guarded(world, monkeypatch):
     """Run in the scratch folder, with every way to start a world replaced by a failure."""
+    import ldt.job.train
     import ldt.launch.local
 
     def no_world(*args, **kwargs):
         raise AssertionError("a world was started: this input should have been refused")
 
-    monkeypatch.setattr(ldt.launch.local, "run_local_world", no_world)
+    # ldt-train's own binding too: imported before, it would start a world unseen; imported
+    # under the patch, it would keep the failure for every later test of the session
+    for module in (ldt.launch.local, ldt.job.train):
+        monkeypatch.setattr(module, "run_local_world", no_world)
     monkeypatch.chdir(world)
     return world
 

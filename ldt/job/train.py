@@ -30,7 +30,7 @@ from ldt.job.prepare import (build_extensions, check, check_run_dir_given, disca
                              resolve, save_config, summary_line)
 from ldt.launch import drill
 from ldt.launch.lifetime import say_stop, stop_with_torchrun_agent
-from ldt.launch.local import WorldError, run_local_world
+from ldt.launch.local import WorldError, run_local_world, start_forkserver_early
 from ldt.schedule.zerobubble import Priced
 from ldt.storage.atomic import check_run_folder
 from ldt.storage.checkpoint_files import AUTO, latest, resume_auto
@@ -159,6 +159,8 @@ def _checked(cfg, hydra_cfg, rank: Optional[int], save_hydra_files):
         return None
     if save_hydra_files is not None:  # the folder that keeps the run's files
         check_run_folder(config.run_dir, _resuming(config, auto))
+    if rank is None:  # a bare launch: its worlds' ranks fork from the forkserver
+        start_forkserver_early()
     for warning in warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
     memory = memory_check(plain, topo, rank)  # before .hydra/: a refusal leaves no folder
