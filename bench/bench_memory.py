@@ -19,7 +19,7 @@ what recomputation costs (issues #24, #45; docs/memory.md).
 
    Both leave out the corpus a data stage holds in host memory as int64 tokens (160000 bytes
    at ``data.max_bytes=20000``), which a device never holds and the estimate does not count.
-2. ``planner``: the planner's analytic memory per stage (``ldt.plan.cost``) next to the
+2. ``planner``: the planner's analytic memory per stage (``ldt.plan.memory_cost``) next to the
    estimate for the plans it makes for the shipped real-size models (flash attention, as the
    planner assumes).
 3. ``recompute``: step time (median of steps 2-6, no tracker) and peak memory per rank with
@@ -331,7 +331,8 @@ def recompute_cost(reps: int = 2) -> list[dict]:
     from ldt.memory import estimate
     from ldt.plan import load_inventory, simulate_plan
     from ldt.plan.clusters import cluster_to_plan
-    from ldt.plan.cost import CostModel, Recompute
+    from ldt.plan.cost import CostModel
+    from ldt.plan.memory_cost import Recompute
     from ldt.topology.validate import validate
     from dataclasses import replace
 

@@ -125,7 +125,7 @@ MEASURED_LAYER_BYTES = {
 def test_activation_model_matches_megatrons_measured_layers(key):
     """The planner's activation model against what megatron-core's code keeps (within 1%)."""
     from ldt.config import to_model
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     family, dtype, tp, sp, attention, recompute = key
     model = to_model(dict(FAMILIES[family], params_dtype=dtype, sequence_parallel=sp))
@@ -334,7 +334,7 @@ def test_selective_mlp_recompute_spares_only_the_dense_layers_of_a_moe_model():
     f 128), and repeats 2 / 6 of a dense MLP's FLOPs."""
     from ldt.config import to_model
     from ldt.job.hydra import compose
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     moe = to_model(compose(["model=qwen3_moe_tiny"]).model)
     dense = to_model({**moe.__dict__, "num_moe_experts": None, "moe_layer_freq": 1})

@@ -216,7 +216,7 @@ GPT_BOUNDARY = 32 * 64 * 4  # an [s, b, h] fp32 tensor
 
 def test_recompute_settings_read_write_and_describe():
     from ldt.config import RecomputeConfig
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     assert Recompute.of(None) is None
     assert Recompute.of(RecomputeConfig()) is None  # the model's setting: none here
@@ -238,7 +238,7 @@ def test_layer_parts_and_selective_recomputation_by_hand():
     """The parts of a gpt layer (GPT_TOKEN); each recomputed module drops its own part
     (layernorm: the norm outputs, i.e. the QKV and fc1 inputs, 2 h); TP 2 halves the split
     parts; local attention keeps the fp32 softmax per score and the mask (4 a + 1) s."""
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
     assert cost.layer_parts("gpu", 1) == GPT_TOKEN
@@ -291,7 +291,7 @@ def test_full_recomputation_keeps_each_groups_input_by_hand():
     """uniform n: one [s, b, h] input per group of n layers (5 layers, n 2: 3 groups); block
     n: the first n layers keep their input, the rest everything; selective: every layer
     without the recomputed module."""
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
     assert cost.decoder_activation_bytes("gpu", 1, 5) == 5 * GPT_LAYER
@@ -312,7 +312,7 @@ def test_recomputation_repeats_the_forward_it_drops_by_hand():
     first n layers' (block); selective: the attention core 4bs^2h (default) and the MLP
     2bsh f + 2bsf h; the norms cost nothing. At TP 4, full repeats the layer's forward with
     its all-reduces; selective runs at the TP group's speed."""
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(FAMILIES["gpt"], _inventory(), micro_batch_size=2)
     fwd1, fwd4 = cost.layer_time("gpu", 1)[0], cost.layer_time("gpu", 4)[0]
@@ -367,7 +367,7 @@ def test_stage_memory_with_sequence_parallelism_at_tp2_by_hand():
     the rank's sequence slice (s b h d / 2)."""
     from dataclasses import replace
 
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(replace(FAMILIES["gpt"], sequence_parallel=True), _inventory(), 2)
     whole = 32 * 2 * 64 * 4
@@ -407,7 +407,7 @@ def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():
     run after the kept ones were freed: nothing more), a selective recomputation's modules
     of one layer; the stage's transient adds it (measured with the estimator on megatron's
     layers, h 16, two layers: +1 and +2 layers, +0.06 of one, +the norms' part)."""
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
     rebuilt = {Recompute("full", "uniform", 1): GPT_LAYER,
@@ -442,7 +442,7 @@ def test_the_heads_logits_and_a_recomputed_layer_both_count():
     """The end chunk's backward runs the head (its logits' gradient, s b V d) and then the
     layers (what recomputation rebuilds); the transient counts both (the estimator measured
     more than the logits' gradient alone on llama3_8b's edge: 2.59 GiB against 1.96)."""
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
 
     cost = CostModel(FAMILIES["gpt"], _inventory(), 1)
     logits = 4 * 32 * 256

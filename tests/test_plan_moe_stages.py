@@ -1,6 +1,6 @@
 """A model that mixes dense and MoE layers (``model.moe_layer_freq``, e.g. first-k-dense):
-each chunk is priced by the layers it holds, not at the model's average (ldt/plan/cost.py,
-:attr:`ChunkLoad.moe_layers`)."""
+each chunk is priced by the layers it holds, not at the model's average (ldt/plan/cost.py and
+ldt/plan/moe_cost.py, :attr:`ChunkLoad.moe_layers`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 
 from ldt.plan import CostModel, Plan, StageSpec
-from ldt.plan.cost import ChunkLoad, Recompute
+from ldt.plan.cost import ChunkLoad
 from ldt.plan.evaluate import _stage_terms
 from ldt.plan.inventory import load_model
+from ldt.plan.memory_cost import Recompute
 from ldt.plan.synthetic import synthetic_inventory
 
 FIRST_DENSE = [0, 0, 1, 1, 1, 1]  # two dense layers first (DeepSeek's first_k_dense_replace)

@@ -202,7 +202,7 @@ def test_a_plan_written_as_a_cluster_reads_back_as_the_plan(tmp_path, plan_of):
     from dataclasses import replace
 
     from ldt.plan import Plan, StageSpec, cluster_to_plan, planned_cluster
-    from ldt.plan.cost import Recompute
+    from ldt.plan.memory_cost import Recompute
     from ldt.topology.ranks import Topology
 
     inventory, model = load_inventory("edge_cloud"), load_model("llama_7b")

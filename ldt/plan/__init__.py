@@ -12,12 +12,13 @@ See ``docs/planner.md`` for what is modelled, what is assumed and how a plan is 
 """
 
 from ldt.plan.clusters import cluster_to_plan, export_timeline, load_cluster
-from ldt.plan.cost import ChunkLoad, CostModel, Memory
+from ldt.plan.cost import ChunkLoad, CostModel
 from ldt.plan.evaluate import (Evaluation, Plan, StageReport, StageSpec, choose_prefetch,
                                closed_form, estimate_plan, simulate_plan, simulate_times)
 from ldt.plan.exhaustive import ExhaustiveResult, exhaustive
 from ldt.plan.inventory import (DeviceKind, Inventory, Link, Workload, load_inventory, load_model,
                                 valid_tp_sizes)
+from ldt.plan.memory_cost import Memory
 from ldt.plan.objective import Objective, choose, devices, hourly_price, pareto_front, step_cost
 from ldt.plan.planner import PlannerOptions, PlanResult, make_cost, plan
 from ldt.plan.results import (cluster_dict, cluster_yaml, front_rows, front_table,

@@ -14,9 +14,9 @@ from ldt.config import ClusterConfig, ConfigError, ModelConfig
 from ldt.config.layout import split_layers
 from ldt.config.load import load_group
 from ldt.models.recompute import stage_recompute
-from ldt.plan.cost import Recompute
 from ldt.plan.evaluate import Evaluation, Plan, StageSpec, lane_groups
 from ldt.plan.inventory import Inventory
+from ldt.plan.memory_cost import Recompute
 from ldt.schedule import to_chrome_trace, to_png
 from ldt.schedule.routing import Lanes
 

@@ -16,7 +16,8 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 from ldt.config.layout import LayerSplit, split_of_counts
-from ldt.plan.cost import ChunkLoad, CostModel, Memory, Recompute
+from ldt.plan.cost import ChunkLoad, CostModel
+from ldt.plan.memory_cost import Memory, Recompute
 from ldt.schedule import Op, SimResult, lower, one_f_one_b, prepare, simulate, u_shape
 from ldt.schedule.routing import Lanes
 from ldt.schedule.vdp import vdp_schedule

@@ -44,9 +44,10 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from ldt.config import ModelConfig
-from ldt.plan.cost import CostModel, Recompute
+from ldt.plan.cost import CostModel
 from ldt.plan.evaluate import MAX_PREFETCH, Evaluation, Plan, StageSpec, dp_allreduce, simulate_plan
 from ldt.plan.inventory import Inventory, Workload, valid_tp_sizes
+from ldt.plan.memory_cost import Recompute
 from ldt.plan.objective import Objective, choose, hourly_price, step_cost
 from ldt.plan.zb_prices import choose_schedule
 
