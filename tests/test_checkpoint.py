@@ -302,17 +302,24 @@ def test_a_resumed_run_sends_the_noise_the_uninterrupted_one_sent(tmp_path):
     assert resumed["losses"] == pytest.approx(through["losses"][2:], abs=1e-6)
 
 
+# qwen3_moe_tiny with its cloud stage's experts spread over its two TP ranks (ep 2: four
+# whole experts of eight on each), then cpu_vtp (TP 2/1/2, ep 1: each expert split)
+EXPERT_PARALLEL = ("model=qwen3_moe_tiny", "cluster.stages.1.ep=2")
+
+
 @pytest.mark.timeout(500)
-def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, full,
-                                                                   host_memory):
+def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, host_memory):
     """Killed with no checkpoint but its snapshots (train.save_every=100), the run started
-    again in another layout (cluster=cpu_vtp: other TP sizes, another rank map) cannot load
-    its ranks' own parts: it joins the old layout's parts into a checkpoint of the run folder
-    and continues from the newest step it could join, not from step 0, with the losses of the
-    uninterrupted run."""
+    again in another layout (cluster=cpu_vtp: other TP sizes, another rank map, the experts
+    no longer spread) cannot load its ranks' own parts: it joins the old layout's parts into a
+    checkpoint of the run folder (attention's TP shards side by side, each expert from the
+    rank that held it) and continues from the newest step it could join, not from step 0,
+    with the losses of the uninterrupted run."""
+    full = run(tmp_path / "full", *EXPERT_PARALLEL, "train.save_every=100")
     run_dir, shm = tmp_path / "run", host_memory
     snapshots = f"train.snapshot_dir={shm}"
-    proc = subprocess.Popen(ldt_train(run_dir, "train.save_every=100", snapshots),
+    proc = subprocess.Popen(ldt_train(run_dir, *EXPERT_PARALLEL, "train.save_every=100",
+                                      snapshots),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
@@ -323,8 +330,8 @@ def test_a_killed_run_continues_from_its_snapshot_in_another_layout(tmp_path, fu
         assert_nothing_left(proc.pid)
     killed_at = len(metrics(run_dir))
     assert files.latest(str(run_dir)) is None  # nothing on disk but the snapshots
-    other = run(run_dir, "cluster=cpu_vtp", "train.resume=auto", "train.save_every=100",
-                snapshots, own_process=True)
+    other = run(run_dir, "model=qwen3_moe_tiny", "cluster=cpu_vtp", "train.resume=auto",
+                "train.save_every=100", snapshots, own_process=True)
     joined = re.search(r"resuming from the snapshot of step (\d+) in host memory, joined from "
                        r"layout \w+ into (\S+)", other["stdout"])
     assert joined, other["stdout"][-3000:]

@@ -74,11 +74,13 @@ def test_parts_held_where_the_stage_is_joined_are_not_sent():
     assert choice.joins == (StageJoin(0, 1, ((0, 1),)), StageJoin(1, 0, ((1, 0), (2, 0))))
 
 
-def test_expert_parallel_stages_are_joined_only_in_their_layout():
-    assert choose([held(0, 0, 0), held(0, 1, 1, ep=2)], -1, 100) is None
-    assert unjoinable([held(0, 0, 0), held(0, 1, 1, ep=2)], -1, 100).endswith(
-        "its stage 1 has expert parallelism (ep 2), whose parts load only into the layout "
-        "that wrote them")
+def test_expert_parallel_stages_are_joined_like_any_other():
+    # stage 1: TP 2 with ep 2, one block of experts on each TP rank: both parts needed
+    parts = [held(0, 0, 0), held(0, 1, 1, 0, 2, ep=2), held(1, 2, 1, 1, 2, ep=2)]
+    assert choose(parts, -1, 100).joins[1] == StageJoin(1, 0, ((1, 0), (2, 1)))
+    assert choose(parts[:2], -1, 100) is None  # the other block's part is gone
+    assert unjoinable(parts[:2], -1, 100).endswith(
+        "no host holds any part of its stage 1's TP rank 1 (its host is gone, no copy)")
 
 
 # ---- join_stage: shards and spans cut by hand ----------------------------------------------
@@ -126,6 +128,62 @@ def test_a_stage_is_joined_into_the_tensors_it_was_cut_from(tp, dp):
         assert torch.equal(optim[name]["exp_avg"], moments[name]), name
         assert float(optim[name]["step"]) == 3.0
     assert model["output_layer.weight"] is model[NORM]  # the tied head under its own name
+
+
+EXPERT = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc{}.weight"
+
+
+def _expert_parts(full: dict, moments: dict, tp: int, ep: int, dp: int, experts: int):
+    """The parts of a TP ``tp`` x DP ``dp`` stage with expert parallelism ``ep``, cut by hand
+    as megatron lays experts out: TP rank t is expert-parallel rank t // (tp / ep), which
+    holds experts k * experts / ep on, each split over the tp / ep ranks of its block
+    (fc1 along rows, gated halves alone; fc2 along columns), under its global number; the
+    rest split over all tp ranks. Each tensor's flat elements then in ``dp`` spans."""
+    etp = tp // ep
+
+    def pieces(name, tensor, t):
+        if ".local_experts." not in name:
+            return tensor.chunk(tp, 1)[t]  # PROJ
+        j = t % etp
+        if name.endswith("fc1.weight"):
+            return torch.cat([h.chunk(etp, 0)[j] for h in tensor.chunk(2, 0)])
+        return tensor.chunk(etp, 1)[j]
+
+    out = []
+    for t in range(tp):
+        block = range(t // etp * experts // ep, (t // etp + 1) * experts // ep)
+        mine = [PROJ] + [EXPERT.format(e, i) for e in block for i in (1, 2)]
+        for d in range(dp):
+            meta = {"tp": tp, "tp_rank": t, "dp_rank": d, "gated": 1, "sharded": 1,
+                    "spans": {}}
+            state = {}
+            for name in mine:
+                shard = pieces(name, full[name], t)
+                state[f"model.{name}"] = shard
+                n = shard.numel()
+                start, end = n * d // dp, n * (d + 1) // dp
+                meta["spans"][name] = [start, end]
+                state[f"optim.{name}.exp_avg"] = pieces(name, moments[name], t).reshape(-1)[
+                    start:end]
+                state[f"optim.{name}.step"] = torch.tensor(3.0)
+            out.append((meta, state))
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,dp", [(2, 2, 1), (4, 2, 2), (4, 4, 1)])
+def test_an_expert_parallel_stage_is_joined_into_the_tensors_it_was_cut_from(tp, ep, dp):
+    experts = 4
+    gen = torch.Generator().manual_seed(tp * 100 + ep * 10 + dp)
+    full = {PROJ: torch.randn(8, 12, generator=gen)}
+    for e in range(experts):
+        full[EXPERT.format(e, 1)] = torch.randn(16, 8, generator=gen)
+        full[EXPERT.format(e, 2)] = torch.randn(8, 8, generator=gen)
+    moments = {k: torch.randn(v.shape, generator=gen) for k, v in full.items()}
+    model, optim = join_stage(_expert_parts(full, moments, tp, ep, dp, experts))
+    assert set(model) == set(full) == set(optim)
+    for name in full:
+        assert torch.equal(model[name], full[name]), name
+        assert torch.equal(optim[name]["exp_avg"], moments[name]), name
 
 
 # ---- a world whose hosts hold different parts ----------------------------------------------

@@ -181,16 +181,14 @@ def _candidates(held: Sequence[Held], after: int, steps: int) -> list[tuple[int,
 def _joins(here: list[Held]) -> tuple[StageJoin, ...] | str:
     """How each stage of one snapshot is joined, or why some stage cannot be: a TP rank with
     no part (its optimizer span of every DP rank, with the distributed optimizer; else any
-    replica's), or expert parallelism (its parts are joined only in its layout)."""
+    replica's). Expert parallelism needs nothing more: every TP rank's part is needed either
+    way, an expert's joined from the block of TP ranks that holds it."""
     stages = here[0].stages
     out = []
     for stage in range(stages):
         mine = [h for h in here if h.stage == stage]
         if not mine:
             return f"no host holds a part of its stage {stage} (its host is gone, no copy)"
-        if any(h.ep != 1 for h in mine):
-            return (f"its stage {stage} has expert parallelism (ep {mine[0].ep}), whose parts "
-                    "load only into the layout that wrote them")
         tp, dp, sharded = mine[0].tp, mine[0].dp, mine[0].sharded
         need = []  # sets of old ranks, one of each needed
         for tp_rank in range(tp):

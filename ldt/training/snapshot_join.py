@@ -161,16 +161,22 @@ def _collect(choice: Choice, snapshot_dir: str, run_dir: str, group) -> dict:
 def join_stage(parts: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     """One old stage's full state from its parts (one per TP rank, and with the distributed
     optimizer one per TP rank and DP rank): ``(model, optimizer)`` as
-    :func:`ldt.training.checkpoint.gather` gives them, under global names."""
+    :func:`ldt.training.checkpoint.gather` gives them, under global names. A parameter is
+    joined from the TP ranks whose parts hold it, in TP rank order: every rank's for most;
+    with expert parallelism an expert's from its expert-TP block only (each part names its
+    experts by their global numbers: :func:`ldt.models.build.param_names`)."""
     meta = parts[0][0]
     tp, gated, sharded = meta["tp"], bool(meta["gated"]), bool(meta["sharded"])
     by_tp = [[(m, s) for m, s in parts if m["tp_rank"] == t] for t in range(tp)]
-    names = [k[len("model."):] for k in by_tp[0][0][1] if k.startswith("model.")]
+    names = list(dict.fromkeys(k[len("model."):] for each in by_tp for k in each[0][1]
+                               if k.startswith("model.")))
     model, optim = {}, {}
     for name in names:
-        shards = [by_tp[t][0][1][f"model.{name}"] for t in range(tp)]
+        holders = [each for each in by_tp if f"model.{name}" in each[0][1]]
+        shards = [each[0][1][f"model.{name}"] for each in holders]
         model[name] = unshard(name, shards, gated=gated)
-        local = [_optimizer_state(name, by_tp[t], shards[t].shape, sharded) for t in range(tp)]
+        local = [_optimizer_state(name, each, shard.shape, sharded)
+                 for each, shard in zip(holders, shards)]
         if local[0]:
             optim[name] = {k: unshard(name, [each[k] for each in local], gated=gated)
                            for k in local[0] if k != "step"} | {"step": local[0]["step"]}
