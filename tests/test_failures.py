@@ -400,6 +400,45 @@ def test_a_refusal_under_torchrun_fills_its_error_file_and_the_first_cause_wins(
     assert json.loads(error_file.read_text())["message"]["message"] == first
 
 
+def test_a_handler_closing_the_held_stderr_leaves_the_real_one_open():
+    """A logging handler made while Hydra composes holds ldt's stand-in for stderr (absl's,
+    made on megatron-core's import from 0.17); when logging is configured again it closes
+    its stream: the real stderr stays open."""
+    import io
+    import logging
+
+    from ldt.job.hydra_guard import HeldStderr
+
+    real = io.StringIO()
+    held = HeldStderr(real)
+    handler = logging.StreamHandler(held)
+    held.release()
+    handler.close()
+    held.close()
+    held.write("still open\n")
+    assert real.getvalue() == "still open\n" and not real.closed
+
+
+def test_an_idle_process_that_lost_its_world_says_so_to_torchrun(tmp_path, monkeypatch,
+                                                                  capsys):
+    """An elastic world's idle process (no rank in the plan) whose store's host is gone
+    exits 1 with one line, on stdout and in the error file torchrun's summary reads."""
+    from ldt.elastic.world import ElasticWorld
+
+    class GoneStore:
+        def wait(self, keys, timeout):
+            raise RuntimeError("Connection reset by peer\nC++ frames...")
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    world = ElasticWorld(rank=None, plan=None, run={}, store=GoneStore())
+    assert world.wait_idle() == 1
+    line = ("ldt: an idle process lost its world before the run ended (Connection reset by "
+            "peer")
+    assert capsys.readouterr().out == line + "\n"
+    assert json.loads(error_file.read_text())["message"]["message"] == line
+
+
 def test_the_step_agreement_group_of_an_accelerator_run_times_out_as_every_group(monkeypatch):
     """On an all-CUDA world (nccl default group) the step agreement runs on a gloo group of
     its own: with train.comm_timeout_s like every group ldt makes, not torch's default of

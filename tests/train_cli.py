@@ -21,8 +21,6 @@ from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from typing import Optional
 
-from ldt.patches import versions
-
 
 @dataclass
 class Finished:
@@ -44,16 +42,32 @@ def run_train(*argv, own_process: bool = False, timeout: float = 240,
     and ``cwd``), where the test reads what the ranks print (a rank's warning, a snapshot
     join's line) or plays a torchrun rank (``RANK`` set: a failing rank leaves by
     ``os._exit``)."""
-    if own_process or versions.holds("share_storage_ext"):
-        # megatron-core 0.17+ (.ci/mcore): after the session's build of its C++ extension
-        # (conftest), main() in pytest's process ended the interpreter ("lost sys.stderr")
-        # under pytest's output capture; those releases keep a process per run
+    if own_process:
         proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *map(str, argv)],
                               capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
         return Finished(proc.returncode, proc.stdout, proc.stderr)
     from ldt.job.train import main
 
+    _absl_off_captured_stderr()
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         code = main([str(a) for a in argv])
     return Finished(code, out.getvalue(), err.getvalue())
+
+
+def _absl_off_captured_stderr() -> None:
+    """Point absl's log handler at ``sys.__stderr__`` before ``main()`` runs in this process.
+
+    absl.logging (imported by ``import megatron.core`` from 0.17: megatron.core.hyper_comm_grid)
+    makes its handler on import, on the ``sys.stderr`` of that moment: in pytest's process,
+    when a test, a test module or the extension fixture (conftest) imported megatron-core
+    first, pytest's capture file. ``main()``'s Hydra configures its logging with
+    ``logging.config.dictConfig``, which closes every handler alive in the process, and
+    absl's ``PythonHandler.close`` closes its stream unless it is the current ``sys.stderr``
+    or ``sys.stdout`` (here ``redirect_stderr``'s buffer, then ldt's ``HeldStderr``): pytest's
+    capture file was closed, the test failed with "I/O operation on closed file" and pytest's
+    process ended with "lost sys.stderr". absl writes a record to the ``sys.stderr`` of the
+    moment anyway (its flags are never parsed here); the stream it holds is only closed."""
+    absl_logging = sys.modules.get("absl.logging")
+    if absl_logging is not None and sys.__stderr__ is not None:
+        absl_logging.get_absl_handler().python_handler.stream = sys.__stderr__

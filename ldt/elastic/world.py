@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +29,7 @@ from typing import Any, Mapping, Optional
 from ldt.config import to_cluster
 from ldt.elastic.nodes import ElasticError, Node, node_from_env
 from ldt.elastic.replan import WorldPlan, plan_world
+from ldt.launch.lifetime import say_stop
 from ldt.plan import load_inventory
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_RANK",
@@ -76,8 +78,9 @@ class ElasticWorld:
         try:
             self.store.wait(["done"], timedelta(days=365))
         except Exception as exc:  # the store's host is gone: so is this world
-            print(f"ldt: an idle process lost its world before the run ended ({exc})".split(
-                "\n")[0], flush=True)
+            # on stdout, as the working ranks' progress; in the error file, as any stop
+            say_stop(f"ldt: an idle process lost its world before the run ended ({exc})"
+                     .split("\n")[0], sys.stdout)
             return 1
         return 0
 

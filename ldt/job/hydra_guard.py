@@ -114,6 +114,10 @@ class HeldStderr:
         if text.strip():
             say_stop(f"ldt: invalid config: {refusal_line(text)}", self.real)
 
+    def close(self) -> None:
+        """Never the real stream's: a logging handler made while this stood in for stderr
+        (absl's, on megatron-core's import) closes it when logging is configured again."""
+
     def __getattr__(self, name):  # fileno, isatty, encoding...: the real stream's
         return getattr(self.real, name)
 
