@@ -144,25 +144,23 @@ def test_a_limit_at_the_peak_fits():
 
 
 @pytest.mark.timeout(120)
-def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_path):
+def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_path, monkeypatch):
     """``ldt-train`` with the middle stage's limit one byte below its peak: exit status 2, the
     one line naming the stage, no run folder, nothing trained."""
-    import subprocess
-    import sys
+    from train_cli import run_train
 
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "ldt.job.train", *OVERRIDES,
-                           f"cluster.stages.1.memory_gib={(PEAK - 1) / 2**30!r}",
-                           f"run_dir={run}"],
-                          capture_output=True, text=True, timeout=100, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
+    monkeypatch.chdir(tmp_path)
+    done = run_train(*OVERRIDES, f"cluster.stages.1.memory_gib={(PEAK - 1) / 2**30!r}",
+                     f"run_dir={run}")
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"ldt: does not fit: stage 1 (s1, ranks 1) needs "
                                f"{PEAK / 2**20:.2f} MiB per rank (estimate) but "
                                f"cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g}; "), lines[0]
-    assert "Traceback" not in proc.stderr and not run.exists()
-    assert "step" not in proc.stdout  # nothing trained
+    assert "Traceback" not in done.stderr and not run.exists()
+    assert "step" not in done.stdout  # nothing trained
 
 
 # train.schedule=zb (each backward split into B and a later W, docs/zero_bubble.md): one
