@@ -24,6 +24,11 @@ def _cluster(*recompute, layout="Et|tt|tt|tL"):
     return ClusterConfig(stages=stages, u_shape=True, layout=layout)
 
 
+# layers 1 and 2 (stage 1 of Et|tt|tt|tL) dense, the others MoE
+MOE = {"num_moe_experts": 4, "moe_ffn_hidden_size": 32, "moe_router_topk": 2,
+       "add_bias_linear": False, "moe_layer_freq": [1, 0, 0, 1, 1, 1]}
+
+
 @pytest.mark.parametrize("model,stage,match", [
     ({"recompute_granularity": "full"}, None,
      r"model.recompute_granularity=full needs model.recompute_method"),
@@ -32,8 +37,14 @@ def _cluster(*recompute, layout="Et|tt|tt|tL"):
     ({"recompute_granularity": "selective", "recompute_num_layers": 2}, None,
      r"model.recompute_num_layers=2 with model.recompute_granularity='selective'"),
     ({"recompute_granularity": "partial"}, None, r"'partial' is not a recompute granularity"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["moe_act"]}, None,
+     r"'moe_act' is not a module ldt recomputes \(megatron's moe_act needs grouped GEMM "
+     r"experts.*core_attn, mlp, layernorm, moe"),
     ({"recompute_granularity": "selective", "recompute_modules": ["moe"]}, None,
-     r"'moe' is not a module ldt recomputes.*core_attn, mlp, layernorm"),
+     r"model.recompute_modules=\['moe'\]: moe recomputes MoE layers and the model has none"),
+    (MOE, RecomputeConfig("selective", modules=["moe"]),
+     r"cluster.stages\[1\].recompute.modules=\['moe'\]: stage 1 \(s1\) holds none of the "
+     r"model's MoE layers"),
     ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, None,
      r"stage 0 \(s0\) with model.add_bias_linear=true.*drop mlp"),
     ({}, RecomputeConfig("full", "block"),

@@ -327,6 +327,9 @@ def test_families_train_with_verify_parity(tmp_path, run):
             assert abs(got / want - 1) <= NORM_RTOL, (run, norms)
 
 
+RECOMPUTE_MOE = ("model.recompute_granularity=selective", "model.recompute_modules=[moe]")
+
+
 @pytest.mark.timeout(400)
 def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
     """qwen3_moe_tiny on the U-shape cpu_demo (its TP 2 cloud stage holds two MoE layers),
@@ -334,14 +337,17 @@ def test_moe_expert_parallel_stage_trains_as_without(tmp_path):
     experts of eight on each rank): verify parity, the same losses and load-balancing losses
     (1e-6 relative), and the same checkpoint, every expert under its global number. The ep 2
     run is on the zero-bubble schedule (train.schedule=zb: the experts' linear layers run their
-    weight gradients in W), so the same checks hold a MoE model under zb."""
+    weight gradients in W) and recomputes its MoE layers' MLPs in the backward (selective
+    ``moe``: the router, the dispatch and the experts run again), so the same checks hold a
+    MoE model under zb and under recomputation."""
     from ldt.models.tensor_files import read_tensors, tensor_index
 
     runs = {}
     for ep in (1, 2):
         runs[ep] = ldt_train(tmp_path / f"ep{ep}", *MOE, "cluster=cpu_demo",
                              f"cluster.stages.1.ep={ep}", "train.steps=3", "train.verify=true",
-                             "train.save_every=3", f"train.schedule={'zb' if ep == 2 else 'auto'}")
+                             "train.save_every=3", f"train.schedule={'zb' if ep == 2 else 'auto'}",
+                             *(RECOMPUTE_MOE if ep == 2 else ()))
         assert runs[ep]["parity_max_abs_diff"] < PARITY, (ep, runs[ep])
     with open(tmp_path / "ep2" / "metrics.csv") as f:
         aux = [float(r["moe_aux_loss"]) for r in csv.DictReader(f)]

@@ -329,6 +329,20 @@ def test_recomputation_repeats_the_forward_it_drops_by_hand():
     assert cost.recompute_time("gpu", 1, 2, Recompute("selective", modules=(
         "core_attn", "layernorm", "mlp"))) == pytest.approx(2 * (core + mlp) / speed1, rel=1e-12)
     assert cost.recompute_time("gpu", 1, 2, Recompute("selective", modules=("layernorm",))) == 0
+    # a MoE model (every layer, 4 experts of width 32, top 2, no gate): selective moe runs
+    # the router (2bsh E) and two experts per token (2 x (2bsh 32 + 2bs 32 h)) again, with
+    # its token dispatch (an all-gather and a reduce-scatter of bsh: one ring all-reduce's
+    # time); mlp recomputes no MoE layer's MLP
+    from dataclasses import replace
+
+    moe = CostModel(replace(FAMILIES["gpt"], add_bias_linear=False, num_moe_experts=4,
+                            moe_ffn_hidden_size=32), _inventory(), micro_batch_size=2)
+    moe_flops = 2 * 2 * 32 * 64 * 4 + 2 * (2 * (2 * 2 * 32 * 64 * 32))
+    dispatch = moe._tp_allreduce(_inventory().kind("gpu"), 4)
+    assert moe.recompute_time("gpu", 4, 3, Recompute("selective", modules=("moe",))) == \
+        pytest.approx(3 * (moe_flops / speed4 + dispatch), rel=1e-12)
+    assert moe.recompute_time("gpu", 4, 3, Recompute("selective", modules=("mlp",))) == 0
+    assert cost.recompute_time("gpu", 4, 3, Recompute("selective", modules=("moe",))) == 0
     lf, lb = cost.layer_time("gpu", 1)
     rc = Recompute("selective", modules=("mlp",))
     assert cost.chunk_time("gpu", 1, ChunkLoad(3, recompute=rc)) == pytest.approx(
@@ -388,6 +402,8 @@ def test_layer_parts_of_grouped_query_rope_and_moe_layers_by_hand():
     copy, the token (h) and the expert's fc1 output and fc2 input ((32 + 32) / tp)."""
     from dataclasses import replace
 
+    from ldt.plan.memory_cost import Recompute
+
     gqa = CostModel(replace(FAMILIES["gpt"], num_query_groups=2), _inventory(), 1)
     assert gqa.layer_parts("gpu", 1)["qkv"] == 4 * 192
     assert gqa.layer_parts("gpu", 2)["qkv"] == 4 * 192 / 2
@@ -399,6 +415,20 @@ def test_layer_parts_of_grouped_query_rope_and_moe_layers_by_hand():
                             moe_ffn_hidden_size=32), _inventory(), 1)
     assert moe.layer_parts("gpu", 1)["mlp"] == 4 * 4 + 2 * 4 * (64 + 32 + 32)
     assert moe.layer_parts("gpu", 2)["mlp"] == 4 * 4 + 2 * 4 * (64 + (32 + 32) / 2)
+    # gated experts (SwiGLU): fc1's output is 2 x 32 wide, and each copy keeps the gate's
+    # two products as a gated dense MLP does (2 x 32), whatever the dense MLP's width
+    swiglu = CostModel(replace(llama, num_moe_experts=4, moe_ffn_hidden_size=32), _inventory(),
+                       1)
+    assert swiglu.layer_parts("gpu", 1)["mlp"] == 4 * 4 + 2 * 4 * (64 + 64 + 32 + 64)
+    assert swiglu.layer_parts("gpu", 2)["mlp"] == 4 * 4 + 2 * 4 * (64 + (64 + 32 + 64) / 2)
+    # selective moe: the MoE layer's whole MLP part is dropped; mlp drops nothing there
+    for model in (moe, swiglu):
+        parts = model.layer_parts("gpu", 2)
+        tokens = model.s * model.b
+        assert model.layer_activation_bytes("gpu", 2, Recompute("selective", modules=(
+            "moe",))) == pytest.approx(tokens * (sum(parts.values()) - parts["mlp"]), rel=1e-12)
+        assert model.layer_activation_bytes("gpu", 2, Recompute("selective", modules=(
+            "mlp",))) == pytest.approx(tokens * sum(parts.values()), rel=1e-12)
 
 
 def test_recomputation_rebuilds_in_the_backward_what_it_dropped_by_hand():

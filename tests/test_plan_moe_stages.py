@@ -89,8 +89,8 @@ def test_the_planner_s_stage_memo_tells_where_a_stage_s_layers_sit():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_stage_of_dense_layers_and_one_of_moe_layers_are_priced_as_estimated(tp):
+@pytest.mark.parametrize("tp,recompute", [(1, None), (2, None), (1, "moe"), (2, "mlp,moe")])
+def test_a_stage_of_dense_layers_and_one_of_moe_layers_are_priced_as_estimated(tp, recompute):
     """qwen3_moe_tiny at four layers, the first two dense ([0, 0, 1, 1]), on two cpu stages:
     stage 0 the embedding and the dense layers, stage 1 (TP ``tp``, sequence parallelism) the
     MoE layers and the head. The plan's memory per stage (what ``ldt-sim`` reports) bounds
@@ -100,7 +100,8 @@ def test_a_stage_of_dense_layers_and_one_of_moe_layers_are_priced_as_estimated(t
     counters). At the model's average per layer it was not (MiB, planned / estimated, at TP
     1 and 2): stage 0 3.866 / 3.430 (+12.7%; its weights, gradients and Adam state 1.763 /
     1.380), stage 1 3.151 / 3.317 (-5.0%; 1.764 / 2.147) and 1.662 / 1.764 (-5.8%); now
-    3.511 / 3.430, 3.521 / 3.317 and 1.867 / 1.764."""
+    3.511 / 3.430, 3.521 / 3.317 and 1.867 / 1.764. With ``recompute``, stage 1 recomputes
+    those modules (selective; ``moe``: its MoE layers' whole MLP)."""
     from omegaconf import OmegaConf
 
     from ldt.config import typed_config
@@ -112,7 +113,9 @@ def test_a_stage_of_dense_layers_and_one_of_moe_layers_are_priced_as_estimated(t
         "model=qwen3_moe_tiny", "model.num_layers=4", "model.moe_layer_freq=[0,0,1,1]",
         "cluster.u_shape=false", "cluster.layout=Ett|ttL",
         f"cluster.stages=[{{name:a,device:cpu,tp:1}},{{name:b,device:cpu,tp:{tp}}}]",
-        "train.micro_batch_size=1", "train.num_microbatches=4", "train.runtime=ldt"]),
+        "train.micro_batch_size=1", "train.num_microbatches=4", "train.runtime=ldt",
+        *([] if recompute is None else ["cluster.stages.1.recompute.granularity=selective",
+                                        f"cluster.stages.1.recompute.modules=[{recompute}]"])]),
         resolve=True)
     estimated = estimate_here(cfg)
     c = typed_config(cfg)

@@ -29,9 +29,11 @@ def at_least(group: str, obj: Any, name: str, low: float, fix: str) -> None:
 
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
-"""Megatron's selective-recompute modules that a dense model has (its MoE / MLA ones need a
-model ldt does not build)."""
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe")
+"""Megatron's selective-recompute modules ldt's models have: ``mlp`` a dense layer's MLP,
+``moe`` a MoE layer's whole MLP (router, dispatch, experts). Megatron's others need what ldt
+does not build: ``moe_act`` grouped GEMM experts, ``mla_up_proj`` multi-latent attention,
+``shared_experts`` shared experts."""
 
 
 def check_recompute(field: Any, granularity, method, num_layers, modules) -> None:
@@ -74,6 +76,7 @@ def check_recompute(field: Any, granularity, method, num_layers, modules) -> Non
     if bad or (modules is not None and not modules):
         raise ConfigError(
             f"{field('modules')}={list(modules)}: "
-            + (f"{bad[0]!r} is not a module ldt recomputes (megatron's MoE and MLA modules are "
-               "not supported; on a MoE model mlp recomputes the dense layers' MLPs); "
+            + (f"{bad[0]!r} is not a module ldt recomputes (megatron's moe_act needs grouped "
+               "GEMM experts, mla_up_proj and shared_experts models ldt does not build; on a "
+               "MoE model moe recomputes the MoE layers' MLPs, mlp the dense layers'); "
                if bad else "empty; ") + f"use some of {', '.join(RECOMPUTE_MODULES)}")

@@ -90,6 +90,7 @@ def check_stages(model: ModelConfig, cluster, topo) -> None:
                 "parameter out of the recompute checkpoint, whose backward then recomputes "
                 "itself until memory runs out; drop mlp (core_attn, layernorm work), or use "
                 "full recompute")
+        _check_moe_module(model, rc, prefix, i, stage.name, topo)
         if rc is None or rc.method != "uniform" or topo.split is None:
             continue
         field = prefix + "num_layers"
@@ -101,3 +102,19 @@ def check_stages(model: ModelConfig, cluster, topo) -> None:
                     f"{chunk.index}: megatron's uniform recompute walks each chunk in groups of "
                     f"that many layers; use a divisor of {chunk.num_layers} (1 always works), "
                     "or method block")
+
+
+def _check_moe_module(model: ModelConfig, rc, prefix: str, i: int, name: str, topo) -> None:
+    """``moe`` recomputes MoE layers only (megatron ignores it elsewhere): refused on a model
+    without MoE layers, and in a stage's own setting when the stage holds none of them."""
+    if rc is None or "moe" not in (rc.modules or []):
+        return
+    moe = model.moe_layers()
+    if not any(moe):
+        raise ConfigError(f"{prefix}modules={rc.modules}: moe recomputes MoE layers and "
+                          "the model has none; use mlp for its MLPs")
+    if prefix.startswith("cluster.") and topo.split is not None and not any(
+            moe[layer] for chunk in topo.split.stage_chunks(i) for layer in chunk.layers):
+        raise ConfigError(f"{prefix}modules={rc.modules}: stage {i} ({name}) holds none of "
+                          "the model's MoE layers; remove moe there (mlp recomputes its dense "
+                          "layers' MLPs)")

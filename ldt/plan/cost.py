@@ -124,6 +124,11 @@ class CostModel:
             return self.moe.share if self.moe is not None else 0.0
         return chunk.moe_layers / chunk.layers
 
+    def holds_moe(self, chunks: list[ChunkLoad]) -> bool:
+        """Whether a stage of these chunks holds a MoE layer (where selective ``moe``
+        recomputation applies)."""
+        return self.moe is not None and any(c.layers and self.moe_share(c) > 0 for c in chunks)
+
     def layer_share(self, share: Optional[float]) -> float:
         """A per-layer price's ``share``: as given, or the model's."""
         return self.moe_share() if share is None else share
@@ -263,18 +268,25 @@ class CostModel:
                        share: Optional[float] = None) -> float:
         """The forward a chunk's recomputation repeats during its backward, seconds: every
         recomputed layer (full), or the recomputed modules' FLOPs (selective: the attention
-        core's ``4bs^2h``, the dense layers' MLP; the norms are negligible). ``share``: of
-        the chunk's layers, as :meth:`layer_flops`'."""
+        core's ``4bs^2h``, the dense layers' MLP, the MoE layers' MLP with its token dispatch
+        again; the norms are negligible). ``share``: of the chunk's layers, as
+        :meth:`layer_flops`'."""
         share = self.layer_share(share)
         granularity = getattr(recompute, "granularity", None)
         if granularity == "full":
             n = layers if recompute.method == "uniform" else min(recompute.num_layers, layers)
             return n * self.layer_time(kind, tp, share)[0]
         b, s, h = self.b, self.s, self.h
+        k = self.inventory.kind(kind)
+        modules = memory_cost.selective_modules(recompute)
         flops = {"core_attn": 4 * b * s * s * h,
                  "mlp": (1.0 - share) * (2 * b * s * h * self.fc1 + 2 * b * s * self.f * h)}
-        per_layer = sum(flops.get(m, 0.0) for m in memory_cost.selective_modules(recompute))
-        return layers * per_layer / self._speed(self.inventory.kind(kind), tp)
+        comm = 0.0
+        if self.moe is not None and "moe" in modules:
+            flops["moe"] = share * moe_mlp_flops(self.moe, b, s, h)
+            comm = share * moe_dispatch_time(self, k, tp)
+        per_layer = sum(flops.get(m, 0.0) for m in modules) / self._speed(k, tp) + comm
+        return layers * per_layer
 
     def chunk_time(self, kind: str, tp: int, chunk: ChunkLoad) -> tuple[float, float]:
         share = self.moe_share(chunk)

@@ -297,7 +297,8 @@ def recompute_levels(cost: CostModel, kind: str, tp: int, chunks: list[ChunkLoad
     """What the planner tries on a stage that does not fit: megatron's selective
     recomputation of what is cheap to redo and worth keeping out (the norms' outputs and
     internals; the attention scores without flash attention), then also the MLP (a model
-    without biases: megatron cannot recompute a biased MLP), full ``block`` recomputation of
+    without biases: megatron cannot recompute a biased MLP) and on a stage with MoE layers
+    their MLPs (``moe``), full ``block`` recomputation of
     the first n layers of each chunk, n < its layers, and full recomputation of every layer
     (``uniform``, 1 layer per group) last, the one that keeps the least (:data:`KEEPS_LEAST`).
     Ordered by the time they add on a stage of ``kind`` and ``tp`` with these ``chunks``: the
@@ -306,6 +307,10 @@ def recompute_levels(cost: CostModel, kind: str, tp: int, chunks: list[ChunkLoad
     levels = [Recompute("selective", modules=cheap)]
     if not cost.model.add_bias_linear:
         levels.append(Recompute("selective", modules=(*cheap, "mlp")))
+    if cost.holds_moe(chunks):  # the MoE layers' MLPs: router, dispatch and experts again
+        levels.append(Recompute("selective", modules=(*cheap, "moe")))
+        if not cost.model.add_bias_linear:
+            levels.append(Recompute("selective", modules=(*cheap, "mlp", "moe")))
     levels += [Recompute("full", "block", n) for n in range(1, max(c.layers for c in chunks))]
     added = {rc: sum(cost.recompute_time(kind, tp, c.layers, rc, cost.moe_share(c))
                      for c in chunks) for rc in levels}

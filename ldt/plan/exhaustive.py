@@ -21,8 +21,9 @@ sides). It enumerates:
 - every prefetch depth 0..:data:`MAX_PREFETCH` of a U-shape;
 - every recomputation megatron-core accepts on each stage: none; selective over any
   non-empty subset of ``core_attn``, ``layernorm``, ``mlp`` (``mlp`` only without biases:
-  megatron cannot recompute a biased MLP); full ``uniform`` with ``n`` dividing each of the
-  stage's chunks; full ``block`` with ``n`` up to its largest chunk.
+  megatron cannot recompute a biased MLP), ``moe`` (on a stage with MoE layers); full
+  ``uniform`` with ``n`` dividing each of the stage's chunks; full ``block`` with ``n`` up to
+  its largest chunk.
 
 Two reductions keep it small; both are exact, neither is the planner's:
 
@@ -106,9 +107,12 @@ def stage_sequences(inventory: Inventory, model: ModelConfig, ushape: bool, top:
     yield from rec((), left0)
 
 
-def recompute_options(cost: CostModel, chunk_layers: list[int]) -> list[Optional[Recompute]]:
-    """Every recomputation megatron accepts on a stage whose chunks have these layer counts."""
-    modules = ["core_attn", "layernorm"] + ([] if cost.model.add_bias_linear else ["mlp"])
+def recompute_options(cost: CostModel, chunk_layers: list[int], holds_moe: bool = False
+                      ) -> list[Optional[Recompute]]:
+    """Every recomputation megatron accepts on a stage whose chunks have these layer counts
+    (``holds_moe``: some of them MoE layers)."""
+    modules = (["core_attn", "layernorm"] + ([] if cost.model.add_bias_linear else ["mlp"])
+               + (["moe"] if holds_moe else []))
     out: list[Optional[Recompute]] = [None]
     for k in range(1, len(modules) + 1):
         out += [Recompute("selective", modules=c) for c in itertools.combinations(modules, k)]
@@ -128,7 +132,7 @@ def _recomputation(plan: Plan, ev: Evaluation, cost: CostModel
         chunks = plan.stage_chunks(i, ev.stages[i].inflight, cost)
         limit, buffers = cost.memory_limit(st.kind), plan.recv_buffers(i)
         best = None
-        for rc in recompute_options(cost, [c.layers for c in chunks]):
+        for rc in recompute_options(cost, [c.layers for c in chunks], cost.holds_moe(chunks)):
             stated = [replace(c, recompute=rc) for c in chunks]
             if cost.stage_memory(st.kind, st.tp, stated, buffers).total > limit:
                 continue

@@ -193,7 +193,7 @@ def layer_activation_bytes(cost, kind: str, tp: int, recompute=None,
     """One decoder layer, one micro-batch: without recomputation, or with a selective one
     (the recomputed modules keep only their inputs, which other parts keep anyway; a
     selective ``mlp`` only a dense layer's: megatron's ``recompute_mlp`` is off in a MoE
-    layer). ``share``: :meth:`~ldt.plan.cost.CostModel.layer_flops`'."""
+    layer, whose MLP ``moe`` recomputes). ``share``: :meth:`~ldt.plan.cost.CostModel.layer_flops`'."""
     share = cost.layer_share(share)
     parts = layer_parts(cost, kind, tp, share)
     for module in selective_modules(recompute):
@@ -201,6 +201,10 @@ def layer_activation_bytes(cost, kind: str, tp: int, recompute=None,
             parts["core_attn"] = 0.0
         elif module == "mlp":  # the dense layers' (megatron leaves the experts' kept)
             parts["mlp"] -= (1.0 - share) * _dense_mlp_bytes(cost, tp)
+        elif module == "moe" and cost.moe is not None:  # the MoE layers' whole MLP: its
+            # input is the pre-MLP norm's output, which the norms' part keeps
+            parts["mlp"] -= share * moe_activation_per_token(cost, _dense_mlp_bytes(cost, tp),
+                                                             tp, 1.0)
         elif module == "layernorm":  # the norm outputs (QKV, fc1 inputs) and internals
             parts["norms"] -= (2 * cost.d * cost.h + 2 * _norm_bytes(cost)) / \
                 cost.sequence_shards(tp)

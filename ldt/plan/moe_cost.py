@@ -65,6 +65,7 @@ def moe_activation_per_token(cost, dense: float, tp: int, share: float) -> float
     (all-gathered over the TP group) and their expert activations, in place of the dense
     MLP's."""
     e, d, h = cost.moe, cost.d, cost.h
-    dense_mlp = d * (cost.fc1 + cost.f) / tp
-    moe_mlp = 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn) / tp)
+    gated = cost.model.gated_linear_unit
+    dense_mlp = d * (cost.fc1 + cost.f + (2 * cost.f if gated else 0)) / tp
+    moe_mlp = 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn + (2 * e.ffn if gated else 0)) / tp)
     return dense - share * dense_mlp + share * moe_mlp
