@@ -258,9 +258,13 @@ def test_a_reader_that_stops_reading_gets_no_error_message():
 
 
 def test_sim_prices_a_plan_with_plan_s_dtype_and_sequence_parallelism(tmp_path, capsys):
-    """ldt-plan --dtype --sequence-parallel, then ldt-sim with the same two flags on its files:
-    the same memory per stage and the same iteration (without them ldt-sim priced the model
-    file's: a100_910b llama_7b's first stage 45.53 GiB planned, 51.67 simulated)."""
+    """ldt-plan --dtype --sequence-parallel, then ldt-sim on its files, with the same two flags
+    or without them (taken from the train file's header, and said): the same memory per stage
+    and the same iteration. A cluster file away from its train file is priced as the model
+    file says (ldt-sim once did that beside the train file too: a100_910b llama_7b's first
+    stage 45.53 GiB planned, 51.67 simulated)."""
+    import shutil
+
     out = tmp_path / "plans" / "cluster" / "sp.yaml"
     flags = ["--dtype", "float32", "--sequence-parallel"]
     assert plan_tool.main(["--inventory", "a100_910b", "--model", "llama_7b", *flags,
@@ -272,7 +276,15 @@ def test_sim_prices_a_plan_with_plan_s_dtype_and_sequence_parallelism(tmp_path, 
     assert [s["memory_gib"] for s in simulated["stages"]] == \
         [s["memory_gib"] for s in planned["stages"]]
     assert simulated["iteration_time_s"] == pytest.approx(planned["iteration_time_s"], rel=1e-9)
-    assert sim_tool.main(args) == 0  # the model file's bf16, no sequence parallelism
+    assert sim_tool.main(args) == 0  # from the train file's header
+    taken = capsys.readouterr()
+    assert json.loads(taken.out) == simulated
+    assert "model.params_dtype=float32, model.sequence_parallel=true from " in taken.err, \
+        taken.err
+    alone = tmp_path / "sp.yaml"
+    shutil.copy(out, alone)
+    assert sim_tool.main(["--cluster", str(alone), *args[2:], "-m", str(planned[
+        "num_microbatches"])]) == 0  # no train file: the model file's bf16, no SP
     other = json.loads(capsys.readouterr().out)
     assert [s["memory_gib"] for s in other["stages"]] != \
         [s["memory_gib"] for s in planned["stages"]]

@@ -146,7 +146,9 @@ def _simulate(args) -> int:
 
 def _take_planned(args) -> None:
     """Settings not given on the command line from the train file ldt-plan wrote next to the
-    cluster file (``DIR/train/NAME.yaml``): the simulator prices the plan as it was planned."""
+    cluster file (``DIR/train/NAME.yaml``), and the model overrides its header names (what
+    ``--dtype``, ``--sequence-parallel`` and ``--no-flash`` priced): the simulator prices the
+    plan as it was planned."""
     path, planned = read_planned_train(args.cluster) if args.cluster else (None, {})
     taken = []
     for arg, key, default in (("num_microbatches", "num_microbatches", None),
@@ -157,6 +159,17 @@ def _take_planned(args) -> None:
             taken.append(f"{key}={planned[key]}")
         elif getattr(args, arg) is None:
             setattr(args, arg, default)
+    for override in planned.get("model_overrides", ()):  # what ldt-plan's flags priced
+        key, _, value = override.partition("=")
+        if key == "model.params_dtype" and args.dtype is None:
+            args.dtype = value
+        elif key == "model.sequence_parallel" and value == "true" and not args.sequence_parallel:
+            args.sequence_parallel = True
+        elif key == "model.transformer_impl" and value == "local" and not args.no_flash:
+            args.no_flash = True
+        else:
+            continue
+        taken.append(override)
     if taken:
         print(f"ldt-sim: {', '.join(taken)} from {path}", file=sys.stderr)
 

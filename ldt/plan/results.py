@@ -126,8 +126,13 @@ def train_yaml(ev: Evaluation, model_name: str, micro_batch_size: int, cluster_n
             f"{p.num_microbatches} micro-batches x {micro_batch_size}"
             + (f", prefetch {p.prefetch}" if p.prefetch else "")
             + (", the zero-bubble schedule" if ev.schedule == "zb" else "") + ".\n"
-            + (f"# Priced with {' '.join(model_overrides)}: give them to ldt-train too.\n"
+            + (f"{PRICED_WITH}{' '.join(model_overrides)}{PRICED_TAIL}\n"
                if model_overrides else "") + body)
+
+
+# a train file cannot hold model keys: the ones a plan was priced with are this header line
+# (ldt-sim reads them back: read_planned_train)
+PRICED_WITH, PRICED_TAIL = "# Priced with ", ": give them to ldt-train too."
 
 
 def planned_train_path(cluster_path: str) -> Optional[str]:
@@ -142,8 +147,9 @@ def planned_train_path(cluster_path: str) -> Optional[str]:
 
 def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, Any]]:
     """The settings ldt-plan wrote next to ``cluster_path`` (``num_microbatches``,
-    ``micro_batch_size``, ``prefetch`` and ``schedule`` when planned): (that file, settings),
-    or (None, {})."""
+    ``micro_batch_size``, ``prefetch`` and ``schedule`` when planned, and the model overrides
+    it priced with as ``model_overrides``, e.g. ``["model.params_dtype=float32"]``): (that
+    file, settings), or (None, {})."""
     path = planned_train_path(cluster_path)
     if path is None or not os.path.isfile(path):
         return None, {}
@@ -157,6 +163,11 @@ def read_planned_train(cluster_path: str) -> tuple[Optional[str], dict[str, Any]
                           ) from None
     if "schedule" in planned:
         out["schedule"] = str(planned["schedule"])
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.startswith(PRICED_WITH) and line.endswith(PRICED_TAIL):
+                out["model_overrides"] = line[len(PRICED_WITH):-len(PRICED_TAIL)].split()
     return path, out
 
 
