@@ -50,8 +50,8 @@ class RecomputeConfig:
     num_layers: Optional[int] = None
     """``full`` only: layers per group (uniform) or layers recomputed per chunk (block)."""
     modules: Optional[List[str]] = None
-    """``selective`` only: which submodules, from ``core_attn``, ``mlp``, ``layernorm``
-    (default ``[core_attn]``)."""
+    """``selective`` only: which submodules, from ``core_attn``, ``mlp``, ``layernorm`` and,
+    on a stage with MoE layers, ``moe`` (default ``[core_attn]``)."""
 
 
 @dataclass
