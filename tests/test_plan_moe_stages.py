@@ -128,3 +128,25 @@ def test_a_stage_of_dense_layers_and_one_of_moe_layers_are_priced_as_estimated(t
     for p, e in zip(planned, estimated):
         assert e.peak <= p.total <= 1.10 * e.peak, (e.index, p.total / 2**20, e.peak / 2**20)
         assert p.weights + p.grads + p.optimizer == pytest.approx(e.resident, rel=1e-3), e.index
+
+
+def test_moe_recomputation_is_tried_only_where_moe_layers_are():
+    """Selective ``moe`` recomputes MoE layers only (megatron ignores it elsewhere, ldt-train
+    refuses it on a stage without them): the planner offers it on a stage that holds one,
+    and on no other."""
+    from ldt.plan.evaluate import recompute_levels
+
+    mixed, dense, moe = _costs()
+    assert mixed.holds_moe([ChunkLoad(2, moe_layers=1)])
+    assert not mixed.holds_moe([ChunkLoad(2, moe_layers=0), ChunkLoad(0, head=True)])
+    assert moe.holds_moe([ChunkLoad(2)])  # every layer a MoE layer: the model's share
+    assert not moe.holds_moe([ChunkLoad(0, embedding=True), ChunkLoad(0, head=True)])
+    assert not dense.holds_moe([ChunkLoad(2)])
+
+    def offered(cost, chunks):
+        return [rc.modules for rc in recompute_levels(cost, "a100", 1, chunks)
+                if "moe" in rc.modules]
+
+    assert offered(mixed, [ChunkLoad(2, moe_layers=1)]) == [("layernorm", "moe"),
+                                                            ("layernorm", "mlp", "moe")]
+    assert offered(mixed, [ChunkLoad(2, moe_layers=0)]) == offered(dense, [ChunkLoad(2)]) == []
