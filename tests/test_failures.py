@@ -402,19 +402,16 @@ def test_a_refusal_under_torchrun_fills_its_error_file_and_the_first_cause_wins(
 
 def test_a_handler_closing_the_held_stderr_leaves_the_real_one_open():
     """A logging handler made while Hydra composes holds ldt's stand-in for stderr (absl's,
-    made on megatron-core's import from 0.17); when logging is configured again it closes
-    its stream: the real stderr stays open."""
+    made on megatron-core's import from 0.17) and, when logging is configured again, closes
+    the stream it holds (as absl's ``close()`` does): the real stderr stays open."""
     import io
-    import logging
 
     from ldt.job.hydra_guard import HeldStderr
 
     real = io.StringIO()
     held = HeldStderr(real)
-    handler = logging.StreamHandler(held)
     held.release()
-    handler.close()
-    held.close()
+    held.close()  # what the handler's close() does to the stream it holds
     held.write("still open\n")
     assert real.getvalue() == "still open\n" and not real.closed
 
