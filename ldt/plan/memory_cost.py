@@ -29,7 +29,7 @@ holds in flight; each chunk also holds its received input. With sequence paralle
 (``model.sequence_parallel``) on a stage of TP t > 1 the norms' part is split along the
 sequence too (megatron's column-parallel layers save their local slice and gather it again in
 backward), so the layer is divided by t except RoPE's tables; the logits stay ``4V/t``. A MoE
-layer's MLP part: :func:`ldt.plan.moe_cost.moe_activation_per_token`.
+layer's MLP part: :func:`ldt.plan.moe_cost.moe_mlp_activation_per_token`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Optional
 
 from ldt.config import RecomputeConfig
 from ldt.config.load import config_dict
-from ldt.plan.moe_cost import moe_activation_per_token
+from ldt.plan.moe_cost import mix, moe_mlp_activation_per_token
 
 OPTIMIZER_BYTES = {2: 12, 4: 8}  # per param: fp32 master + m + v (16-bit) / m + v (fp32)
 GRAD_BYTES = 4  # megatron's DDP accumulates and reduces gradients in fp32 (fp32 main params)
@@ -175,7 +175,7 @@ def layer_parts(cost, kind: str, tp: int, share: Optional[float] = None
     if cost.model.qk_layernorm:  # Qwen3: q and k normalized per head, before RoPE
         qkv += _qk_norm_bytes(cost) / d
     if cost.moe is not None:  # a MoE layer's router and dispatched tokens
-        mlp = moe_activation_per_token(cost, mlp, tp, cost.layer_share(share))
+        mlp = mix(mlp, moe_mlp_activation_per_token(cost, tp), cost.layer_share(share))
     return {"norms": (d * 4 * h + 2 * _norm_bytes(cost)) / sp,
             "qkv": d * qkv / tp + rope_tables, "core_attn": core,
             "attn_out": d * cost.hd / tp, "mlp": mlp}
@@ -203,8 +203,7 @@ def layer_activation_bytes(cost, kind: str, tp: int, recompute=None,
             parts["mlp"] -= (1.0 - share) * _dense_mlp_bytes(cost, tp)
         elif module == "moe" and cost.moe is not None:  # the MoE layers' whole MLP: its
             # input is the pre-MLP norm's output, which the norms' part keeps
-            parts["mlp"] -= share * moe_activation_per_token(cost, _dense_mlp_bytes(cost, tp),
-                                                             tp, 1.0)
+            parts["mlp"] -= share * moe_mlp_activation_per_token(cost, tp)
         elif module == "layernorm":  # the norm outputs (QKV, fc1 inputs) and internals
             parts["norms"] -= (2 * cost.d * cost.h + 2 * _norm_bytes(cost)) / \
                 cost.sequence_shards(tp)

@@ -59,13 +59,10 @@ def moe_layer_params(cost, dense_layer: float, tp: int, share: float) -> float:
     return dense_layer - share * dense_mlp + share * moe_mlp
 
 
-def moe_activation_per_token(cost, dense: float, tp: int, share: float) -> float:
-    """Activation bytes per token of a layer's MLP, ``share`` of it a MoE layer: a MoE layer
-    keeps the router's fp32 probabilities, the ``topk`` dispatched copies of the token
-    (all-gathered over the TP group) and their expert activations, in place of the dense
-    MLP's."""
+def moe_mlp_activation_per_token(cost, tp: int) -> float:
+    """Activation bytes per token of a MoE layer's MLP (in place of a dense MLP's): the
+    router's fp32 probabilities, the ``topk`` dispatched copies of the token (all-gathered
+    over the TP group) and their expert activations."""
     e, d, h = cost.moe, cost.d, cost.h
     gated = cost.model.gated_linear_unit
-    dense_mlp = d * (cost.fc1 + cost.f + (2 * cost.f if gated else 0)) / tp
-    moe_mlp = 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn + (2 * e.ffn if gated else 0)) / tp)
-    return dense - share * dense_mlp + share * moe_mlp
+    return 4 * e.experts + e.topk * d * (h + (e.fc1 + e.ffn + (2 * e.ffn if gated else 0)) / tp)
