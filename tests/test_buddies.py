@@ -33,11 +33,12 @@ def test_the_elastic_demo():
 
 def test_two_stages_on_one_cloud_host_go_to_the_next():
     """TP 1/2/1/2 on edge | a a a | b b: stage 1 and 2 (host a) -> host b, stage 3 -> a; the
-    holder is spread over the receiving host's ranks."""
+    holder is spread over the receiving host's ranks (ranks 1, 2, 3 -> 4, 5, 4), and a
+    stage's holder is its writer's (copy_holders)."""
     t = topo((1, 2, 1, 2), u_shape=True)
     nodes = ["e", "a", "a", "a", "b", "b"]
     assert by_stage(snapshot_buddies(t, nodes, owner="e")) == [
-        (0, 0, None, EDGE), (1, 1, 5, COPY), (2, 3, 4, COPY), (3, 4, 1, COPY)]
+        (0, 0, None, EDGE), (1, 1, 4, COPY), (2, 3, 4, COPY), (3, 4, 1, COPY)]
 
 
 def test_a_replica_on_another_host_is_the_copy():
@@ -53,7 +54,7 @@ def test_a_replica_on_another_host_is_the_copy():
 
 def test_no_data_owner_every_host_is_cloud():
     t = topo((2, 1))
-    assert by_stage(snapshot_buddies(t, ["x", "x", "y"])) == [(0, 0, 2, COPY), (1, 2, 1, COPY)]
+    assert by_stage(snapshot_buddies(t, ["x", "x", "y"])) == [(0, 0, 2, COPY), (1, 2, 0, COPY)]
     assert by_stage(snapshot_buddies(t, ["x", "x", "x"])) == [(0, 0, None, ALONE),
                                                               (1, 2, None, ALONE)]
 
@@ -90,6 +91,40 @@ def test_every_rank_of_a_copied_stage_sends_its_own_part():
     t = topo((1, 2, 1, 2), u_shape=True)
     assert copy_holders(t, ["e", "a", "a", "a", "b", "b"], owner="e") == {
         1: 4, 2: 5, 3: 4, 4: 1, 5: 2}
+
+
+def test_a_stage_over_several_hosts_spreads_its_copies_around_the_ring():
+    """cpu_demo (TP 1/2/1) with every rank on a host of its own, as bench_snapshot runs it:
+    each rank's part goes to the next cloud host in the ring (c1 -> c2 -> c3 -> c1), so each
+    cloud host keeps one part, not the stage's buddy host two (the stage's TP ranks sent to
+    each other's hosts, and stage 2 to one of them) and another host none."""
+    t = topo((1, 2, 1), u_shape=True)
+    assert copy_holders(t, ["e", "c1", "c2", "c3"], owner="e") == {1: 2, 2: 3, 3: 1}
+    assert copy_holders(t, ["e", "c3", "c1", "c2"], owner="e") == {1: 2, 2: 3, 3: 1}
+    assert copy_holders(t, ["e", "c1", "c3", "c2"], owner="e") == {1: 3, 2: 1, 3: 2}
+
+
+@pytest.mark.parametrize("tps,u_shape,dp", [((1, 2, 1), True, 1), ((1, 2, 1, 2), True, 1),
+                                             ((2, 1, 1, 2), False, 1)])
+def test_every_part_goes_to_the_next_cloud_host_and_stages_agree(tps, u_shape, dp):
+    """Every assignment of the ranks to up to four hosts: a ``copy`` stage's ranks send to a
+    rank of the next cloud host after their own (sorted names, around), and each stage's
+    buddy is its writer's holder."""
+    t = topo(tps, u_shape=u_shape, dp=dp)
+    hosts = ["own", "h1", "h2", "h3"]
+    for rest in itertools.islice(itertools.product(hosts, repeat=t.world_size - 1), 400):
+        nodes = ["own", *rest]
+        holders = copy_holders(t, nodes, owner="own" if u_shape else None)
+        cloud = sorted({n for n in nodes if n != "own" or not u_shape})
+        for b in snapshot_buddies(t, nodes, owner="own" if u_shape else None):
+            ranks = [r for d in range(t.dp_of(b.stage)) for r in t.stage_ranks(b.stage, d)]
+            if b.why != COPY:
+                assert not set(ranks) & holders.keys()
+                continue
+            assert holders[b.writer] == b.holder
+            for r in ranks:
+                after = cloud[(cloud.index(nodes[r]) + 1) % len(cloud)]
+                assert nodes[holders[r]] == after, (nodes, r, holders)
 
 
 def test_a_replica_is_the_copy_unless_the_optimizer_is_sharded():

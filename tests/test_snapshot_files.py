@@ -70,6 +70,26 @@ def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
     assert snap.readable(root, 5, ["rank_0"])
 
 
+def test_a_copy_keeps_its_writers_checksums_so_a_damaged_transfer_is_found(root):
+    """A copy from another host is written with the checksums its writer took (not taken
+    again by its holder): bytes damaged on the way are found when the copy is read, and bytes
+    of another size are refused before they are written."""
+    sent = _state(3)
+    sums = snap.checksums(sent)
+    assert sums["state.bin"]["crc32"] == f"{zlib.crc32(sent['state.bin'].tobytes()):08x}"
+    copies = snap.copies_root(root)
+    snap.write(copies, 3, "rank_1", sent, sums)
+    assert snap.readable(copies, 3, ["rank_1"])
+    damaged = sent["state.bin"].copy()
+    damaged[0, 0] += 1  # a flipped bit on the way: same size, other bytes
+    snap.write(copies, 4, "rank_1", {**sent, "state.bin": damaged}, sums)
+    assert not snap.readable(copies, 4, ["rank_1"])
+    assert snap.readable(copies, 3, ["rank_1"])
+    with pytest.raises(files.CheckpointError, match="not the ones its writer's checksums name"):
+        snap.write(copies, 5, "rank_1", {**sent, "state.bin": sent["state.bin"][:2]}, sums)
+    assert snap.steps(copies) == [4, 3]
+
+
 def test_another_run_folder_or_layout_finds_none(tmp_path, root):
     run = tmp_path / "run"
     shm = str(tmp_path / "shm")

@@ -87,23 +87,35 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
 
 
 def write_part_files(folder: str, part: str, files: dict[str, Any],
-                     algorithm: str = "sha256") -> str:
+                     algorithm: str = "sha256", checksums: Optional[dict] = None) -> str:
     """:func:`write_part_with` for files whose bytes are in memory (``files``: name -> any
     buffer, e.g. a numpy array over a tensor): each written as it is, and its checksum taken
-    from the same memory, not read back (a snapshot part, every step)."""
+    from the same memory, not read back (a snapshot part, every step). ``checksums``: the
+    manifest's files as their writer took them (:func:`checksums_of`; a part received from
+    another host) are kept, not taken again: the part then verifies against what its writer
+    wrote, the transfer included."""
     views = {name: memoryview(data).cast("B") for name, data in files.items()}
+    if checksums is None:
+        checksums = checksums_of(views, algorithm)
+    elif {n: c.get("bytes") for n, c in checksums.items()} != {n: v.nbytes for n, v in views.items()}:
+        raise CheckpointError(f"part {part} of {folder} is not written: its files "
+                              f"({ {n: v.nbytes for n, v in views.items()} } bytes) are not "
+                              f"the ones its writer's checksums name ({checksums})")
+    return _write_part(folder, part, lambda tmp: _save_views(tmp, views),
+                       sum(v.nbytes for v in views.values()), lambda _tmp: checksums, algorithm)
 
-    def save(tmp: str) -> None:
-        for name, view in views.items():
-            with open(os.path.join(tmp, name), "wb") as f:
-                f.write(view)
 
-    def manifest(_tmp: str) -> dict:
-        return {name: {"bytes": view.nbytes, algorithm: _checksum_of(view, algorithm)}
-                for name, view in sorted(views.items())}
+def checksums_of(files: dict[str, Any], algorithm: str) -> dict:
+    """A part manifest's files (name -> bytes and checksum) for files in memory."""
+    views = {name: memoryview(data).cast("B") for name, data in files.items()}
+    return {name: {"bytes": view.nbytes, algorithm: _checksum_of(view, algorithm)}
+            for name, view in sorted(views.items())}
 
-    return _write_part(folder, part, save, sum(v.nbytes for v in views.values()), manifest,
-                       algorithm)
+
+def _save_views(folder: str, views: dict[str, memoryview]) -> None:
+    for name, view in views.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(view)
 
 
 def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int,

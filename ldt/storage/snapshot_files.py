@@ -28,6 +28,7 @@ from ldt.config import ConfigError
 from ldt.storage import checkpoint_files as files
 
 GENERATIONS = 2
+ALGORITHM = "crc32"  # every step's parts: a checksum for torn or damaged bytes, not an adversary
 PREFIX = "ldt-snapshots-"
 ID_FILE = "snapshot_id"  # in the run folder
 COPIES = "copies"  # in a layout's folder: the parts kept for ranks of other hosts
@@ -99,14 +100,21 @@ def part_name(rank: int) -> str:
     return f"rank_{rank}"
 
 
-def write(root: str, step: int, part: str, part_files: dict) -> str:
+def write(root: str, step: int, part: str, part_files: dict,
+          sums: Optional[dict] = None) -> str:
     """Write ``part`` of step ``step``'s snapshot (``part_files``: file name -> its bytes, any
     buffer), then drop this part's generations older than the newest :data:`GENERATIONS`
-    (each writer touches only its own part)."""
+    (each writer touches only its own part). ``sums``: the files' :func:`checksums` as their
+    writer took them (a copy from another host), kept instead of taken again."""
     done = files.write_part_files(files.step_dir(root, step), part, part_files,
-                                  algorithm="crc32")
+                                  algorithm=ALGORITHM, checksums=sums)
     prune(root, part)
     return done
+
+
+def checksums(part_files: dict) -> dict:
+    """The checksums a part's manifest keeps of ``part_files`` (name -> bytes in memory)."""
+    return files.checksums_of(part_files, ALGORITHM)
 
 
 def steps(root: str) -> list[int]:

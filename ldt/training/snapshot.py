@@ -98,31 +98,35 @@ class Snapshots:
 
     def _write(self, step: int) -> None:
         files = {STATE_FILE: self._flat.bytes(), META_FILE: self._meta}
+        sums = snapshot_files.checksums(files)  # taken once: the copy carries them
         try:
-            snapshot_files.write(self.root, step, self.part, files)
+            snapshot_files.write(self.root, step, self.part, files, sums)
         except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
             self._say("failed", f"the snapshot of step {step} could not be written to "
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                       "training goes on")
         if self.copies is not None:
-            self._exchange_copies(step)
+            self._exchange_copies(step, json.dumps(sums).encode())
 
-    def _exchange_copies(self, step: int) -> None:
+    def _exchange_copies(self, step: int, sums: bytes) -> None:
         """Send this rank's part to its holder on another host and keep the parts of the
         ranks it holds for (:func:`ldt.topology.buddies.copy_holders`): every rank takes the
-        same steps, so each copy sent is received. Sends first, then receives, then waits:
+        same steps, so each copy sent is received. A copy travels with its writer's checksums
+        and is kept with them, so it verifies against what its writer wrote (the transfer
+        included) and its holder takes no checksum. Sends first, then receives, then waits:
         copies around a ring of hosts never wait on each other."""
         c = self.copies
         try:
             progress.current().begin("copying the snapshot to another host")  # (a drill's point)
             sends = [] if c.holder is None else [
-                work for data in (self._meta, self._flat.buffer)
+                work for data in (self._meta, self._flat.buffer, sums)
                 for work in isend_buffer(data, c.holder, c.group)]
             for writer in c.writers:
-                got = {name: recv_buffer(writer, c.group).numpy()
-                       for name in (META_FILE, STATE_FILE)}
+                meta, state, their_sums = (recv_buffer(writer, c.group) for _ in range(3))
                 snapshot_files.write(snapshot_files.copies_root(self.root), step,
-                                     snapshot_files.part_name(writer), got)
+                                     snapshot_files.part_name(writer),
+                                     {META_FILE: meta.numpy(), STATE_FILE: state.numpy()},
+                                     json.loads(bytes(their_sums.numpy())))
             for work in sends:
                 work.wait()
         except Exception as exc:  # a peer gone: the world is failing; the next one recovers
