@@ -278,3 +278,49 @@ def test_a_snapshot_of_another_optimizer_is_refused(root, written_by, refused):
             "checkpoint's weights alone with train.load")
     else:
         assert load_local(part, [], [], sgd_run) == 5
+
+
+def test_the_optimizer_step_waits_for_the_takes_copy_and_gets_its_error(root, monkeypatch):
+    """A take copies the state in the writer thread, beside the next step's forward and
+    backward: ``copied()`` (called before the optimizer step) waits for that copy, the part
+    holds the state as it was at the take, and an error of the copy is raised by
+    ``copied()`` in training's thread."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ldt.training import snapshot as snapshot_mod
+
+    release = threading.Event()
+    weights = torch.arange(4.0)
+
+    def slow_state(models, chunks, optimizer, step, run_state):
+        release.wait(10)
+        if step == 2:
+            raise RuntimeError("a tensor of another shape")
+        return {"model.w": weights, "step": torch.tensor(step)}
+
+    monkeypatch.setattr(snapshot_mod, "taken_state", slow_state)
+    monkeypatch.setattr(snapshot_mod, "part_meta", lambda *args: {})
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        snaps = snapshot_mod.Snapshots(root, state=None)
+        snaps.take(1, [], [], None)
+        waiting = threading.Thread(target=snaps.copied)
+        waiting.start()
+        waiting.join(0.3)
+        assert waiting.is_alive()  # the copy is not made yet
+        release.set()
+        waiting.join(10)
+        assert not waiting.is_alive()
+        weights += 1  # the optimizer step, after copied()
+        snaps.take(2, [], [], None)
+        with pytest.raises(RuntimeError, match="another shape"):
+            snaps.copied()
+        snaps.copied()  # raised once
+        _, tensors = snapshot_mod.read_part(os.path.join(files.step_dir(root, 1), "rank_0"))
+        assert torch.equal(tensors["model.w"], torch.arange(4.0)) and int(tensors["step"]) == 1
+        assert snap.steps(root) == [1]  # step 2's copy failed: nothing written
+        snaps.close(finished=True)
+    finally:
+        dist.destroy_process_group()

@@ -291,6 +291,8 @@ def _step(run: _Run, stage: _Stage, step: int) -> tuple[dict, tuple]:
     losses, timed = stage.run_pass(lambda: stage.data.step_iterator(step), step)
     record.begin("grad reduce (data-parallel, tied embedding), global norm, optimizer step",
                  waiting=True)
+    if stage.snapshots is not None:
+        stage.snapshots.copied()  # the last snapshot's copy of the state is made before it changes
     scale = stage.opt.loss_scale()
     lr, norm, applied = stage.opt.step()
     loss, mtp = _step_losses(run, losses)

@@ -2,9 +2,10 @@
 
 After each optimizer step every rank copies its own state to host memory as it is: its
 parameters (its TP shard), and the optimizer's fp32 main parameters, moments and step as this
-rank keeps them (with the distributed optimizer, its DP span). No collective and no gather, so
-a snapshot costs the step a copy, into one flat buffer (:mod:`ldt.training.flat_state`); a
-background thread writes the buffer as the rank's part of the step's snapshot
+rank keeps them (with the distributed optimizer, its DP span). No collective and no gather: a
+background thread copies the state into one flat buffer (:mod:`ldt.training.flat_state`) while
+the next step's forward and backward run (the next optimizer step waits for the copy), then
+writes the buffer as the rank's part of the step's snapshot
 (:mod:`ldt.storage.snapshot_files`: the bytes and their checksums) while training goes on. A
 step's snapshot is whole with every rank's part, so the ranks skip a step together: when any rank's writer is still busy with an earlier step (agreed at the step
 boundary, :class:`ldt.training.guard.StepGuard`), no rank takes this one, and each says so once:
@@ -64,6 +65,8 @@ class Snapshots:
         self.root, self.state, self.copies = root, state, copies
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
+        self._copy_done: Optional[threading.Event] = None  # set once a take's copy is made
+        self._copy_error: Optional[BaseException] = None
         self._flat: Optional[FlatState] = None  # the host buffer the writer reads, refilled each take
         self._meta = b""  # META_FILE: where this rank sits in its layout and the buffer's index
         self._said: set = set()
@@ -76,7 +79,10 @@ class Snapshots:
 
     def take(self, step: int, models, chunks, optimizer, busy: bool = False) -> None:
         """Snapshot the state after step ``step``, unless ``busy``: some rank's writer was
-        still busy when the ranks agreed on the step (then no rank takes it)."""
+        still busy when the ranks agreed on the step (then no rank takes it). The writer
+        thread copies the state too, while the next step's forward and backward run (they
+        read the weights and change neither them nor the optimizer's state); the next
+        optimizer step waits for that copy (:meth:`copied`)."""
         if busy:
             self._say("busy", f"a snapshot of an earlier step was still being written (or "
                       f"copied to another host) when step {step} ended, so no rank snapshots "
@@ -85,16 +91,37 @@ class Snapshots:
             return
         if self._thread is not None:  # done (no writer was busy): its buffer is free
             self._thread.join()
-        tensors = taken_state(models, chunks, optimizer, step,
-                              optimizer.run_state() if optimizer is not None else {})
-        if self._flat is None or not self._flat.fits(tensors):  # the first take
-            self._flat = FlatState(tensors)
-            self._meta = json.dumps({**part_meta(models, chunks, optimizer, self.state),
-                                     "index": self._flat.index}).encode()
-        self._flat.fill(tensors)
-        self._thread = threading.Thread(target=self._write, args=(step,), daemon=True,
+        self._copy_done, self._copy_error = threading.Event(), None
+        self._thread = threading.Thread(target=self._copy_and_write,
+                                        args=(step, models, chunks, optimizer), daemon=True,
                                         name="ldt-snapshot")
         self._thread.start()
+
+    def copied(self) -> None:
+        """Wait until the last take has copied the state (call before anything changes it:
+        the optimizer step); its copy's error, if any, is raised here, in training's thread."""
+        if self._copy_done is None:
+            return
+        self._copy_done.wait()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise error
+
+    def _copy_and_write(self, step: int, models, chunks, optimizer) -> None:
+        try:
+            tensors = taken_state(models, chunks, optimizer, step,
+                                  optimizer.run_state() if optimizer is not None else {})
+            if self._flat is None or not self._flat.fits(tensors):  # the first take
+                self._flat = FlatState(tensors)
+                self._meta = json.dumps({**part_meta(models, chunks, optimizer, self.state),
+                                         "index": self._flat.index}).encode()
+            self._flat.fill(tensors)
+        except BaseException as exc:  # raised in training's thread by copied()
+            self._copy_error = exc
+            return
+        finally:
+            self._copy_done.set()
+        self._write(step)
 
     def _write(self, step: int) -> None:
         files = {STATE_FILE: self._flat.bytes(), META_FILE: self._meta}
@@ -138,6 +165,7 @@ class Snapshots:
         (host memory), a stopped or failed one keeps them for its restart."""
         if self._thread is not None:
             self._thread.join()
+        self.copied()
         if finished:
             for writer in () if self.copies is None else self.copies.writers:
                 snapshot_files.remove(snapshot_files.copies_root(self.root),
