@@ -19,7 +19,7 @@ from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError
 from ldt.storage.snapshot_parts import META_FILE, Held, StageJoin, choose, held_here, unjoinable
 from ldt.training.flat_state import FlatState
-from ldt.training.snapshot import STATE_FILE
+from ldt.storage.snapshot_parts import STATE_FILE
 from ldt.training.snapshot_join import join_stage
 
 PROJ = "decoder.layers.0.self_attention.linear_proj.weight"  # split along dim 1

@@ -97,7 +97,8 @@ def write_part_files(folder: str, part: str, files: dict[str, Any],
     views = {name: memoryview(data).cast("B") for name, data in files.items()}
     if checksums is None:
         checksums = checksums_of(views, algorithm)
-    elif {n: c.get("bytes") for n, c in checksums.items()} != {n: v.nbytes for n, v in views.items()}:
+    elif ({n: c.get("bytes") for n, c in checksums.items()}
+          != {n: v.nbytes for n, v in views.items()}):
         raise CheckpointError(f"part {part} of {folder} is not written: its files "
                               f"({ {n: v.nbytes for n, v in views.items()} } bytes) are not "
                               f"the ones its writer's checksums name ({checksums})")

@@ -26,6 +26,7 @@ from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, step_dir, verify_part
 
 META_FILE = "meta.json"  # in each part: Held's fields (optimizer by name) but holder, layout, step
+STATE_FILE = "state.bin"  # in each part: the flat buffer (ldt.training.flat_state)
 
 OPTIMIZERS = OPTIMIZER_NAMES
 """``train.optimizer.name``'s values, numbered: a part's optimizer crosses between ranks as

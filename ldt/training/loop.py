@@ -41,7 +41,7 @@ from ldt.schedule.zerobubble import Priced
 from ldt.topology.device import rank_device, use_device
 from ldt.topology.ranks import Topology
 from ldt.topology.validate import validate
-from ldt.training import checkpoint, moe, snapshot, snapshot_join
+from ldt.training import checkpoint, moe, snapshot, snapshot_copies, snapshot_join
 from ldt.training.guard import (Decision, Stop, StepGuard, StopSignals, nonfinite_stop,
                                 peak_memory_gib, save_failed_stop, signal_stop)
 from ldt.training.observe import CommAudit, FiniteCheck
@@ -181,7 +181,7 @@ def _build_stage(run: _Run) -> _Stage:
     ldt_runtime = runs_on_ldt_runtime(topo.u_shape, topo.is_vdp, cfg.train.runtime,
                                       cfg.train.schedule)
     run_pass = _schedule_pass(run, opt.chunks, data, ldt_runtime)
-    snaps = (snapshot.Snapshots(root, state, snapshot.copies(
+    snaps = (snapshot.Snapshots(root, state, snapshot_copies.copies(
         topo, cfg.train.distributed_optimizer, cfg.train.comm_timeout_s), first_step)
              if root else None)
     return _Stage(chunks, opt.chunks, opt, data, first_step, ldt_runtime, run_pass, snaps)

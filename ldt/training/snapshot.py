@@ -22,14 +22,10 @@ checkpoint the run resumes from (:func:`newest`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import socket
 import sys
 import threading
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -39,14 +35,12 @@ from ldt.launch import progress
 from ldt.models.sharding import is_gated
 from ldt.storage import snapshot_files
 from ldt.storage.checkpoint_files import CheckpointError, latest, read_info, step_dir
-from ldt.storage.snapshot_parts import META_FILE, check_optimizer
-from ldt.topology.buddies import copy_holders
-from ldt.training import flat_state
+from ldt.storage.snapshot_parts import META_FILE, STATE_FILE, check_optimizer
+from ldt.training import flat_state, snapshot_copies
 from ldt.training.checkpoint import named_params
 from ldt.training.flat_state import FlatState
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
-STATE_FILE = "state.bin"  # in each part: the flat buffer; its index is in META_FILE
 
 
 def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
@@ -60,8 +54,8 @@ def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
 class Snapshots:
     """One rank's snapshots (every rank writes its own part)."""
 
-    def __init__(self, root: str, state, copies: Optional["Copies"] = None,
-                 first_step: int = 0):
+    def __init__(self, root: str, state,
+                 copies: Optional[snapshot_copies.Copies] = None, first_step: int = 0):
         self.root, self.state, self.copies = root, state, copies
         self.part = snapshot_files.part_name(dist.get_rank())
         self._thread: Optional[threading.Thread] = None
@@ -133,32 +127,12 @@ class Snapshots:
                       f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
                       "training goes on")
         if self.copies is not None:
-            self._exchange_copies(step, json.dumps(sums).encode())
-
-    def _exchange_copies(self, step: int, sums: bytes) -> None:
-        """Send this rank's part to its holder on another host and keep the parts of the
-        ranks it holds for (:func:`ldt.topology.buddies.copy_holders`): every rank takes the
-        same steps, so each copy sent is received. A copy travels with its writer's checksums
-        and is kept with them, so it verifies against what its writer wrote (the transfer
-        included) and its holder takes no checksum. Sends first, then receives, then waits:
-        copies around a ring of hosts never wait on each other."""
-        c = self.copies
-        try:
-            progress.current().begin("copying the snapshot to another host")  # (a drill's point)
-            sends = [] if c.holder is None else [
-                work for data in (self._meta, self._flat.buffer, sums)
-                for work in isend_buffer(data, c.holder, c.group)]
-            for writer in c.writers:
-                meta, state, their_sums = (recv_buffer(writer, c.group) for _ in range(3))
-                snapshot_files.write(snapshot_files.copies_root(self.root), step,
-                                     snapshot_files.part_name(writer),
-                                     {META_FILE: meta.numpy(), STATE_FILE: state.numpy()},
-                                     json.loads(bytes(their_sums.numpy())))
-            for work in sends:
-                work.wait()
-        except Exception as exc:  # a peer gone: the world is failing; the next one recovers
-            self._say("copy", f"the copies of step {step}'s snapshot to or from another host "
-                      f"failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+            try:
+                snapshot_copies.exchange(self.copies, self.root, step, self._meta,
+                                         self._flat.buffer, sums)
+            except Exception as exc:  # a peer gone: the world is failing; the next one recovers
+                self._say("copy", f"the copies of step {step}'s snapshot to or from another "
+                          f"host failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
 
     def close(self, finished: bool) -> None:
         """Wait for the last write; a run that trained all its steps removes its snapshots
@@ -177,58 +151,6 @@ class Snapshots:
             self._said.add(what)
             print(f"ldt: warning: rank {dist.get_rank()} (stage {self.state.stage}): {text}",
                   file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Copies:
-    """Where this rank's snapshot part is copied (``holder``, None: nowhere) and whose parts
-    it keeps (``writers``), over ``group`` (gloo, its own: the copies travel from the writer
-    thread while training uses the others)."""
-
-    holder: Optional[int]
-    writers: tuple[int, ...]
-    group: object
-
-
-def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copies]:
-    """This rank's :class:`Copies` (collective over all ranks): each rank's host is its
-    torchrun node (``GROUP_RANK``) or, without torchrun, its host name (the bare launcher's
-    ranks are on one host); the data owner's host
-    is the U-shape edge's, whose parts are never copied (:mod:`ldt.topology.buddies`).
-    None when no rank has a copy to make (one host)."""
-    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    here = os.environ.get("GROUP_RANK")  # torchrun's node (and ldt.testing.hosts')
-    key = hashlib.sha256((here or socket.gethostname()).encode()).digest()[:7]
-    mine = torch.tensor([int.from_bytes(key, "big")], dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine, group=group)
-    nodes = [f"{int(t.item()):014x}" for t in every]
-    owner = nodes[topo.leader(0)] if topo.u_shape else None
-    holders = copy_holders(topo, nodes, owner, sharded=distributed_optimizer)
-    if not holders:
-        dist.destroy_process_group(group)
-        return None
-    rank = dist.get_rank()
-    return Copies(holders.get(rank), tuple(sorted(w for w, h in holders.items() if h == rank)),
-                  group)
-
-
-def isend_buffer(data, dst: int, group) -> list:
-    """Send ``data`` (bytes, or a uint8 tensor as it is: a part's flat buffer) to global rank
-    ``dst``: its length, then its bytes (two works to wait)."""
-    if not isinstance(data, torch.Tensor):
-        data = flat_state.byte_tensor(data)
-    return [dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group),
-            dist.isend(data, dst, group=group)]
-
-
-def recv_buffer(src: int, group) -> torch.Tensor:
-    """What :func:`isend_buffer` sent from ``src``, as a uint8 tensor."""
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return data
 
 
 def _unique_params(models, chunks):

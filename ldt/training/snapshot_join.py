@@ -28,13 +28,13 @@ import torch.distributed as dist
 from ldt.launch import progress
 from ldt.models.sharding import unshard
 from ldt.storage import checkpoint_files as files
-from ldt.storage.snapshot_parts import (META_FILE, Choice, Held, check_optimizer, choose,
-                                        held_here, layout_name, part_folder, unjoinable)
+from ldt.storage.snapshot_parts import (META_FILE, STATE_FILE, Choice, Held, check_optimizer,
+                                        choose, held_here, layout_name, part_folder, unjoinable)
 from ldt.training.checkpoint import load_step, write_and_seal
 from ldt.training import flat_state
 from ldt.training.optim import PARAM_STATE_KINDS, RUN_STATE_KEYS
-from ldt.training.snapshot import (STATE_FILE, isend_buffer, load_newest, read_part,
-                                   recv_buffer, resumes_after, run_state_of)
+from ldt.training.snapshot import load_newest, read_part, resumes_after, run_state_of
+from ldt.training.snapshot_copies import isend_buffer, recv_buffer
 
 FIELDS = len(Held.__dataclass_fields__)
 

@@ -1,0 +1,101 @@
+"""Every cloud rank's snapshot part also on another host: who sends to whom, and the transfer.
+
+Who keeps whose part is decided once, at the start (:func:`copies`, from
+:func:`ldt.topology.buddies.copy_holders`); after each snapshot a rank's writer thread sends
+its part, with the checksums it took, to its holder and keeps the parts of the ranks it holds
+for (:func:`exchange`), over a gloo group of its own while training uses the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ldt.launch import progress
+from ldt.storage import snapshot_files
+from ldt.storage.snapshot_parts import META_FILE, STATE_FILE
+from ldt.topology.buddies import copy_holders
+from ldt.training import flat_state
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Where this rank's snapshot part is copied (``holder``, None: nowhere) and whose parts
+    it keeps (``writers``), over ``group`` (gloo, its own: the copies travel from the writer
+    thread while training uses the others)."""
+
+    holder: Optional[int]
+    writers: tuple[int, ...]
+    group: object
+
+
+def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copies]:
+    """This rank's :class:`Copies` (collective over all ranks): each rank's host is its
+    torchrun node (``GROUP_RANK``) or, without torchrun, its host name (the bare launcher's
+    ranks are on one host); the data owner's host
+    is the U-shape edge's, whose parts are never copied (:mod:`ldt.topology.buddies`).
+    None when no rank has a copy to make (one host)."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    here = os.environ.get("GROUP_RANK")  # torchrun's node (and ldt.testing.hosts')
+    key = hashlib.sha256((here or socket.gethostname()).encode()).digest()[:7]
+    mine = torch.tensor([int.from_bytes(key, "big")], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=group)
+    nodes = [f"{int(t.item()):014x}" for t in every]
+    owner = nodes[topo.leader(0)] if topo.u_shape else None
+    holders = copy_holders(topo, nodes, owner, sharded=distributed_optimizer)
+    if not holders:
+        dist.destroy_process_group(group)
+        return None
+    rank = dist.get_rank()
+    return Copies(holders.get(rank), tuple(sorted(w for w, h in holders.items() if h == rank)),
+                  group)
+
+
+def exchange(c: Copies, root: str, step: int, meta: bytes, buffer: torch.Tensor,
+             sums: dict) -> None:
+    """Send this rank's part of step ``step`` (``meta`` and the flat ``buffer``, with their
+    checksums ``sums``) to its holder on another host and keep the parts of the ranks it
+    holds for under ``root``'s copies: every rank takes the same steps, so each copy sent is
+    received. A copy travels with its writer's checksums and is kept with them, so it
+    verifies against what its writer wrote (the transfer included) and its holder takes no
+    checksum. Sends first, then receives, then waits: copies around a ring of hosts never
+    wait on each other."""
+    progress.current().begin("copying the snapshot to another host")  # (a drill's point)
+    sends = [] if c.holder is None else [
+        work for data in (meta, buffer, json.dumps(sums).encode())
+        for work in isend_buffer(data, c.holder, c.group)]
+    for writer in c.writers:
+        their_meta, state, their_sums = (recv_buffer(writer, c.group) for _ in range(3))
+        snapshot_files.write(snapshot_files.copies_root(root), step,
+                             snapshot_files.part_name(writer),
+                             {META_FILE: their_meta.numpy(), STATE_FILE: state.numpy()},
+                             json.loads(bytes(their_sums.numpy())))
+    for work in sends:
+        work.wait()
+
+
+def isend_buffer(data, dst: int, group) -> list:
+    """Send ``data`` (bytes, or a uint8 tensor as it is: a part's flat buffer) to global rank
+    ``dst``: its length, then its bytes (two works to wait)."""
+    if not isinstance(data, torch.Tensor):
+        data = flat_state.byte_tensor(data)
+    return [dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group),
+            dist.isend(data, dst, group=group)]
+
+
+def recv_buffer(src: int, group) -> torch.Tensor:
+    """What :func:`isend_buffer` sent from ``src``, as a uint8 tensor."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    return data
