@@ -43,11 +43,11 @@ def test_the_drill_fires_at_its_point_of_its_step(killed, point, label, other):
 def test_the_labels_are_the_ones_ldt_marks():
     import inspect
 
-    from ldt.training import loop, snapshot
+    from ldt.training import loop, snapshot_copies
 
     assert "grad reduce (data-parallel, tied embedding), global norm, optimizer step" in \
         inspect.getsource(loop)
-    assert '"copying the snapshot to another host"' in inspect.getsource(snapshot)
+    assert '"copying the snapshot to another host"' in inspect.getsource(snapshot_copies)
 
 
 @pytest.mark.parametrize("text", ["0:forward", "x:forward", "2:sideways", "forward"])
