@@ -471,12 +471,26 @@ def test_refused_before_any_process(model, train, words):
         validate(cfg["cluster"], cfg["model"], train=cfg["train"])
 
 
-def _train_then_stop_keeping_snapshots(rank, world, cfg, run_dir):
+def _train_then_stop_keeping_snapshots(rank, world, cfg, run_dir, slow_copy_of=None):
     """``train_worker`` whose ranks end like killed ones as far as snapshots go: the last
-    step's snapshot stays in host memory (a finished run would remove it)."""
+    step's snapshot stays in host memory (a finished run would remove it). With
+    ``slow_copy_of``, the writer thread copies that step's state 2 s late, long after the
+    next step's forward and backward: only the loop's wait before the optimizer step
+    (``Snapshots.copied``) keeps that step's update out of the snapshot."""
+    import time
+
     from ldt.training import snapshot
 
     snapshot.Snapshots.close = lambda self, finished: self._thread and self._thread.join()
+    if slow_copy_of is not None:
+        taken_state = snapshot.taken_state
+
+        def late(models, chunks, optimizer, step, run_state):
+            if step == slow_copy_of:
+                time.sleep(2.0)
+            return taken_state(models, chunks, optimizer, step, run_state)
+
+        snapshot.taken_state = late
     return train_worker(rank, world, cfg, run_dir)
 
 
@@ -486,17 +500,25 @@ def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tm
     """Snapshots hold each rank's own state as it is (train.snapshot_dir): a bf16 run with fp32
     main params, the distributed optimizer over DP 2 and a tied U-shape edge, whose ranks stop
     after step 1 leaving their snapshots, continues from them with the uninterrupted run's
-    losses, gradient norms and weights, bit for bit (the same ranks, the same state)."""
+    losses, gradient norms and weights, bit for bit (the same ranks, the same state). The
+    snapshot of step 1 is copied 2 s late, while step 2 trains, and the run continues from it
+    (step 2's is removed): step 2's optimizer step must wait for that copy."""
+    import glob
+    import shutil
+
     shm = host_memory
     cfg = _cfg([1, 1], dp=2, u_shape=True, steps=4, save_every=4, distributed_optimizer=True,
                model={"params_dtype": "bfloat16", "tie_embeddings": True},
-               lr=1e-3, min_lr=1e-3, warmup_steps=0)  # the same lr in a run of 2 steps
+               lr=1e-3, min_lr=1e-3, warmup_steps=0)  # the same lr in a run of 3 steps
     whole = _train(cfg, tmp_path / "whole")
-    cut = typed_config({**cfg, "train": {**cfg["train"], "steps": 2,
+    cut = typed_config({**cfg, "train": {**cfg["train"], "steps": 3,
                                          "snapshot_dir": str(shm)}})
-    run_local_world(4, _train_then_stop_keeping_snapshots, (cut, str(tmp_path / "run")),
+    run_local_world(4, _train_then_stop_keeping_snapshots, (cut, str(tmp_path / "run"), 1),
                     timeout_s=300, comm_timeout_s=60)
-    assert os.listdir(shm), "the stopped run left no snapshot"
+    assert len(glob.glob(f"{shm}/**/step_0000001/rank_*", recursive=True)) == 4, \
+        "the stopped run left no snapshot of step 1"
+    for newer in glob.glob(f"{shm}/**/step_0000002", recursive=True):
+        shutil.rmtree(newer)
     rows = _train({**cfg, "train": {**cfg["train"], "snapshot_dir": str(shm)}}, tmp_path / "run")
     assert len(rows) == 4  # steps 0-1 of the first run, 2-3 from its snapshot of step 1
     assert rows[2:] == whole[2:], (rows, whole)
