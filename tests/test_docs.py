@@ -27,10 +27,10 @@ document under docs/ is picked up without an edit here.
   must have at least one.
 
 A document that needs a new fixture or placeholder adds it to ``doc_fixtures.FIXTURES`` or
-:data:`PLACEHOLDERS`; a new kind of claim to check goes in :data:`CHECKS`. Commands that start
-worlds run one after another: the whole file took 205 s on the 2-core machine with a load
-average of ~3.5 from other jobs (16 blocks, 21 worlds or audits); the ldt-audit block is ~45 s
-of it.
+:data:`PLACEHOLDERS`; a new kind of claim to check goes in :data:`CHECKS`. The blocks run
+ahead of their tests, two documents at a time (:class:`Lanes`; ``LDT_DOC_LANES=1``: one after
+another), each document's blocks in order; a test reports its block. On the 2-core machine the
+34 blocks took 238 s so (the 2 cores 97% busy), 343 s one document after another.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from typing import Callable, Optional
 
 import pytest
@@ -233,14 +235,17 @@ def _split_comment(command: str) -> tuple[str, str, str]:
     return command, "", ""
 
 
-def run(command: str, cwd: str, timeout: float = COMMAND_TIMEOUT_S):
-    """bash -c in its own process group; on a timeout the whole group is killed."""
+def run(command: str, cwd: str, timeout: float = COMMAND_TIMEOUT_S, live: Optional[set] = None):
+    """bash -c in its own process group; on a timeout the whole group is killed. ``live``:
+    the running commands' process ids, for whoever must stop them early."""
     env = dict(os.environ, PWD=cwd, PATH=os.path.join(cwd, ".venv", "bin") + os.pathsep
                + os.environ.get("PATH", ""))
     env.pop("VIRTUAL_ENV", None)
     proc = subprocess.Popen(["bash", "-o", "pipefail", "-c", command], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, stdin=subprocess.DEVNULL)
+    if live is not None:
+        live.add(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -252,6 +257,8 @@ def run(command: str, cwd: str, timeout: float = COMMAND_TIMEOUT_S):
             os.killpg(proc.pid, signal.SIGKILL)  # anything the command left running
         except ProcessLookupError:
             pass
+        if live is not None:
+            live.discard(proc.pid)
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
@@ -491,16 +498,104 @@ def checks_for(doc: str, command: str) -> list[Callable]:
 
 
 # ---- the test ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def scratches(tmp_path_factory):
-    parent = str(tmp_path_factory.mktemp("docs"))
-    made: dict[str, Scratch] = {}
+def run_block(block: Block, scratch: Scratch, say: Callable, live: Optional[set] = None
+              ) -> Optional[str]:
+    """Run ``block``'s commands in ``scratch``, in order, each followed by its checks; what
+    failed first (None: nothing). ``say``: the log of what ran."""
+    for cmd in block.commands:
+        line, written = cmd.line, cmd.text
+        where = f"{block.doc}:{line} (block at line {block.line}): {written}"
+        try:
+            command, notes = as_run(written, scratch)
+        except AssertionError as exc:
+            return f"{where}\n{exc}"
+        say(f"{block.doc}:{line}$ {command}" + (f"   [{'; '.join(notes)}]" if notes else ""))
+        start = time.monotonic()
+        result = run(command, scratch.root, live=live)
+        say(f"    exit {result.returncode} in {time.monotonic() - start:.1f} s")
+        if result.returncode != 0:
+            return (f"{where}\nran: {command}\nexit {result.returncode}\n--- stdout\n"
+                    f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
+        missing = unexpected(cmd, result.stdout, result.stderr)
+        if missing:
+            return (f"{where}\nran: {command}\nits output does not match the document's "
+                    f"'# expect:' line(s): {missing}\n--- stdout\n{result.stdout[-2000:]}"
+                    f"\n--- stderr\n{result.stderr[-2000:]}")
+        for check in checks_for(block.doc, written):
+            try:
+                check(result, scratch)
+            except AssertionError as exc:
+                return (f"{where}\nran: {command}\nits output no longer says what the "
+                        f"document says: {exc}\n--- stdout\n{result.stdout[-2000:]}")
+    return None
 
-    def get(doc: str) -> Scratch:
-        if doc not in made:
-            made[doc] = make_scratch(doc, parent)
-        return made[doc]
-    return get
+
+class Lanes:
+    """The selected blocks, run ahead of their tests: ``LDT_DOC_LANES`` documents at a time
+    (default 2), each document's blocks in order in its own scratch. One command's world keeps
+    the 2 cores ~60% busy (imports, start-up, waits), so two documents at a time take about
+    two thirds of the time one after another; a test waits for its block's result. Fixtures
+    are made one at a time (some draw from torch's global random state)."""
+
+    def __init__(self, blocks: list[Block], parent: str, lanes: int):
+        self._parent, self._closed, self.live = parent, False, set()
+        self._lock, self._making = threading.Lock(), threading.Lock()
+        self._docs: dict[str, list[Block]] = {}
+        for b in blocks:
+            self._docs.setdefault(b.doc, []).append(b)
+        self._done = {str(b): threading.Event() for b in blocks}
+        self._results: dict[str, tuple[list, Optional[str]]] = {}
+        self._threads = [threading.Thread(target=self._lane, daemon=True, name=f"doc-lane-{i}")
+                         for i in range(lanes)]
+        for t in self._threads:
+            t.start()
+
+    def _lane(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._docs:
+                    return
+                doc = next(iter(self._docs))
+                blocks = self._docs.pop(doc)
+            scratch = None
+            for b in blocks:
+                log: list[str] = []
+                try:
+                    if self._closed:
+                        raise RuntimeError("the documents test stopped before this block ran")
+                    if scratch is None:
+                        with self._making:
+                            scratch = make_scratch(doc, self._parent)
+                    failure = run_block(b, scratch, log.append, self.live)
+                except BaseException:  # noqa: B036 (reported by the block's test)
+                    failure = traceback.format_exc()
+                self._results[str(b)] = (log, failure)
+                self._done[str(b)].set()
+
+    def result(self, block: Block) -> tuple[list, Optional[str]]:
+        self._done[str(block)].wait()
+        return self._results[str(block)]
+
+    def close(self) -> None:
+        """Start nothing more, kill what runs, wait for the lanes."""
+        self._closed = True
+        for pid in list(self.live):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for t in self._threads:
+            t.join(60)
+
+
+@pytest.fixture(scope="module")
+def lanes(request, tmp_path_factory):
+    selected = [item.callspec.params["block"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_block_runs_as_documented"]
+    ahead = Lanes([b for b in selected if not b.skip], str(tmp_path_factory.mktemp("docs")),
+                  int(os.environ.get("LDT_DOC_LANES", "2")))
+    yield ahead
+    ahead.close()
 
 
 def test_the_documents_have_blocks_and_every_skip_says_why():
@@ -539,32 +634,10 @@ def test_expect_lines_belong_to_the_command_above_and_are_checked():
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("block", BLOCKS, ids=str)
-def test_block_runs_as_documented(block: Block, scratches):
+def test_block_runs_as_documented(block: Block, lanes):
     if block.skip:
         pytest.skip(f"{block}: {block.skip}")
-    scratch = scratches(block.doc)
-    for cmd in block.commands:
-        line, written = cmd.line, cmd.text
-        where = f"{block.doc}:{line} (block at line {block.line}): {written}"
-        try:
-            command, notes = as_run(written, scratch)
-        except AssertionError as exc:
-            pytest.fail(f"{where}\n{exc}")
-        print(f"{block.doc}:{line}$ {command}" + (f"   [{'; '.join(notes)}]" if notes else ""))
-        start = time.monotonic()
-        result = run(command, scratch.root)
-        print(f"    exit {result.returncode} in {time.monotonic() - start:.1f} s")
-        if result.returncode != 0:
-            pytest.fail(f"{where}\nran: {command}\nexit {result.returncode}\n--- stdout\n"
-                        f"{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-3000:]}")
-        missing = unexpected(cmd, result.stdout, result.stderr)
-        if missing:
-            pytest.fail(f"{where}\nran: {command}\nits output does not match the document's "
-                        f"'# expect:' line(s): {missing}\n--- stdout\n{result.stdout[-2000:]}"
-                        f"\n--- stderr\n{result.stderr[-2000:]}")
-        for check in checks_for(block.doc, written):
-            try:
-                check(result, scratch)
-            except AssertionError as exc:
-                pytest.fail(f"{where}\nran: {command}\nits output no longer says what the "
-                            f"document says: {exc}\n--- stdout\n{result.stdout[-2000:]}")
+    log, failure = lanes.result(block)
+    print("\n".join(log))
+    if failure:
+        pytest.fail(failure)
