@@ -13,7 +13,9 @@ CPU work beside an accelerator, and never borrows an idle neighbour's core. Each
 node of its own (``GROUP_RANK``) with a snapshot folder of its own, so every cloud rank's part
 is also sent to a rank of another cloud host, which writes it (docs/elastic.md): the copy's
 sending and receiving is in the figure too. Runs in ABBA order
-(off, on, on, off), the first step of each run left out. A finished run must leave nothing in
+(off, on, on, off, off, on, on, off), the first step of each run left out; the ratio of the
+medians of all steps, and each round's own ratio (an off run and an on run next to each other),
+whose range shows how far the machine moves the figure. A finished run must leave nothing in
 ``/dev/shm`` (checked). Host memory: the most bytes the snapshot files held at once (sampled by
 the file system's sizes every 20 ms), against what ``ldt-memory`` says for the same config.
 """
@@ -27,7 +29,7 @@ import threading
 
 from bench.common import emit, machine_load, median, spread
 
-STEPS, ROUNDS = 12, 3
+STEPS, ROUNDS = 12, 4
 BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false",
         "train.num_microbatches=4"]
 RANKS = 4  # cpu_demo: TP 1 + 2 + 1
@@ -37,7 +39,8 @@ SHM = "/dev/shm"
 SUMMARY = [
     ("step with a snapshot every step, each cloud part also copied to another host / without "
      "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
-     "start, medians)", "**{ratio:.3f}**", "<= 1.05"),
+     "start, medians; in brackets each ABBA round's)", "**{ratio:.3f}** ({rounds_text})",
+     "<= 1.05"),
     ("host memory of the snapshots, all 4 ranks (own parts, copies not counted): ldt-memory's "
      "estimate (3 x each rank's part: its state and what its files add) / the most the files "
      "held (sampled every 20 ms)",
@@ -48,6 +51,8 @@ QUOTES = [
     ("docs/elastic.md", "{step_s[off]:.3f} s without snapshots, {step_s[on]:.3f} s with a snapshot "
      "every step, **{ratio:.3f}**"),
     ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
+    ("docs/elastic.md", "each ABBA round's own ratio {rounds_text}"),
+    ("docs/elastic.md", "and {copies_bytes_peak_mib:.2f} MiB of copies kept\nfor other hosts"),
     ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
     ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB in {part[tensors]} tensors (the average "
@@ -195,13 +200,17 @@ def main() -> dict:
         return {"bench": "snapshot", "skipped": reason or f"{SHM} missing"}
     load = machine_load()
     times: dict = {"off": [], "on": []}
+    rounds = []  # each round's on / off, medians of its two runs
     peak = peak_copies = 0
     with tempfile.TemporaryDirectory(prefix="ldt-bench-snapshot-") as tmp:
         for i in range(ROUNDS):
+            this = {}
             for path in (("off", "on") if i % 2 == 0 else ("on", "off")):
                 got, (held, copies) = run(tmp, f"{path}{i}", path == "on")
                 times[path] += got
+                this[path] = median(got)
                 peak, peak_copies = max(peak, held), max(peak_copies, copies)
+            rounds.append(this["on"] / this["off"])
     estimate = estimated_bytes()
     parts = part_costs(estimate // (3 * RANKS))  # the estimate: 3 generations per rank
     out = {"bench": "snapshot", "cpus_per_rank": CPUS, "host_bytes_peak": peak,
@@ -210,10 +219,12 @@ def main() -> dict:
            "copies_bytes_peak_mib": peak_copies / 2**20,
            "step_s": {p: median(v) for p, v in times.items()},
            "step_s_spread": {p: spread(v) for p, v in times.items()},
-           "steps_measured": {p: len(v) for p, v in times.items()}, "part": parts}
+           "steps_measured": {p: len(v) for p, v in times.items()}, "part": parts,
+           "round_ratios": rounds, "rounds_text": " / ".join(f"{r:.3f}" for r in rounds)}
     out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
-          f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f} (one host of "
+          f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f}, rounds "
+          f"{out['rounds_text']} (one host of "
           f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
