@@ -42,7 +42,6 @@ from ldt.training.flat_state import FlatState
 from ldt.training.optim import local_param_state, local_span, set_local_param_state
 
 
-
 def root_of(snapshot_dir: Optional[str], run_dir: str, topo) -> Optional[str]:
     """This run's snapshot folder in this layout (``train.snapshot_dir``), or None when
     snapshots are off."""
