@@ -7,6 +7,10 @@ PY     := $(VENV)/bin/python
 # venv keeps theirs (torch is installed only when `import torch` fails).
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.ldt-installed
+# Test files run two at a time (pytest-xdist), each file whole on one worker: a module's
+# worlds and fixtures stay together, and a one-process test fills the core a world leaves
+# idle. TEST_WORKERS=0 runs them one after another in pytest's process (pdb, -s).
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench install clean device-check device-wheels
 
@@ -22,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ldt-train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=30 tests $(ARGS)  # the slowest 30: the suite must stay under 20 min
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests $(ARGS)  # the slowest 30: the suite must stay under 20 min
 
 bench: $(STAMP)
 	$(PY) -m bench.run_all $(ARGS)
