@@ -35,15 +35,17 @@ BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false",
 RANKS = 4  # cpu_demo: TP 1 + 2 + 1
 CPUS = float(os.environ.get("LDT_BENCH_SNAPSHOT_CPUS", "0.3"))
 SHM = "/dev/shm"
+LARGE_MIB = 64  # a part where the bytes cost more than the calls (a real rank's: GBs)
 
 SUMMARY = [
     ("step with a snapshot every step, each cloud part also copied to another host / without "
      "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
      "start, medians; in brackets each ABBA round's)", "**{ratio:.3f}** ({rounds_text})",
      "<= 1.05"),
-    ("host memory of the snapshots, all 4 ranks (own parts, copies not counted): ldt-memory's "
-     "estimate (3 x each rank's part: its state and what its files add) / the most the files "
-     "held (sampled every 20 ms)",
+    ("host memory of the snapshots' files, all 4 ranks (own parts, copies not counted): "
+     "ldt-memory's estimate of them (2 generations x each rank's part: its state and what its "
+     "files add; its total adds the buffer a part is written from) / the most the files held "
+     "(sampled every 20 ms)",
      "{host_bytes_estimate} / {host_bytes_peak} bytes (**{host_bytes_ratio:.3f}**)",
      "bounds from above"),
 ]
@@ -57,8 +59,12 @@ QUOTES = [
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
     ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB in {part[tensors]} tensors (the average "
      "rank's state in cpu_demo) in its own process: copied into its flat buffer in "
-     "{part[copy_ms]:.3f} ms, written with its crc32 manifest in {part[write_ms][flat]:.2f} ms "
-     "({part[write_ms][torch_save]:.2f} ms pickled by torch.save"),
+     "{part[copy_ms]:.3f} ms, written with its crc32 manifest over its oldest generation in "
+     "{part[write_ms][flat]:.2f} ms ({part[write_ms][new_files]:.2f} ms into new files, "
+     "{part[write_ms][torch_save]:.2f} ms pickled by torch.save"),
+    ("docs/elastic.md", "a part of {part_large[state_mib]:.0f} MiB is written over its oldest "
+     "generation in {part_large[write_ms][flat]:.1f} ms, into new files in "
+     "{part_large[write_ms][new_files]:.1f} ms"),
 ]
 
 
@@ -128,16 +134,17 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
 
 
 def estimated_bytes() -> int:
-    """What ``ldt-memory`` says the run's ranks keep in host memory for snapshots, all ranks
-    together: (2 kept + 1 being written) x each rank's state."""
+    """What ``ldt-memory`` says the run's ranks keep in snapshot files in host memory, all
+    ranks together: 2 generations x each rank's part (its total, ``SNAPSHOTS_HELD`` x, adds
+    the buffer a part is written from, which is in the process, not in files)."""
     from omegaconf import OmegaConf
 
     from ldt import memory
     from ldt.job.hydra import compose
-    from ldt.memory.report import SNAPSHOTS_HELD
+    from ldt.storage.snapshot_files import GENERATIONS
 
     cfg = OmegaConf.to_container(compose(BASE), resolve=True)
-    return sum(SNAPSHOTS_HELD * s.snapshot_bytes * len(s.ranks) for s in memory.estimate(cfg))
+    return sum(GENERATIONS * s.snapshot_bytes * len(s.ranks) for s in memory.estimate(cfg))
 
 
 def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
@@ -146,8 +153,10 @@ def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
     biases and norms, each with its fp32 main copy and two moments): the copy into the part's
     flat host buffer (:mod:`ldt.training.flat_state`), and the part made and written into
     ``/dev/shm`` with its crc32 manifest, ``flat`` as ldt does (the buffer as it is, checksums
-    from memory) and ``torch_save`` as before (the tensors pickled by ``torch.save``, the
-    manifest read back from the files). Medians in ms."""
+    from memory, written over the part's oldest generation), ``new_files`` as before
+    2026-12-07 (the same into new files, the oldest generation removed after) and
+    ``torch_save`` as before that (the tensors pickled by ``torch.save``, the manifest read
+    back from the files). Medians in ms."""
     import io
     import json
     import time
@@ -176,12 +185,19 @@ def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
         with open(os.path.join(folder, "state.pt"), "wb") as f:
             f.write(data.getvalue())
 
+    def new_files(root: str, step: int, state, meta: bytes) -> None:
+        part = {"state.bin": state, "meta.json": meta}
+        checkpoint_files.write_part_files(checkpoint_files.step_dir(root, step), "rank_0", part,
+                                          algorithm=snapshot_files.ALGORITHM)
+        snapshot_files.prune(root, "rank_0")
+
     meta = json.dumps({"index": flat.index}).encode()
     root = tempfile.mkdtemp(prefix="ldt-bench-part-", dir=SHM)
     step = iter(range(10**6))
     try:
         write = {"flat": timed(lambda: snapshot_files.write(
                      root, next(step), "rank_0", {"state.bin": flat.bytes(), "meta.json": meta})),
+                 "new_files": timed(lambda: new_files(root, next(step), flat.bytes(), meta)),
                  "torch_save": timed(lambda: checkpoint_files.write_part_with(
                      os.path.join(root, f"step_{next(step)}"), "rank_0", torch_save, 0,
                      algorithm="crc32"))}
@@ -192,6 +208,7 @@ def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
 
 
 def main() -> dict:
+    from ldt.storage.snapshot_files import GENERATIONS
     from ldt.testing.hosts import unavailable
 
     reason = unavailable()
@@ -212,7 +229,8 @@ def main() -> dict:
                 peak, peak_copies = max(peak, held), max(peak_copies, copies)
             rounds.append(this["on"] / this["off"])
     estimate = estimated_bytes()
-    parts = part_costs(estimate // (3 * RANKS))  # the estimate: 3 generations per rank
+    parts = part_costs(estimate // (GENERATIONS * RANKS))  # the estimate: 2 generations a rank
+    large = part_costs(LARGE_MIB << 20, repeats=20)  # where the bytes, not the calls, cost
     out = {"bench": "snapshot", "cpus_per_rank": CPUS, "host_bytes_peak": peak,
            "host_bytes_estimate": estimate, "host_bytes_ratio": estimate / peak,
            "host_bytes_peak_mib": peak / 2**20, "host_bytes_estimate_mib": estimate / 2**20,
@@ -220,6 +238,7 @@ def main() -> dict:
            "step_s": {p: median(v) for p, v in times.items()},
            "step_s_spread": {p: spread(v) for p, v in times.items()},
            "steps_measured": {p: len(v) for p, v in times.items()}, "part": parts,
+           "part_large": large,
            "round_ratios": rounds, "rounds_text": " / ".join(f"{r:.3f}" for r in rounds)}
     out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
@@ -229,8 +248,10 @@ def main() -> dict:
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
           f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copy "
-          f"{parts['copy_ms']:.3f} ms, write {parts['write_ms']['flat']:.2f} ms (torch.save's "
-          f"{parts['write_ms']['torch_save']:.2f})")
+          f"{parts['copy_ms']:.3f} ms, write {parts['write_ms']['flat']:.2f} ms (new files "
+          f"{parts['write_ms']['new_files']:.2f}, torch.save's "
+          f"{parts['write_ms']['torch_save']:.2f}); one of {LARGE_MIB} MiB: write "
+          f"{large['write_ms']['flat']:.1f} ms (new files {large['write_ms']['new_files']:.1f})")
     return emit(out, load_before=load)
 
 

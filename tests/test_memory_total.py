@@ -113,8 +113,9 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     assert line.startswith(f"stage 1 (s1, ranks 1) needs {PEAK / 2**20:.2f} MiB per rank "
                            f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
                            " the largest part is optimizer states"), line
-    # train.snapshot_dir: a rank keeps two snapshots of its state in host memory and writes a
-    # third (ldt.training.snapshot: weights and the optimizer's tensors, no gradients), each
+    # train.snapshot_dir: a rank keeps two snapshots of its state in files in host memory and
+    # a third in the buffer it writes them from (ldt.training.snapshot: weights and the
+    # optimizer's tensors, no gradients), each
     # a part of files: its 49 tensors (12 parameters, their two moments and step counters, the
     # step) in one buffer, each rounded up to ALIGN bytes, an index entry of at most 128 bytes
     # each in meta.json, and META_ALLOWANCE each for the rest of meta.json and the manifest
@@ -125,7 +126,7 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     assert snapshot_line(got, train) is None
     snap = snapshot_line(got, dataclasses.replace(train, snapshot_dir="/dev/shm"))
     assert snap.startswith("train.snapshot_dir=/dev/shm: host memory per rank for snapshots, 3 x "
-                           "the rank's state (2 kept, 1 being written): 0:s0 "), snap
+                           "the rank's state (2 in files, 1 in the buffer they are written from): 0:s0 "), snap
     assert f", 1:s1 {3 * mid.snapshot_bytes / 2**20:.2f} MiB, 2:s2 " in snap, snap
 
 

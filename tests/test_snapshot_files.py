@@ -70,6 +70,37 @@ def test_a_cut_write_or_a_damaged_file_leaves_the_previous_generation(root):
     assert snap.readable(root, 5, ["rank_0"])
 
 
+def test_a_new_generation_is_written_over_the_oldest_in_place(root, monkeypatch):
+    """The third generation of a part takes the first one's folder and files (the same
+    inode: written over, not made anew), and holds its own bytes; a file of another size is
+    made anew and one the new part lacks is gone. A write cut short after taking the oldest
+    folder leaves the step before it whole."""
+    def state_inode(step):
+        return os.stat(os.path.join(files.step_dir(root, step), "rank_0", "state.bin")).st_ino
+
+    for step in (0, 1):
+        snap.write(root, step, "rank_0", {**_state(step), "old.bin": b"x"})
+    first = state_inode(0)
+    snap.write(root, 2, "rank_0", _state(2))
+    assert snap.steps(root) == [2, 1] and state_inode(2) == first
+    part = os.path.join(files.step_dir(root, 2), "rank_0")
+    assert sorted(os.listdir(part)) == sorted(["state.bin", "meta.json", files.MANIFEST])
+    assert open(os.path.join(part, "state.bin"), "rb").read() == _state(2)["state.bin"].tobytes()
+    assert snap.readable(root, 2, ["rank_0"]) and snap.readable(root, 1, ["rank_0"])
+    bigger = {"state.bin": torch.full((5, 3), 3.0).numpy(), "meta.json": b"{}"}
+    snap.write(root, 3, "rank_0", bigger)
+    assert snap.readable(root, 3, ["rank_0"]) and snap.steps(root) == [3, 2]
+    assert os.path.getsize(os.path.join(files.step_dir(root, 3), "rank_0", "state.bin")) == 60
+
+    def cut(folder, views):
+        raise OSError("killed while writing")
+    monkeypatch.setattr(files, "_save_views", cut)
+    with pytest.raises(OSError, match="killed while writing"):
+        snap.write(root, 4, "rank_0", _state(4))
+    assert 2 not in snap.steps(root)  # step 2's folder was the one given up
+    assert snap.readable(root, 3, ["rank_0"]) and not snap.readable(root, 4, ["rank_0"])
+
+
 def test_a_copy_keeps_its_writers_checksums_so_a_damaged_transfer_is_found(root):
     """A copy from another host is written with the checksums its writer took (not taken
     again by its holder): bytes damaged on the way are found when the copy is read, and bytes

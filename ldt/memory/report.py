@@ -18,7 +18,9 @@ from ldt.memory import GIB, StageEstimate
 from ldt.storage.snapshot_files import GENERATIONS
 from ldt.topology.buddies import copy_holders
 
-# snapshots a rank keeps in host memory at once: GENERATIONS whole, and the next being written
+# snapshots of a rank's state in host memory at once: GENERATIONS in files (the next one is
+# written over the oldest, ldt.storage.snapshot_files.write), and one in the buffer a part is
+# written from (the writer's flat buffer; a copy as it is received from its writer)
 SNAPSHOTS_HELD = GENERATIONS + 1
 
 MIB = 2**20
@@ -70,8 +72,8 @@ def snapshot_line(stages: list[StageEstimate], train) -> Optional[str]:
     per_stage = ", ".join(f"{s.index}:{s.name} {_size(SNAPSHOTS_HELD * s.snapshot_bytes)}"
                           for s in stages)
     return (f"train.snapshot_dir={train.snapshot_dir}: host memory per rank for snapshots, "
-            f"{SNAPSHOTS_HELD} x the rank's state ({GENERATIONS} kept, 1 being written): "
-            f"{per_stage}")
+            f"{SNAPSHOTS_HELD} x the rank's state ({GENERATIONS} in files, 1 in the buffer they "
+            f"are written from): {per_stage}")
 
 
 @dataclass(frozen=True)

@@ -87,13 +87,16 @@ def write_part_with(folder: str, part: str, save: Callable[[str], None], nbytes:
 
 
 def write_part_files(folder: str, part: str, files: dict[str, Any],
-                     algorithm: str = "sha256", checksums: Optional[dict] = None) -> str:
+                     algorithm: str = "sha256", checksums: Optional[dict] = None,
+                     reuse: Optional[str] = None) -> str:
     """:func:`write_part_with` for files whose bytes are in memory (``files``: name -> any
     buffer, e.g. a numpy array over a tensor): each written as it is, and its checksum taken
     from the same memory, not read back (a snapshot part, every step). ``checksums``: the
     manifest's files as their writer took them (:func:`checksums_of`; a part received from
     another host) are kept, not taken again: the part then verifies against what its writer
-    wrote, the transfer included."""
+    wrote, the transfer included. ``reuse``: a part folder that is given up for this one (a
+    snapshot's oldest generation); it becomes the temporary folder and its files of the same
+    size are written over in place."""
     views = {name: memoryview(data).cast("B") for name, data in files.items()}
     if checksums is None:
         checksums = checksums_of(views, algorithm)
@@ -103,7 +106,8 @@ def write_part_files(folder: str, part: str, files: dict[str, Any],
                               f"({ {n: v.nbytes for n, v in views.items()} } bytes) are not "
                               f"the ones its writer's checksums name ({checksums})")
     return _write_part(folder, part, lambda tmp: _save_views(tmp, views),
-                       sum(v.nbytes for v in views.values()), lambda _tmp: checksums, algorithm)
+                       sum(v.nbytes for v in views.values()), lambda _tmp: checksums, algorithm,
+                       reuse)
 
 
 def checksums_of(files: dict[str, Any], algorithm: str) -> dict:
@@ -114,20 +118,38 @@ def checksums_of(files: dict[str, Any], algorithm: str) -> dict:
 
 
 def _save_views(folder: str, views: dict[str, memoryview]) -> None:
+    """Each view into its file; a file already there of the same size (a reused part folder)
+    is written over in place: in host memory (tmpfs) its pages are kept, where a new file's are
+    allocated and zeroed and the old one's freed, 2-4x the time of the copy itself."""
+    for name in set(os.listdir(folder)) - set(views) - {MANIFEST}:
+        _remove(os.path.join(folder, name))
     for name, view in views.items():
-        with open(os.path.join(folder, name), "wb") as f:
+        path = os.path.join(folder, name)
+        same = os.path.isfile(path) and os.path.getsize(path) == view.nbytes
+        with open(path, "r+b" if same else "wb") as f:
             f.write(view)
 
 
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
 def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int,
-                manifest: Callable[[str], dict], algorithm: str) -> str:
+                manifest: Callable[[str], dict], algorithm: str,
+                reuse: Optional[str] = None) -> str:
     final = os.path.join(folder, part)
     tmp = final + ".tmp"
     try:
         os.makedirs(folder, exist_ok=True)
         _unseal(folder)
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if reuse is not None and os.path.isdir(reuse):
+            os.rename(reuse, tmp)  # no longer a part (its name says so) before a byte changes
+        else:
+            os.makedirs(tmp)
         save(tmp)
         _write_json(os.path.join(tmp, MANIFEST), {"algorithm": algorithm, "files": manifest(tmp)})
         fsync_tree(tmp)

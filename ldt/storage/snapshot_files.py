@@ -8,7 +8,8 @@ place), so a part is whole or absent and its checksums say whether it is still w
 written. No rank waits for the others to write: a
 step's snapshot is complete when every part it needs is there and verifies, which the readers
 decide together at a start (:mod:`ldt.training.snapshot`). Each writer keeps the newest
-:data:`GENERATIONS` of its own part: a write cut short leaves the previous one whole.
+:data:`GENERATIONS` of its own part, and writes the next over the oldest (:func:`write`): a
+write cut short leaves the previous one whole.
 
 ``root`` (:func:`snapshot_root`) is a folder of ``train.snapshot_dir`` (host memory, e.g.
 ``/dev/shm``) named after the run (an id kept in its run folder, so a run folder removed and
@@ -105,9 +106,24 @@ def write(root: str, step: int, part: str, part_files: dict,
     """Write ``part`` of step ``step``'s snapshot (``part_files``: file name -> its bytes, any
     buffer), then drop this part's generations older than the newest :data:`GENERATIONS`
     (each writer touches only its own part). ``sums``: the files' :func:`checksums` as their
-    writer took them (a copy from another host), kept instead of taken again."""
-    done = files.write_part_files(files.step_dir(root, step), part, part_files,
-                                  algorithm=ALGORITHM, checksums=sums)
+    writer took them (a copy from another host), kept instead of taken again.
+
+    The generation this write makes old (the part's oldest, once :data:`GENERATIONS` are
+    held) is not removed but written over: its folder becomes the new one's temporary folder,
+    its files are overwritten in place (in host memory that costs a copy, where new files cost
+    2-4x that). It stops being a part before a byte changes, so while a step is written every
+    rank still holds the step before it whole: the ranks snapshot the same steps
+    (:mod:`ldt.training.snapshot`), so that is the step a start falls back to."""
+    held = [s for s in steps(root) if s != step
+            and os.path.isdir(os.path.join(files.step_dir(root, s), part))]
+    oldest = held[-1] if len(held) >= GENERATIONS and held[-1] < step else None
+    try:
+        done = files.write_part_files(
+            files.step_dir(root, step), part, part_files, algorithm=ALGORITHM, checksums=sums,
+            reuse=None if oldest is None else os.path.join(files.step_dir(root, oldest), part))
+    finally:
+        if oldest is not None:
+            _rmdir(files.step_dir(root, oldest))  # its last part
     prune(root, part)
     return done
 
