@@ -35,7 +35,7 @@ from ldt.config import ConfigError
 from ldt.config.userfiles import not_a
 from ldt.storage.atomic import fsync_dir, fsync_tree, move_into_place, replace_file
 from ldt.storage.atomic import run_files
-from ldt.storage.commit import out_of_space
+from ldt.storage.commit import out_of_space, remove
 
 COMPLETE = "COMPLETE"
 INFO = "checkpoint.json"
@@ -120,21 +120,15 @@ def checksums_of(files: dict[str, Any], algorithm: str) -> dict:
 def _save_views(folder: str, views: dict[str, memoryview]) -> None:
     """Each view into its file; a file already there of the same size (a reused part folder)
     is written over in place: in host memory (tmpfs) its pages are kept, where a new file's are
-    allocated and zeroed and the old one's freed, 2-4x the time of the copy itself."""
+    allocated and zeroed and the old one's freed (bench_snapshot: 64 MiB in 31 ms, 41 ms as a
+    new file)."""
     for name in set(os.listdir(folder)) - set(views) - {MANIFEST}:
-        _remove(os.path.join(folder, name))
+        remove(os.path.join(folder, name))
     for name, view in views.items():
         path = os.path.join(folder, name)
         same = os.path.isfile(path) and os.path.getsize(path) == view.nbytes
         with open(path, "r+b" if same else "wb") as f:
             f.write(view)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
 
 
 def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int,

@@ -110,8 +110,8 @@ def write(root: str, step: int, part: str, part_files: dict,
 
     The generation this write makes old (the part's oldest, once :data:`GENERATIONS` are
     held) is not removed but written over: its folder becomes the new one's temporary folder,
-    its files are overwritten in place (in host memory that costs a copy, where new files cost
-    2-4x that). It stops being a part before a byte changes, so while a step is written every
+    its files are overwritten in place (in host memory that spares allocating, zeroing and
+    freeing pages: docs/elastic.md has the figures). It stops being a part before a byte changes, so while a step is written every
     rank still holds the step before it whole: the ranks snapshot the same steps
     (:mod:`ldt.training.snapshot`), so that is the step a start falls back to."""
     held = [s for s in steps(root) if s != step
