@@ -16,7 +16,9 @@ sending and receiving is in the figure too. Runs in ABBA order
 (off, on, on, off, off, on, on, off), the first step of each run left out; the ratio of the
 medians of all steps, and each round's own ratio (an off run and an on run next to each other),
 whose range shows how far the machine moves the figure. A finished run must leave nothing in
-``/dev/shm`` (checked). Host memory: the most bytes the snapshot files held at once (sampled by
+``/dev/shm`` (checked). CPU: each rank's CPU seconds per step over the same steps, as the
+kernel counts them for its process (all threads, the writer's and gloo's included:
+``bench.common.CpuSamples``), the sum of the ranks with / without snapshots. Host memory: the most bytes the snapshot files held at once (sampled by
 the file system's sizes every 20 ms), against what ``ldt-memory`` says for the same config.
 """
 
@@ -29,7 +31,7 @@ import threading
 
 from bench.common import emit, machine_load, median, spread
 
-STEPS, ROUNDS = 12, 4
+STEPS, ROUNDS = 20, 4  # 18 intervals a run (10 before 2026-12-07)
 BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false",
         "train.num_microbatches=4"]
 RANKS = 4  # cpu_demo: TP 1 + 2 + 1
@@ -42,6 +44,10 @@ SUMMARY = [
      "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
      "start, medians; in brackets each ABBA round's)", "**{ratio:.3f}** ({rounds_text})",
      "<= 1.05"),
+    ("CPU per step, the 4 ranks' processes as the kernel counts them (all threads: the "
+     "writer's and gloo's too), with / without snapshots, the same steps (medians of the runs); "
+     "each rank's ratio; each ABBA round's",
+     "**{cpu_ratio:.3f}** (ranks {cpu_ranks_text}; rounds {cpu_rounds_text})", "-"),
     ("host memory of the snapshots' files, all 4 ranks (own parts, copies not counted): "
      "ldt-memory's estimate of them (2 generations x each rank's part: its state and what its "
      "files add; its total adds the buffer a part is written from) / the most the files held "
@@ -54,6 +60,8 @@ QUOTES = [
      "every step, **{ratio:.3f}**"),
     ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
     ("docs/elastic.md", "each ABBA round's own ratio {rounds_text}"),
+    ("docs/elastic.md", "the CPU the 4 ranks' processes used per step, as the kernel counts "
+     "it: **{cpu_ratio:.3f}** with / without (rounds {cpu_rounds_text})"),
     ("docs/elastic.md", "and {copies_bytes_peak_mib:.2f} MiB of copies kept\nfor other hosts"),
     ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
@@ -68,13 +76,27 @@ QUOTES = [
 ]
 
 
-def step_intervals(run_dir: str) -> list[float]:
-    """Seconds from each step's start to the next's on the edge's leader (stage 0), the
-    first step left out (warm-up)."""
+def step_starts(run_dir: str) -> list[float]:
+    """Each step's start on the edge's leader (stage 0; ``perf_counter``, one clock for the
+    machine's processes), the first step left out (warm-up)."""
     with open(os.path.join(run_dir, "action_times.csv")) as f:
         starts = sorted({(int(r["step"]), float(r["step_start_s"]))
                          for r in csv.DictReader(f) if r["stage"] == "0"})
-    return [b[1] - a[1] for a, b in zip(starts[1:], starts[2:])]
+    return [start for _, start in starts[1:]]
+
+
+def step_intervals(run_dir: str) -> list[float]:
+    """Seconds from each step's start to the next's (:func:`step_starts`)."""
+    starts = step_starts(run_dir)
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def cpu_per_step(run_dir: str, samples) -> list[float]:
+    """Each rank's CPU seconds per step (the kernel's count, :class:`bench.common.CpuSamples`)
+    from the edge's second step start to its last: the same steps as :func:`step_intervals`."""
+    starts = step_starts(run_dir)
+    return [samples.between(rank, starts[0], starts[-1]) / (len(starts) - 1)
+            for rank in range(RANKS)]
 
 
 def folder_bytes(folder: str) -> tuple[int, int]:
@@ -108,8 +130,9 @@ class PeakBytes(threading.Thread):
             self.peak, self.peak_copies = max(self.peak, own), max(self.peak_copies, copies)
 
 
-def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
-    """A run's step intervals, and the most bytes its snapshots held in ``/dev/shm``."""
+def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], tuple, list[float]]:
+    """A run's step intervals, the most bytes its snapshots held in ``/dev/shm`` (own parts,
+    copies) and each rank's CPU seconds per step (:func:`cpu_per_step`)."""
     from bench import common
 
     run_dir = os.path.join(tmp, name)
@@ -121,8 +144,9 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
         extra = [f"train.snapshot_dir={shm}/host${{oc.env:GROUP_RANK}}"]
         sampler = PeakBytes(shm)
         sampler.start()
+    cpu: list = []
     try:
-        common.train_on_hosts(run_dir, BASE + extra, RANKS, cpus=CPUS)
+        common.train_on_hosts(run_dir, BASE + extra, RANKS, cpus=CPUS, cpu=cpu)
     finally:
         if snapshots:
             sampler.done.set()
@@ -130,7 +154,8 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], int]:
             leftover = sum(len(files) for _, _, files in os.walk(shm))
             os.system(f"rm -rf {shm}")
             assert leftover == 0, f"a finished run left {leftover} snapshot files in {shm}"
-    return step_intervals(run_dir), (sampler.peak, sampler.peak_copies) if sampler else (0, 0)
+    return (step_intervals(run_dir), (sampler.peak, sampler.peak_copies) if sampler else (0, 0),
+            cpu_per_step(run_dir, cpu[0]))
 
 
 def estimated_bytes() -> int:
@@ -217,17 +242,22 @@ def main() -> dict:
         return {"bench": "snapshot", "skipped": reason or f"{SHM} missing"}
     load = machine_load()
     times: dict = {"off": [], "on": []}
-    rounds = []  # each round's on / off, medians of its two runs
+    cpu: dict = {"off": [], "on": []}  # per run: each rank's CPU seconds per step
+    rounds, cpu_rounds = [], []  # each round's on / off: step medians; all ranks' CPU
     peak = peak_copies = 0
     with tempfile.TemporaryDirectory(prefix="ldt-bench-snapshot-") as tmp:
         for i in range(ROUNDS):
             this = {}
             for path in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                got, (held, copies) = run(tmp, f"{path}{i}", path == "on")
+                got, (held, copies), used = run(tmp, f"{path}{i}", path == "on")
                 times[path] += got
-                this[path] = median(got)
+                cpu[path].append(used)
+                this[path] = median(got), sum(used)
                 peak, peak_copies = max(peak, held), max(peak_copies, copies)
-            rounds.append(this["on"] / this["off"])
+            rounds.append(this["on"][0] / this["off"][0])
+            cpu_rounds.append(this["on"][1] / this["off"][1])
+    cpu_ms = {p: [median(run[r] for run in runs) * 1e3 for r in range(RANKS)]
+              for p, runs in cpu.items()}
     estimate = estimated_bytes()
     parts = part_costs(estimate // (GENERATIONS * RANKS))  # the estimate: 2 generations a rank
     large = part_costs(LARGE_MIB << 20, repeats=20)  # where the bytes, not the calls, cost
@@ -239,12 +269,20 @@ def main() -> dict:
            "step_s_spread": {p: spread(v) for p, v in times.items()},
            "steps_measured": {p: len(v) for p, v in times.items()}, "part": parts,
            "part_large": large,
-           "round_ratios": rounds, "rounds_text": " / ".join(f"{r:.3f}" for r in rounds)}
+           "round_ratios": rounds, "rounds_text": " / ".join(f"{r:.3f}" for r in rounds),
+           "cpu_ms_per_step": cpu_ms,
+           "cpu_ratio": sum(cpu_ms["on"]) / sum(cpu_ms["off"]),
+           "cpu_rank_ratios": [a / b for a, b in zip(cpu_ms["on"], cpu_ms["off"])],
+           "cpu_round_ratios": cpu_rounds,
+           "cpu_rounds_text": " / ".join(f"{r:.3f}" for r in cpu_rounds)}
     out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
+    out["cpu_ranks_text"] = " / ".join(f"{r:.3f}" for r in out["cpu_rank_ratios"])
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
           f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f}, rounds "
           f"{out['rounds_text']} (one host of "
-          f"{CPUS} core per rank); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
+          f"{CPUS} core per rank); CPU per step, all ranks: {sum(cpu_ms['on']):.1f} / "
+          f"{sum(cpu_ms['off']):.1f} ms = {out['cpu_ratio']:.3f} (ranks "
+          f"{out['cpu_ranks_text']}; rounds {out['cpu_rounds_text']}); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
           f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copy "

@@ -25,7 +25,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -173,16 +175,64 @@ def _check(results, argv) -> None:
                            f"({bad[0].returncode}):\n{bad[0].stderr[-3000:]}")
 
 
+class CpuSamples(threading.Thread):
+    """Each process's CPU seconds as the kernel counts them (user + system of all its threads,
+    those that ended included: ``/proc/<pid>/stat``, in ticks of 1 / ``SC_CLK_TCK`` s), with
+    ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for the machine's processes, that of
+    ``action_times.csv``'s step starts), every ``every`` s
+    until :meth:`stop`: a measure of a rank's CPU that shares no code with ldt."""
+
+    TICK = 1 / os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, pids: list[int], every: float = 0.05):
+        super().__init__(daemon=True)
+        self.pids, self.every = pids, every
+        self.samples: list[tuple[float, list[float]]] = []
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(self.every):
+            self.samples.append((time.perf_counter(), [self._cpu(pid) for pid in self.pids]))
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+    def _cpu(self, pid: int) -> float:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+        except OSError:  # it has exited
+            return float("nan")
+        return (int(fields[11]) + int(fields[12])) * self.TICK  # utime, stime
+
+    def between(self, process: int, start: float, end: float) -> float:
+        """CPU seconds process ``process`` (its index) used from ``start`` to ``end``
+        (``perf_counter`` times), read at the samples nearest inside them (NaN if there are
+        none)."""
+        inside = [(t, cpu[process]) for t, cpu in self.samples if start <= t <= end]
+        return inside[-1][1] - inside[0][1] if len(inside) > 1 else float("nan")
+
+
 def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, cpus: float = HOST_CPUS,
-                   timeout_s: float = 600) -> dict:
+                   timeout_s: float = 600, cpu: Optional[list] = None) -> dict:
     """``ldt-train`` with one rank per host of ``cpus`` cores (started as torchrun starts
-    ranks); returns the summary line its loss stage's leader printed."""
+    ranks); returns the summary line its loss stage's leader printed. ``cpu``: a list that
+    gets the run's :class:`CpuSamples` of the ranks' processes (in rank order)."""
     from ldt.testing.hosts import Hosts
 
     argv = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides]
     with Hosts(ranks, cpus=cpus) as net:
-        results = net.start(argv, [1] * ranks, cwd=ROOT,
-                            env={"PYTHONWARNINGS": "ignore"}).wait(timeout_s)
+        job = net.start(argv, [1] * ranks, cwd=ROOT, env={"PYTHONWARNINGS": "ignore"})
+        sampler = CpuSamples(job.pids)
+        if cpu is not None:
+            sampler.start()
+            cpu.append(sampler)
+        try:
+            results = job.wait(timeout_s)
+        finally:
+            if cpu is not None:
+                sampler.stop()
     _check(results, argv)
     lines = [r.stdout.strip().splitlines()[-1] for r in results
              if r.stdout.strip().splitlines() and r.stdout.strip().splitlines()[-1][:1] == "{"]

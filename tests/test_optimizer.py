@@ -485,10 +485,10 @@ def _train_then_stop_keeping_snapshots(rank, world, cfg, run_dir, slow_copy_of=N
     if slow_copy_of is not None:
         taken_state = snapshot.taken_state
 
-        def late(models, chunks, optimizer, step, run_state):
+        def late(models, chunks, optimizer, step, run_state, **kw):
             if step == slow_copy_of:
                 time.sleep(2.0)
-            return taken_state(models, chunks, optimizer, step, run_state)
+            return taken_state(models, chunks, optimizer, step, run_state, **kw)
 
         snapshot.taken_state = late
     return train_worker(rank, world, cfg, run_dir)

@@ -325,7 +325,7 @@ def test_the_optimizer_step_waits_for_the_takes_copy_and_gets_its_error(root, mo
     release = threading.Event()
     weights = torch.arange(4.0)
 
-    def slow_state(models, chunks, optimizer, step, run_state):
+    def slow_state(models, chunks, optimizer, step, run_state, **kw):
         release.wait(10)
         if step == 2:
             raise RuntimeError("a tensor of another shape")

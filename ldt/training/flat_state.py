@@ -36,10 +36,11 @@ class FlatState:
             for name, t in tensors.items())
 
     def fill(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy ``tensors`` (any device) into their views (:meth:`fits` them)."""
+        """Copy ``tensors`` (any device) into their views (:meth:`fits` them): one foreach
+        copy (118 tensors of 1 MiB: 0.13 ms, 0.23 ms as a copy per tensor; tensors of another
+        device take torch's per-tensor path inside it)."""
         with torch.no_grad():
-            for name, t in tensors.items():
-                self.views[name].copy_(t.detach())
+            torch._foreach_copy_([self.views[name] for name in tensors], list(tensors.values()))
 
     def bytes(self) -> Any:
         """The buffer as a buffer-protocol object (no copy), for writing and checksums."""
