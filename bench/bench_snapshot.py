@@ -15,7 +15,10 @@ is also sent to a rank of another cloud host, which writes it (docs/elastic.md):
 sending and receiving is in the figure too. Runs in ABBA order
 (off, on, on, off, off, on, on, off), the first step of each run left out; the ratio of the
 medians of all steps, and each round's own ratio (an off run and an on run next to each other),
-whose range shows how far the machine moves the figure. A finished run must leave nothing in
+whose range shows how far the machine moves the figure. Worlds of the same code differ here by
+±15%, more than the goal's margin, so each round also runs one world with a snapshot every
+second step (``train.snapshot_every=2``), where each step a snapshot runs beside is set against
+its two neighbours in the same world (:func:`paired_ratios`). A finished run must leave nothing in
 ``/dev/shm`` (checked). CPU: each rank's CPU seconds per step over the same steps, as the
 kernel counts them for its process (all threads, the writer's and gloo's included:
 ``bench.common.CpuSamples``), the sum of the ranks with / without snapshots. Host memory: the most bytes the snapshot files held at once (sampled by
@@ -32,6 +35,7 @@ import threading
 from bench.common import emit, machine_load, median, spread
 
 STEPS, ROUNDS = 20, 4  # 18 intervals a run (10 before 2026-12-07)
+PAIRED_STEPS = 40  # a world with a snapshot every second step: 18 steps beside one
 BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false",
         "train.num_microbatches=4"]
 RANKS = 4  # cpu_demo: TP 1 + 2 + 1
@@ -44,6 +48,11 @@ SUMMARY = [
      "(cpu_demo, 4 ranks, a host of {cpus_per_rank} core each, wall time step start to step "
      "start, medians; in brackets each ABBA round's)", "**{ratio:.3f}** ({rounds_text})",
      "<= 1.05"),
+    ("the same inside one world (drift between worlds left out): `train.snapshot_every=2`, each "
+     "step a snapshot's copy and write run beside / the mean of its two neighbours without, "
+     "median of {paired_spread[n]} (quartiles); each world's median",
+     "**{paired_ratio:.3f}** ({paired_spread[q1]:.3f}-{paired_spread[q3]:.3f}); "
+     "{paired_worlds_text}", "<= 1.05"),
     ("CPU per step, the 4 ranks' processes as the kernel counts them (all threads: the "
      "writer's and gloo's too), with / without snapshots, the same steps (medians of the runs); "
      "each rank's ratio; each ABBA round's",
@@ -60,6 +69,10 @@ QUOTES = [
      "every step, **{ratio:.3f}**"),
     ("docs/elastic.md", "load average {recorded[load][before][0]:.1f} from other work"),
     ("docs/elastic.md", "each ABBA round's own ratio {rounds_text}"),
+    ("docs/elastic.md", "each step a snapshot's copy and write run beside against the mean of "
+     "its two neighbours: **{paired_ratio:.3f}** (quartiles {paired_spread[q1]:.3f}-"
+     "{paired_spread[q3]:.3f}, {paired_spread[n]} steps; each world's median "
+     "{paired_worlds_text})"),
     ("docs/elastic.md", "the CPU the 4 ranks' processes used per step, as the kernel counts "
      "it: **{cpu_ratio:.3f}** with / without (rounds {cpu_rounds_text})"),
     ("docs/elastic.md", "and {copies_bytes_peak_mib:.2f} MiB of copies kept\nfor other hosts"),
@@ -76,13 +89,29 @@ QUOTES = [
 ]
 
 
-def step_starts(run_dir: str) -> list[float]:
+def starts_by_step(run_dir: str) -> dict[int, float]:
     """Each step's start on the edge's leader (stage 0; ``perf_counter``, one clock for the
-    machine's processes), the first step left out (warm-up)."""
+    machine's processes)."""
     with open(os.path.join(run_dir, "action_times.csv")) as f:
-        starts = sorted({(int(r["step"]), float(r["step_start_s"]))
-                         for r in csv.DictReader(f) if r["stage"] == "0"})
-    return [start for _, start in starts[1:]]
+        return {int(r["step"]): float(r["step_start_s"])
+                for r in csv.DictReader(f) if r["stage"] == "0"}
+
+
+def step_starts(run_dir: str) -> list[float]:
+    """:func:`starts_by_step` in step order, the first step left out (warm-up)."""
+    return [start for _, start in sorted(starts_by_step(run_dir).items())[1:]]
+
+
+def paired_ratios(run_dir: str) -> list[float]:
+    """In a world that snapshots after every second step (``train.snapshot_every=2``: after
+    steps 1, 3, ...), each step that a snapshot's copy and write run beside (2, 4, ...: start
+    to next start) against the mean of its two neighbours, which none runs beside: the
+    snapshot's cost measured inside one world, where the drift from one world to the next
+    (±15% here) does not enter."""
+    start = starts_by_step(run_dir)
+    span = {s: start[s + 1] - start[s] for s in start if s + 1 in start}
+    return [span[s] / ((span[s - 1] + span[s + 1]) / 2) for s in sorted(span)
+            if s >= 2 and s % 2 == 0 and s + 1 in span]
 
 
 def step_intervals(run_dir: str) -> list[float]:
@@ -130,9 +159,11 @@ class PeakBytes(threading.Thread):
             self.peak, self.peak_copies = max(self.peak, own), max(self.peak_copies, copies)
 
 
-def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], tuple, list[float]]:
+def run(tmp: str, name: str, snapshots: bool,
+        every: int = 1) -> tuple[list[float], tuple, list[float], str]:
     """A run's step intervals, the most bytes its snapshots held in ``/dev/shm`` (own parts,
-    copies) and each rank's CPU seconds per step (:func:`cpu_per_step`)."""
+    copies), each rank's CPU seconds per step (:func:`cpu_per_step`) and its folder. ``every``:
+    ``train.snapshot_every`` (then :data:`PAIRED_STEPS` steps)."""
     from bench import common
 
     run_dir = os.path.join(tmp, name)
@@ -144,9 +175,12 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], tuple, list[
         extra = [f"train.snapshot_dir={shm}/host${{oc.env:GROUP_RANK}}"]
         sampler = PeakBytes(shm)
         sampler.start()
+    if every > 1:
+        extra += [f"train.snapshot_every={every}", f"train.steps={PAIRED_STEPS}"]
+    args = [a for a in BASE if not (every > 1 and a.startswith("train.steps="))] + extra
     cpu: list = []
     try:
-        common.train_on_hosts(run_dir, BASE + extra, RANKS, cpus=CPUS, cpu=cpu)
+        common.train_on_hosts(run_dir, args, RANKS, cpus=CPUS, cpu=cpu)
     finally:
         if snapshots:
             sampler.done.set()
@@ -155,7 +189,7 @@ def run(tmp: str, name: str, snapshots: bool) -> tuple[list[float], tuple, list[
             os.system(f"rm -rf {shm}")
             assert leftover == 0, f"a finished run left {leftover} snapshot files in {shm}"
     return (step_intervals(run_dir), (sampler.peak, sampler.peak_copies) if sampler else (0, 0),
-            cpu_per_step(run_dir, cpu[0]))
+            cpu_per_step(run_dir, cpu[0]), run_dir)
 
 
 def estimated_bytes() -> int:
@@ -244,18 +278,20 @@ def main() -> dict:
     times: dict = {"off": [], "on": []}
     cpu: dict = {"off": [], "on": []}  # per run: each rank's CPU seconds per step
     rounds, cpu_rounds = [], []  # each round's on / off: step medians; all ranks' CPU
+    paired: list = []  # each round's world with a snapshot every second step: its ratios
     peak = peak_copies = 0
     with tempfile.TemporaryDirectory(prefix="ldt-bench-snapshot-") as tmp:
         for i in range(ROUNDS):
             this = {}
             for path in (("off", "on") if i % 2 == 0 else ("on", "off")):
-                got, (held, copies), used = run(tmp, f"{path}{i}", path == "on")
+                got, (held, copies), used, _ = run(tmp, f"{path}{i}", path == "on")
                 times[path] += got
                 cpu[path].append(used)
                 this[path] = median(got), sum(used)
                 peak, peak_copies = max(peak, held), max(peak_copies, copies)
             rounds.append(this["on"][0] / this["off"][0])
             cpu_rounds.append(this["on"][1] / this["off"][1])
+            paired.append(paired_ratios(run(tmp, f"paired{i}", True, every=2)[3]))
     cpu_ms = {p: [median(run[r] for run in runs) * 1e3 for r in range(RANKS)]
               for p, runs in cpu.items()}
     estimate = estimated_bytes()
@@ -274,15 +310,22 @@ def main() -> dict:
            "cpu_ratio": sum(cpu_ms["on"]) / sum(cpu_ms["off"]),
            "cpu_rank_ratios": [a / b for a, b in zip(cpu_ms["on"], cpu_ms["off"])],
            "cpu_round_ratios": cpu_rounds,
+           "paired_ratio": median(r for world in paired for r in world),
+           "paired_spread": spread([r for world in paired for r in world]),
+           "paired_worlds": [median(world) for world in paired],
+           "paired_worlds_text": " / ".join(f"{median(world):.3f}" for world in paired),
            "cpu_rounds_text": " / ".join(f"{r:.3f}" for r in cpu_rounds)}
     out["ratio"] = out["step_s"]["on"] / out["step_s"]["off"]
     out["cpu_ranks_text"] = " / ".join(f"{r:.3f}" for r in out["cpu_rank_ratios"])
     print(f"step start to step start: with snapshots {out['step_s']['on'] * 1e3:.1f} ms / "
           f"without {out['step_s']['off'] * 1e3:.1f} ms = {out['ratio']:.3f}, rounds "
           f"{out['rounds_text']} (one host of "
-          f"{CPUS} core per rank); CPU per step, all ranks: {sum(cpu_ms['on']):.1f} / "
+          f"{CPUS} core per rank); a snapshot every second step, the step beside one / its "
+          f"neighbours: {out['paired_ratio']:.3f} (worlds {out['paired_worlds_text']}); "
+          f"CPU per step, all ranks: {sum(cpu_ms['on']):.1f} / "
           f"{sum(cpu_ms['off']):.1f} ms = {out['cpu_ratio']:.3f} (ranks "
-          f"{out['cpu_ranks_text']}; rounds {out['cpu_rounds_text']}); host memory, all ranks: {peak / 2**20:.2f} MiB at most in "
+          f"{out['cpu_ranks_text']}; rounds {out['cpu_rounds_text']}); host memory, all ranks: "
+          f"{peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
           f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copy "

@@ -429,6 +429,18 @@ def test_a_host_without_room_for_its_snapshots_and_copies_is_refused(inventory, 
         assert f"node {a} -> {b} " in text and \
             f" {(nbytes / 1e9 + 200e-6) * 1e3:.1f} ms" in text.split(f"node {a} -> {b} ")[1][:40]
     assert f"against a planned step of {plan.iteration_s * 1e3:.1f} ms" in text
+    # a snapshot every 3 steps: its copies have 3 planned steps to travel, and one that takes
+    # longer than a step but less than 3 is not named as too slow
+    from ldt.memory.report import copy_line
+    every = copy_line(stages, topo, hosts, False, every=3)
+    assert every.startswith("snapshot copies every 3 steps (the inventory's links): ")
+    assert f"against 3 planned steps of {plan.iteration_s * 1e3:.1f} ms" in every
+    pair = (cloud[0], cloud[1])
+    slowish = dataclasses.replace(hosts, send_s=lambda a, b, n: plan.iteration_s * (
+        2 if (a, b) == pair else 0.5))
+    assert f"slower than a step ({pair[0]} -> {pair[1]})" in copy_line(stages, topo, slowish,
+                                                                        False)
+    assert "slower" not in copy_line(stages, topo, slowish, False, every=3)
     small = dataclasses.replace(plan, nodes=tuple(
         dataclasses.replace(n, host_memory_gib=1e-6 if str(n.index) == cloud[0] else 64.0)
         for n in plan.nodes))

@@ -526,6 +526,32 @@ def test_a_bf16_distributed_optimizer_run_continues_exactly_from_its_snapshot(tm
     assert all(torch.equal(weights[n], want[n]) for n in want)
 
 
+@pytest.mark.timeout(600)
+def test_a_snapshot_every_two_steps_is_taken_after_every_second_step_and_continued_from(
+        tmp_path, host_memory):
+    """``train.snapshot_every=2``: the ranks snapshot after steps 1 and 3 of a run of 5 (none
+    after 0, 2 or 4), and a start in the run folder continues from the snapshot of step 3
+    with the uninterrupted run's losses, bit for bit: the steps after it are trained again."""
+    import glob
+    import shutil
+
+    shm = host_memory
+    cfg = _cfg([1, 1], u_shape=True, steps=6, save_every=6, lr=1e-3, min_lr=1e-3,
+               warmup_steps=0)  # the same lr in a run of 5 steps
+    whole = _train(cfg, tmp_path / "whole")
+    cut = typed_config({**cfg, "train": {**cfg["train"], "steps": 5, "snapshot_dir": str(shm),
+                                         "snapshot_every": 2}})
+    run_local_world(2, _train_then_stop_keeping_snapshots, (cut, str(tmp_path / "run")),
+                    timeout_s=300, comm_timeout_s=60)
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # killed: only the snapshots continue it
+    held = {int(os.path.basename(p).split("_")[1]): len(os.listdir(p))
+            for p in glob.glob(f"{shm}/**/checkpoints/step_*", recursive=True)}
+    assert held == {1: 2, 3: 2}, held  # both ranks' parts of steps 1 and 3, nothing else
+    rows = _train({**cfg, "train": {**cfg["train"], "snapshot_dir": str(shm),
+                                    "snapshot_every": 2}}, tmp_path / "run")
+    assert len(rows) == 6 and rows[4:] == whole[4:], (rows, whole)
+
+
 # ---- Adam's step count through a save and a load (one process, no world) --------------------
 class GroupStepAdam(torch.optim.Optimizer):
     """Adam that counts its steps as Transformer Engine's FusedAdam does (megatron-core's

@@ -222,6 +222,10 @@ class TrainConfig:
     generations with checksums, and a restart of the run in the same layout (torchrun, or
     ``train.resume`` of the run folder) continues from the newest snapshot every rank has
     when it is newer than the checkpoint. None: off. See docs/elastic.md."""
+    snapshot_every: int = 1
+    """With ``snapshot_dir``: a snapshot after every N-th step (steps N-1, 2N-1, ..., and the
+    step a stop signal ends), so a lost host costs at most N steps, and the snapshot's CPU
+    and its copy to another host have N steps to run beside training. 1: every step."""
     resume: Optional[str] = None
     """Checkpoint folder to continue from."""
     load: Optional[str] = None
@@ -273,6 +277,7 @@ class TrainConfig:
         at_least("train", self, "clip_grad", 0, "0 disables gradient clipping")
         at_least("train", self, "save_every", 0, "0 never writes a checkpoint")
         at_least("train", self, "keep_last", 0, "0 keeps every checkpoint")
+        at_least("train", self, "snapshot_every", 1, "1 snapshots after every step")
         at_least("train", self, "log_interval", 1, "1 reports every step")
         at_least("train", self, "boundary_noise", 0, "0 turns the noise off")
         at_least("train", self, "ddp_bucket_size", 1, "None leaves it to megatron's DDP")

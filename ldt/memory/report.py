@@ -106,10 +106,12 @@ def host_snapshots(stages: list[StageEstimate], topo, hosts: Hosts,
     return {n: (own[n], copies[n]) for n in own}
 
 
-def copy_line(stages: list[StageEstimate], topo, hosts: Hosts, sharded: bool) -> Optional[str]:
-    """The copies' traffic per step between each pair of nodes, priced on the inventory's
-    links, against the planned step they overlap; None when nothing is copied or priced. A
-    copy slower than a step makes the writers busy and the ranks skip snapshots together."""
+def copy_line(stages: list[StageEstimate], topo, hosts: Hosts, sharded: bool,
+              every: int = 1) -> Optional[str]:
+    """The copies' traffic per snapshot between each pair of nodes, priced on the inventory's
+    links, against the planned steps they overlap (``every``: ``train.snapshot_every``); None
+    when nothing is copied or priced. A copy slower than that makes the writers busy and the
+    ranks skip snapshots together."""
     if hosts.send_s is None:
         return None
     one = {r: s.snapshot_bytes for s in stages for r in s.ranks}
@@ -120,14 +122,17 @@ def copy_line(stages: list[StageEstimate], topo, hosts: Hosts, sharded: bool) ->
     if not pairs:
         return None
     priced = {key: hosts.send_s(*key, nbytes) for key, nbytes in pairs.items()}
-    text = "snapshot copies per step (the inventory's links): " + ", ".join(
+    when = "per step" if every == 1 else f"every {every} steps"
+    text = f"snapshot copies {when} (the inventory's links): " + ", ".join(
         f"node {a} -> {b} {_size(pairs[(a, b)])} {priced[(a, b)] * 1e3:.1f} ms"
         for a, b in sorted(pairs))
     if hosts.step_s:
-        text += f", against a planned step of {hosts.step_s * 1e3:.1f} ms"
-        slow = sorted(key for key, t in priced.items() if t > hosts.step_s)
+        steps = "a planned step" if every == 1 else f"{every} planned steps"
+        text += f", against {steps} of {hosts.step_s * 1e3:.1f} ms"
+        slow = sorted(key for key, t in priced.items() if t > hosts.step_s * every)
         if slow:
-            text += (f"; slower than a step ({', '.join(f'{a} -> {b}' for a, b in slow)}): "
+            text += (f"; slower than {'a step' if every == 1 else f'{every} steps'} "
+                     f"({', '.join(f'{a} -> {b}' for a, b in slow)}): "
                      "snapshots will be skipped on the steps a copy is still travelling")
     return text
 
@@ -193,6 +198,6 @@ def check(cfg: dict, topo, hosts: Optional[Hosts] = None) -> tuple[str, str | No
     if hosts is not None and train.snapshot_dir:
         sharded = train.distributed_optimizer
         text, host_refused = host_lines(host_snapshots(stages, topo, hosts, sharded), hosts)
-        lines += [text, copy_line(stages, topo, hosts, sharded)]
+        lines += [text, copy_line(stages, topo, hosts, sharded, train.snapshot_every)]
         refused = refused or host_refused
     return "\n".join(filter(None, lines)), refused

@@ -255,7 +255,8 @@ def _train(run: _Run) -> Optional[dict]:
         timings.append(timed)
         if out is not None:
             out.step(row, decision)
-        if stage.snapshots is not None and not decision.nonfinite:
+        if stage.snapshots is not None and not decision.nonfinite and (
+                decision.signum or (step + 1) % run.cfg.train.snapshot_every == 0):
             progress.current().begin("snapshot (copying this rank's state)")
             # at a stop signal this step's snapshot is what the restart starts from: every rank
             # waits for its busy writer rather than skip it (a stop loses no step it can keep)
