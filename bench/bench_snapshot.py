@@ -292,7 +292,7 @@ def main() -> dict:
             rounds.append(this["on"][0] / this["off"][0])
             cpu_rounds.append(this["on"][1] / this["off"][1])
             paired.append(paired_ratios(run(tmp, f"paired{i}", True, every=2)[3]))
-    cpu_ms = {p: [median(run[r] for run in runs) * 1e3 for r in range(RANKS)]
+    cpu_ms = {p: [median(used[r] for used in runs) * 1e3 for r in range(RANKS)]
               for p, runs in cpu.items()}
     estimate = estimated_bytes()
     parts = part_costs(estimate // (GENERATIONS * RANKS))  # the estimate: 2 generations a rank

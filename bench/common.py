@@ -224,14 +224,14 @@ def train_on_hosts(run_dir: str, overrides: list[str], ranks: int, cpus: float =
     argv = [sys.executable, "-m", "ldt.job.train", f"run_dir={run_dir}", *overrides]
     with Hosts(ranks, cpus=cpus) as net:
         job = net.start(argv, [1] * ranks, cwd=ROOT, env={"PYTHONWARNINGS": "ignore"})
-        sampler = CpuSamples(job.pids)
-        if cpu is not None:
+        sampler = None if cpu is None else CpuSamples(job.pids)
+        if sampler is not None:
             sampler.start()
             cpu.append(sampler)
         try:
             results = job.wait(timeout_s)
         finally:
-            if cpu is not None:
+            if sampler is not None:
                 sampler.stop()
     _check(results, argv)
     lines = [r.stdout.strip().splitlines()[-1] for r in results
