@@ -59,7 +59,8 @@ SUMMARY = [
      "**{cpu_ratio:.3f}** (ranks {cpu_ranks_text}; rounds {cpu_rounds_text})", "-"),
     ("host memory of the snapshots' files, all 4 ranks (own parts, copies not counted): "
      "ldt-memory's estimate of them (2 generations x each rank's part: its state and what its "
-     "files add; its total adds the buffer a part is written from) / the most the files held "
+     "files add; the next is copied into the oldest's file, so no buffer is beside them) / "
+     "the most the files held "
      "(sampled every 20 ms)",
      "{host_bytes_estimate} / {host_bytes_peak} bytes (**{host_bytes_ratio:.3f}**)",
      "bounds from above"),
@@ -79,12 +80,15 @@ QUOTES = [
     ("docs/elastic.md", "at most {host_bytes_peak_mib:.2f} MiB for all 4 ranks, where the estimate "
      "says {host_bytes_estimate_mib:.2f} MiB ({host_bytes_ratio:.3f}"),
     ("docs/elastic.md", "part of {part[state_mib]:.2f} MiB in {part[tensors]} tensors (the average "
-     "rank's state in cpu_demo) in its own process: copied into its flat buffer in "
-     "{part[copy_ms]:.3f} ms, written with its crc32 manifest over its oldest generation in "
-     "{part[write_ms][flat]:.2f} ms ({part[write_ms][new_files]:.2f} ms into new files, "
-     "{part[write_ms][torch_save]:.2f} ms pickled by torch.save"),
-    ("docs/elastic.md", "a part of {part_large[state_mib]:.0f} MiB is written over its oldest "
-     "generation in {part_large[write_ms][flat]:.1f} ms, into new files in "
+     "rank's state in cpu_demo) in its own process: copied into its oldest generation's file "
+     "and put in place with its crc32 manifest in {part[mapped_ms]:.2f} ms; before, copied "
+     "into a flat buffer in {part[copy_ms]:.3f} ms and the buffer written over the oldest "
+     "generation in {part[write_ms][flat]:.2f} ms ({part[write_ms][new_files]:.2f} ms into new "
+     "files, {part[write_ms][torch_save]:.2f} ms pickled by torch.save"),
+    ("docs/elastic.md", "a part of {part_large[state_mib]:.0f} MiB is copied into its oldest "
+     "generation's file in {part_large[mapped_ms]:.1f} ms; before, copied into a buffer in "
+     "{part_large[copy_ms]:.1f} ms and written over its oldest generation in "
+     "{part_large[write_ms][flat]:.1f} ms, into new files in "
      "{part_large[write_ms][new_files]:.1f} ms"),
 ]
 
@@ -194,8 +198,8 @@ def run(tmp: str, name: str, snapshots: bool,
 
 def estimated_bytes() -> int:
     """What ``ldt-memory`` says the run's ranks keep in snapshot files in host memory, all
-    ranks together: 2 generations x each rank's part (its total, ``SNAPSHOTS_HELD`` x, adds
-    the buffer a part is written from, which is in the process, not in files)."""
+    ranks together: 2 generations x each rank's part (``SNAPSHOTS_HELD``: the state is copied
+    into the oldest generation's file, mapped, so there is no buffer beside the files)."""
     from omegaconf import OmegaConf
 
     from ldt import memory
@@ -209,13 +213,15 @@ def estimated_bytes() -> int:
 def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
     """What one rank's part costs the CPU per step, timed in this process on a state of
     ``state_bytes`` in ``tensors`` fp32 tensors (a cpu_demo cloud rank holds 97: weights,
-    biases and norms, each with its fp32 main copy and two moments): the copy into the part's
-    flat host buffer (:mod:`ldt.training.flat_state`), and the part made and written into
-    ``/dev/shm`` with its crc32 manifest, ``flat`` as ldt does (the buffer as it is, checksums
-    from memory, written over the part's oldest generation), ``new_files`` as before
-    2026-12-07 (the same into new files, the oldest generation removed after) and
-    ``torch_save`` as before that (the tensors pickled by ``torch.save``, the manifest read
-    back from the files). Medians in ms."""
+    biases and norms, each with its fp32 main copy and two moments), into ``/dev/shm`` with
+    its crc32 manifest: ``mapped_ms`` as ldt does, the copy and the write in one (the state
+    copied into the file of the part's oldest generation through its kept mapping,
+    :class:`ldt.storage.snapshot_files.MappedFiles`, checksums from memory, put in place);
+    ``copy_ms``, the copy into a flat host buffer (:mod:`ldt.training.flat_state`) that the
+    writes of ``write_ms`` then write: ``flat`` as before the mapping (2026-12-07: the buffer
+    written over the part's oldest generation), ``new_files`` before that (into new files,
+    the oldest generation removed after) and ``torch_save`` before that (the tensors pickled
+    by ``torch.save``, the manifest read back from the files). Medians in ms."""
     import io
     import json
     import time
@@ -253,7 +259,19 @@ def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
     meta = json.dumps({"index": flat.index}).encode()
     root = tempfile.mkdtemp(prefix="ldt-bench-part-", dir=SHM)
     step = iter(range(10**6))
+    mapped = snapshot_files.MappedFiles()
+
+    def in_place(tmp: str) -> dict:
+        into = mapped.of(os.path.join(tmp, "state.bin"), flat.buffer.numel(),
+                         lambda buffer: FlatState(live, buffer))
+        into.fill(live)
+        with open(os.path.join(tmp, "meta.json"), "wb") as f:
+            f.write(meta)
+        return {"state.bin": into.bytes(), "meta.json": meta}
     try:
+        mapped_ms = timed(lambda: snapshot_files.write_in_place(
+            root, next(step), "rank_0", in_place, flat.buffer.numel() + len(meta)))
+        mapped.close()
         write = {"flat": timed(lambda: snapshot_files.write(
                      root, next(step), "rank_0", {"state.bin": flat.bytes(), "meta.json": meta})),
                  "new_files": timed(lambda: new_files(root, next(step), flat.bytes(), meta)),
@@ -263,7 +281,8 @@ def part_costs(state_bytes: int, tensors: int = 100, repeats: int = 50) -> dict:
     finally:
         os.system(f"rm -rf {root}")
     return {"state_mib": flat.buffer.numel() / 2**20, "tensors": tensors,
-            "copy_ms": timed(lambda: flat.fill(live)), "write_ms": write}
+            "mapped_ms": mapped_ms, "copy_ms": timed(lambda: flat.fill(live)),
+            "write_ms": write}
 
 
 def main() -> dict:
@@ -328,10 +347,12 @@ def main() -> dict:
           f"{peak / 2**20:.2f} MiB at most in "
           f"the files, {estimate / 2**20:.2f} MiB estimated ({estimate / peak:.3f}); copies kept "
           f"for other hosts: {peak_copies / 2**20:.2f} MiB at most; one part of "
-          f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copy "
+          f"{parts['state_mib']:.2f} MiB in {parts['tensors']} tensors: copied into its file "
+          f"{parts['mapped_ms']:.2f} ms; before, copy "
           f"{parts['copy_ms']:.3f} ms, write {parts['write_ms']['flat']:.2f} ms (new files "
           f"{parts['write_ms']['new_files']:.2f}, torch.save's "
-          f"{parts['write_ms']['torch_save']:.2f}); one of {LARGE_MIB} MiB: write "
+          f"{parts['write_ms']['torch_save']:.2f}); one of {LARGE_MIB} MiB: copied into "
+          f"its file {large['mapped_ms']:.1f} ms, before copy {large['copy_ms']:.1f} + write "
           f"{large['write_ms']['flat']:.1f} ms (new files {large['write_ms']['new_files']:.1f})")
     return emit(out, load_before=load)
 

@@ -113,9 +113,9 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     assert line.startswith(f"stage 1 (s1, ranks 1) needs {PEAK / 2**20:.2f} MiB per rank "
                            f"(estimate) but cluster.stages[1].memory_gib={(PEAK - 1) / 2**30:g};"
                            " the largest part is optimizer states"), line
-    # train.snapshot_dir: a rank keeps two snapshots of its state in files in host memory and
-    # a third in the buffer it writes them from (ldt.training.snapshot: weights and the
-    # optimizer's tensors, no gradients), each
+    # train.snapshot_dir: a rank keeps two snapshots of its state in files in host memory, the
+    # next copied into the oldest's file (ldt.training.snapshot: weights and the optimizer's
+    # tensors, no gradients), each
     # a part of files: its 49 tensors (12 parameters, their two moments and step counters, the
     # step) in one buffer, each rounded up to ALIGN bytes, an index entry of at most 128 bytes
     # each in meta.json, and META_ALLOWANCE each for the rest of meta.json and the manifest
@@ -125,9 +125,10 @@ def test_the_middle_stages_peak_is_the_sum_of_its_terms_and_one_byte_less_is_ref
     train = to_train(below["train"])
     assert snapshot_line(got, train) is None
     snap = snapshot_line(got, dataclasses.replace(train, snapshot_dir="/dev/shm"))
-    assert snap.startswith("train.snapshot_dir=/dev/shm: host memory per rank for snapshots, 3 x "
-                           "the rank's state (2 in files, 1 in the buffer they are written from): 0:s0 "), snap
-    assert f", 1:s1 {3 * mid.snapshot_bytes / 2**20:.2f} MiB, 2:s2 " in snap, snap
+    assert snap.startswith("train.snapshot_dir=/dev/shm: host memory per rank for snapshots, 2 x "
+                           "the rank's state (in files; the next is copied into the oldest's): "
+                           "0:s0 "), snap
+    assert f", 1:s1 {2 * mid.snapshot_bytes / 2**20:.2f} MiB, 2:s2 " in snap, snap
 
 
 def test_a_limit_at_the_peak_fits():

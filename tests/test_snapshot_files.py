@@ -355,3 +355,92 @@ def test_the_optimizer_step_waits_for_the_takes_copy_and_gets_its_error(root, mo
         snaps.close(finished=True)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_part_is_copied_into_its_oldest_generations_file_and_nothing_else(root, monkeypatch,
+                                                                            capfd):
+    """The writer copies the state straight into the state file of its part's oldest
+    generation, through a mapping kept from step to step (snapshot_files.MappedFiles): the
+    part of step 3 is step 1's file written over (its inode), and the buffer the copy went into
+    is that file's mapping (kept, and what is stored into it is in the file), so a rank's snapshots hold two copies of its state in host memory
+    (ldt-memory's count), no third in a buffer. Each part holds the state of its take. A full
+    /dev/shm is said once and training goes on: the next step's snapshot is whole."""
+    import errno
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from ldt.training import snapshot as snapshot_mod
+
+    weights = torch.arange(6.0)
+    monkeypatch.setattr(snapshot_mod, "taken_state", lambda m, c, o, step, r, **kw: {
+        "model.w": weights, "step": torch.tensor(step)})
+    monkeypatch.setattr(snapshot_mod, "part_meta", lambda *args: {})
+    state_file = lambda step: os.path.join(files.step_dir(root, step), "rank_0", "state.bin")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        snaps = snapshot_mod.Snapshots(root, state=SimpleNamespace(stage=0))
+        inodes, buffers = {}, {}
+        for step in range(4):
+            snaps.take(step, [], [], None)
+            snaps.copied()
+            snaps._thread.join()
+            inodes[step] = os.stat(state_file(step)).st_ino
+            buffers[step] = snaps._flat  # the FlatState over the file's mapping
+            _, got = snapshot_mod.read_part(os.path.dirname(state_file(step)))
+            assert torch.equal(got["model.w"], weights) and int(got["step"]) == step
+            held = [s for s in snap.steps(root) if os.path.exists(state_file(s))]
+            assert held == [step, step - 1][:step + 1], held
+            weights += 1  # the optimizer step
+        assert inodes[2] == inodes[0] and inodes[3] == inodes[1] != inodes[0]
+        assert buffers[2] is buffers[0] and buffers[3] is buffers[1] is not buffers[0]
+        kept = buffers[3].buffer[:4].clone()
+        buffers[3].buffer[:4] = 255  # the buffer is the file: no copy of it is written
+        with open(state_file(3), "rb") as f:
+            assert f.read(4) == b"\xff" * 4
+        buffers[3].buffer[:4] = kept
+
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(snaps._mapped, "of", full)
+        snaps.take(4, [], [], None)
+        snaps.copied()  # not the copy's error: training goes on
+        snaps._thread.join()
+        assert "the snapshot of step 4 could not be written" in capfd.readouterr().err
+        assert snap.steps(root) == [3] and snap.readable(root, 3, ["rank_0"])
+        monkeypatch.delattr(snaps._mapped, "of")  # room again
+        snaps.take(5, [], [], None)
+        snaps.copied()
+        snaps.close(finished=False)
+        assert snap.steps(root) == [5, 3] and snap.readable(root, 5, ["rank_0"])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_full_dev_shm_is_an_error_when_mapped_not_a_crash_when_filled(tmp_path):
+    """MappedFiles takes a file's pages when it maps it: on a full tmpfs that is an OSError
+    the writer says and survives, where filling a mapping whose pages the tmpfs cannot give
+    kills the process with SIGBUS (run in a child, so that a regression fails this test)."""
+    import subprocess
+    import sys
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(tiny)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        child = subprocess.run([sys.executable, "-c", (
+            "import os, errno\n"
+            "from ldt.storage.snapshot_files import MappedFiles\n"
+            "try:\n"
+            f"    m = MappedFiles().of(os.path.join({str(tiny)!r}, 'state.bin'), 1 << 20,"
+            " memoryview)\n"
+            "    m[:] = b'x' * len(m)\n"
+            "except OSError as exc:\n"
+            "    print('refused', errno.errorcode[exc.errno])\n")],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        subprocess.run(["umount", "-l", str(tiny)], check=False)
+    assert child.returncode == 0 and child.stdout.strip() == "refused ENOSPC", (
+        child.returncode, child.stdout, child.stderr)

@@ -18,10 +18,10 @@ from ldt.memory import GIB, StageEstimate
 from ldt.storage.snapshot_files import GENERATIONS
 from ldt.topology.buddies import copy_holders
 
-# snapshots of a rank's state in host memory at once: GENERATIONS in files (the next one is
-# written over the oldest, ldt.storage.snapshot_files.write), and one in the buffer a part is
-# written from (the writer's flat buffer; a copy as it is received from its writer)
-SNAPSHOTS_HELD = GENERATIONS + 1
+# snapshots of a rank's state in host memory at once: GENERATIONS in files, and no buffer
+# beside them: the next one is copied (or received) straight into the oldest's file, mapped
+# (ldt.storage.snapshot_files.MappedFiles)
+SNAPSHOTS_HELD = GENERATIONS
 
 MIB = 2**20
 
@@ -72,8 +72,8 @@ def snapshot_line(stages: list[StageEstimate], train) -> Optional[str]:
     per_stage = ", ".join(f"{s.index}:{s.name} {_size(SNAPSHOTS_HELD * s.snapshot_bytes)}"
                           for s in stages)
     return (f"train.snapshot_dir={train.snapshot_dir}: host memory per rank for snapshots, "
-            f"{SNAPSHOTS_HELD} x the rank's state ({GENERATIONS} in files, 1 in the buffer they "
-            f"are written from): {per_stage}")
+            f"{SNAPSHOTS_HELD} x the rank's state (in files; the next is copied into the "
+            f"oldest's): {per_stage}")
 
 
 @dataclass(frozen=True)

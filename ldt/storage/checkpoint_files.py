@@ -98,16 +98,40 @@ def write_part_files(folder: str, part: str, files: dict[str, Any],
     snapshot's oldest generation); it becomes the temporary folder and its files of the same
     size are written over in place."""
     views = {name: memoryview(data).cast("B") for name, data in files.items()}
-    if checksums is None:
-        checksums = checksums_of(views, algorithm)
-    elif ({n: c.get("bytes") for n, c in checksums.items()}
-          != {n: v.nbytes for n, v in views.items()}):
+    _check_sizes(folder, part, views, checksums)
+
+    def save(tmp: str) -> dict:
+        _save_views(tmp, views)
+        return views
+    return write_part_in_place(folder, part, save, sum(v.nbytes for v in views.values()),
+                               algorithm, checksums, reuse)[0]
+
+
+def write_part_in_place(folder: str, part: str, save: Callable[[str], dict], nbytes: int,
+                        algorithm: str = "sha256", checksums: Optional[dict] = None,
+                        reuse: Optional[str] = None) -> tuple[str, dict]:
+    """:func:`write_part_files` where ``save(tmp)`` puts the part's files into its temporary
+    folder itself (``reuse``'s files are there: a snapshot fills its state file through a
+    mapping kept from step to step) and returns them as they are in memory (name -> any
+    buffer), for their checksums (or ``checksums``, a writer's, checked against their sizes).
+    Returns the part's folder and its manifest's files."""
+    manifest: dict = {}
+
+    def saved(tmp: str) -> None:
+        views = {name: memoryview(data).cast("B") for name, data in save(tmp).items()}
+        _check_sizes(folder, part, views, checksums)
+        manifest.update(checksums_of(views, algorithm) if checksums is None else checksums)
+    final = _write_part(folder, part, saved, nbytes, lambda _tmp: manifest, algorithm, reuse)
+    return final, manifest
+
+
+def _check_sizes(folder: str, part: str, views: dict, checksums: Optional[dict]) -> None:
+    """A writer's ``checksums`` must name the files ``views`` holds, of their sizes."""
+    if checksums is not None and ({n: c.get("bytes") for n, c in checksums.items()}
+                                  != {n: v.nbytes for n, v in views.items()}):
         raise CheckpointError(f"part {part} of {folder} is not written: its files "
                               f"({ {n: v.nbytes for n, v in views.items()} } bytes) are not "
                               f"the ones its writer's checksums name ({checksums})")
-    return _write_part(folder, part, lambda tmp: _save_views(tmp, views),
-                       sum(v.nbytes for v in views.values()), lambda _tmp: checksums, algorithm,
-                       reuse)
 
 
 def checksums_of(files: dict[str, Any], algorithm: str) -> dict:

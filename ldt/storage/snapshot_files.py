@@ -20,10 +20,12 @@ another layout's parts as its own). No torch and no collectives here.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import shutil
 import uuid
-from typing import Iterable, Optional
+from collections import OrderedDict
+from typing import Any, Callable, Iterable, Optional
 
 from ldt.config import ConfigError
 from ldt.storage import checkpoint_files as files
@@ -111,21 +113,93 @@ def write(root: str, step: int, part: str, part_files: dict,
     The generation this write makes old (the part's oldest, once :data:`GENERATIONS` are
     held) is not removed but written over: its folder becomes the new one's temporary folder,
     its files are overwritten in place (in host memory that spares allocating, zeroing and
-    freeing pages: docs/elastic.md has the figures). It stops being a part before a byte changes, so while a step is written every
-    rank still holds the step before it whole: the ranks snapshot the same steps
-    (:mod:`ldt.training.snapshot`), so that is the step a start falls back to."""
+    freeing pages: docs/elastic.md has the figures). It stops being a part before a byte
+    changes, so while a step is written every rank still holds the step before it whole: the
+    ranks snapshot the same steps (:mod:`ldt.training.snapshot`), so that is the step a start
+    falls back to."""
+    return _write(root, step, part, lambda folder, reuse: files.write_part_files(
+        folder, part, part_files, algorithm=ALGORITHM, checksums=sums, reuse=reuse))
+
+
+def write_in_place(root: str, step: int, part: str, save: Callable[[str], dict], nbytes: int,
+                   sums: Optional[dict] = None) -> dict:
+    """:func:`write` where ``save(tmp)`` puts the files into the part's temporary folder
+    itself, the oldest generation's files there (:class:`MappedFiles` fills a state file
+    through its mapping), and returns them as they are in memory; returns the part's
+    :func:`checksums` (``sums``, when given)."""
+    return _write(root, step, part, lambda folder, reuse: files.write_part_in_place(
+        folder, part, save, nbytes, algorithm=ALGORITHM, checksums=sums, reuse=reuse))[1]
+
+
+def _write(root: str, step: int, part: str, write_part: Callable[[str, Optional[str]], Any]):
     held = [s for s in steps(root) if s != step
             and os.path.isdir(os.path.join(files.step_dir(root, s), part))]
     oldest = held[-1] if len(held) >= GENERATIONS and held[-1] < step else None
     try:
-        done = files.write_part_files(
-            files.step_dir(root, step), part, part_files, algorithm=ALGORITHM, checksums=sums,
-            reuse=None if oldest is None else os.path.join(files.step_dir(root, oldest), part))
+        done = write_part(files.step_dir(root, step),
+                          None if oldest is None else os.path.join(files.step_dir(root, oldest),
+                                                                   part))
+    except BaseException:
+        _rmdir(files.step_dir(root, step))  # made for this part (when no other is there)
+        raise
     finally:
         if oldest is not None:
             _rmdir(files.step_dir(root, oldest))  # its last part
     prune(root, part)
     return done
+
+
+class MappedFiles:
+    """Files a writer fills in place through a memory mapping, each mapped once and kept
+    (the newest :data:`GENERATIONS`, by inode) with what ``make`` builds over it: a snapshot
+    part's state file, whose folder moves from the oldest generation to the newest at each
+    write (:func:`write_in_place`), is then the buffer the state is copied into (or a copy
+    received from another host). No copy is
+    made to write it, and a rank's snapshots hold :data:`GENERATIONS` of its state in host
+    memory, not one more in a buffer they are written from."""
+
+    def __init__(self, keep: int = GENERATIONS):
+        self.keep = keep  # files mapped at most (a holder's: GENERATIONS per writer)
+        self._held: OrderedDict = OrderedDict()  # (device, inode) -> (mapping, made)
+
+    def of(self, path: str, nbytes: int, make: Callable[[Any], Any]) -> Any:
+        """``make(buffer)`` over the file ``path`` of ``nbytes`` (made, or cut to that size,
+        when it is not so), as kept from an earlier write of the same file."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            info = os.fstat(fd)
+            key = (info.st_dev, info.st_ino)
+            if key in self._held and info.st_size == nbytes:
+                self._held.move_to_end(key)
+                return self._held[key][1]
+            self._drop(key)
+            if info.st_size != nbytes:
+                os.ftruncate(fd, nbytes)
+            if nbytes:
+                # the pages are taken now: a full /dev/shm is an OSError (ENOSPC) here, where a
+                # store through the mapping into a page it cannot have kills the process (SIGBUS)
+                os.posix_fallocate(fd, 0, nbytes)
+            mapping = mmap.mmap(fd, nbytes) if nbytes else bytearray()
+        finally:
+            os.close(fd)
+        made = make(mapping)
+        self._held[key] = (mapping, made)
+        while len(self._held) > max(self.keep, 1):
+            self._drop(next(iter(self._held)))
+        return made
+
+    def close(self) -> None:
+        for key in list(self._held):
+            self._drop(key)
+
+    def _drop(self, key) -> None:
+        mapping, made = self._held.pop(key, (None, None))
+        del made  # its views of the mapping go first
+        if isinstance(mapping, mmap.mmap):
+            try:
+                mapping.close()
+            except BufferError:  # a view of it is still held: unmapped when the last one goes
+                pass
 
 
 def checksums(part_files: dict) -> dict:

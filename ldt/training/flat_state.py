@@ -24,9 +24,15 @@ META_ALLOWANCE = 64  # bytes per tensor (at least 16 tensors' worth) for meta.js
 class FlatState:
     """Host buffers for tensors of these names, shapes and dtypes, all in one ``buffer``."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], buffer: Any = None):
+        """``buffer``: any writable buffer of :func:`layout`'s size to hold them (a mapped
+        file, :class:`ldt.storage.snapshot_files.MappedFiles`); None: a new one in memory."""
         self.index, size = layout(tensors)
-        self.buffer = torch.zeros(size, dtype=torch.uint8)
+        self.buffer = torch.zeros(size, dtype=torch.uint8) if buffer is None else \
+            as_bytes(buffer)
+        if self.buffer.numel() != size:
+            raise ValueError(f"a buffer of {self.buffer.numel()} bytes cannot hold a state "
+                             f"of {size}")
         self.views = unpack(self.index, self.buffer)
 
     def fits(self, tensors: dict[str, torch.Tensor]) -> bool:
@@ -79,6 +85,12 @@ def read(index: list, path: str) -> dict[str, torch.Tensor]:
     """A part's ``state.bin`` at ``path`` as its tensors (views of one buffer read once)."""
     with open(path, "rb") as f:
         return unpack(index, byte_tensor(f.read()))
+
+
+def as_bytes(buffer: Any) -> torch.Tensor:
+    """A writable ``buffer`` as a uint8 tensor over its memory (no copy)."""
+    return (torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer)
+            else torch.empty(0, dtype=torch.uint8))
 
 
 def byte_tensor(data: bytes) -> torch.Tensor:

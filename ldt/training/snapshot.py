@@ -3,10 +3,12 @@
 After each optimizer step every rank copies its own state to host memory as it is: its
 parameters (its TP shard), and the optimizer's fp32 main parameters, moments and step as this
 rank keeps them (with the distributed optimizer, its DP span). No collective and no gather: a
-background thread copies the state into one flat buffer (:mod:`ldt.training.flat_state`) while
-the next step's forward and backward run (the next optimizer step waits for the copy), then
-writes the buffer as the rank's part of the step's snapshot
-(:mod:`ldt.storage.snapshot_files`: the bytes and their checksums) while training goes on. A
+background thread copies the state, laid out flat (:mod:`ldt.training.flat_state`), straight
+into the state file of the rank's oldest snapshot, mapped into memory
+(:class:`ldt.storage.snapshot_files.MappedFiles`), while the next step's forward and backward
+run (the next optimizer step waits for the copy); then it takes the file's checksums and puts
+it in place as the rank's part of the step's snapshot (:mod:`ldt.storage.snapshot_files`) while
+training goes on. A
 step's snapshot is whole with every rank's part, so the ranks skip a step together: when any rank's writer is still busy with an earlier step (agreed at the step
 boundary, :class:`ldt.training.guard.StepGuard`), no rank takes this one, and each says so once:
 snapshots never make a step wait. The lr schedule and the data position follow from the step,
@@ -60,7 +62,12 @@ class Snapshots:
         self._thread: Optional[threading.Thread] = None
         self._copy_done: Optional[threading.Event] = None  # set once a take's copy is made
         self._copy_error: Optional[BaseException] = None
-        self._flat: Optional[FlatState] = None  # the host buffer the writer reads, refilled each take
+        self._mapped = snapshot_files.MappedFiles()  # the generations' state files, mapped
+        self._held = snapshot_files.MappedFiles(  # and those of the copies kept here
+            snapshot_files.GENERATIONS * (0 if copies is None else len(copies.writers)))
+        self._flat: Optional[FlatState] = None  # the newest generation's, the one sent
+        self._shapes: list = []  # (name, shape, dtype) of the state the meta was made for
+        self._size = 0  # bytes of the state file
         self._meta = b""  # META_FILE: where this rank sits in its layout and the buffer's index
         self._params: Optional[list] = None  # (name, parameter), found at the first take
         self._said: set = set()
@@ -102,46 +109,69 @@ class Snapshots:
             raise error
 
     def _copy_and_write(self, step: int, models, chunks, optimizer) -> None:
+        """Copy the state into the file of the part's oldest generation (through its mapping,
+        :class:`~ldt.storage.snapshot_files.MappedFiles`), which becomes step ``step``'s part,
+        then send it to its holder."""
+        sums = None
         try:
-            if self._params is None:  # a model's parameters and names stay as they are built
-                self._params = list(_unique_params(models, chunks))
-            tensors = taken_state(models, chunks, optimizer, step,
-                                  optimizer.run_state() if optimizer is not None else {},
-                                  params=self._params)
-            if self._flat is None or not self._flat.fits(tensors):  # the first take
-                self._flat = FlatState(tensors)
+            try:
+                if self._params is None:  # a model's parameters and names stay as built
+                    self._params = list(_unique_params(models, chunks))
+                tensors = taken_state(models, chunks, optimizer, step,
+                                      optimizer.run_state() if optimizer is not None else {},
+                                      params=self._params)
+            except BaseException as exc:
+                self._copy_error = exc
+                raise
+            shapes = [(name, t.shape, t.dtype) for name, t in tensors.items()]
+            if shapes != self._shapes:  # the first take
+                self._shapes = shapes
+                self._mapped.close()  # files mapped for another state's index
+                index, self._size = flat_state.layout(tensors)
                 self._meta = json.dumps({**part_meta(models, chunks, optimizer, self.state),
-                                         "index": self._flat.index}).encode()
-            self._flat.fill(tensors)
-        except BaseException as exc:  # raised in training's thread by copied()
-            self._copy_error = exc
-            return
+                                         "index": index}).encode()
+            sums = snapshot_files.write_in_place(
+                self.root, step, self.part, lambda tmp: self._fill(tmp, tensors),
+                self._size + len(self._meta))
+        except BaseException as exc:
+            if self._copy_error is None:  # a full /dev/shm: training goes on, on checkpoints
+                self._say("failed", f"the snapshot of step {step} could not be written to "
+                          f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                          "training goes on")
         finally:
             self._copy_done.set()
-        self._write(step)
-
-    def _write(self, step: int) -> None:
-        files = {STATE_FILE: self._flat.bytes(), META_FILE: self._meta}
-        sums = snapshot_files.checksums(files)  # taken once: the copy carries them
-        try:
-            snapshot_files.write(self.root, step, self.part, files, sums)
-        except Exception as exc:  # a full /dev/shm: training goes on, on disk checkpoints
-            self._say("failed", f"the snapshot of step {step} could not be written to "
-                      f"{self.root} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                      "training goes on")
         if self.copies is not None:
-            try:
+            try:  # a part not written is sent empty: its holder keeps no copy of that step
                 snapshot_copies.exchange(self.copies, self.root, step, self._meta,
-                                         self._flat.buffer, sums)
+                                         self._flat.buffer if sums else None, sums or {},
+                                         self._held)
             except Exception as exc:  # a peer gone: the world is failing; the next one recovers
                 self._say("copy", f"the copies of step {step}'s snapshot to or from another "
                           f"host failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+
+    def _fill(self, tmp: str, tensors: dict) -> dict:
+        """Inside the part's temporary folder: the state copied into its file's mapping (the
+        copy training waits for), and the meta written; the files as they are in memory."""
+        self._flat = self._mapped.of(os.path.join(tmp, STATE_FILE), self._size,
+                                     lambda buffer: FlatState(tensors, buffer))
+        try:
+            self._flat.fill(tensors)
+        except BaseException as exc:  # raised in training's thread by copied()
+            self._copy_error = exc
+            raise
+        self._copy_done.set()
+        with open(os.path.join(tmp, META_FILE), "wb") as f:
+            f.write(self._meta)
+        return {STATE_FILE: self._flat.bytes(), META_FILE: self._meta}
 
     def close(self, finished: bool) -> None:
         """Wait for the last write; a run that trained all its steps removes its snapshots
         (host memory), a stopped or failed one keeps them for its restart."""
         if self._thread is not None:
             self._thread.join()
+        self._flat = None
+        self._mapped.close()
+        self._held.close()
         self.copied()
         if finished:
             for writer in () if self.copies is None else self.copies.writers:

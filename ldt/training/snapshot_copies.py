@@ -60,42 +60,85 @@ def copies(topo, distributed_optimizer: bool, timeout_s: float) -> Optional[Copi
                   group)
 
 
-def exchange(c: Copies, root: str, step: int, meta: bytes, buffer: torch.Tensor,
-             sums: dict) -> None:
+def exchange(c: Copies, root: str, step: int, meta: bytes, buffer: Optional[torch.Tensor],
+             sums: dict, held: snapshot_files.MappedFiles) -> None:
     """Send this rank's part of step ``step`` (``meta`` and the flat ``buffer``, with their
-    checksums ``sums``) to its holder on another host and keep the parts of the ranks it
-    holds for under ``root``'s copies: every rank takes the same steps, so each copy sent is
-    received. A copy travels with its writer's checksums and is kept with them, so it
-    verifies against what its writer wrote (the transfer included) and its holder takes no
-    checksum. Sends first, then receives, then waits: copies around a ring of hosts never
-    wait on each other."""
+    checksums ``sums``; no buffer and no sums: a part not written, of which no copy is kept)
+    to its holder on another host and keep the parts of the ranks it holds for under
+    ``root``'s copies, each received straight into the file of its oldest generation (mapped
+    in ``held``): every rank takes the same steps, so each copy sent is received. A copy
+    travels with its writer's checksums and is kept with them, so it verifies against what
+    its writer wrote (the transfer included) and its holder takes no checksum. Sends first,
+    then receives, then waits: copies around a ring of hosts never wait on each other."""
     progress.current().begin("copying the snapshot to another host")  # (a drill's point)
+    if buffer is None:
+        buffer = torch.empty(0, dtype=torch.uint8)
     sends = [] if c.holder is None else [
-        work for data in (meta, buffer, json.dumps(sums).encode())
+        work for data in (meta, json.dumps(sums).encode(), buffer)
         for work in isend_buffer(data, c.holder, c.group)]
+    failed: Optional[Exception] = None
     for writer in c.writers:
-        their_meta, state, their_sums = (recv_buffer(writer, c.group) for _ in range(3))
-        snapshot_files.write(snapshot_files.copies_root(root), step,
-                             snapshot_files.part_name(writer),
-                             {META_FILE: their_meta.numpy(), STATE_FILE: state.numpy()},
-                             json.loads(bytes(their_sums.numpy())))
+        try:
+            keep(c, root, step, writer, held)
+        except Exception as exc:  # a full /dev/shm here: the other writers' copies still come
+            failed = failed or exc
     for work in sends:
         work.wait()
+    if failed is not None:
+        raise failed
+
+
+def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.MappedFiles) -> None:
+    """Receive ``writer``'s part of step ``step`` (:func:`exchange`) into the copies under
+    ``root``; a part its writer did not write is received and dropped (its bytes drained
+    when the copy cannot be written, so the next message is the next writer's)."""
+    their_meta = bytes(recv_buffer(writer, c.group).numpy())
+    their_sums = json.loads(bytes(recv_buffer(writer, c.group).numpy()))
+    size = recv_size(writer, c.group)
+    received = False
+
+    def save(tmp: str) -> dict:
+        nonlocal received
+        state = held.of(os.path.join(tmp, STATE_FILE), size, flat_state.as_bytes)
+        recv_into(state, writer, c.group)
+        received = True
+        with open(os.path.join(tmp, META_FILE), "wb") as f:
+            f.write(their_meta)
+        return {META_FILE: their_meta, STATE_FILE: state.numpy()}
+    try:
+        if their_sums:
+            snapshot_files.write_in_place(snapshot_files.copies_root(root), step,
+                                          snapshot_files.part_name(writer), save,
+                                          size + len(their_meta), their_sums)
+    finally:
+        if not received:
+            recv_into(torch.empty(size, dtype=torch.uint8), writer, c.group)
 
 
 def isend_buffer(data, dst: int, group) -> list:
     """Send ``data`` (bytes, or a uint8 tensor as it is: a part's flat buffer) to global rank
-    ``dst``: its length, then its bytes (two works to wait)."""
+    ``dst``: its length, then its bytes unless it has none (works to wait)."""
     if not isinstance(data, torch.Tensor):
         data = flat_state.byte_tensor(data)
-    return [dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group),
-            dist.isend(data, dst, group=group)]
+    size = dist.isend(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
+    return [size, dist.isend(data, dst, group=group)] if data.numel() else [size]
+
+
+def recv_size(src: int, group) -> int:
+    """The length :func:`isend_buffer` sends first."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    return int(size.item())
+
+
+def recv_into(data: torch.Tensor, src: int, group) -> None:
+    """The bytes :func:`isend_buffer` sends after their length, into ``data``."""
+    if data.numel():
+        dist.recv(data, src, group=group)
 
 
 def recv_buffer(src: int, group) -> torch.Tensor:
-    """What :func:`isend_buffer` sent from ``src``, as a uint8 tensor."""
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
+    """What :func:`isend_buffer` sent from ``src``, as a new uint8 tensor."""
+    data = torch.empty(recv_size(src, group), dtype=torch.uint8)
+    recv_into(data, src, group)
     return data
