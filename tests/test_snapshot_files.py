@@ -444,3 +444,64 @@ def test_a_full_dev_shm_is_an_error_when_mapped_not_a_crash_when_filled(tmp_path
         subprocess.run(["umount", "-l", str(tiny)], check=False)
     assert child.returncode == 0 and child.stdout.strip() == "refused ENOSPC", (
         child.returncode, child.stdout, child.stderr)
+
+
+def _copy_rank(rank: int, world: int, shm: str) -> list:
+    """Rank 0 writes a part at steps 0-3 and sends each to rank 1, which keeps the copies:
+    step 1's part was not written (sent empty), and rank 1 cannot write step 2's copy (its
+    /dev/shm full). Returns what rank 1 holds, per step: the copy's state, or None."""
+    import errno
+
+    import torch.distributed as dist
+
+    from ldt.training.snapshot_copies import Copies, exchange
+
+    group = dist.new_group(backend="gloo")
+    copies = Copies(1, (), group) if rank == 0 else Copies(None, (0,), group)
+    root = os.path.join(shm, f"host{rank}")
+    held = snap.MappedFiles(snap.GENERATIONS)
+    real_of = held.of
+    errors = []
+    for step in range(4):
+        state = torch.full((1000,), float(step)).view(torch.uint8)
+        meta = json.dumps({"step": step}).encode()
+        files_ = {"state.bin": state.numpy(), "meta.json": meta}
+        written = step != 1
+        if rank == 1:
+            held.of = real_of if step != 2 else lambda *args: (_ for _ in ()).throw(
+                OSError(errno.ENOSPC, "No space left on device"))
+        try:
+            exchange(copies, root, step, meta, state if written else None,
+                     snap.checksums(files_) if written else {}, held)
+        except OSError as exc:
+            errors.append((step, exc.errno))
+    dist.barrier()
+    if rank == 0:
+        return errors
+    kept = snap.copies_root(root)
+    out = {}
+    for step in range(4):
+        folder = os.path.join(files.step_dir(kept, step), "rank_0")
+        if not os.path.isdir(folder):
+            out[step] = None
+            continue
+        assert snap.readable(kept, step, ["rank_0"]), step
+        with open(os.path.join(folder, "state.bin"), "rb") as f:
+            out[step] = float(torch.frombuffer(bytearray(f.read()), dtype=torch.float32)[0])
+    return [errors, out]
+
+
+def test_a_holder_keeps_each_copy_skips_an_unwritten_part_and_survives_a_failed_one(tmp_path):
+    """ldt.training.snapshot_copies over a real gloo pair: each copy is received into the
+    holder's copies and verifies against its writer's checksums; a part its writer could not
+    write comes empty and no copy of that step is kept; a copy the holder cannot write
+    (ENOSPC) is drained and said, and the next step's copy arrives whole (the messages stay
+    in step)."""
+    import errno
+
+    from ldt.launch.local import run_local_world
+
+    writer, (holder_errors, kept) = run_local_world(2, _copy_rank, (str(tmp_path),),
+                                                    timeout_s=120)
+    assert writer == [] and holder_errors == [(2, errno.ENOSPC)]
+    assert kept == {0: 0.0, 1: None, 2: None, 3: 3.0}, kept

@@ -169,7 +169,10 @@ def _write_part(folder: str, part: str, save: Callable[[str], None], nbytes: int
         else:
             os.makedirs(tmp)
         save(tmp)
-        _write_json(os.path.join(tmp, MANIFEST), {"algorithm": algorithm, "files": manifest(tmp)})
+        # written as it is: the temporary folder is what is put in place whole (a snapshot
+        # writes one every step, and a file replaced atomically cost it ~0.2 ms more)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            f.write(json.dumps({"algorithm": algorithm, "files": manifest(tmp)}))
         fsync_tree(tmp)
         move_into_place(tmp, final)
     except BaseException as exc:

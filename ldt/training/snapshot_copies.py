@@ -71,11 +71,7 @@ def exchange(c: Copies, root: str, step: int, meta: bytes, buffer: Optional[torc
     its writer wrote (the transfer included) and its holder takes no checksum. Sends first,
     then receives, then waits: copies around a ring of hosts never wait on each other."""
     progress.current().begin("copying the snapshot to another host")  # (a drill's point)
-    if buffer is None:
-        buffer = torch.empty(0, dtype=torch.uint8)
-    sends = [] if c.holder is None else [
-        work for data in (meta, json.dumps(sums).encode(), buffer)
-        for work in isend_buffer(data, c.holder, c.group)]
+    sends = [] if c.holder is None else send_part(meta, sums, buffer, c.holder, c.group)
     failed: Optional[Exception] = None
     for writer in c.writers:
         try:
@@ -92,9 +88,7 @@ def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.Mapp
     """Receive ``writer``'s part of step ``step`` (:func:`exchange`) into the copies under
     ``root``; a part its writer did not write is received and dropped (its bytes drained
     when the copy cannot be written, so the next message is the next writer's)."""
-    their_meta = bytes(recv_buffer(writer, c.group).numpy())
-    their_sums = json.loads(bytes(recv_buffer(writer, c.group).numpy()))
-    size = recv_size(writer, c.group)
+    their_meta, their_sums, size = recv_part_head(writer, c.group)
     received = False
 
     def save(tmp: str) -> dict:
@@ -113,6 +107,32 @@ def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.Mapp
     finally:
         if not received:
             recv_into(torch.empty(size, dtype=torch.uint8), writer, c.group)
+
+
+def send_part(meta: bytes, sums: dict, buffer: Optional[torch.Tensor], dst: int,
+              group) -> list:
+    """Send a part to global rank ``dst`` in three messages (each costs a rank of 0.3 core
+    ~0.1 ms of CPU): the sizes of its meta, its checksums and its state, then the meta and
+    the checksums together, then the state buffer as it is (none when it is empty). Works
+    to wait."""
+    sums_bytes = json.dumps(sums).encode()
+    state = torch.empty(0, dtype=torch.uint8) if buffer is None else buffer
+    head = torch.tensor([len(meta), len(sums_bytes), state.numel()], dtype=torch.int64)
+    works = [dist.isend(head, dst, group=group),
+             dist.isend(flat_state.byte_tensor(meta + sums_bytes), dst, group=group)]
+    return works + ([dist.isend(state, dst, group=group)] if state.numel() else [])
+
+
+def recv_part_head(src: int, group) -> tuple[bytes, dict, int]:
+    """The first two messages of :func:`send_part` from ``src``: the meta, the checksums and
+    the size of the state that comes next (receive it with :func:`recv_into`)."""
+    head = torch.zeros(3, dtype=torch.int64)
+    dist.recv(head, src, group=group)
+    meta_n, sums_n, size = (int(v) for v in head.tolist())
+    small = torch.empty(meta_n + sums_n, dtype=torch.uint8)
+    recv_into(small, src, group)
+    data = bytes(small.numpy())
+    return data[:meta_n], json.loads(data[meta_n:]), size
 
 
 def isend_buffer(data, dst: int, group) -> list:
