@@ -154,9 +154,9 @@ class MappedFiles:
     (the newest :data:`GENERATIONS`, by inode) with what ``make`` builds over it: a snapshot
     part's state file, whose folder moves from the oldest generation to the newest at each
     write (:func:`write_in_place`), is then the buffer the state is copied into (or a copy
-    received from another host). No copy is
-    made to write it, and a rank's snapshots hold :data:`GENERATIONS` of its state in host
-    memory, not one more in a buffer they are written from."""
+    received from another host). No copy is made to write it, and a rank's snapshots hold
+    :data:`GENERATIONS` of its state in host memory, not one more in a buffer they are
+    written from."""
 
     def __init__(self, keep: int = GENERATIONS):
         self.keep = keep  # files mapped at most (a holder's: GENERATIONS per writer)
