@@ -76,7 +76,7 @@ def exchange(c: Copies, root: str, step: int, meta: bytes, buffer: Optional[torc
     for writer in c.writers:
         try:
             keep(c, root, step, writer, held)
-        except Exception as exc:  # a full /dev/shm here: the other writers' copies still come
+        except OSError as exc:  # a full /dev/shm here: the other writers' copies still come
             failed = failed or exc
     for work in sends:
         work.wait()
@@ -89,13 +89,13 @@ def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.Mapp
     ``root``; a part its writer did not write is received and dropped (its bytes drained
     when the copy cannot be written, so the next message is the next writer's)."""
     their_meta, their_sums, size = recv_part_head(writer, c.group)
-    received = False
+    posted = False  # the receive of the state was posted (it may fail: a writer gone)
 
     def save(tmp: str) -> dict:
-        nonlocal received
+        nonlocal posted
         state = held.of(os.path.join(tmp, STATE_FILE), size, flat_state.as_bytes)
+        posted = True
         recv_into(state, writer, c.group)
-        received = True
         with open(os.path.join(tmp, META_FILE), "wb") as f:
             f.write(their_meta)
         return {META_FILE: their_meta, STATE_FILE: state.numpy()}
@@ -105,7 +105,7 @@ def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.Mapp
                                           snapshot_files.part_name(writer), save,
                                           size + len(their_meta), their_sums)
     finally:
-        if not received:
+        if not posted:  # (never after a failed receive: it would wait a timeout again)
             recv_into(torch.empty(size, dtype=torch.uint8), writer, c.group)
 
 
