@@ -105,7 +105,7 @@ def keep(c: Copies, root: str, step: int, writer: int, held: snapshot_files.Mapp
                                           snapshot_files.part_name(writer), save,
                                           size + len(their_meta), their_sums)
     finally:
-        if not posted:  # (never after a failed receive: it would wait a timeout again)
+        if not posted:  # (not after a failed receive: its writer is gone, no bytes come)
             recv_into(torch.empty(size, dtype=torch.uint8), writer, c.group)
 
 
