@@ -362,11 +362,11 @@ class _World:
 
 
 @pytest.mark.timeout(120)
-def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
+def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model, monkeypatch):
     """The plan states each stage's memory_gib (the planner's limit for its kind), so the
     elastic job's rank 0 estimates the planned world as ldt-train estimates a configured one
-    and a stage over its limit stops every rank before any group forms; the other ranks do
-    not estimate (the same plan everywhere), they take rank 0's verdict."""
+    (in its own process) and a stage over its limit stops every rank before any group forms;
+    the other ranks do not estimate (the same plan everywhere), they take rank 0's verdict."""
     from omegaconf import OmegaConf
 
     from ldt.job.elastic import check_memory
@@ -381,6 +381,9 @@ def test_the_elastic_job_checks_the_planned_worlds_memory(inventory, model):
     other = _World(1)
     assert check_memory(plain, topo, other) == "" and other.settled == [None]
     plain["cluster"]["stages"][0]["memory_gib"] = 0.001  # as if the planner had mispriced it
+    import ldt.memory  # a helper process would be a second start of torch and megatron-core
+
+    monkeypatch.setattr(ldt.memory.local, "run_local_world", lambda *a, **k: 1 / 0)
     with pytest.raises(ElasticError, match=r"rank 0: does not fit: stage 0 \(\w+, ranks 0\) "
                                            r"needs [\d.]+ MiB per rank \(estimate\) but "
                                            r"cluster.stages\[0\].memory_gib=0.001"):

@@ -242,7 +242,8 @@ def test_the_pre_flight_check_refuses_on_the_first_stage_that_does_not_fit(monke
     over = [fits, stage(index=1, name="one", limit=10), stage(index=2, name="two", limit=10)]
     topo = _topo(True, 3)
     for got in ([fits], over):
-        monkeypatch.setattr(ldt.memory, "estimate", lambda c, got=got: got if c is cfg else 0)
+        monkeypatch.setattr(ldt.memory, "estimate",
+                            lambda c, got=got, here=False: got if c is cfg else 0)
         shown, refused = check(cfg, topo)
         assert shown == table(got)
         assert refused == (None if got == [fits] else

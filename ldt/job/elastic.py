@@ -202,10 +202,17 @@ def check_memory(plain: dict, topo, world) -> str:
     one line, exit status 2) before any process group forms. The planner prices memory with
     its analytic model, the estimate with megatron-core's own code; they differ (e.g. by the
     sent tensors ldt's runtime holds until a step ends, docs/memory.md), so the plan is
-    checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates (one
-    helper process per start, not one per rank) and its verdict reaches every rank. Returns
-    the estimate to print under the rank map (rank 0 prints it)."""
-    hosts = _hosts(world.plan, topo, plain["cluster"]["inventory"]) if world.rank == 0 else None
-    text, refused = memory_estimate(plain, topo, hosts) if world.rank == 0 else ("", None)
+    checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates, in
+    its own process (no helper to start: it imports megatron-core for it, which it trains
+    with next), and its verdict reaches every rank. The others import the training stack
+    meanwhile, which they would do after the verdict otherwise: both are on the path from a
+    lost host to the next step. Returns the estimate to print under the rank map (rank 0
+    prints it)."""
+    if world.rank == 0:
+        hosts = _hosts(world.plan, topo, plain["cluster"]["inventory"])
+        text, refused = memory_estimate(plain, topo, hosts, here=True)
+    else:
+        import ldt.training.loop  # noqa: F401  (torch, megatron-core: see above)
+        text, refused = "", None
     world.settle(None if refused is None else f"does not fit: {refused}")
     return text

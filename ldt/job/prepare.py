@@ -240,7 +240,9 @@ def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     world."""
     if rank not in (None, 0) and plain["train"].get("cost_run"):
         return ""
-    text, refused = memory_estimate(plain, topo)
+    # a torchrun rank, which imports megatron-core next anyway, estimates in its own process;
+    # the bare launcher keeps it out of the process that starts the workers
+    text, refused = memory_estimate(plain, topo, here=rank is not None)
     if refused is not None:
         where = f" (rank {rank})" if rank is not None else ""
         say_stop(f"ldt: does not fit{where}: {refused}")
@@ -248,15 +250,18 @@ def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     return text
 
 
-def memory_estimate(plain: dict, topo, hosts=None) -> tuple[str, Optional[str]]:
+def memory_estimate(plain: dict, topo, hosts=None, here: bool = False
+                    ) -> tuple[str, Optional[str]]:
     """``(text, refusal)``: the estimate to print under the rank map ("" when not asked for, or
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
     first stage over its ``memory_gib`` or host without room for its snapshots (``hosts``,
-    :class:`ldt.memory.report.Hosts`: an elastic world's) (None when everything fits)."""
+    :class:`ldt.memory.report.Hosts`: an elastic world's) (None when everything fits).
+    ``here``: estimate in this process (a torchrun rank before its world forms), not in a
+    helper."""
     if not needs_estimate(plain):
         return "", None
     try:
-        text, refused = memory_report.check(plain, topo, hosts)
+        text, refused = memory_report.check(plain, topo, hosts, here)
     except Exception as exc:
         if getattr(exc, "stopped_by", None):  # Ctrl-C / SIGTERM: the user stops the launch
             raise
