@@ -79,7 +79,7 @@ def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(
     """``estimate`` starts one helper process (a world of 1) by the worker's name, without a
     process group (the helper becomes a rank of a fake world itself), hands it the config and
     the attention, and returns that one rank's answer; by default ``auto`` attention and 600
-    s."""
+    s. ``here=True`` starts none: the worker runs in this process."""
     import ldt.memory
     from ldt.launch import local
 
@@ -98,6 +98,12 @@ def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(
          {"timeout_s": 600.0, "init_dist": False}),
         ((1, "ldt.memory.stages:estimate_worker", (cfg, "flash")),
          {"timeout_s": 5.0, "init_dist": False})]
+    here = []  # here=True: this process (a torchrun rank before its world forms), no helper
+    import ldt.memory.stages
+
+    monkeypatch.setattr(ldt.memory.stages, "estimate_here", lambda *a: here.append(a) or "own")
+    assert ldt.memory.estimate(cfg, "flash", here=True) == "own"
+    assert here == [(cfg, "flash")] and len(calls) == 2
 
 
 def test_what_a_process_makes_once_is_in_every_chunks_transient():
