@@ -362,3 +362,33 @@ def test_the_step_loss_and_mtp_losses_are_reduced_in_one_all_reduce(monkeypatch,
     calls.clear()
     assert loop._step_losses(_fake_run(dp=1, num_mtp=num_mtp), losses)[0] == 1.5
     assert calls == []
+
+
+def test_a_step_waits_for_the_snapshots_copy_before_the_optimizer_changes_the_state(monkeypatch):
+    """A snapshot's writer thread copies the state while the next step's forward and backward
+    run; the optimizer step must wait for that copy (``Snapshots.copied``), or the snapshot
+    holds weights half a step on. The resume-exactness tests catch a missing wait only by
+    chance (the copy takes milliseconds, the forward hundreds), so the order is pinned here
+    (seen failing with the wait after the optimizer step, and without it)."""
+    from types import SimpleNamespace as NS
+
+    from ldt.training import loop
+
+    order = []
+    run = _fake_run(dp=1)
+    run.on_loss_stage, run.tokens_per_step = False, 1
+    run.cfg.model.num_moe_experts = None
+    run.cfg.train.eval_every = 0
+    monkeypatch.setattr(loop.moe, "tracks_aux_loss", lambda model: False)
+    opt = NS(zero_grad=lambda: order.append("zero_grad"), loss_scale=lambda: None,
+             step=lambda: order.append("optimizer step") or (1e-3, 1.0, True))
+    stage = NS(opt=opt, ldt_runtime=True, data=None,
+               run_pass=lambda batches, step: order.append("forward-backward") or ([], []),
+               snapshots=NS(copied=lambda: order.append("snapshot copied")))
+    row, _ = loop._step(run, stage, 3)
+    assert order == ["zero_grad", "forward-backward", "snapshot copied", "optimizer step"]
+    assert (row["step"], row["lr"], row["grad_norm"]) == (3, 1e-3, 1.0)
+    order.clear()
+    stage.snapshots = None  # no train.snapshot_dir: nothing to wait for
+    loop._step(run, stage, 4)
+    assert order == ["zero_grad", "forward-backward", "optimizer step"]
