@@ -204,7 +204,8 @@ def check_memory(plain: dict, topo, world) -> str:
     sent tensors ldt's runtime holds until a step ends, docs/memory.md), so the plan is
     checked, not trusted. Every rank has the same plan, so ldt's rank 0 alone estimates, in
     its own process (no helper to start: it imports megatron-core for it, which it trains
-    with next), and its verdict reaches every rank. The others import the training stack
+    with next; it is local rank 0 of its node, so a device the estimate touched would be the
+    one it trains on), and its verdict reaches every rank. The others import the training stack
     meanwhile, which they would do after the verdict otherwise: both are on the path from a
     lost host to the next step. Returns the estimate to print under the rank map (rank 0
     prints it)."""

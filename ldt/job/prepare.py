@@ -240,9 +240,7 @@ def memory_check(plain: dict, topo, rank: Optional[int]) -> Optional[str]:
     world."""
     if rank not in (None, 0) and plain["train"].get("cost_run"):
         return ""
-    # a torchrun rank, which imports megatron-core next anyway, estimates in its own process;
-    # the bare launcher keeps it out of the process that starts the workers
-    text, refused = memory_estimate(plain, topo, here=rank is not None)
+    text, refused = memory_estimate(plain, topo)
     if refused is not None:
         where = f" (rank {rank})" if rank is not None else ""
         say_stop(f"ldt: does not fit{where}: {refused}")
