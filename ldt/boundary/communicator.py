@@ -88,6 +88,7 @@ class VtpCommunicator(P2PCommunicator):
         self.next_rank, self.prev_rank = leaders[self.next_stage], leaders[self.prev_stage]
         self.device = rank_device(topo, state.info.rank)  # this node's accelerator index
         self.observers = list(observers or [])
+        self._descriptions: dict[tuple, str] = {}  # _describe's, made once per boundary
         # applied by each rank that sends a message before it sends, so observers and the
         # peer see what actually crossed; told (skip) of each message of the stage that this
         # rank does not send
@@ -346,7 +347,16 @@ class VtpCommunicator(P2PCommunicator):
     def _describe(self, verb: str, src: int, dst: int, direction: str, peer_rank: int,
                   direct: bool = False) -> str:
         """E.g. "boundary 2->0: rank 0 (stage 0 'edge') receive of an activation from stage 2
-        'cloud1' (rank 3)"; ``src``/``dst``: the stages the message leaves and reaches."""
+        'cloud1' (rank 3)"; ``src``/``dst``: the stages the message leaves and reaches. Every
+        message gets one for its error; made once per boundary (a message's own Python work is
+        its cost at small sizes, bench_p2p)."""
+        key = (verb, src, dst, direction, peer_rank, direct)
+        if key not in self._descriptions:
+            self._descriptions[key] = self._description(*key)
+        return self._descriptions[key]
+
+    def _description(self, verb: str, src: int, dst: int, direction: str, peer_rank: int,
+                     direct: bool) -> str:
         stages = self.state.topology.stages
         key = (src, dst) if direction == FORWARD else (dst, src)
         what = "an activation" if direction == FORWARD else "a gradient"

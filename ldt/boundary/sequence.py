@@ -62,8 +62,8 @@ class SequenceLayout:
 
     def full_shape(self, local_shape) -> tuple[int, ...]:
         """The whole tensor's shape from one rank's slice shape."""
-        shape = tuple(int(d) for d in local_shape)
-        return (shape[0] * self.shards,) + shape[1:]
+        shape = tuple(map(int, local_shape))
+        return shape if self.shards == 1 else (shape[0] * self.shards,) + shape[1:]
 
     def local_shape(self, full_shape) -> tuple[int, ...]:
         """One rank's slice shape from the whole tensor's shape."""
