@@ -8,7 +8,6 @@ No torch here.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -59,7 +58,6 @@ class Carry:
     copies: int = 1
 
 
-@functools.lru_cache(maxsize=4096)  # asked at every message, with a few sizes per run
 def carry(nbytes: int, receivers: int, *, mode: str, same_node: bool,
           fanout_group: bool = True, unit_bytes: int = PIECE_UNIT_BYTES,
           senders: int = 1) -> Carry:
@@ -73,7 +71,6 @@ def carry(nbytes: int, receivers: int, *, mode: str, same_node: bool,
     return Carry(WHOLE if k == 1 else PIECES, k)
 
 
-@functools.lru_cache(maxsize=4096)  # asked at every fan-out message (senders: a tuple)
 def fanout_sources(senders: Sequence[int], receivers: int, whole_on_every_sender: bool
                    ) -> tuple[int, ...]:
     """Per TP rank across (in order), the rank that sends it its fan-out copy. Where every
