@@ -98,7 +98,7 @@ def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(
          {"timeout_s": 600.0, "init_dist": False}),
         ((1, "ldt.memory.stages:estimate_worker", (cfg, "flash")),
          {"timeout_s": 5.0, "init_dist": False})]
-    here = []  # here=True: this process (a torchrun rank before its world forms), no helper
+    here = []  # here=True: this process (the elastic job's rank 0), no helper
     import ldt.memory.stages
 
     monkeypatch.setattr(ldt.memory.stages, "estimate_here", lambda *a: here.append(a) or "own")

@@ -254,8 +254,8 @@ def memory_estimate(plain: dict, topo, hosts=None, here: bool = False
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
     first stage over its ``memory_gib`` or host without room for its snapshots (``hosts``,
     :class:`ldt.memory.report.Hosts`: an elastic world's) (None when everything fits).
-    ``here``: estimate in this process (a torchrun rank before its world forms), not in a
-    helper."""
+    ``here``: estimate in this process (the elastic job's rank 0 before its world forms),
+    not in a helper."""
     if not needs_estimate(plain):
         return "", None
     try:

@@ -145,9 +145,9 @@ def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0,
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
     ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
     (:class:`ldt.memory.fake.BalancedRouting`). ``here``: in this process instead, which
-    must have no process group yet (a torchrun rank before it joins its world: it imports
-    megatron-core next anyway, and a helper would cost a second start of Python, torch and
-    megatron-core, ~3 s of a recovery on this machine)."""
+    must have no process group yet (the elastic job's rank 0 before its world forms: it
+    imports megatron-core next anyway, and a helper would cost a second start of Python, torch
+    and megatron-core, ~3 s of a recovery on this machine)."""
     if here:
         from ldt.memory.stages import estimate_here
         return estimate_here(cfg, attention)
