@@ -7,7 +7,10 @@ Three hosts (network namespaces, ``ldt.testing.hosts``), a torchrun elastic agen
 off (its link down: found only by ``train.comm_timeout_s``), and the run goes on without a
 person on hosts 0 and 1. Measured on this machine's clock, per case:
 
-* failure -> new world: until ldt rank 0 of the re-planned world records it (elastic.jsonl);
+* failure -> new world: until ldt rank 0 of the re-planned world records it (elastic.jsonl),
+  and the phases that record has: that rank's process started (torchrun found the failure,
+  formed its next rendezvous and started the workers), it planned the world (Python, Hydra,
+  torch, the plan), its memory was checked (megatron-core's import and the estimate);
 * failure -> first step: until the new world's first step starts (action_times.csv);
 * failure -> first step done: until its metrics.csv row appears;
 * work lost: the steps done after the checkpoint the new world resumed from (trained again),
@@ -66,7 +69,13 @@ QUOTES = [
     ("docs/elastic.md", "(`make bench`'s latest run, {recorded[date]:.10}, load average "
      "{recorded[load][before][0]:.1f} from other work)"),
     ("docs/elastic.md", "a step {cases[0][step_s]:.2f} s"),
-] + [("docs/elastic.md", _ROW.format(i=i)) for i in range(5)]
+] + [("docs/elastic.md", _ROW.format(i=i)) for i in range(5)] + [
+    ("docs/elastic.md", "| 0 -> {cases[4][to_started_s]:.1f} s |"),
+    ("docs/elastic.md", "| {cases[4][to_started_s]:.1f} -> {cases[4][to_planned_s]:.1f} s |"),
+    ("docs/elastic.md", "| {cases[4][to_planned_s]:.1f} -> {cases[4][to_checked_s]:.1f} s |"),
+    ("docs/elastic.md", "| {cases[4][to_checked_s]:.1f} -> {cases[4][to_first_step_s]:.1f} s |"),
+    ("docs/elastic.md", "| {cases[4][to_first_step_s]:.1f} -> {cases[4][to_first_step_done_s]:.1f}"
+     " s |")]
 
 
 def _case(how: str, save_every: int, port: int) -> dict:
@@ -129,8 +138,12 @@ def _case(how: str, save_every: int, port: int) -> dict:
                           if r.step == resumed + 1 and r.step_start_s is not None)
         rows = run.rows()
     step_s = sorted(float(r["step_time_s"]) for s, r in rows.items() if s > resumed + 1)
+    phases = world["phases"]
     return {"failure": how, "save_every": save_every, "failed_after_step": last_before,
             "resumed_from_step": resumed,
+            "to_started_s": phases["started"] - failed_wall,
+            "to_planned_s": phases["planned"] - failed_wall,
+            "to_checked_s": phases["checked"] - failed_wall,
             "to_new_world_s": world["time"] - failed_wall,
             "to_first_step_s": first_start - failed, "to_first_step_done_s": first_done - failed,
             "lost_steps": last_before - resumed, "lost_s": failed - seen[resumed],
@@ -148,10 +161,12 @@ def main() -> dict:
     print(f"3 hosts (edge, 2 x cloud), cpu_elastic / gpt_tiny, 8 micro-batches, comm_timeout_s "
           f"{COMM_TIMEOUT}; host 2 lost mid-interval after the first checkpoint (save_every "
           f"{SNAPSHOTS}: after step 8, with snapshots)")
-    print(f"{'failure':>8} {'save_every':>10} {'-> world s':>10} {'-> 1st step s':>13} "
+    print(f"{'failure':>8} {'save_every':>10} {'-> started s':>12} {'-> planned s':>12} "
+          f"{'-> checked s':>12} {'-> world s':>10} {'-> 1st step s':>13} "
           f"{'-> done s':>9} {'lost steps':>10} {'lost s':>7} {'step s':>7}")
     for r in rows:
-        print(f"{r['failure']:>8} {r['save_every']:>10} {r['to_new_world_s']:10.1f} "
+        print(f"{r['failure']:>8} {r['save_every']:>10} {r['to_started_s']:12.1f} "
+              f"{r['to_planned_s']:12.1f} {r['to_checked_s']:12.1f} {r['to_new_world_s']:10.1f} "
               f"{r['to_first_step_s']:13.1f} {r['to_first_step_done_s']:9.1f} "
               f"{r['lost_steps']:>10} {r['lost_s']:7.2f} {r['step_s']:7.3f}")
     print(f"  new world: {rows[0]['plan_after']}")

@@ -84,7 +84,7 @@ def test_a_host_cut_off_is_replanned_around_from_the_checkpoint(reference, tmp_p
             # 1. three hosts; cut host 2's link once a step after a checkpoint is done
             wait_until(lambda: run.checkpoints() and run.last_step() > run.checkpoints()[0],
                        240, "the first checkpoint and a step after it", agents, both)
-            cut = time.monotonic()
+            cut, cut_wall = time.monotonic(), time.time()
             net.set_link(2, up=False)
             # 2. hosts 0 and 1 (the cut found by train.comm_timeout_s) to the end
             formed = wait_until(lambda: len(run.worlds()) >= 2, 120,
@@ -105,6 +105,11 @@ def test_a_host_cut_off_is_replanned_around_from_the_checkpoint(reference, tmp_p
           + "; ".join(f"world {i + 1} from {w['resume']}: {w['plan']}"
                       for i, w in enumerate(worlds)))
     assert formed - cut < COMM_TIMEOUT + 90
+    # each world's record says where its start went: ldt rank 0's process started (after the
+    # cut, for the second), planned, had the memory checked, then the groups formed
+    for world, after in zip(worlds, (0.0, cut_wall)):
+        p = world["phases"]
+        assert after < p["started"] < p["planned"] < p["checked"] < world["time"], world
     # a failure loses at most the checkpoint interval (those steps are trained again)
     assert worlds[0]["resume"] is None
     assert 0 <= cut_after - resume_step(worlds[1]) <= SAVE_EVERY, (cut_after, worlds[1])

@@ -79,7 +79,7 @@ def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(
     """``estimate`` starts one helper process (a world of 1) by the worker's name, without a
     process group (the helper becomes a rank of a fake world itself), hands it the config and
     the attention, and returns that one rank's answer; by default ``auto`` attention and 600
-    s. ``here=True`` starts none: the worker runs in this process."""
+    s."""
     import ldt.memory
     from ldt.launch import local
 
@@ -98,12 +98,6 @@ def test_estimate_runs_the_worker_in_one_helper_process_without_a_process_group(
          {"timeout_s": 600.0, "init_dist": False}),
         ((1, "ldt.memory.stages:estimate_worker", (cfg, "flash")),
          {"timeout_s": 5.0, "init_dist": False})]
-    here = []  # here=True: this process (the elastic job's rank 0), no helper
-    import ldt.memory.stages
-
-    monkeypatch.setattr(ldt.memory.stages, "estimate_here", lambda *a: here.append(a) or "own")
-    assert ldt.memory.estimate(cfg, "flash", here=True) == "own"
-    assert here == [(cfg, "flash")] and len(calls) == 2
 
 
 def test_what_a_process_makes_once_is_in_every_chunks_transient():
@@ -248,12 +242,14 @@ def test_the_pre_flight_check_refuses_on_the_first_stage_that_does_not_fit(monke
     over = [fits, stage(index=1, name="one", limit=10), stage(index=2, name="two", limit=10)]
     topo = _topo(True, 3)
     for got in ([fits], over):
-        monkeypatch.setattr(ldt.memory, "estimate",
-                            lambda c, got=got, here=False: got if c is cfg else 0)
+        monkeypatch.setattr(ldt.memory, "estimate", lambda c, got=got: got if c is cfg else 0)
         shown, refused = check(cfg, topo)
         assert shown == table(got)
         assert refused == (None if got == [fits] else
                            refusal(over[1], topo, SimpleNamespace(prefetch=1)))
+        # an estimate made already (the elastic job's rank 0, in its own process): no helper
+        monkeypatch.setattr(ldt.memory, "estimate", lambda c: 1 / 0)
+        assert check(cfg, topo, stages=got) == (shown, refused)
     assert "train.prefetch < 1" in refused  # the run's train config, not a default
 
 

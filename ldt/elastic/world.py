@@ -106,12 +106,15 @@ class ElasticWorld:
             except Exception:  # the store's host is gone: the idle processes go with it
                 pass
 
-    def record(self, env: Mapping[str, str]) -> None:
-        """ldt rank 0 appends this world to ``<run_dir>/elastic.jsonl``."""
+    def record(self, env: Mapping[str, str], phases: dict) -> None:
+        """ldt rank 0 appends this world to ``<run_dir>/elastic.jsonl``: ``time``, when its
+        process groups formed, and ``phases``, when ldt rank 0's process started, planned the
+        world and had its memory checked (wall clock, seconds since the epoch, as ``time``):
+        where a start after a lost host spends its time (bench_elastic)."""
         if self.rank != 0:
             return
-        entry = {"time": time.time(), "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT",
-                                                                   "0")),
+        entry = {"time": time.time(), "phases": dict(phases),
+                 "restart_count": int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
                  "nodes": [vars(n) for n in self.plan.nodes], "world_size": self.plan.world_size,
                  "plan": self.plan.describe(), "cluster": self.plan.cluster,
                  "num_microbatches": self.plan.num_microbatches, "prefetch": self.plan.prefetch,

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Optional
+
+import psutil
 
 from ldt.config import ConfigError, to_model
 from ldt.config.errors import one_line
@@ -44,6 +47,8 @@ def elastic_job(cfg, hydra_cfg, save_hydra_files=None) -> int:
 def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
     env = os.environ
     speak = env.get("LOCAL_RANK", "0") == "0"
+    # where a start's time goes (elastic.jsonl): this process's start, by the kernel's clock
+    phases = {"started": psutil.Process().create_time()}
     try:
         check_run_dir_given(hydra_cfg)
         plain = resolve(cfg, hydra_cfg.runtime.output_dir)
@@ -53,6 +58,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
 
         timeout = max(120.0, 4 * plain["train"]["comm_timeout_s"])  # the nodes' start-up skew
         world = form_world(plain, to_model(plain["model"]), run, env, timeout)
+        phases["planned"] = time.time()
         if world.run["complete"]:
             if speak:
                 print(f"ldt-train: {world.run['complete']}", flush=True)
@@ -65,6 +71,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
             return world.wait_idle()
         checked = _planned(plain, world)
         memory = check_memory(plain, checked.topo, world)
+        phases["checked"] = time.time()
     except ValueError as exc:  # ElasticError, ConfigError, LayoutError
         what = "" if isinstance(exc, ElasticError) else "invalid config: "
         return _stop(f"ldt: {what}{one_line(exc)}", EXIT_CONFIG, hydra_cfg, lock, env)
@@ -75,7 +82,7 @@ def _elastic_job(cfg, hydra_cfg, save_hydra_files, lock) -> int:
         return _stop(line, 1, hydra_cfg, lock, env)
     for warning in checked.warnings:
         print(f"ldt: warning: {warning}", file=sys.stderr)
-    return _train_in(world, checked, memory, env)
+    return _train_in(world, checked, memory, env, phases)
 
 
 def _stop(line: str, code: int, hydra_cfg, lock, env) -> int:
@@ -165,13 +172,14 @@ def _planned(plain: dict, world) -> Checked:
         raise  # (settle raised the first rank's error already)
 
 
-def _train_in(world, checked: Checked, memory: str, env) -> int:
-    """Form the planned world's process group and train in it."""
+def _train_in(world, checked: Checked, memory: str, env, phases: dict) -> int:
+    """Form the planned world's process group and train in it (``phases``: when this process
+    started, planned and had the world's memory checked, recorded with the world)."""
     config, topo = checked.cfg, checked.topo
     if not build_extensions(config):
         return 1
     world.init_process_group(world_backend(config), config.train.comm_timeout_s)
-    world.record(env)
+    world.record(env, phases)
     if world.rank == 0:
         start = config.train.resume or "a fresh start"
         print(f"ldt-train: elastic world from {start}: {world.plan.describe()}", flush=True)

@@ -254,12 +254,19 @@ def memory_estimate(plain: dict, topo, hosts=None, here: bool = False
     when the estimate itself failed: a forecast stops nothing), and the one-line refusal of the
     first stage over its ``memory_gib`` or host without room for its snapshots (``hosts``,
     :class:`ldt.memory.report.Hosts`: an elastic world's) (None when everything fits).
-    ``here``: estimate in this process (the elastic job's rank 0 before its world forms),
-    not in a helper."""
+    ``here``: estimate in this process (the elastic job's rank 0 before its world forms: it
+    has no process group yet and imports megatron-core next anyway; a helper would start
+    Python, torch and megatron-core a second time, ~3 s of a recovery on this machine), not in
+    a helper."""
     if not needs_estimate(plain):
         return "", None
     try:
-        text, refused = memory_report.check(plain, topo, hosts, here)
+        stages = None
+        if here:
+            from ldt.memory.stages import estimate_here  # torch, megatron-core: here, now
+
+            stages = estimate_here(plain)
+        text, refused = memory_report.check(plain, topo, hosts, stages)
     except Exception as exc:
         if getattr(exc, "stopped_by", None):  # Ctrl-C / SIGTERM: the user stops the launch
             raise

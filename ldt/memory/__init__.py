@@ -139,18 +139,12 @@ def recv_bytes(boundary_tensor: int, shards: int) -> int:
     return boundary_tensor + (boundary_tensor // shards if shards > 1 else 0)
 
 
-def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0,
-             here: bool = False) -> list[StageEstimate]:
+def estimate(cfg: dict, attention: str = "auto", timeout_s: float = 600.0
+             ) -> list[StageEstimate]:
     """Per-stage estimates of a validated config (a plain dict with ``cluster``, ``model``,
     ``train``), measured in a helper process. ``attention``: ``auto`` (what each stage runs),
     ``flash`` or ``local`` for every stage. A MoE model's experts are routed evenly
-    (:class:`ldt.memory.fake.BalancedRouting`). ``here``: in this process instead, which
-    must have no process group yet (the elastic job's rank 0 before its world forms: it
-    imports megatron-core next anyway, and a helper would cost a second start of Python, torch
-    and megatron-core, ~3 s of a recovery on this machine)."""
-    if here:
-        from ldt.memory.stages import estimate_here
-        return estimate_here(cfg, attention)
+    (:class:`ldt.memory.fake.BalancedRouting`)."""
     # named: the fake-tensor stack (torch, megatron-core) loads in the helper process only
     return local.run_local_world(1, "ldt.memory.stages:estimate_worker", (cfg, attention),
                                  timeout_s=timeout_s,

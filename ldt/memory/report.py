@@ -187,13 +187,15 @@ def refusal(stage: StageEstimate, topo, train) -> str:
             f"{stage.limit / GIB:g}; the largest part is {what}; levers: " + "; ".join(levers))
 
 
-def check(cfg: dict, topo, hosts: Optional[Hosts] = None, here: bool = False
-          ) -> tuple[str, str | None]:
+def check(cfg: dict, topo, hosts: Optional[Hosts] = None,
+          stages: Optional[list[StageEstimate]] = None) -> tuple[str, str | None]:
     """Estimate a validated config (``ldt-train``'s pre-flight): ``(table, refusal)``, the
     refusal (of the first stage that does not fit, else of the first host without room for
-    its snapshots: ``hosts``, an elastic world's) None when everything fits. ``here``: see
-    :func:`ldt.memory.estimate`."""
-    stages, train = memory.estimate(cfg, here=here), to_train(cfg["train"])
+    its snapshots: ``hosts``, an elastic world's) None when everything fits. ``stages``: the
+    estimate made already (in the caller's process, :func:`ldt.memory.stages.estimate_here`);
+    else it is made in a helper (:func:`ldt.memory.estimate`)."""
+    stages = memory.estimate(cfg) if stages is None else stages
+    train = to_train(cfg["train"])
     over = next((s for s in stages if not s.fits), None)
     lines = [table(stages), snapshot_line(stages, train)]
     refused = None if over is None else refusal(over, topo, train)
