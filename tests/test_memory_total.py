@@ -174,9 +174,9 @@ def test_ldt_train_refuses_a_stage_one_byte_short_before_anything_starts(tmp_pat
 WSTORE_LAYER = (1 + 3 + 1 + 1 + 1 + 1) * T + 2 * S * B * F * FP32
 WSTORE_HEAD = T + S * B * V * FP32
 # a W makes the split layers' weight gradients (QKV h x 3h, projection h x h, fc1 h x f, fc2
-# f x h; the head's V x h on the last stage), all at once, and the matmuls' temporaries, at
-# most copies of its W store entry's tensors: its transient lies between the two sums
-WGRAD_LAYER = FP32 * (H * 3 * H + H * H + H * F + F * H)
+# f x h; the head's V x h on the last stage) one at a time, each taken by DDP's hook before
+# the next: its transient is the largest, and W's graph's two fp32 scalars
+WGRAD_LAYER = FP32 * max(H * 3 * H, H * H, H * F, F * H)
 WGRAD_HEAD = FP32 * V * H
 
 
@@ -217,9 +217,9 @@ def test_a_zero_bubble_run_counts_its_w_store(monkeypatch, recompute):
     measured = _recorded(monkeypatch, stages)
     got = estimate_here(cfg)
     assert (got[1].activations[0] < ACTIVATIONS) == bool(recompute), got[1].activations
-    for s, m, least in zip(got, measured, (WGRAD_LAYER, WGRAD_LAYER, WGRAD_LAYER + WGRAD_HEAD)):
+    for m, largest in zip(measured, (WGRAD_LAYER, WGRAD_LAYER, max(WGRAD_LAYER, WGRAD_HEAD))):
         (chunk,) = m.chunks
-        assert least <= chunk.wgrad_transient <= s.weights + chunk.wstore, (s.index, chunk)
+        assert largest <= chunk.wgrad_transient <= largest + 2 * FP32, (m, chunk)
     assert [s.wstore for s in got] == [[WSTORE_LAYER], [WSTORE_LAYER],
                                        [WSTORE_LAYER + WSTORE_HEAD]]
     assert (WSTORE_LAYER, WSTORE_HEAD) == (8192, 8704)

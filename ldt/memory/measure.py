@@ -64,8 +64,8 @@ class ChunkMemory:
     split linear layers' inputs and output gradients) until its W; 0 otherwise."""
     wgrad_transient: int = 0
     """``train.schedule=zb``: the peak of one W above what was there before it (its entry
-    included there): the chunk's weight gradients, made at once before DDP's hooks take
-    them."""
+    included there): the chunk's largest weight gradient (W makes one at a time; DDP's hook
+    adds each to ``main_grad`` and drops it before the next is made)."""
 
 
 @dataclass
@@ -275,8 +275,8 @@ def _measure_chunk(tracker: LivePeak, batch: _MicroBatch, chunk, run, gloo_copy:
 
     ``split`` (``train.schedule=zb``, the ``wgrad_split`` patch applied): each backward is a
     B with the weight gradients deferred, then its W; what the W frees is the W store's
-    entry of one micro-batch (:attr:`ChunkMemory.wstore`), and W's own peak (every weight
-    gradient of the chunk at once, before DDP's hooks take them) is its own transient,
+    entry of one micro-batch (:attr:`ChunkMemory.wstore`), and W's own peak (the largest
+    weight gradient: W makes them one at a time) is its own transient,
     :attr:`ChunkMemory.wgrad_transient`, not the forward's and B's."""
     base = tracker.reset_peak()
     first = batch.forward(chunk, run)

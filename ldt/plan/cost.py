@@ -328,24 +328,17 @@ class CostModel:
         return self.s * self.b * self.d * per_token
 
     def wgrad_transient(self, tp: int, chunk: ChunkLoad) -> float:
-        """A zero-bubble W's own peak on a rank: the chunk's split linear layers' weight
-        gradients made at once, in the weights' dtype, before DDP's hooks take them, and one
-        more of the largest while autograd hands them over (the estimator on megatron's
-        layers: llama_tiny h 256, TP 1 / 2, fp32 / bf16, the head's chunk too, exactly;
-        llama_7b's edge end chunk 0.87 GiB; ``patches/wgrad_split.run_wgrad``). A MoE
-        layer's linear weights are priced as its parameters less the norms."""
+        """A zero-bubble W's own peak on a rank: the largest of the chunk's split linear
+        layers' weight gradients, in the weights' dtype. W makes one weight's gradient at a
+        time and autograd hands it to DDP's hook, which adds it to ``main_grad`` and drops it,
+        before the next (``patches/wgrad_split.run_wgrad``; the estimator on megatron's
+        layers: llama_tiny h 256, TP 1 / 2, bf16, the head's chunk, exactly)."""
         h, t = self.h, tp
-        weights = (h * self.qkv, self.hd * h, h * self.fc1, self.f * h)
-        per_layer = sum(weights) / t
-        if self.moe is not None:
-            per_layer = mix(per_layer, self.layer_params(t, 1.0) - 2 * self.norm,
-                            self.moe_share(chunk))
-        largest = max(weights) / t if chunk.layers else 0.0
-        out = chunk.layers * per_layer
+        largest = max(h * self.qkv, self.hd * h, h * self.fc1, self.f * h) / t \
+            if chunk.layers else 0.0
         if chunk.head:
-            out += self.V * h / t
             largest = max(largest, self.V * h / t)
-        return self.d * (out + largest)
+        return self.d * largest
 
     def boundary_bytes(self) -> float:
         return self.b * self.s * self.h * self.d
