@@ -28,7 +28,8 @@ bubble any order of its actions could have (``bubble_least``,
 the way back, every stage's own work with its sends, waits and start offset as the replay
 charges them; today's ops with each backward whole, zero-bubble's split): what a schedule is judged against, since no order goes below it. The same runs again
 on even stages (``even_`` keys: TP 1/1/1, 12 layers, layout ``Et|ttttt|ttttt|tL``, 3 ranks),
-whose stages are closer to equal.
+whose stages are closer to equal, and on cpu_demo with wide layers (``wide_`` keys: hidden
+256, FFN 1024), whose weight GEMMs make W about as long as F and B.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ BASE = ["cluster=cpu_demo", f"train.steps={STEPS}", "train.tensorboard=false"]
 # these hosts (its all-reduces cross hosts), so its bubble is mostly that imbalance, which no
 # order removes; with the middle stage at TP 1 the edge's two chunks (the embedding, the head
 # and the loss beside a layer each) compute the longest (1 - mean / max busy ~0.4, 2026-12-05);
-# "even" gives the cloud stages 5 layers each, near the edge's time (~0.2)
+# "even" gives the cloud stages 5 layers each, near the edge's time (~0.2); "wide" is cpu_demo
+# with hidden 256 (FFN 1024): its GEMMs outweigh the per-op overheads, so W takes about as
+# long as F and as B, the zero-bubble paper's regime (at hidden 64, W was 4-34% of a backward)
 CONFIGS = {"": ([], 4),
            "even_": (["cluster.stages.1.tp=1", "model.num_layers=12",
-                      "cluster.layout=Et|ttttt|ttttt|tL"], 3)}
+                      "cluster.layout=Et|ttttt|ttttt|tL"], 3),
+           "wide_": (["model.hidden_size=256", "model.ffn_hidden_size=1024"], 4)}
 # zb_measured: the order generated from the times the config's first auto run measured
 # (train.cost_run), not from the cost model's nominal CPU prices
 PATHS = {"auto": ["train.schedule=auto"], "zb": ["train.schedule=zb"],
@@ -83,6 +87,15 @@ SUMMARY = [
      "order allows), m = 3; m = 6", _bubbles("even_m3") + " ("
      + _bubbles("even_m3", "bubble_least") + "); " + _bubbles("even_m6") + " ("
      + _bubbles("even_m6", "bubble_least") + ")", "zb <= 1/3 of today's"),
+    ("wide layers (cpu_demo TP 1/2/1, hidden 256, FFN 1024: W about as long as F and B): step "
+     "zero-bubble / today's, priced by the cost model / by measured times, m = 3; m = 6",
+     "**{ratio_step[wide_m3]:.3f}** / **{ratio_step_measured[wide_m3]:.3f}**; "
+     "**{ratio_step[wide_m6]:.3f}** / **{ratio_step_measured[wide_m6]:.3f}**",
+     "<= 0.85 at m = P"),
+    ("its bubble fraction, today's / zero-bubble / priced by measured times (the least any "
+     "order allows), m = 3; m = 6", _bubbles("wide_m3") + " ("
+     + _bubbles("wide_m3", "bubble_least") + "); " + _bubbles("wide_m6") + " ("
+     + _bubbles("wide_m6", "bubble_least") + ")", "zb <= 1/3 of today's"),
 ]
 
 
@@ -94,7 +107,8 @@ def _row(label: str, m: int, key: str) -> str:
 # docs/zero_bubble.md's table of the latest run: steps, bubbles and the least bubbles per config
 # and m
 QUOTES = [("docs/zero_bubble.md", _row(label, m, f"{prefix}m{m}"))
-          for label, prefix in (("cpu_demo TP 1/2/1", ""), ("even TP 1/1/1", "even_"))
+          for label, prefix in (("cpu_demo TP 1/2/1", ""), ("even TP 1/1/1", "even_"),
+                                ("wide TP 1/2/1", "wide_"))
           for m in MS]
 
 
