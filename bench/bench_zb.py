@@ -64,6 +64,20 @@ def _bubbles(key: str, what: str = "bubble_fraction") -> str:
     return " / ".join(f"{{runs[{key}][replay][{p}][{what}]:.3f}}" for p in PATHS)
 
 
+def _config_rows(prefix: str, label: str) -> list[tuple[str, str, str]]:
+    """A second config's two summary rows: its steps, its bubbles."""
+    return [
+        (f"{label}: step zero-bubble / today's, priced by the cost model / by measured times, "
+         "m = 3; m = 6",
+         f"**{{ratio_step[{prefix}m3]:.3f}}** / **{{ratio_step_measured[{prefix}m3]:.3f}}**; "
+         f"**{{ratio_step[{prefix}m6]:.3f}}** / **{{ratio_step_measured[{prefix}m6]:.3f}}**",
+         "<= 0.85 at m = P"),
+        ("its bubble fraction, today's / zero-bubble / priced by measured times (the least any "
+         "order allows), m = 3; m = 6", _bubbles(f"{prefix}m3") + " ("
+         + _bubbles(f"{prefix}m3", "bubble_least") + "); " + _bubbles(f"{prefix}m6") + " ("
+         + _bubbles(f"{prefix}m6", "bubble_least") + ")", "zb <= 1/3 of today's")]
+
+
 # bench/RESULTS.md's summary rows (bench.summary): (figure, value, goal), templates over the JSON
 SUMMARY = [
     ("step zero-bubble / today's U-shape (cpu_demo, TP 1/2/1, m = P = 3; m = 2P = 6), one rank "
@@ -78,24 +92,9 @@ SUMMARY = [
      "m = 3; m = 6 (in brackets, the least any order of each run's measured ops allows)",
      _bubbles("m3") + " (" + _bubbles("m3", "bubble_least") + "); " + _bubbles("m6") + " ("
      + _bubbles("m6", "bubble_least") + ")", "zb <= 1/3 of today's"),
-    ("even stages (TP 1/1/1, 12 layers, `Et|ttttt|ttttt|tL`, 3 ranks): step zero-bubble / "
-     "today's, priced by the cost model / by measured times, m = 3; m = 6",
-     "**{ratio_step[even_m3]:.3f}** / **{ratio_step_measured[even_m3]:.3f}**; "
-     "**{ratio_step[even_m6]:.3f}** / **{ratio_step_measured[even_m6]:.3f}**",
-     "<= 0.85 at m = P"),
-    ("its bubble fraction, today's / zero-bubble / priced by measured times (the least any "
-     "order allows), m = 3; m = 6", _bubbles("even_m3") + " ("
-     + _bubbles("even_m3", "bubble_least") + "); " + _bubbles("even_m6") + " ("
-     + _bubbles("even_m6", "bubble_least") + ")", "zb <= 1/3 of today's"),
-    ("wide layers (cpu_demo TP 1/2/1, hidden 256, FFN 1024: W about as long as F and B): step "
-     "zero-bubble / today's, priced by the cost model / by measured times, m = 3; m = 6",
-     "**{ratio_step[wide_m3]:.3f}** / **{ratio_step_measured[wide_m3]:.3f}**; "
-     "**{ratio_step[wide_m6]:.3f}** / **{ratio_step_measured[wide_m6]:.3f}**",
-     "<= 0.85 at m = P"),
-    ("its bubble fraction, today's / zero-bubble / priced by measured times (the least any "
-     "order allows), m = 3; m = 6", _bubbles("wide_m3") + " ("
-     + _bubbles("wide_m3", "bubble_least") + "); " + _bubbles("wide_m6") + " ("
-     + _bubbles("wide_m6", "bubble_least") + ")", "zb <= 1/3 of today's"),
+    *_config_rows("even_", "even stages (TP 1/1/1, 12 layers, `Et|ttttt|ttttt|tL`, 3 ranks)"),
+    *_config_rows("wide_", "wide layers (cpu_demo TP 1/2/1, hidden 256, FFN 1024: W about as "
+                           "long as F and B)"),
 ]
 
 
