@@ -122,7 +122,7 @@ class _Delivery(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, works, after, weight):
-        ctx.works, ctx.chained = works, after is not None
+        ctx.works = works
         return weight.new_zeros(())
 
     @staticmethod
@@ -132,7 +132,7 @@ class _Delivery(torch.autograd.Function):
             _compute(work, grads)
         ctx.works = None  # the stored inputs and output gradients go with this W
         (weight_grad,) = grads.values() or (None,)
-        return None, grad if ctx.chained else None, weight_grad
+        return None, grad if ctx.needs_input_grad[1] else None, weight_grad
 
 
 def _compute(work: WgradWork, grads: dict) -> None:

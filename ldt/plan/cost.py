@@ -332,7 +332,9 @@ class CostModel:
         layers' weight gradients, in the weights' dtype. W makes one weight's gradient at a
         time and autograd hands it to DDP's hook, which adds it to ``main_grad`` and drops it,
         before the next (``patches/wgrad_split.run_wgrad``; the estimator on megatron's
-        layers: llama_tiny h 256, TP 1 / 2, bf16, the head's chunk, exactly)."""
+        layers: llama_tiny h 256, TP 1 / 2, bf16, the head's chunk, to W's graph's two
+        scalars). A MoE chunk's largest is taken from the dense layer's shapes: an
+        overestimate where its experts' weights are smaller, not checked on a MoE model."""
         h, t = self.h, tp
         largest = max(h * self.qkv, self.hd * h, h * self.fc1, self.f * h) / t \
             if chunk.layers else 0.0
